@@ -1,0 +1,182 @@
+#![allow(non_local_definitions)] // abi_stable 0.11's #[sabi_trait] expands impls inside a const.
+
+//! The types that cross the plugin boundary.
+//!
+//! Everything here is `#[repr(C)]` and derives `StableAbi`, so `abi_stable` can
+//! check at load time that host and plugin agree on every layout. The hint
+//! context is a borrowed view (`RStr`, `RSlice`): the host builds it once per
+//! booking from data it already holds and every policy reads the same one, so a
+//! call across the boundary allocates nothing on the host side.
+//!
+//! Authors never touch these types; the adapters in [`crate::export`] translate.
+
+use abi_stable::{
+    library::RootModule,
+    package_version_strings, sabi_trait,
+    sabi_types::VersionStrings,
+    std_types::{RBox, ROption, RResult, RSlice, RStr, RString, RVec},
+    StableAbi,
+};
+
+/// The plugin's root module: one per `.so`, built by [`crate::export_plugin!`].
+///
+/// A prefix type: later versions may append fields after `register` without
+/// breaking plugins built against this one.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = PluginModRef)))]
+#[sabi(missing_field(panic))]
+pub struct PluginMod {
+    /// [`crate::ABI_VERSION`] as the plugin saw it.
+    pub abi_version: u32,
+    /// `cfg!(panic = "unwind")` in the plugin. A `panic = "abort"` plugin would take
+    /// the router down on its first panic, so the host refuses it.
+    pub panic_unwind: bool,
+    /// [`crate::API_VERSION`] as the plugin saw it.
+    pub api_version: RStr<'static>,
+    /// The plugin crate's name and version (`CARGO_PKG_NAME`, `CARGO_PKG_VERSION`).
+    pub name: RStr<'static>,
+    pub version: RStr<'static>,
+    /// Runs the author's registration function and returns what it registered.
+    #[sabi(last_prefix_field)]
+    pub register: extern "C" fn() -> RResult<RVec<FfiRegistration>, FfiError>,
+}
+
+impl RootModule for PluginModRef {
+    abi_stable::declare_root_module_statics! {PluginModRef}
+    const BASE_NAME: &'static str = "kvhint_plugin";
+    const NAME: &'static str = "kvhint_plugin";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+/// One `register_hint_policy` call, as it crosses the boundary.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct FfiRegistration {
+    pub name: RString,
+    pub default_hosts: RVec<FfiHintHost>,
+    pub provider: FfiHintProviderBox,
+}
+
+/// Where a hint policy runs by default (see `HintHost` in the prelude).
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub enum FfiHintHost {
+    AnyWorkerSelection,
+    WorkerSelection(RString),
+}
+
+/// Why a call into a plugin failed.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfiErrorKind {
+    /// The policy or provider returned an error.
+    Failed,
+    /// The parameters did not deserialize.
+    BadParameters,
+    /// The code panicked; the panic was caught on the plugin side.
+    Panicked,
+}
+
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone)]
+pub struct FfiError {
+    pub kind: FfiErrorKind,
+    pub message: RString,
+}
+
+/// A constructed policy with the commitments it declared.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct FfiConstructed {
+    pub policy: FfiHintPolicyBox,
+    pub commitments: u32,
+}
+
+/// Builds a policy from its parameters (a JSON object, as text).
+#[sabi_trait]
+pub trait FfiHintProvider: Send + Sync {
+    #[sabi(last_prefix_field)]
+    fn construct(&self, parameters_json: RStr<'_>) -> RResult<FfiConstructed, FfiError>;
+}
+
+pub type FfiHintProviderBox = FfiHintProvider_TO<'static, RBox<()>>;
+
+/// A constructed policy; called once per booking.
+#[sabi_trait]
+pub trait FfiHintPolicy: Send + Sync {
+    #[sabi(last_prefix_field)]
+    fn build_hints(&self, context: &FfiHintContext<'_>) -> RResult<RVec<FfiAction>, FfiError>;
+}
+
+pub type FfiHintPolicyBox = FfiHintPolicy_TO<'static, RBox<()>>;
+
+/// One KV action. `payload_json` is the payload as JSON text; the host checks
+/// that it is an object and embeds it in the envelope without re-encoding.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub struct FfiAction {
+    pub action_type: RString,
+    pub action_version: RString,
+    pub payload_json: RString,
+}
+
+/// A worker as a policy sees it.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiWorker<'a> {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    /// `router_hint` in the worker's runtime data.
+    pub router_hint: bool,
+    /// `router_hint_worker_type` in the worker's runtime data ("" if absent).
+    pub worker_type: RStr<'a>,
+    /// The worker's KV source endpoint for this dp rank, from
+    /// `router_hint_source_control_endpoints` ("" if it has none).
+    pub source_control_endpoint: RStr<'a>,
+}
+
+/// Another worker that holds part of the request's prefix.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiPeer<'a> {
+    pub worker: FfiWorker<'a>,
+    /// How many of the request's leading blocks this peer holds.
+    pub cached_blocks: u64,
+    /// The peer engine's own hashes for those blocks (`cached_blocks` of them).
+    pub block_hashes: RSlice<'a, u64>,
+}
+
+/// A KV copy the selection policy committed the booked worker to.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiKvCopy<'a> {
+    pub source: FfiWorker<'a>,
+    /// Index of the first block to copy within the request's blocks.
+    pub first_block: u64,
+    /// The source engine's hashes of the blocks to copy.
+    pub block_hashes: RSlice<'a, u64>,
+}
+
+/// What a policy sees of one booking. Borrowed from the host for one call.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiHintContext<'a> {
+    pub request_id: RStr<'a>,
+    /// The booked worker.
+    pub worker: FfiWorker<'a>,
+    /// How many of the request's leading blocks the booked worker already holds.
+    pub cached_blocks: u64,
+    pub prompt_tokens: u64,
+    pub block_size: u32,
+    /// The request's session context as a JSON object in text ("" if none).
+    pub session_context: RStr<'a>,
+    /// The role's selection-policy type, e.g. `kvcr`.
+    pub selection_policy: RStr<'a>,
+    /// The request's block hashes as the router computes them (chained, one per
+    /// full block of the prompt).
+    pub block_hashes: RSlice<'a, u64>,
+    /// Other workers holding a prefix of the request, longest first.
+    pub peers: RSlice<'a, FfiPeer<'a>>,
+    pub committed_kv_copy: ROption<FfiKvCopy<'a>>,
+}

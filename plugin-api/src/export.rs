@@ -1,0 +1,238 @@
+//! The plugin side of the boundary: adapters from the author's types to the
+//! stable-ABI trait objects, and [`export_plugin!`](crate::export_plugin).
+//!
+//! Every entry point the host can call — registration, construction, and
+//! `build_hints` — runs inside `catch_unwind` here, in the plugin. A panic that
+//! reached the boundary would make `abi_stable` abort the whole router; caught
+//! here it becomes an [`FfiError`] of kind `Panicked` that the host counts and
+//! contains.
+
+use crate::abi::{
+    FfiAction, FfiConstructed, FfiError, FfiErrorKind, FfiHintContext, FfiHintHost, FfiHintPolicy,
+    FfiHintPolicyBox, FfiHintPolicy_TO, FfiHintProvider, FfiHintProvider_TO, FfiRegistration,
+    PluginMod, PluginModRef,
+};
+use crate::context::HintContext;
+use crate::policy::{Action, HintError, HintErrorKind, HintPolicy};
+use crate::registry::{HintHost, HintPolicyProvider, HintRegistry, Parameters};
+use abi_stable::{
+    prefix_type::PrefixTypeTrait,
+    sabi_trait::TD_Opaque,
+    std_types::{RResult, RStr, RString, RVec},
+};
+use std::any::Any;
+use std::fmt::Display;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+/// Runs `f`, turning a panic into an `FfiError` of kind `Panicked`.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, FfiError>) -> RResult<T, FfiError> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result.into(),
+        Err(panic) => RResult::RErr(FfiError {
+            kind: FfiErrorKind::Panicked,
+            message: RString::from(format!("{what} panicked: {}", panic_message(&*panic))),
+        }),
+    }
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    if let Some(text) = panic.downcast_ref::<&str>() {
+        (*text).to_string()
+    } else if let Some(text) = panic.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "(a panic payload that is not a string)".to_string()
+    }
+}
+
+impl From<HintError> for FfiError {
+    fn from(error: HintError) -> Self {
+        let kind = match error.kind() {
+            HintErrorKind::BadParameters => FfiErrorKind::BadParameters,
+            HintErrorKind::Failed => FfiErrorKind::Failed,
+        };
+        FfiError {
+            kind,
+            message: RString::from(error.message()),
+        }
+    }
+}
+
+impl From<Action> for FfiAction {
+    fn from(action: Action) -> Self {
+        FfiAction {
+            action_type: action.action_type.into(),
+            action_version: action.action_version.into(),
+            // Serializing a `Value` cannot fail; whether it is an object is the
+            // host's check, so a bad payload is reported, not hidden.
+            payload_json: action.payload.to_string().into(),
+        }
+    }
+}
+
+struct PolicyAdapter {
+    policy: Arc<dyn HintPolicy>,
+}
+
+impl FfiHintPolicy for PolicyAdapter {
+    fn build_hints(&self, context: &FfiHintContext<'_>) -> RResult<RVec<FfiAction>, FfiError> {
+        guarded("build_hints", || {
+            let actions = self.policy.build_hints(&HintContext::new(context))?;
+            Ok(actions.into_iter().map(FfiAction::from).collect())
+        })
+    }
+}
+
+struct ProviderAdapter {
+    provider: Arc<HintPolicyProvider>,
+}
+
+impl FfiHintProvider for ProviderAdapter {
+    fn construct(&self, parameters_json: RStr<'_>) -> RResult<FfiConstructed, FfiError> {
+        guarded("the provider", || {
+            let parameters = Parameters::from_json(parameters_json.as_str())?;
+            let constructor = (self.provider)(&parameters)?;
+            let commitments = constructor.policy.commitments().bits();
+            let policy: FfiHintPolicyBox = FfiHintPolicy_TO::from_value(
+                PolicyAdapter {
+                    policy: constructor.policy,
+                },
+                TD_Opaque,
+            );
+            Ok(FfiConstructed {
+                policy,
+                commitments,
+            })
+        })
+    }
+}
+
+/// Runs a plugin's registration function and converts what it registered.
+/// Called by the code [`export_plugin!`](crate::export_plugin) generates.
+pub fn run_registration<E: Display>(
+    register: impl FnOnce(&mut HintRegistry) -> Result<(), E>,
+) -> RResult<RVec<FfiRegistration>, FfiError> {
+    guarded("the registration function", || {
+        let mut registry = HintRegistry::new();
+        register(&mut registry).map_err(|e| FfiError {
+            kind: FfiErrorKind::Failed,
+            message: RString::from(e.to_string()),
+        })?;
+        Ok(registry
+            .entries
+            .into_iter()
+            .map(|entry| FfiRegistration {
+                name: entry.name.into(),
+                default_hosts: entry
+                    .default_hosts
+                    .into_iter()
+                    .map(|host| match host {
+                        HintHost::AnyWorkerSelection => FfiHintHost::AnyWorkerSelection,
+                        HintHost::WorkerSelection(name) => {
+                            FfiHintHost::WorkerSelection(name.into())
+                        }
+                    })
+                    .collect(),
+                provider: FfiHintProvider_TO::from_value(
+                    ProviderAdapter {
+                        provider: entry.provider,
+                    },
+                    TD_Opaque,
+                ),
+            })
+            .collect())
+    })
+}
+
+/// Builds a plugin's root module. Called by the code
+/// [`export_plugin!`](crate::export_plugin) generates.
+pub fn root_module(
+    name: &'static str,
+    version: &'static str,
+    panic_unwind: bool,
+    register: extern "C" fn() -> RResult<RVec<FfiRegistration>, FfiError>,
+) -> PluginModRef {
+    PluginMod {
+        abi_version: crate::ABI_VERSION,
+        panic_unwind,
+        api_version: RStr::from_str(crate::API_VERSION),
+        name: RStr::from_str(name),
+        version: RStr::from_str(version),
+        register,
+    }
+    .leak_into_prefix()
+}
+
+/// Exports a plugin. Call it once at the crate root with the plugin's
+/// registration function, `fn(&mut HintRegistry) -> Result<(), E>` for any
+/// displayable `E`:
+///
+/// ```ignore
+/// kvhint_plugin_api::export_plugin!(register);
+/// ```
+///
+/// It generates the `abi_stable` root module the router loads from the `.so`,
+/// and a `pub fn kvhint_plugin_module()` that returns the same module, so a
+/// crate built as both `rlib` and `cdylib` can also be linked into a host.
+#[macro_export]
+macro_rules! export_plugin {
+    ($register:path) => {
+        #[doc(hidden)]
+        extern "C" fn __kvhint_register() -> $crate::__private::abi_stable::std_types::RResult<
+            $crate::__private::abi_stable::std_types::RVec<$crate::abi::FfiRegistration>,
+            $crate::abi::FfiError,
+        > {
+            $crate::export::run_registration($register)
+        }
+
+        /// This plugin's root module, for a host that links the crate in.
+        pub fn kvhint_plugin_module() -> $crate::abi::PluginModRef {
+            static MODULE: ::std::sync::OnceLock<$crate::abi::PluginModRef> =
+                ::std::sync::OnceLock::new();
+            *MODULE.get_or_init(|| {
+                $crate::export::root_module(
+                    env!("CARGO_PKG_NAME"),
+                    env!("CARGO_PKG_VERSION"),
+                    cfg!(panic = "unwind"),
+                    __kvhint_register,
+                )
+            })
+        }
+
+        // What `#[abi_stable::export_root_module]` generates, spelled with
+        // `$crate` paths so plugins need not depend on `abi_stable` themselves.
+        // The symbol name is abi_stable 0.11's; a unit test pins it.
+        #[doc(hidden)]
+        #[export_name = "_1as_0lib_1header_0root_bmodule_bloader"]
+        pub static __KVHINT_LIB_HEADER: $crate::__private::abi_stable::library::LibHeader = {
+            extern "C" fn __kvhint_erased_module(
+            ) -> $crate::__private::abi_stable::library::RootModuleResult {
+                $crate::__private::abi_stable::library::__call_root_module_loader(
+                    kvhint_plugin_module,
+                )
+            }
+            unsafe {
+                $crate::__private::abi_stable::library::LibHeader::from_constructor::<
+                    $crate::abi::PluginModRef,
+                >(
+                    __kvhint_erased_module,
+                    $crate::__private::abi_stable::library::CheckTypeLayout::Yes,
+                )
+            }
+        };
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn export_symbol_is_abi_stables_root_module_loader_name() {
+        // `export_plugin!` hard-codes this name; if abi_stable ever changes it,
+        // this test says so before a host fails to find any plugin.
+        assert_eq!(
+            abi_stable::library::ROOT_MODULE_LOADER_NAME,
+            "_1as_0lib_1header_0root_bmodule_bloader"
+        );
+    }
+}

@@ -1,0 +1,72 @@
+//! `harness_prefetch`: the spec's example hint policy, shipped as a `.so` only.
+//!
+//! It asks the booked worker to prefetch, from its own slower cache tier, up to
+//! `max_blocks` of the request's blocks beyond the prefix it already holds, so
+//! they are warm by the time prefill reaches them. The action is `kv.prefetch`
+//! version `1.0`; the payload is documented in this crate's README.
+
+use kvhint_plugin_api::prelude::*;
+use serde::Deserialize;
+use serde_json::json;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchConfig {
+    #[serde(default = "default_max_blocks")]
+    pub max_blocks: usize,
+}
+
+fn default_max_blocks() -> usize {
+    64
+}
+
+pub struct HarnessPrefetch {
+    max_blocks: usize,
+}
+
+impl HarnessPrefetch {
+    pub fn new(config: PrefetchConfig) -> Self {
+        Self {
+            max_blocks: config.max_blocks,
+        }
+    }
+}
+
+impl HintPolicy for HarnessPrefetch {
+    fn build_hints(&self, context: &HintContext<'_>) -> Result<Vec<Action>, HintError> {
+        let hashes = context.block_hashes();
+        let first = context.cached_blocks().min(hashes.len());
+        let last = first.saturating_add(self.max_blocks).min(hashes.len());
+        if first == last {
+            return Ok(Vec::new());
+        }
+        Ok(vec![Action::new(
+            "kv.prefetch",
+            "1.0",
+            json!({
+                "first_block": first,
+                "block_size": context.block_size(),
+                "block_hashes": &hashes[first..last],
+            }),
+        )])
+    }
+}
+
+fn register(registry: &mut HintRegistry) -> Result<(), RegistryError> {
+    registry.register_hint_policy(
+        "harness_prefetch",
+        Arc::new(|parameters| {
+            let config: PrefetchConfig = parameters.deserialize()?;
+            if config.max_blocks == 0 {
+                return Err(HintError::bad_parameters(
+                    "max_blocks must be at least 1 (to send no prefetch, leave the policy out of `hints`)",
+                ));
+            }
+            Ok(HintPolicyConstructor::shared(HarnessPrefetch::new(config)))
+        }),
+        [],
+    )?;
+    Ok(())
+}
+
+export_plugin!(register);
