@@ -1,0 +1,13 @@
+//! kvhint: a KV-cache-aware request router whose KV hint policies are plugins.
+//!
+//! The modules follow a booking's data path and the plugin life cycle:
+//! - [`loader`]: plugin files → checked, privately copied, dlopened root modules.
+//! - [`registry`]: root modules (built-in or loaded) → named hint types →
+//!   constructed policies.
+//! - [`hints`]: a booking's context → the role's policies → [`envelope`], the one
+//!   engine-format message for the booked worker.
+
+pub mod envelope;
+pub mod hints;
+pub mod loader;
+pub mod registry;
