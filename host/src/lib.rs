@@ -7,6 +7,7 @@
 //! - [`hints`]: a booking's context → the role's policies → [`envelope`], the one
 //!   engine-format message for the booked worker.
 
+pub mod catalog;
 pub mod envelope;
 pub mod hints;
 pub mod loader;

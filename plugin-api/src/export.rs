@@ -21,18 +21,61 @@ use abi_stable::{
     std_types::{RResult, RStr, RString, RVec},
 };
 use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, Once};
+
+thread_local! {
+    /// Set while plugin code runs under [`guarded`]; the panic hook then records
+    /// where the panic happened instead of printing it.
+    static GUARDED: Cell<bool> = const { Cell::new(false) };
+    static PANIC_LOCATION: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// A panic inside a policy is an error the host reports and counts; printing a
+/// backtrace for it on every booking would flood the log. So while plugin code
+/// runs guarded, the hook only records the location. Outside, it defers to the
+/// previous hook: when a plugin crate is linked into the host, this is the
+/// host's own std, whose panics must still print.
+fn install_panic_hook() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if GUARDED.with(Cell::get) {
+                let location = info
+                    .location()
+                    .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()));
+                PANIC_LOCATION.with(|slot| *slot.borrow_mut() = location);
+            } else {
+                previous(info);
+            }
+        }));
+    });
+}
 
 /// Runs `f`, turning a panic into an `FfiError` of kind `Panicked`.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, FfiError>) -> RResult<T, FfiError> {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    install_panic_hook();
+    let was_guarded = GUARDED.with(|g| g.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(was_guarded));
+    match result {
         Ok(result) => result.into(),
-        Err(panic) => RResult::RErr(FfiError {
-            kind: FfiErrorKind::Panicked,
-            message: RString::from(format!("{what} panicked: {}", panic_message(&*panic))),
-        }),
+        Err(panic) => {
+            let location = PANIC_LOCATION
+                .with(|slot| slot.borrow_mut().take())
+                .map(|l| format!(" at {l}"))
+                .unwrap_or_default();
+            RResult::RErr(FfiError {
+                kind: FfiErrorKind::Panicked,
+                message: RString::from(format!(
+                    "{what} panicked{location}: {}",
+                    panic_message(&*panic)
+                )),
+            })
+        }
     }
 }
 

@@ -69,6 +69,11 @@ pub struct TestBooking {
 impl TestBooking {
     /// Calls `f` with the context a router would pass for this booking.
     pub fn with_context<R>(&self, f: impl FnOnce(&HintContext<'_>) -> R) -> R {
+        self.with_raw_context(|raw| f(&HintContext::new(raw)))
+    }
+
+    /// Calls `f` with the raw, ABI-level context (for host-side tests).
+    pub fn with_raw_context<R>(&self, f: impl FnOnce(&FfiHintContext<'_>) -> R) -> R {
         let peers: Vec<FfiPeer<'_>> = self
             .peers
             .iter()
@@ -97,7 +102,7 @@ impl TestBooking {
                 None => ROption::RNone,
             },
         };
-        f(&HintContext::new(&raw))
+        f(&raw)
     }
 
     /// Runs `policy` on this booking.

@@ -51,7 +51,7 @@ pub enum LoadErrorKind {
     Cache(String),
     #[error("the dynamic linker refused it: {0}; check that the libraries it links against are installed (`ldd` on the file) and that it was built for this system")]
     Dlopen(String),
-    #[error("it has no kvhint root module ({0}); a plugin crate calls `kvhint_plugin_api::export_plugin!(register)` once in its lib.rs and is built with crate-type \"cdylib\"")]
+    #[error("it is not a kvhint plugin: {0}; a plugin crate calls `kvhint_plugin_api::export_plugin!(register)` once in its lib.rs and is built with crate-type \"cdylib\"")]
     NoRootModule(String),
     #[error("it was built against kvhint-plugin-api {plugin}, but this router (kvhint-plugin-api {host}) loads only plugins built against {host} or a newer {series}.x; rebuild it against kvhint-plugin-api {host} (`cargo update -p kvhint-plugin-api`, then `cargo build --release`)")]
     IncompatibleApi {
@@ -310,7 +310,10 @@ fn open_module(cached: &Path) -> Result<(PluginModRef, PluginInfo), LoadErrorKin
     std::mem::forget(library);
 
     let header = lib_header_from_path(cached).map_err(|e| match e {
-        LibraryError::GetSymbolError { .. } => LoadErrorKind::NoRootModule(chain(&e)),
+        LibraryError::GetSymbolError { .. } => LoadErrorKind::NoRootModule(format!(
+            "it does not export `{}`",
+            abi_stable::library::ROOT_MODULE_LOADER_NAME
+        )),
         LibraryError::OpenError { .. } => LoadErrorKind::Dlopen(chain(&e)),
         other => LoadErrorKind::AbiMismatch(chain(&other)),
     })?;

@@ -1,0 +1,100 @@
+//! Plugin files → a registry, with one report per file.
+//!
+//! This is the one place that turns the configured plugin sources (a directory
+//! and explicitly listed files) into registered hint types. `kvhint plugins`,
+//! `kvhint check` and every snapshot build use it, so what the listing says is
+//! what the router does.
+
+use crate::loader::{self, LoadError, LoadedPlugin, Loader};
+use crate::registry::{Origin, Registry};
+use std::path::{Path, PathBuf};
+
+/// A plugin file to load, with an optional sha256 pin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginFile {
+    pub path: PathBuf,
+    pub sha256: Option<String>,
+}
+
+/// What happened to one file.
+#[derive(Debug)]
+pub struct FileReport {
+    pub path: PathBuf,
+    pub result: Result<LoadedFile, Vec<String>>,
+}
+
+#[derive(Debug)]
+pub struct LoadedFile {
+    pub plugin: LoadedPlugin,
+    /// The hint types it registered, in its order.
+    pub hint_types: Vec<String>,
+}
+
+/// The files to load: the directory's `lib*.so` sorted by name, then the
+/// explicit files in the order given (a file named both ways is loaded once).
+pub fn plugin_files(
+    directory: Option<&Path>,
+    explicit: &[PluginFile],
+    pins: &dyn Fn(&Path) -> Option<String>,
+) -> Result<Vec<PluginFile>, LoadError> {
+    let mut files: Vec<PluginFile> = match directory {
+        Some(dir) => loader::discover(dir)?
+            .into_iter()
+            .map(|path| PluginFile {
+                sha256: pins(&path),
+                path,
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    for file in explicit {
+        let same = |a: &Path, b: &Path| {
+            a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+        };
+        if !files.iter().any(|f| same(&f.path, &file.path)) {
+            files.push(file.clone());
+        }
+    }
+    Ok(files)
+}
+
+/// Loads each file and registers its hint types. A file that fails to load or
+/// register changes nothing in `registry`; its report says why.
+pub fn load_into(
+    loader: &Loader,
+    registry: &mut Registry,
+    files: &[PluginFile],
+) -> Vec<FileReport> {
+    files
+        .iter()
+        .map(|file| FileReport {
+            path: file.path.clone(),
+            result: load_one(loader, registry, file),
+        })
+        .collect()
+}
+
+fn load_one(
+    loader: &Loader,
+    registry: &mut Registry,
+    file: &PluginFile,
+) -> Result<LoadedFile, Vec<String>> {
+    let plugin = loader
+        .load(&file.path, file.sha256.as_deref())
+        .map_err(|e| vec![e.to_string()])?;
+    let origin = Origin::Plugin {
+        path: file.path.clone(),
+        name: plugin.info.name.clone(),
+        version: plugin.info.version.clone(),
+    };
+    let before: Vec<String> = registry.types().map(|t| t.name.clone()).collect();
+    registry
+        .add_module(origin, plugin.module)
+        .map_err(|errors| errors.iter().map(|e| e.to_string()).collect::<Vec<_>>())?;
+    let hint_types = registry
+        .types()
+        .map(|t| t.name.clone())
+        .filter(|name| !before.contains(name))
+        .collect();
+    Ok(LoadedFile { plugin, hint_types })
+}

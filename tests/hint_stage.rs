@@ -1,0 +1,316 @@
+//! The hint stage across the ABI with real plugins: rules R7 (numbering and the
+//! cap), R8 (a failing policy loses only its own actions) and R10 (the engine
+//! envelope).
+
+use kvhint::catalog;
+use kvhint::hints::{FailureKind, HintLimits, HintPolicyInstance, HintStage};
+use kvhint::registry::Registry;
+use kvhint_e2e::{loader, plugin_so, plugins_dir_with, TempDir};
+use kvhint_plugin_api::testing::{TestBooking, TestKvCopy, TestPeer, TestWorker};
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+
+/// A registry with kv_fetch, harness_prefetch and the misbehaving fixture, all
+/// loaded from their `.so` files.
+fn registry() -> (Registry, kvhint::loader::Loader, TempDir, TempDir) {
+    let dir = plugins_dir_with(&[
+        plugin_so("kv_fetch"),
+        plugin_so("harness_prefetch"),
+        plugin_so("fixture_misbehaving"),
+    ]);
+    let (loader, cache) = loader();
+    let mut registry = Registry::new();
+    let files = catalog::plugin_files(Some(dir.path()), &[], &|_| None).unwrap();
+    for report in catalog::load_into(&loader, &mut registry, &files) {
+        report.result.unwrap_or_else(|e| panic!("{e:?}"));
+    }
+    (registry, loader, dir, cache)
+}
+
+fn stage(registry: &Registry, items: &[(&str, &str, Value)]) -> HintStage {
+    let policies = items
+        .iter()
+        .map(|(name, type_name, parameters)| {
+            HintPolicyInstance::new(*name, registry.construct(type_name, parameters).unwrap())
+        })
+        .collect();
+    HintStage::new(policies, HintLimits::default())
+}
+
+fn booking() -> TestBooking {
+    TestBooking {
+        request_id: "req-1".into(),
+        worker: TestWorker::capable(1),
+        cached_blocks: 1,
+        prompt_tokens: 64,
+        block_size: 16,
+        selection_policy: "dynamo-default-cost-fn".into(),
+        block_hashes: vec![101, 102, 103, 104],
+        peers: vec![TestPeer {
+            worker: TestWorker::capable(7),
+            block_hashes: vec![11, 22, 33],
+        }],
+        ..Default::default()
+    }
+}
+
+fn message(outcome: &kvhint::hints::HintOutcome) -> Value {
+    serde_json::from_str(outcome.message.as_deref().expect("a hint message")).unwrap()
+}
+
+fn action_types(message: &Value) -> Vec<String> {
+    message["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["action_type"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn both_plugins_answer_in_one_engine_envelope() {
+    let (registry, ..) = registry();
+    let stage = stage(
+        &registry,
+        &[
+            ("kv_fetch", "kv_fetch", json!({})),
+            (
+                "harness_prefetch",
+                "harness_prefetch",
+                json!({"max_blocks": 2}),
+            ),
+        ],
+    );
+    let outcome = booking().with_raw_context(|context| stage.run(context));
+    assert_eq!(
+        message(&outcome),
+        json!({
+            "protocol_version": "0.1",
+            "message_id": "req-1",
+            "actions": [
+                {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+                 "payload": {"source_control_endpoint": "tcp://10.0.0.7:23280", "block_hashes": [22, 33]}},
+                {"action_id": "a2", "action_type": "kv.prefetch", "action_version": "1.0",
+                 "payload": {"first_block": 1, "block_size": 16, "block_hashes": [102, 103]}},
+            ]
+        })
+    );
+    assert!(outcome.failures.is_empty());
+}
+
+#[test]
+fn committed_copy_crosses_the_abi_into_kv_fetch() {
+    let (registry, ..) = registry();
+    let stage = stage(&registry, &[("kv_fetch", "kv_fetch", json!({}))]);
+    let mut booking = booking();
+    booking.committed_kv_copy = Some(TestKvCopy {
+        source: TestWorker::capable(9),
+        first_block: 1,
+        block_hashes: vec![902, 903],
+    });
+    let outcome = booking.with_raw_context(|context| stage.run(context));
+    assert_eq!(
+        message(&outcome)["actions"][0]["payload"],
+        json!({"source_control_endpoint": "tcp://10.0.0.9:23280", "block_hashes": [902, 903]})
+    );
+}
+
+#[test]
+fn the_whole_context_reaches_the_plugin_intact() {
+    let (registry, ..) = registry();
+    let stage = stage(&registry, &[("echo", "echo", json!({}))]);
+    let mut booking = booking();
+    booking.session_context = r#"{"session_id":"s-9"}"#.into();
+    booking.worker.dp_rank = 3;
+    let outcome = booking.with_raw_context(|context| stage.run(context));
+    let seen = &message(&outcome)["actions"][0]["payload"];
+    assert_eq!(
+        *seen,
+        json!({
+            "request_id": "req-1", "worker_id": 1, "dp_rank": 3, "worker_type": "decode",
+            "router_hint": true, "cached_blocks": 1, "prompt_len": 64, "block_size": 16,
+            "session_context": "{\"session_id\":\"s-9\"}",
+            "selection_policy": "dynamo-default-cost-fn",
+            "block_hashes": [101, 102, 103, 104],
+            "peers": [{"worker_id": 7, "dp_rank": 0, "cached_blocks": 3, "block_hashes": [11, 22, 33]}],
+            "committed_kv_copy": null,
+        })
+    );
+}
+
+#[test]
+fn panicking_policy_is_contained_and_quarantined_after_repeated_panics() {
+    let (registry, ..) = registry();
+    let stage = stage(
+        &registry,
+        &[
+            (
+                "before",
+                "burst",
+                json!({"count": 1, "action_type": "test.before"}),
+            ),
+            ("panics", "panics", json!({})),
+            (
+                "after",
+                "burst",
+                json!({"count": 1, "action_type": "test.after"}),
+            ),
+        ],
+    );
+    let quarantine_after = HintLimits::default().quarantine_after_panics;
+    for round in 1..=quarantine_after + 2 {
+        let outcome = booking().with_raw_context(|context| stage.run(context));
+        // The others' actions still go out, numbered without a gap.
+        let message = message(&outcome);
+        assert_eq!(action_types(&message), ["test.before", "test.after"]);
+        assert_eq!(message["actions"][1]["action_id"], "a2");
+        if round <= quarantine_after {
+            assert_eq!(outcome.failures.len(), 1, "round {round}");
+            assert_eq!(outcome.failures[0].kind, FailureKind::Panic);
+            assert!(outcome.failures[0]
+                .message
+                .contains("fixture panic for request req-1"));
+        } else {
+            assert!(
+                outcome.failures.is_empty(),
+                "quarantined policies are not called"
+            );
+        }
+    }
+    let stats = &stage.policies()[1].stats;
+    assert_eq!(stats.panics.load(Ordering::Relaxed), quarantine_after);
+    assert!(stats.is_quarantined());
+    assert_eq!(stats.skipped_quarantined.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn erroring_policy_loses_only_its_own_actions() {
+    let (registry, ..) = registry();
+    let stage = stage(
+        &registry,
+        &[
+            ("errors", "errors", json!({})),
+            ("harness_prefetch", "harness_prefetch", json!({})),
+        ],
+    );
+    let outcome = booking().with_raw_context(|context| stage.run(context));
+    assert_eq!(action_types(&message(&outcome)), ["kv.prefetch"]);
+    assert_eq!(outcome.failures[0].kind, FailureKind::Error);
+    assert!(outcome.failures[0]
+        .message
+        .contains("cache tier unavailable"));
+    let stats = &stage.policies()[0].stats;
+    assert_eq!(stats.errors.load(Ordering::Relaxed), 1);
+    assert!(!stats.is_quarantined(), "errors do not quarantine");
+}
+
+#[test]
+fn malformed_action_drops_that_policys_actions_only() {
+    let (registry, ..) = registry();
+    for (kind, expect) in [
+        ("empty_type", "empty action_type"),
+        ("empty_version", "empty action_version"),
+        ("not_object", "not a JSON object"),
+        ("not_json", "not a JSON object"),
+    ] {
+        let stage = stage(
+            &registry,
+            &[
+                ("malformed", "malformed", json!({ "kind": kind })),
+                ("after", "burst", json!({"count": 1})),
+            ],
+        );
+        let outcome = booking().with_raw_context(|context| stage.run(context));
+        // The fixture's good action is dropped with its bad one.
+        assert_eq!(action_types(&message(&outcome)), ["test.burst"], "{kind}");
+        assert_eq!(outcome.failures[0].kind, FailureKind::Malformed, "{kind}");
+        assert!(
+            outcome.failures[0].message.contains(expect),
+            "{kind}: {}",
+            outcome.failures[0].message
+        );
+    }
+}
+
+#[test]
+fn forty_actions_from_two_policies_give_exactly_a1_to_a32() {
+    let (registry, ..) = registry();
+    let stage = stage(
+        &registry,
+        &[
+            (
+                "first",
+                "burst",
+                json!({"count": 20, "action_type": "test.first"}),
+            ),
+            (
+                "second",
+                "burst",
+                json!({"count": 20, "action_type": "test.second"}),
+            ),
+        ],
+    );
+    let outcome = booking().with_raw_context(|context| stage.run(context));
+    let message = message(&outcome);
+    let actions = message["actions"].as_array().unwrap();
+    let ids: Vec<&str> = actions
+        .iter()
+        .map(|a| a["action_id"].as_str().unwrap())
+        .collect();
+    let expected: Vec<String> = (1..=32).map(|i| format!("a{i}")).collect();
+    assert_eq!(ids, expected);
+    // Policy order is kept; the surplus comes off the later policy.
+    let types = action_types(&message);
+    assert_eq!(types.iter().filter(|t| *t == "test.first").count(), 20);
+    assert_eq!(types.iter().filter(|t| *t == "test.second").count(), 12);
+    assert_eq!(actions[20]["payload"], json!({"i": 0}));
+    assert_eq!(outcome.dropped_over_cap, 8);
+}
+
+#[test]
+fn no_actions_means_no_message() {
+    let (registry, ..) = registry();
+    let stage = stage(&registry, &[("noop", "noop", json!({}))]);
+    let outcome = booking().with_raw_context(|context| stage.run(context));
+    assert_eq!(outcome.message, None);
+}
+
+#[test]
+fn unknown_action_types_pass_through_untouched() {
+    let (registry, ..) = registry();
+    let stage = stage(
+        &registry,
+        &[(
+            "x",
+            "burst",
+            json!({"count": 1, "action_type": "vendor.custom-op"}),
+        )],
+    );
+    let outcome = booking().with_raw_context(|context| stage.run(context));
+    let message = message(&outcome);
+    assert_eq!(message["actions"][0]["action_type"], "vendor.custom-op");
+    assert_eq!(message["actions"][0]["payload"], json!({"i": 0}));
+}
+
+#[test]
+fn constructor_errors_and_panics_are_reported_with_plugin_and_type() {
+    let (registry, ..) = registry();
+    for (type_name, expect) in [
+        ("ctor_fails", "cache tier's address is not configured"),
+        ("ctor_panics", "the provider panicked at"),
+    ] {
+        let error = registry.construct(type_name, &json!({})).err().unwrap();
+        let text = error.to_string();
+        assert!(text.contains(expect), "{text}");
+        assert!(text.contains(&format!("\"{type_name}\"")), "{text}");
+        assert!(text.contains("plugin fixture-misbehaving 0.1.0"), "{text}");
+    }
+    let error = registry
+        .construct("harness_prefetch", &json!({"max_block": 3}))
+        .err()
+        .unwrap();
+    assert!(
+        error.to_string().contains("unknown field `max_block`"),
+        "{error}"
+    );
+}

@@ -1,0 +1,201 @@
+//! The end-to-end test harness: builds the real plugin `.so` files (and the
+//! `kvhint` binary) once per test process, and gives each test private
+//! directories to load them from.
+//!
+//! Fixtures in the workspace (`plugins/*`, `tests/fixtures/plugins/*`) are built
+//! with one `cargo build` into the workspace's own target directory, so they
+//! share its compiled dependencies. The two fixtures that need a build of their
+//! own — `panic = "abort"`, and a plugin built against an older plugin-api —
+//! are generated as standalone workspaces under `target/fixture-standalone/`.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+pub use tempfile::TempDir;
+
+/// The crates whose `.so` (and binary) the tests load.
+const WORKSPACE_ARTIFACTS: &[&str] = &[
+    "kvhint",
+    "kv-fetch",
+    "harness-prefetch",
+    "fixture-misbehaving",
+    "fixture-duplicate-type",
+    "fixture-no-root-module",
+];
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the workspace root")
+        .to_path_buf()
+}
+
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+fn run(mut command: Command, what: &str) {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run cargo to build {what}: {e}"));
+    assert!(
+        output.status.success(),
+        "building {what} failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `target/debug`, after building every workspace artefact the tests use.
+pub fn build_dir() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let mut command = cargo();
+        command.arg("build").current_dir(workspace_root());
+        for package in WORKSPACE_ARTIFACTS {
+            command.args(["-p", package]);
+        }
+        run(command, "the test plugins");
+        target_dir().join("debug")
+    })
+}
+
+/// The `.so` of a workspace crate, by library name (`kv_fetch`, `fixture_misbehaving`).
+pub fn plugin_so(lib_name: &str) -> PathBuf {
+    let path = build_dir().join(format!("lib{lib_name}.so"));
+    assert!(path.is_file(), "{} was not built", path.display());
+    path
+}
+
+/// The `kvhint` binary.
+pub fn kvhint_bin() -> PathBuf {
+    build_dir().join("kvhint")
+}
+
+/// A standalone fixture's `.so`: `"panic-abort"` or `"old-api"`.
+pub fn standalone_so(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let built = BUILT.get_or_init(Default::default);
+    let mut built = built.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(path) = built.get(name) {
+        return path.clone();
+    }
+    let path = build_standalone(name);
+    built.insert(name.to_string(), path.clone());
+    path
+}
+
+fn build_standalone(name: &str) -> PathBuf {
+    let root = workspace_root();
+    let base = target_dir().join("fixture-standalone");
+    let crate_dir = base.join(name);
+    let src = crate_dir.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let (source, api_path, profile) = match name {
+        "panic-abort" => (
+            "panic_abort.rs",
+            root.join("plugin-api"),
+            "[profile.dev]\npanic = \"abort\"\n",
+        ),
+        "old-api" => ("old_api.rs", vendor_plugin_api(&base, "0.0.1"), ""),
+        other => panic!("unknown standalone fixture {other}"),
+    };
+    std::fs::copy(
+        root.join("tests/fixtures/standalone").join(source),
+        src.join("lib.rs"),
+    )
+    .unwrap();
+    let lib = format!("fixture_{}", name.replace('-', "_"));
+    std::fs::write(
+        crate_dir.join("Cargo.toml"),
+        format!(
+            "[package]\nname = \"{lib}\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n\
+             [lib]\ncrate-type = [\"cdylib\"]\n\n\
+             [dependencies]\nkvhint-plugin-api = {{ path = {api:?} }}\n\n\
+             {profile}\n[workspace]\n",
+            api = api_path.display().to_string(),
+        ),
+    )
+    .unwrap();
+    // The workspace's lock file pins the same dependency versions, so this build
+    // needs nothing the workspace build did not already fetch.
+    if !crate_dir.join("Cargo.lock").exists() {
+        std::fs::copy(root.join("Cargo.lock"), crate_dir.join("Cargo.lock")).unwrap();
+    }
+    let mut command = cargo();
+    command
+        .arg("build")
+        .current_dir(&crate_dir)
+        .env("CARGO_TARGET_DIR", base.join("target"));
+    run(command, &format!("the standalone fixture {name}"));
+    base.join("target/debug").join(format!("lib{lib}.so"))
+}
+
+/// A copy of plugin-api's sources under another version number.
+fn vendor_plugin_api(base: &Path, version: &str) -> PathBuf {
+    let dir = base.join(format!("vendor/kvhint-plugin-api-{version}"));
+    copy_tree(&workspace_root().join("plugin-api/src"), &dir.join("src"));
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        format!(
+            "[package]\nname = \"kvhint-plugin-api\"\nversion = \"{version}\"\nedition = \"2021\"\n\n\
+             [dependencies]\n\
+             abi_stable = {{ version = \"=0.11.3\", default-features = false }}\n\
+             serde = {{ version = \"1\", features = [\"derive\"] }}\n\
+             serde_json = \"1\"\n"
+        ),
+    )
+    .unwrap();
+    dir
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// A fresh directory only this user can write (what the loader requires).
+pub fn private_dir() -> TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    dir
+}
+
+/// A private plugins directory holding copies of the given files.
+pub fn plugins_dir_with(files: &[PathBuf]) -> TempDir {
+    let dir = private_dir();
+    for file in files {
+        let name = file.file_name().unwrap();
+        let target = dir.path().join(name);
+        std::fs::copy(file, &target).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    dir
+}
+
+/// A loader with its own private cache.
+pub fn loader() -> (kvhint::loader::Loader, TempDir) {
+    let cache = private_dir();
+    let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
+        cache_dir: cache.path().join("cache"),
+        max_libraries: 64,
+    })
+    .unwrap();
+    (loader, cache)
+}
