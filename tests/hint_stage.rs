@@ -89,7 +89,7 @@ fn both_plugins_answer_in_one_engine_envelope() {
             "message_id": "req-1",
             "actions": [
                 {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
-                 "payload": {"source_control_endpoint": "tcp://10.0.0.7:23280", "block_hashes": [22, 33]}},
+                 "payload": {"source_control_endpoint": "tcp://10.0.0.7:23280", "block_hashes": [11, 22, 33]}},
                 {"action_id": "a2", "action_type": "kv.prefetch", "action_version": "1.0",
                  "payload": {"first_block": 1, "block_size": 16, "block_hashes": [102, 103]}},
             ]
@@ -106,12 +106,12 @@ fn committed_copy_crosses_the_abi_into_kv_fetch() {
     booking.committed_kv_copy = Some(TestKvCopy {
         source: TestWorker::capable(9),
         first_block: 1,
-        block_hashes: vec![902, 903],
+        block_hashes: vec![901, 902, 903],
     });
     let outcome = booking.with_raw_context(|context| stage.run(context));
     assert_eq!(
         message(&outcome)["actions"][0]["payload"],
-        json!({"source_control_endpoint": "tcp://10.0.0.9:23280", "block_hashes": [902, 903]})
+        json!({"source_control_endpoint": "tcp://10.0.0.9:23280", "block_hashes": [901, 902, 903]})
     );
 }
 

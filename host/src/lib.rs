@@ -8,7 +8,12 @@
 //!   engine-format message for the booked worker.
 
 pub mod catalog;
+pub mod config;
 pub mod envelope;
 pub mod hints;
 pub mod loader;
 pub mod registry;
+pub mod replay;
+pub mod router;
+pub mod snapshot;
+pub mod wire;

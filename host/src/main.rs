@@ -1,11 +1,13 @@
 //! The `kvhint` command line.
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvhint::catalog::{self, PluginFile};
+use kvhint::config::{self, Config, ConfigError, ConfigErrors, RouterMode};
 use kvhint::loader::{Loader, LoaderOptions};
 use kvhint::registry::Registry;
-use std::path::PathBuf;
+use kvhint::snapshot::{self, BuildOptions, Snapshot};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -19,11 +21,39 @@ struct Cli {
     command: Command,
 }
 
+fn parse_mode(text: &str) -> Result<RouterMode, String> {
+    RouterMode::parse(text)
+        .ok_or_else(|| format!("expected one of: {}", RouterMode::NAMES.join(", ")))
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Load the plugins, validate the config, construct every policy, and print
+    /// each role's resolved selection and hint policies. Exit 1 with every
+    /// error found.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+        /// Overrides `router.mode`.
+        #[arg(long, value_parser = parse_mode)]
+        router_mode: Option<RouterMode>,
+    },
+    /// Book a JSONL trace offline: each booking with its hint as JSONL, then a
+    /// summary line. Exit 1 if any line failed.
+    Replay {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        trace: PathBuf,
+        #[arg(long, value_parser = parse_mode)]
+        router_mode: Option<RouterMode>,
+    },
     /// List each plugin file: its name, version, ABI, hint types with their
     /// commitments and default hosts — or why it was refused. Exit 1 if any was.
     Plugins {
+        /// Take the plugin sources (and cache directory) from this config.
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// A plugins directory (every `lib*.so` in it).
         #[arg(long)]
         plugins_dir: Option<PathBuf>,
@@ -44,7 +74,21 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    // Plugin authors need the router's plugin-api version to follow the
+    // compatibility rule, so `--version` says it.
+    let version: &'static str = Box::leak(
+        format!(
+            "{} (loads plugins built against kvhint-plugin-api {} or a newer patch of it; plugin ABI {})",
+            env!("CARGO_PKG_VERSION"),
+            kvhint_plugin_api::API_VERSION,
+            kvhint_plugin_api::ABI_VERSION
+        )
+        .into_boxed_str(),
+    );
+    let cli = match Cli::from_arg_matches(&Cli::command().version(version).get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -56,32 +100,212 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Check {
+            config,
+            router_mode,
+        } => check(&config, router_mode),
+        Command::Replay {
+            config,
+            trace,
+            router_mode,
+        } => replay(&config, &trace, router_mode),
         Command::Plugins {
+            config,
             plugins_dir,
             files,
             cache_dir,
-        } => plugins(plugins_dir, files, cache_dir),
+        } => plugins(config, plugins_dir, files, cache_dir),
     }
 }
 
+/// The loader for a config: its cache directory and library cap.
+fn loader_for(config: &Config) -> Result<Loader, ConfigError> {
+    let mut options = LoaderOptions {
+        max_libraries: config.plugins.max_libraries,
+        ..LoaderOptions::default()
+    };
+    if let Some(dir) = &config.plugins.cache_dir {
+        options.cache_dir = dir.clone();
+    }
+    Loader::new(&options).map_err(|e| ConfigError::new(&config.file, None, e))
+}
+
+/// Parses the config and builds a snapshot, collecting every error from both.
+fn load_snapshot(
+    file: &Path,
+    mode: Option<RouterMode>,
+) -> Result<(Config, Loader, Snapshot), ConfigErrors> {
+    let text = std::fs::read_to_string(file).map_err(|e| {
+        ConfigErrors(vec![ConfigError::new(
+            file,
+            None,
+            format!("cannot read the config file: {e}"),
+        )])
+    })?;
+    let (config, mut errors) = config::parse_lenient(file, &text);
+    let Some(config) = config else {
+        return Err(ConfigErrors(errors));
+    };
+    let loader = match loader_for(&config) {
+        Ok(loader) => loader,
+        Err(e) => {
+            errors.push(e);
+            return Err(ConfigErrors(errors));
+        }
+    };
+    let options = BuildOptions {
+        loader: &loader,
+        mode,
+        generation: 1,
+        block_size_in_use: None,
+    };
+    match snapshot::build(&config, &options) {
+        Ok(snapshot) if errors.is_empty() => Ok((config, loader, snapshot)),
+        Ok(_) => Err(ConfigErrors(errors)),
+        Err(more) => {
+            errors.extend(more.0);
+            Err(ConfigErrors(errors))
+        }
+    }
+}
+
+fn report_errors(errors: &ConfigErrors) -> ExitCode {
+    for error in &errors.0 {
+        eprintln!("error: {error}");
+    }
+    let n = errors.0.len();
+    eprintln!("{n} error{} found", if n == 1 { "" } else { "s" });
+    ExitCode::FAILURE
+}
+
+fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
+    let (_config, _loader, snapshot) = match load_snapshot(file, mode) {
+        Ok(loaded) => loaded,
+        Err(errors) => return Ok(report_errors(&errors)),
+    };
+    println!(
+        "{}: ok (router mode {}, block size {})",
+        file.display(),
+        snapshot.mode,
+        snapshot.block_size
+    );
+    for plugin in &snapshot.plugins {
+        println!(
+            "plugin {} {} from {} (hint types: {})",
+            plugin.name,
+            plugin.version,
+            plugin.path.display(),
+            plugin.hint_types.join(", ")
+        );
+    }
+    for role in &snapshot.roles {
+        let commits = if role.commits_kv_copies {
+            ", commits KV copies"
+        } else {
+            ""
+        };
+        let booked_by = if role.booking_selection_type != role.selection_type {
+            format!(
+                " (booked by `{}` under this router mode)",
+                role.booking_selection_type
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "role {}: selection {} {}{commits}{booked_by}",
+            role.role, role.selection_type, role.selection_parameters
+        );
+        let from = match role.hints_from {
+            snapshot::HintsFrom::Listed => "listed",
+            snapshot::HintsFrom::Defaults => "defaults for its selection policy",
+            snapshot::HintsFrom::ExplicitlyNone => "hints: [] — none run",
+            snapshot::HintsFrom::NotKvPath => "none: not on the KV path",
+        };
+        println!("  hints ({from}):");
+        for (i, policy) in role.hints.policies().iter().enumerate() {
+            println!(
+                "    {}. {} (type {}, {}, commitments {})",
+                i + 1,
+                policy.name,
+                policy.type_name,
+                policy.origin,
+                policy.commitments
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn replay(file: &Path, trace: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
+    let (_config, _loader, snapshot) = match load_snapshot(file, mode) {
+        Ok(loaded) => loaded,
+        Err(errors) => return Ok(report_errors(&errors)),
+    };
+    let input = std::fs::File::open(trace)
+        .with_context(|| format!("cannot open the trace {}", trace.display()))?;
+    let router = kvhint::router::Router::new(snapshot.block_size);
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut err = std::io::stderr();
+    let summary = kvhint::replay::replay(
+        &router,
+        &snapshot,
+        trace,
+        std::io::BufReader::new(input),
+        &mut out,
+        &mut err,
+    )?;
+    use std::io::Write;
+    writeln!(out, "{}", serde_json::json!({ "summary": summary }))?;
+    out.flush()?;
+    Ok(if summary.errors == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 fn plugins(
+    config: Option<PathBuf>,
     plugins_dir: Option<PathBuf>,
     files: Vec<PathBuf>,
     cache_dir: Option<PathBuf>,
 ) -> anyhow::Result<ExitCode> {
-    if plugins_dir.is_none() && files.is_empty() {
-        anyhow::bail!("say which plugins to list: --plugins-dir DIR and/or --file FILE");
-    }
-    let mut options = LoaderOptions::default();
-    if let Some(dir) = cache_dir {
-        options.cache_dir = dir;
-    }
-    let loader = Loader::new(&options).map_err(anyhow::Error::msg)?;
     let explicit: Vec<PluginFile> = files
         .into_iter()
         .map(|path| PluginFile { path, sha256: None })
         .collect();
-    let files = catalog::plugin_files(plugins_dir.as_deref(), &explicit, &|_| None)?;
+    let (loader, files) = match config {
+        Some(file) => {
+            let config = config::load(&file)?;
+            let loader = loader_for(&config)?;
+            let mut all = config.plugins.files.clone();
+            all.extend(explicit);
+            let files = catalog::plugin_files(
+                plugins_dir
+                    .as_deref()
+                    .or(config.plugins.directory.as_deref()),
+                &all,
+                &|path| config.plugins.pin_for(path),
+            )?;
+            (loader, files)
+        }
+        None => {
+            if plugins_dir.is_none() && explicit.is_empty() {
+                anyhow::bail!(
+                    "say which plugins to list: --config FILE, --plugins-dir DIR and/or --file FILE"
+                );
+            }
+            let mut options = LoaderOptions::default();
+            if let Some(dir) = cache_dir {
+                options.cache_dir = dir;
+            }
+            let loader = Loader::new(&options).map_err(anyhow::Error::msg)?;
+            let files = catalog::plugin_files(plugins_dir.as_deref(), &explicit, &|_| None)?;
+            (loader, files)
+        }
+    };
     let mut registry = Registry::with_builtins()
         .map_err(|e| anyhow::anyhow!("the built-in hint policies failed to register: {e:?}"))
         .context("this is a bug in kvhint")?;

@@ -45,11 +45,12 @@ impl fmt::Display for Origin {
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum RegistryError {
-    #[error("hint policy type {name:?} is registered twice: by {first} and by {second}; remove one of them from the plugins directory (or rename the type in one plugin)")]
+    #[error("hint policy type {name:?} is registered twice: by {first} and by {second}; {fix}")]
     Duplicate {
         name: String,
         first: String,
         second: String,
+        fix: &'static str,
     },
     #[error(
         "{origin}: its registration function failed: {message}; fix the plugin and rebuild it"
@@ -163,10 +164,16 @@ impl Registry {
                         .then(|| origin.to_string())
                 });
             if let Some(first) = clash {
+                let fix = if first.starts_with("built-in") {
+                    "built-in policies cannot be removed, so remove this plugin file (or rename the type in it)"
+                } else {
+                    "remove one of the two plugin files (or rename the type in one of them)"
+                };
                 errors.push(RegistryError::Duplicate {
                     name,
                     first,
                     second: origin.to_string(),
+                    fix,
                 });
                 continue;
             }

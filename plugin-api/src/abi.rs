@@ -152,9 +152,10 @@ pub struct FfiPeer<'a> {
 #[derive(StableAbi, Debug, Clone, Copy)]
 pub struct FfiKvCopy<'a> {
     pub source: FfiWorker<'a>,
-    /// Index of the first block to copy within the request's blocks.
+    /// The first request block the booked worker lacks (where the copy starts).
     pub first_block: u64,
-    /// The source engine's hashes of the blocks to copy.
+    /// The source engine's hashes, root-aligned: entry `i` is request block `i`,
+    /// from block 0 to the end of the copy.
     pub block_hashes: RSlice<'a, u64>,
 }
 

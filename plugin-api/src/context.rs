@@ -134,8 +134,9 @@ impl<'a> Peer<'a> {
     }
 }
 
-/// A committed KV copy: pull `block_hashes` (the source engine's hashes, starting
-/// at request block `first_block`) from `source`.
+/// A committed KV copy: pull from `source` the request blocks from `first_block`
+/// to the end of `block_hashes`, which are the source engine's hashes,
+/// root-aligned (entry `i` is request block `i`), as Dynamo's router hint is.
 #[derive(Clone, Copy)]
 pub struct KvCopy<'a> {
     raw: &'a FfiKvCopy<'a>,

@@ -31,7 +31,10 @@ use std::sync::Mutex;
 
 /// A plugin file that was refused, and why.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("plugin {}: {kind}", path.display())]
+#[error("{}", match kind {
+    LoadErrorKind::Directory(_) => format!("plugins directory {}: {kind}", path.display()),
+    _ => format!("plugin {}: {kind}", path.display()),
+})]
 pub struct LoadError {
     pub path: PathBuf,
     pub kind: LoadErrorKind,
@@ -41,6 +44,8 @@ pub struct LoadError {
 pub enum LoadErrorKind {
     #[error("cannot read it: {0}")]
     Io(String),
+    #[error("it cannot be listed: {0}; create it, or fix the path")]
+    Directory(String),
     #[error("{0}")]
     Trust(#[from] trust::TrustError),
     #[error("{0}")]
@@ -53,7 +58,7 @@ pub enum LoadErrorKind {
     Dlopen(String),
     #[error("it is not a kvhint plugin: {0}; a plugin crate calls `kvhint_plugin_api::export_plugin!(register)` once in its lib.rs and is built with crate-type \"cdylib\"")]
     NoRootModule(String),
-    #[error("it was built against kvhint-plugin-api {plugin}, but this router (kvhint-plugin-api {host}) loads only plugins built against {host} or a newer {series}.x; rebuild it against kvhint-plugin-api {host} (`cargo update -p kvhint-plugin-api`, then `cargo build --release`)")]
+    #[error("it was built against kvhint-plugin-api {plugin}, but this router (kvhint-plugin-api {host}) loads only plugins built against {host} or a newer {series}.x; rebuild it against kvhint-plugin-api {host}: require that version in the plugin's Cargo.toml (or point its path dependency at this router's plugin-api), then `cargo build --release`")]
     IncompatibleApi {
         plugin: String,
         host: String,
@@ -142,9 +147,7 @@ impl fmt::Debug for Loader {
 pub fn discover(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     let entries = std::fs::read_dir(dir).map_err(|e| LoadError {
         path: dir.to_path_buf(),
-        kind: LoadErrorKind::Io(format!(
-            "cannot list the plugins directory: {e}; check `plugins.directory` in the config"
-        )),
+        kind: LoadErrorKind::Directory(e.to_string()),
     })?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|entry| entry.ok())

@@ -59,13 +59,20 @@ fn check_one(what: &'static str, path: &Path) -> Result<(), TrustError> {
     Ok(())
 }
 
-/// Checks the file and the directory that holds it (symlinks resolved).
+/// Checks the file, the directory it was found in, and — when it is a symlink —
+/// the directory of its target. The directory it was found in matters on its
+/// own: whoever can write it can plant a link to any library on the system.
 pub fn check_plugin_file(path: &Path) -> Result<(), TrustError> {
     let real = std::fs::canonicalize(path).map_err(|e| TrustError::Unreadable {
         path: path.display().to_string(),
         reason: e.to_string(),
     })?;
     check_one("plugin file", &real)?;
+    let found_in = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    check_one("plugin directory", found_in)?;
     if let Some(dir) = real.parent() {
         check_one("plugin directory", dir)?;
     }
@@ -87,6 +94,29 @@ mod tests {
         assert!(err.to_string().contains("chmod go-w"), "{err}");
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert_eq!(check_plugin_file(&file), Ok(()));
+    }
+
+    #[test]
+    fn symlink_in_a_world_writable_directory_is_refused() {
+        let good = tempfile::tempdir().unwrap();
+        let file = good.path().join("libx.so");
+        std::fs::write(&file, b"x").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let open = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(open.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let link = open.path().join("libx.so");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let err = check_plugin_file(&link).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TrustError::Writable {
+                    what: "plugin directory",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

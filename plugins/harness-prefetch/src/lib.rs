@@ -70,3 +70,55 @@ fn register(registry: &mut HintRegistry) -> Result<(), RegistryError> {
 }
 
 export_plugin!(register);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvhint_plugin_api::testing::{TestBooking, TestWorker};
+
+    fn booking(cached: usize, blocks: u64) -> TestBooking {
+        TestBooking {
+            request_id: "r".into(),
+            worker: TestWorker::capable(1),
+            cached_blocks: cached,
+            block_size: 16,
+            block_hashes: (0..blocks).map(|b| 500 + b).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn policy(max_blocks: usize) -> HarnessPrefetch {
+        HarnessPrefetch::new(PrefetchConfig { max_blocks })
+    }
+
+    #[test]
+    fn prefetches_up_to_max_blocks_beyond_the_cached_prefix() {
+        let actions = booking(2, 10).run(&policy(3)).unwrap();
+        assert_eq!(actions.len(), 1);
+        assert_eq!(actions[0].action_type, "kv.prefetch");
+        assert_eq!(
+            actions[0].payload,
+            json!({"first_block": 2, "block_size": 16, "block_hashes": [502, 503, 504]})
+        );
+    }
+
+    #[test]
+    fn stops_at_the_end_of_the_prompt() {
+        let actions = booking(8, 10).run(&policy(64)).unwrap();
+        assert_eq!(actions[0].payload["block_hashes"], json!([508, 509]));
+    }
+
+    #[test]
+    fn nothing_to_prefetch_sends_nothing() {
+        assert!(booking(10, 10).run(&policy(64)).unwrap().is_empty());
+    }
+
+    #[test]
+    fn max_blocks_defaults_to_64_and_zero_is_refused() {
+        let config: PrefetchConfig = Parameters::default().deserialize().unwrap();
+        assert_eq!(config.max_blocks, 64);
+        let mut registry = HintRegistry::new();
+        register(&mut registry).unwrap();
+        assert_eq!(registry.names().collect::<Vec<_>>(), ["harness_prefetch"]);
+    }
+}

@@ -7,6 +7,10 @@
 //! than the booked worker's by at least `min_additional_blocks`, longest first,
 //! ties to the lowest worker id, then dp rank.
 //!
+//! `block_hashes` in the payload are root-aligned, as Dynamo's router hint is:
+//! entry `i` is the source engine's hash of request block `i`, from block 0 up to
+//! the end of what the source holds; the target skips what it already has.
+//!
 //! The crate is `rlib` and `cdylib`: the router links it in as a built-in, and
 //! the same code loads from `libkv_fetch.so` (which is how the static-vs-dynamic
 //! benchmark compares the two).
@@ -99,7 +103,7 @@ impl HintPolicy for KvFetch {
                 let endpoint = peer.worker().source_control_endpoint()?;
                 Some(Self::fetch(
                     endpoint,
-                    &peer.block_hashes()[have..peer.cached_blocks()],
+                    &peer.block_hashes()[..peer.cached_blocks()],
                 ))
             })
             .collect())
@@ -185,15 +189,18 @@ mod tests {
     }
 
     #[test]
-    fn best_effort_fetches_only_the_missing_blocks_of_the_longest_peer() {
+    fn best_effort_names_the_longest_peer_with_root_aligned_hashes() {
         let mut b = booking(2);
         b.peers = vec![peer(3, 4), peer(4, 6)];
         let actions = b.run(&policy(1)).unwrap();
+        // Root-aligned: entry i is request block i; the target skips the two
+        // blocks it already holds.
         assert_eq!(
             payload(&actions),
-            vec![
-                json!({"source_control_endpoint": "tcp://10.0.0.4:23280", "block_hashes": [4002, 4003, 4004, 4005]})
-            ]
+            vec![json!({
+                "source_control_endpoint": "tcp://10.0.0.4:23280",
+                "block_hashes": [4000, 4001, 4002, 4003, 4004, 4005]
+            })]
         );
     }
 

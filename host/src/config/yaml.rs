@@ -1,0 +1,250 @@
+//! A strict reader over a YAML tree that keeps every node's position.
+//!
+//! serde stops at the first error and `serde_yaml::Value` forgets where a node
+//! was; an operator fixing a config wants every mistake at once, each with its
+//! line and column (as `nginx -t` reports). So the config is parsed with
+//! `marked-yaml`, which keeps a span on every node, and this walker checks
+//! shapes and keys while collecting errors. Typed leaves (policy parameters)
+//! still go through serde, after conversion with [`to_json`].
+
+use super::{ConfigError, Location};
+use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode};
+use marked_yaml::{Node, Span};
+use std::path::Path;
+
+pub(crate) struct Walker<'a> {
+    pub file: &'a Path,
+    pub errors: Vec<ConfigError>,
+}
+
+pub(crate) fn location(path: &str, span: &Span) -> Location {
+    let (line, column) = span
+        .start()
+        .map(|m| (m.line(), m.column()))
+        .unwrap_or((0, 0));
+    Location {
+        path: path.to_string(),
+        line,
+        column,
+    }
+}
+
+fn kind(node: &Node) -> &'static str {
+    match node {
+        Node::Scalar(s) if s.may_coerce() && is_null(s) => "nothing (null)",
+        Node::Scalar(_) => "a scalar",
+        Node::Mapping(_) => "a mapping",
+        Node::Sequence(_) => "a sequence",
+    }
+}
+
+fn is_null(scalar: &MarkedScalarNode) -> bool {
+    matches!(scalar.as_str(), "" | "~" | "null" | "Null" | "NULL")
+}
+
+impl<'a> Walker<'a> {
+    pub fn new(file: &'a Path) -> Self {
+        Self {
+            file,
+            errors: Vec::new(),
+        }
+    }
+
+    pub fn error(&mut self, at: Location, message: impl Into<String>) {
+        self.errors.push(ConfigError {
+            file: self.file.to_path_buf(),
+            at: Some(at),
+            message: message.into(),
+        });
+    }
+
+    pub fn mapping<'n>(&mut self, node: &'n Node, path: &str) -> Option<&'n MarkedMappingNode> {
+        match node {
+            Node::Mapping(map) => Some(map),
+            other => {
+                self.error(
+                    location(path, other.span()),
+                    format!("expected a mapping, found {}", kind(other)),
+                );
+                None
+            }
+        }
+    }
+
+    /// Reports keys of `map` that are not in `allowed`.
+    pub fn known_keys(&mut self, map: &MarkedMappingNode, path: &str, allowed: &[&str]) {
+        for key in map.keys() {
+            if !allowed.contains(&key.as_str()) {
+                let key_path = join(path, key.as_str());
+                let hint = suggestion(key.as_str(), allowed)
+                    .map(|s| format!(" (did you mean `{s}`?)"))
+                    .unwrap_or_default();
+                self.error(
+                    location(&key_path, key.span()),
+                    format!(
+                        "unknown key `{}`{hint}; expected one of: {}",
+                        key.as_str(),
+                        allowed.join(", ")
+                    ),
+                );
+            }
+        }
+    }
+
+    pub fn string(&mut self, node: &Node, path: &str) -> Option<String> {
+        match node {
+            Node::Scalar(s) if !(s.may_coerce() && is_null(s)) => Some(s.as_str().to_string()),
+            other => {
+                self.error(
+                    location(path, other.span()),
+                    format!("expected a string, found {}", kind(other)),
+                );
+                None
+            }
+        }
+    }
+
+    pub fn unsigned(&mut self, node: &Node, path: &str, min: u64) -> Option<u64> {
+        match node {
+            Node::Scalar(s) => match s.as_u64() {
+                Some(v) if v >= min => Some(v),
+                _ => {
+                    self.error(
+                        location(path, s.span()),
+                        format!("expected a whole number ≥ {min}, found `{}`", s.as_str()),
+                    );
+                    None
+                }
+            },
+            other => {
+                self.error(
+                    location(path, other.span()),
+                    format!("expected a whole number ≥ {min}, found {}", kind(other)),
+                );
+                None
+            }
+        }
+    }
+
+    /// A `parameters` value: a mapping (or absent / null, meaning `{}`).
+    pub fn parameters(&mut self, node: Option<&Node>, path: &str) -> serde_json::Value {
+        match node {
+            None => serde_json::Value::Object(Default::default()),
+            Some(Node::Scalar(s)) if s.may_coerce() && is_null(s) => {
+                serde_json::Value::Object(Default::default())
+            }
+            Some(Node::Mapping(map)) => to_json(&Node::Mapping(map.clone())),
+            Some(other) => {
+                self.error(
+                    location(path, other.span()),
+                    format!("`parameters` must be a mapping, found {}", kind(other)),
+                );
+                serde_json::Value::Object(Default::default())
+            }
+        }
+    }
+}
+
+pub(crate) fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+/// The closest allowed key, for typos.
+fn suggestion<'k>(key: &str, allowed: &[&'k str]) -> Option<&'k str> {
+    allowed
+        .iter()
+        .map(|candidate| (edit_distance(key, candidate), *candidate))
+        .filter(|(d, _)| *d <= 2)
+        .min()
+        .map(|(_, c)| c)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut previous = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let current = row[j + 1];
+            row[j + 1] = if ca == *cb {
+                previous
+            } else {
+                1 + previous.min(row[j]).min(current)
+            };
+            previous = current;
+        }
+    }
+    row[b.len()]
+}
+
+/// Converts a YAML node to JSON with the YAML 1.2 core schema's scalar typing:
+/// unquoted `null`/`~`/empty, `true`/`false`, integers and floats are typed;
+/// anything quoted stays a string.
+pub(crate) fn to_json(node: &Node) -> serde_json::Value {
+    use serde_json::Value;
+    match node {
+        Node::Scalar(s) => {
+            if !s.may_coerce() {
+                return Value::String(s.as_str().to_string());
+            }
+            if is_null(s) {
+                Value::Null
+            } else if let Some(b) = s.as_bool() {
+                Value::Bool(b)
+            } else if let Some(i) = s.as_i64() {
+                Value::from(i)
+            } else if let Some(u) = s.as_u64() {
+                Value::from(u)
+            } else if let Some(f) = s
+                .as_f64()
+                .filter(|f| f.is_finite() && looks_numeric(s.as_str()))
+            {
+                Value::from(f)
+            } else {
+                Value::String(s.as_str().to_string())
+            }
+        }
+        Node::Sequence(seq) => Value::Array(seq.iter().map(to_json).collect()),
+        Node::Mapping(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.as_str().to_string(), to_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+/// Rust parses `inf` and `NaN` as floats; YAML does not.
+fn looks_numeric(text: &str) -> bool {
+    text.bytes()
+        .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'+' | b'e' | b'E'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalars_are_typed_like_yaml_1_2() {
+        let node = marked_yaml::parse_yaml_with_options(
+            0,
+            "a: 1\nb: \"1\"\nc: true\nd: 1.5\ne: ~\nf: inf\ng: [x, 2]\n",
+            marked_yaml::LoaderOptions::default().prevent_coercion(true),
+        )
+        .unwrap();
+        assert_eq!(
+            to_json(&node),
+            serde_json::json!({"a": 1, "b": "1", "c": true, "d": 1.5, "e": null, "f": "inf", "g": ["x", 2]})
+        );
+    }
+
+    #[test]
+    fn typos_get_a_suggestion() {
+        assert_eq!(suggestion("hint", &["hints", "type"]), Some("hints"));
+        assert_eq!(suggestion("zzzzzz", &["hints", "type"]), None);
+    }
+}

@@ -1,0 +1,386 @@
+//! An immutable snapshot of everything a reload replaces: the config, the
+//! registry with its plugins, and each role's constructed selection and hint
+//! policies. A booking loads one snapshot and finishes on it.
+//!
+//! Building one is where the config meets the plugins, so the rules that need
+//! both are enforced here, and every violation is reported against the config
+//! location it comes from:
+//! - R2: hint types exist, their parameters deserialize (the plugin's own
+//!   message, pointed at the offending key), constructors succeed.
+//! - R3: a role without `hints` runs the defaults for its selection policy,
+//!   then those for any selection policy (see [`Registry::defaults_for`]);
+//!   `hints: []` runs none.
+//! - R4: hints run only on the KV path. Under `--router-mode round-robin` or
+//!   `random`, or under a selection policy that is not KV-aware, a non-empty
+//!   `hints` list is an error and defaults do not run.
+//! - R5: a role whose selection policy commits KV copies must resolve to exactly
+//!   one hint policy that declares `Commitments::KV_COPY`.
+
+use crate::catalog;
+use crate::config::{
+    Config, ConfigError, ConfigErrors, HintItem, Location, Role, RoleConfig, RouterMode,
+};
+use crate::hints::{HintLimits, HintPolicyInstance, HintStage};
+use crate::loader::Loader;
+use crate::registry::{Registry, RegistryError};
+use crate::router::selection::{SelectionEnv, SelectionError, SelectionPolicy, SelectionRegistry};
+use kvhint_plugin_api::policy::Commitments;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Where a role's hint policies came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HintsFrom {
+    /// The role's `hints` list.
+    Listed,
+    /// The role has no `hints`: the registered defaults.
+    Defaults,
+    /// `hints: []`.
+    ExplicitlyNone,
+    /// Not on the KV path: no hints run.
+    NotKvPath,
+}
+
+/// One role, ready to book.
+pub struct RoleRuntime {
+    pub role: Role,
+    /// The configured selection-policy type.
+    pub selection_type: String,
+    pub selection_parameters: serde_json::Value,
+    /// What books this role: the configured policy, or the router mode's own
+    /// under a non-KV `--router-mode`.
+    booking_selection: Arc<dyn SelectionPolicy>,
+    pub booking_selection_type: String,
+    pub commits_kv_copies: bool,
+    pub hints: HintStage,
+    pub hints_from: HintsFrom,
+}
+
+impl RoleRuntime {
+    pub fn selection_for(&self, _mode: RouterMode) -> &dyn SelectionPolicy {
+        &*self.booking_selection
+    }
+}
+
+/// A plugin file in the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PluginSummary {
+    pub path: PathBuf,
+    pub sha256: String,
+    pub name: String,
+    pub version: String,
+    pub api_version: String,
+    pub hint_types: Vec<String>,
+}
+
+pub struct Snapshot {
+    pub generation: u64,
+    pub config_file: PathBuf,
+    pub mode: RouterMode,
+    pub block_size: usize,
+    pub roles: Vec<RoleRuntime>,
+    pub registry: Registry,
+    pub plugins: Vec<PluginSummary>,
+}
+
+impl Snapshot {
+    pub fn role(&self, role: Role) -> Option<&RoleRuntime> {
+        self.roles.iter().find(|r| r.role == role)
+    }
+
+    /// The selection-policy type that books `role` ("" if not configured).
+    pub fn selection_type(&self, role: Role) -> &str {
+        self.role(role)
+            .map(|r| r.booking_selection_type.as_str())
+            .unwrap_or("")
+    }
+}
+
+pub struct BuildOptions<'a> {
+    pub loader: &'a Loader,
+    /// `--router-mode`, overriding `router.mode`.
+    pub mode: Option<RouterMode>,
+    pub generation: u64,
+    /// The block size the running router's KV index uses, if one runs.
+    pub block_size_in_use: Option<usize>,
+}
+
+struct Builder<'a> {
+    config: &'a Config,
+    errors: Vec<ConfigError>,
+}
+
+impl Builder<'_> {
+    fn error(&mut self, at: &Location, message: impl Into<String>) {
+        self.errors.push(ConfigError::new(
+            &self.config.file,
+            Some(at.clone()),
+            message,
+        ));
+    }
+}
+
+/// Builds and validates a snapshot. Every error found is returned, not just the
+/// first; on error nothing is kept (the caller keeps its old snapshot).
+pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, ConfigErrors> {
+    let mut builder = Builder {
+        config,
+        errors: Vec::new(),
+    };
+    let mode = options.mode.unwrap_or(config.router.mode);
+    if let Some(in_use) = options.block_size_in_use {
+        if in_use != config.router.block_size {
+            builder.error(
+                &Location {
+                    path: "router.block_size".into(),
+                    ..Location::default()
+                },
+                format!(
+                    "the running router's KV index uses block size {in_use}; changing it to {} needs a restart",
+                    config.router.block_size
+                ),
+            );
+        }
+    }
+    let (registry, plugins) = load_plugins(&mut builder, options.loader);
+    let selections = SelectionRegistry::with_builtins();
+    let limits = HintLimits {
+        quarantine_after_panics: config.router.quarantine_after_panics,
+        ..HintLimits::default()
+    };
+    let env = SelectionEnv {
+        seed: config.router.seed,
+    };
+    let mut roles = Vec::new();
+    for role in &config.worker_selection {
+        if let Some(runtime) = build_role(
+            &mut builder,
+            role,
+            mode,
+            &registry,
+            &selections,
+            limits,
+            env,
+        ) {
+            roles.push(runtime);
+        }
+    }
+    if !builder.errors.is_empty() {
+        return Err(ConfigErrors(builder.errors));
+    }
+    Ok(Snapshot {
+        generation: options.generation,
+        config_file: config.file.clone(),
+        mode,
+        block_size: config.router.block_size,
+        roles,
+        registry,
+        plugins,
+    })
+}
+
+fn load_plugins(builder: &mut Builder<'_>, loader: &Loader) -> (Registry, Vec<PluginSummary>) {
+    let config = builder.config;
+    let mut registry = match Registry::with_builtins() {
+        Ok(registry) => registry,
+        Err(errors) => {
+            for e in errors {
+                builder.error(&Location::default(), format!("built-in hint policies: {e}"));
+            }
+            Registry::new()
+        }
+    };
+    let directory_at = config
+        .plugins
+        .directory_at
+        .clone()
+        .unwrap_or_else(|| Location {
+            path: "plugins".into(),
+            ..Location::default()
+        });
+    let files = match catalog::plugin_files(
+        config.plugins.directory.as_deref(),
+        &config.plugins.files,
+        &|path| config.plugins.pin_for(path),
+    ) {
+        Ok(files) => files,
+        Err(e) => {
+            builder.error(&directory_at, e.to_string());
+            return (registry, Vec::new());
+        }
+    };
+    let mut plugins = Vec::new();
+    for report in catalog::load_into(loader, &mut registry, &files) {
+        let at = config
+            .plugins
+            .files
+            .iter()
+            .position(|f| f.path == report.path)
+            .map(|i| Location {
+                path: format!("plugins.files[{i}]"),
+                ..Location::default()
+            })
+            .unwrap_or_else(|| directory_at.clone());
+        match report.result {
+            Ok(loaded) => plugins.push(PluginSummary {
+                path: report.path,
+                sha256: loaded.plugin.sha256,
+                name: loaded.plugin.info.name,
+                version: loaded.plugin.info.version,
+                api_version: loaded.plugin.info.api_version,
+                hint_types: loaded.hint_types,
+            }),
+            Err(errors) => {
+                for e in errors {
+                    builder.error(&at, e);
+                }
+            }
+        }
+    }
+    (registry, plugins)
+}
+
+fn build_role(
+    builder: &mut Builder<'_>,
+    role: &RoleConfig,
+    mode: RouterMode,
+    registry: &Registry,
+    selections: &SelectionRegistry,
+    limits: HintLimits,
+    env: SelectionEnv,
+) -> Option<RoleRuntime> {
+    let selection_type = &role.selection.type_name;
+    let selection =
+        match selections.construct(selection_type, &role.selection.parameters.value, env) {
+            Ok(policy) => Some(policy),
+            Err(e @ SelectionError::UnknownType { .. }) => {
+                builder.error(&role.selection.type_at, e.to_string());
+                None
+            }
+            Err(e) => {
+                let message = e.to_string();
+                builder.error(&role.selection.parameters.locate(&message), message);
+                None
+            }
+        };
+    let on_kv_path = mode.is_kv() && selections.is_kv_aware(selection_type);
+    let (instances, hints_from) = match (&role.hints, on_kv_path) {
+        (Some(items), false) if !items.is_empty() => {
+            let why = if mode.is_kv() {
+                format!("its selection policy `{selection_type}` is not KV-aware")
+            } else {
+                format!("the router mode is `{mode}`")
+            };
+            let at = role.hints_at.clone().unwrap_or_else(|| role.at.clone());
+            builder.error(
+                &at,
+                format!(
+                    "hints run only on the KV path, but {why}; remove `hints` from role {} (or use --router-mode kv with a KV-aware selection policy)",
+                    role.role
+                ),
+            );
+            (Vec::new(), HintsFrom::NotKvPath)
+        }
+        (_, false) => (Vec::new(), HintsFrom::NotKvPath),
+        (Some(items), true) if items.is_empty() => (Vec::new(), HintsFrom::ExplicitlyNone),
+        (Some(items), true) => (listed_hints(builder, items, registry), HintsFrom::Listed),
+        (None, true) => (default_hints(builder, role, registry), HintsFrom::Defaults),
+    };
+    let selection = selection?;
+    let commits_kv_copies = on_kv_path && selection.commits_kv_copies();
+    let expected = match &role.hints {
+        Some(items) => items.len(),
+        None => registry.defaults_for(selection_type).len(),
+    };
+    if commits_kv_copies && instances.len() == expected {
+        let senders: Vec<&str> = instances
+            .iter()
+            .filter(|p| p.commitments.contains(Commitments::KV_COPY))
+            .map(|p| p.name.as_str())
+            .collect();
+        if senders.len() != 1 {
+            let all: Vec<&str> = instances.iter().map(|p| p.name.as_str()).collect();
+            let found = if senders.is_empty() {
+                format!(
+                    "none of its hint policies declares it (resolved: [{}])",
+                    all.join(", ")
+                )
+            } else {
+                format!("{} declare it: {}", senders.len(), senders.join(", "))
+            };
+            builder.error(
+                &role.at,
+                format!(
+                    "role {}: selection policy `{selection_type}` commits KV copies (shared_cache_multiplier > 0), so exactly one hint policy must send them (declare Commitments::KV_COPY, e.g. kv_fetch); {found}",
+                    role.role
+                ),
+            );
+        }
+    }
+    let (booking_selection, booking_selection_type) = if mode.is_kv() {
+        (selection, selection_type.clone())
+    } else {
+        let policy = selections
+            .construct(mode.as_str(), &serde_json::json!({}), env)
+            .ok()?;
+        (policy, mode.as_str().to_string())
+    };
+    Some(RoleRuntime {
+        role: role.role,
+        selection_type: selection_type.clone(),
+        selection_parameters: role.selection.parameters.value.clone(),
+        booking_selection,
+        booking_selection_type,
+        commits_kv_copies,
+        hints: HintStage::new(instances, limits),
+        hints_from,
+    })
+}
+
+fn listed_hints(
+    builder: &mut Builder<'_>,
+    items: &[HintItem],
+    registry: &Registry,
+) -> Vec<HintPolicyInstance> {
+    let mut instances = Vec::new();
+    for item in items {
+        match registry.construct(&item.type_name, &item.parameters.value) {
+            Ok(constructed) => {
+                instances.push(HintPolicyInstance::new(item.name.clone(), constructed))
+            }
+            Err(e) => {
+                let message = e.to_string();
+                let at = match e {
+                    RegistryError::BadParameters { .. } => item.parameters.locate(&message),
+                    _ => item.at.clone(),
+                };
+                builder.error(&at, message);
+            }
+        }
+    }
+    instances
+}
+
+fn default_hints(
+    builder: &mut Builder<'_>,
+    role: &RoleConfig,
+    registry: &Registry,
+) -> Vec<HintPolicyInstance> {
+    let mut instances = Vec::new();
+    for hint_type in registry.defaults_for(&role.selection.type_name) {
+        match registry.construct(&hint_type.name, &serde_json::json!({})) {
+            Ok(constructed) => {
+                instances.push(HintPolicyInstance::new(hint_type.name.clone(), constructed))
+            }
+            Err(e) => builder.error(
+                &role.at,
+                format!(
+                    "role {} runs hint policy `{}` by default, but it cannot be built without parameters: {e}; list it under `hints` with its parameters (or `hints: []` to run none)",
+                    role.role, hint_type.name
+                ),
+            ),
+        }
+    }
+    instances
+}

@@ -1,0 +1,158 @@
+//! The JSON shapes requests and results take, shared by the HTTP service and
+//! the replay trace so the two stay the same language.
+
+use crate::config::Role;
+use crate::hints::{FailureKind, PolicyFailure};
+use crate::router::kv_index::{KvEvent, WorkerKey};
+use crate::router::workers::WorkerRegistration;
+use crate::router::{BookRequest, Booking, HintSkip};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerRef {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+impl WorkerRef {
+    pub fn key(&self) -> WorkerKey {
+        WorkerKey {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventBody {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub dp_rank: u32,
+    pub event: KvEvent,
+}
+
+/// A request to book. There is deliberately no field for hints: only the
+/// router attaches them.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BookBody {
+    pub request_id: String,
+    pub role: Role,
+    pub token_ids: Vec<u32>,
+    #[serde(default)]
+    pub session_context: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl BookBody {
+    /// The session context as JSON text, for the hint context.
+    pub fn session_text(&self) -> Option<String> {
+        self.session_context
+            .as_ref()
+            .map(|map| serde_json::Value::Object(map.clone()).to_string())
+    }
+
+    pub fn request<'a>(&'a self, session: Option<&'a str>) -> BookRequest<'a> {
+        BookRequest {
+            request_id: &self.request_id,
+            role: self.role,
+            token_ids: &self.token_ids,
+            session_context: session,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBody {
+    pub request_id: String,
+}
+
+/// One line of a replay trace.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum TraceRecord {
+    Worker(WorkerRegistration),
+    Deregister(WorkerRef),
+    KvEvent(KvEventBody),
+    Request(BookBody),
+    Release(ReleaseBody),
+}
+
+#[derive(Debug, Serialize)]
+pub struct CopyView {
+    pub source_worker_id: u64,
+    pub source_dp_rank: u32,
+    pub first_block: usize,
+    pub last_block: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FailureView<'a> {
+    pub policy: &'a str,
+    pub kind: &'static str,
+    pub message: &'a str,
+}
+
+pub fn failure_kind(kind: FailureKind) -> &'static str {
+    match kind {
+        FailureKind::Error => "error",
+        FailureKind::Panic => "panic",
+        FailureKind::Malformed => "malformed",
+    }
+}
+
+/// A booking as the API and replay print it; `hint` is the engine message
+/// embedded as JSON, exactly as the worker receives it.
+#[derive(Debug, Serialize)]
+pub struct BookingView<'a> {
+    pub request_id: &'a str,
+    pub role: Role,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub cached_blocks: usize,
+    pub request_blocks: usize,
+    pub committed_copy: Option<CopyView>,
+    pub hint: Option<&'a RawValue>,
+    pub hint_skipped: Option<HintSkip>,
+    pub dropped_actions: usize,
+    pub policy_failures: Vec<FailureView<'a>>,
+}
+
+impl<'a> BookingView<'a> {
+    pub fn new(booking: &'a Booking) -> Self {
+        Self {
+            request_id: &booking.request_id,
+            role: booking.role,
+            worker_id: booking.worker.worker_id,
+            dp_rank: booking.worker.dp_rank,
+            cached_blocks: booking.cached_blocks,
+            request_blocks: booking.request_blocks,
+            committed_copy: booking.committed_copy.map(|c| CopyView {
+                source_worker_id: c.source.worker_id,
+                source_dp_rank: c.source.dp_rank,
+                first_block: c.first_block,
+                last_block: c.last_block,
+            }),
+            // The hint stage produced this text with serde_json, so it parses.
+            hint: booking
+                .hint
+                .as_deref()
+                .and_then(|text| serde_json::from_str(text).ok()),
+            hint_skipped: booking.hint_skipped,
+            dropped_actions: booking.dropped_actions,
+            policy_failures: booking
+                .policy_failures
+                .iter()
+                .map(|f: &PolicyFailure| FailureView {
+                    policy: &f.policy,
+                    kind: failure_kind(f.kind),
+                    message: &f.message,
+                })
+                .collect(),
+        }
+    }
+}
