@@ -199,3 +199,133 @@ pub fn loader() -> (kvhint::loader::Loader, TempDir) {
     .unwrap();
     (loader, cache)
 }
+
+/// A config file written to a private directory, with `{so:NAME}` in the text
+/// replaced by the path of a private copy of `libNAME.so`.
+pub struct ConfigFixture {
+    pub dir: TempDir,
+    pub path: PathBuf,
+}
+
+pub fn config_file(yaml: &str) -> ConfigFixture {
+    let dir = private_dir();
+    let mut text = yaml.to_string();
+    while let Some(start) = text.find("{so:") {
+        let end = start + text[start..].find('}').expect("closing brace");
+        let name = text[start + 4..end].to_string();
+        let copy = dir.path().join(format!("lib{name}.so"));
+        if !copy.exists() {
+            std::fs::copy(plugin_so(&name), &copy).unwrap();
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        text.replace_range(start..=end, &copy.display().to_string());
+    }
+    let path = dir.path().join("kvhint.yaml");
+    std::fs::write(&path, text).unwrap();
+    ConfigFixture { dir, path }
+}
+
+/// Parses a config and builds its snapshot, as `kvhint check` does.
+pub fn snapshot_of(
+    fixture: &ConfigFixture,
+    mode: Option<kvhint::config::RouterMode>,
+) -> Result<(kvhint::snapshot::Snapshot, kvhint::loader::Loader), kvhint::config::ConfigErrors> {
+    let config = kvhint::config::load(&fixture.path)?;
+    let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
+        cache_dir: fixture.dir.path().join("cache"),
+        max_libraries: 64,
+    })
+    .unwrap();
+    let snapshot = kvhint::snapshot::build(
+        &config,
+        &kvhint::snapshot::BuildOptions {
+            loader: &loader,
+            mode,
+            generation: 1,
+            block_size_in_use: None,
+        },
+    )?;
+    Ok((snapshot, loader))
+}
+
+/// Replays trace records (JSON values) on a fresh router; returns each booking
+/// as JSON and the error lines.
+pub fn replay_records(
+    snapshot: &kvhint::snapshot::Snapshot,
+    records: &[serde_json::Value],
+) -> (Vec<serde_json::Value>, String) {
+    let router = kvhint::router::Router::new(snapshot.block_size);
+    replay_on(&router, snapshot, records)
+}
+
+/// Like [`replay_records`], on a given router (to keep its state between calls).
+pub fn replay_on(
+    router: &kvhint::router::Router,
+    snapshot: &kvhint::snapshot::Snapshot,
+    records: &[serde_json::Value],
+) -> (Vec<serde_json::Value>, String) {
+    let trace: String = records.iter().map(|r| format!("{r}\n")).collect();
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    kvhint::replay::replay(
+        router,
+        snapshot,
+        Path::new("trace.jsonl"),
+        trace.as_bytes(),
+        &mut out,
+        &mut err,
+    )
+    .unwrap();
+    let bookings = String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (bookings, String::from_utf8(err).unwrap())
+}
+
+/// Trace-record builders for tests.
+pub mod trace {
+    use serde_json::{json, Value};
+
+    /// A worker; `hint` adds router_hint with worker type `kind` and an
+    /// endpoint `tcp://10.0.0.<id>:<23280 + rank>`.
+    pub fn worker(id: u64, rank: u32, role: &str, hint: bool, kind: &str) -> Value {
+        let runtime_data = if hint {
+            json!({
+                "router_hint": true,
+                "router_hint_worker_type": kind,
+                "router_hint_source_control_endpoints": {
+                    rank.to_string(): format!("tcp://10.0.0.{id}:{}", 23280 + rank)
+                }
+            })
+        } else {
+            json!({})
+        };
+        json!({"type": "worker", "worker_id": id, "dp_rank": rank, "role": role, "runtime_data": runtime_data})
+    }
+
+    /// `tokens` stored by a worker as full blocks, engine hashes from `base`.
+    pub fn stored(id: u64, rank: u32, tokens: &[u32], block_size: usize, base: u64) -> Value {
+        let blocks: Vec<Value> = tokens
+            .chunks_exact(block_size)
+            .enumerate()
+            .map(|(i, chunk)| json!({"block_hash": base + i as u64, "token_ids": chunk}))
+            .collect();
+        json!({"type": "kv_event", "worker_id": id, "dp_rank": rank,
+               "event": {"stored": {"parent_block_hash": null, "blocks": blocks}}})
+    }
+
+    pub fn request(id: &str, role: &str, tokens: &[u32]) -> Value {
+        json!({"type": "request", "request_id": id, "role": role, "token_ids": tokens})
+    }
+
+    pub fn release(id: &str) -> Value {
+        json!({"type": "release", "request_id": id})
+    }
+
+    /// Tokens `start..start + n`.
+    pub fn tokens(start: u32, n: u32) -> Vec<u32> {
+        (start..start + n).collect()
+    }
+}

@@ -14,7 +14,7 @@ use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use yaml::{join, location, Walker};
+use yaml::{join, key_location, location, node_location, Walker};
 
 /// A position in the config: the YAML path and where it starts (1-based; 0 if
 /// unknown).
@@ -46,6 +46,14 @@ impl ConfigError {
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.at {
+            Some(at) if at.line > 0 && at.path.is_empty() => write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file.display(),
+                at.line,
+                at.column,
+                self.message
+            ),
             Some(at) if at.line > 0 => write!(
                 f,
                 "{}:{}:{}: {}: {}",
@@ -172,9 +180,12 @@ impl Parameters {
     /// Where to point an error about these parameters: at the key an "unknown
     /// field `x`" or "invalid value … for `x`" message names, else at the mapping.
     pub fn locate(&self, message: &str) -> Location {
+        // serde names the culprit first ("unknown field `a`, expected `b` or
+        // `c`"), so the key mentioned earliest is the one to point at.
         self.keys
             .iter()
-            .find(|(key, _)| message.contains(&format!("`{key}`")))
+            .filter_map(|(key, at)| message.find(&format!("`{key}`")).map(|i| (i, at)))
+            .min_by_key(|(i, _)| *i)
             .map(|(_, at)| at.clone())
             .unwrap_or_else(|| self.at.clone())
     }
@@ -334,7 +345,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         match map.get_node("worker_selection") {
             Some(node) => config.worker_selection = worker_selection(&mut walker, node),
             None => walker.error(
-                location("worker_selection", root.span()),
+                node_location("worker_selection", &root),
                 "`worker_selection` is missing: configure at least one role (aggregated, prefill or decode)",
             ),
         }
@@ -425,7 +436,7 @@ fn plugins(walker: &mut Walker, node: &Node, base: &Path) -> PluginsConfig {
                                 Some(node) => walker.string(node, &join(&path, "path")),
                                 None => {
                                     walker.error(
-                                        location(&path, entry.span()),
+                                        node_location(&path, item),
                                         "a plugin file needs `path`",
                                     );
                                     None
@@ -548,8 +559,8 @@ fn parameters(
     let params_path = join(path, "parameters");
     let node = map.get_node("parameters");
     let at = node
-        .map(|n| location(&params_path, n.span()))
-        .unwrap_or_else(|| location(path, map.span()));
+        .map(|_| key_location(&params_path, map, "parameters"))
+        .unwrap_or_else(|| node_location(path, &Node::Mapping(map.clone())));
     let keys = node
         .and_then(|n| n.as_mapping())
         .map(|m| {
@@ -602,7 +613,7 @@ fn worker_selection(walker: &mut Walker, node: &Node) -> Vec<RoleConfig> {
 }
 
 fn role_config(walker: &mut Walker, role: Role, node: &Node, path: &str) -> Option<RoleConfig> {
-    let at = location(path, node.span());
+    let at = node_location(path, node);
     // A bare string is the selection-policy type with no parameters or hints.
     if let Node::Scalar(_) = node {
         let type_name = walker.string(node, path)?;
@@ -643,7 +654,7 @@ fn role_config(walker: &mut Walker, role: Role, node: &Node, path: &str) -> Opti
     let hints_path = join(path, "hints");
     let hints_at = map
         .get_node("hints")
-        .map(|n| location(&hints_path, n.span()));
+        .map(|_| key_location(&hints_path, map, "hints"));
     let hints = map
         .get_node("hints")
         .map(|node| hint_items(walker, node, &hints_path));
@@ -678,7 +689,7 @@ fn hint_items(walker: &mut Walker, node: &Node, path: &str) -> Vec<HintItem> {
             continue;
         };
         walker.known_keys(map, &item_path, &["type", "name", "parameters"]);
-        let at = location(&item_path, item.span());
+        let at = node_location(&item_path, item);
         let type_name = match map.get_node("type") {
             Some(node) => walker.string(node, &join(&item_path, "type")),
             None => {

@@ -29,6 +29,26 @@ pub(crate) fn location(path: &str, span: &Span) -> Location {
     }
 }
 
+/// Where a node starts, as a reader would point at it. yaml-rust marks a block
+/// mapping at its first `:`, so a mapping is located by its first key instead.
+pub(crate) fn node_location(path: &str, node: &Node) -> Location {
+    match node {
+        Node::Mapping(map) => match map.keys().next() {
+            Some(key) => location(path, key.span()),
+            None => location(path, map.span()),
+        },
+        other => location(path, other.span()),
+    }
+}
+
+/// Where `key` is written in `map`.
+pub(crate) fn key_location(path: &str, map: &MarkedMappingNode, key: &str) -> Location {
+    match map.keys().find(|k| k.as_str() == key) {
+        Some(k) => location(path, k.span()),
+        None => location(path, map.span()),
+    }
+}
+
 fn kind(node: &Node) -> &'static str {
     match node {
         Node::Scalar(s) if s.may_coerce() && is_null(s) => "nothing (null)",
@@ -63,7 +83,7 @@ impl<'a> Walker<'a> {
             Node::Mapping(map) => Some(map),
             other => {
                 self.error(
-                    location(path, other.span()),
+                    node_location(path, other),
                     format!("expected a mapping, found {}", kind(other)),
                 );
                 None
@@ -136,7 +156,7 @@ impl<'a> Walker<'a> {
             Some(Node::Mapping(map)) => to_json(&Node::Mapping(map.clone())),
             Some(other) => {
                 self.error(
-                    location(path, other.span()),
+                    node_location(path, other),
                     format!("`parameters` must be a mapping, found {}", kind(other)),
                 );
                 serde_json::Value::Object(Default::default())

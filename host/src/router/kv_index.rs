@@ -237,8 +237,6 @@ type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 /// worker keys.
 type Slot = u32;
 
-const NO_ENTRY: u32 = u32::MAX;
-
 /// One worker's copy of one block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holder {
@@ -466,58 +464,49 @@ impl KvIndex {
     pub fn overlaps(&self, hashes: &[u64], out: &mut Overlaps) {
         out.entries.clear();
         out.by_worker.clear();
-        // The walk writes one column of the worker-major matrix per block. A row length
-        // that is a power-of-two number of bytes would put every row's current cache line
-        // in the same few L1 sets and miss on nearly every write, so rows span an odd
-        // number of cache lines.
-        let lines = hashes.len().div_ceil(8);
-        let stride = (lines | 1) * 8;
         let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
             return;
         };
 
-        if out.slot_entry.len() < self.slot_keys.len() {
-            out.slot_entry.resize(self.slot_keys.len(), NO_ENTRY);
+        // Scratch is indexed by slot, so a holder costs one array read, not a lookup.
+        // The walk writes one column of the slot-major matrix per block; a row length
+        // that is a power-of-two number of bytes would put every row's current cache
+        // line in the same few L1 sets and miss on nearly every write, so rows span an
+        // odd number of cache lines.
+        let stride = (hashes.len().div_ceil(8) | 1) * 8;
+        let slots = self.slot_keys.len();
+        if out.depth.len() < slots {
+            out.depth.resize(slots, 0);
         }
-        // Grow only: zeroing the whole matrix on every booking would cost more than the
-        // walk. Cells past an entry's length are stale and never read.
-        let cells = stride * first.len();
-        if out.engine.len() < cells {
-            out.engine.resize(cells, 0);
+        // Grow only: zeroing the matrix on every booking would cost more than the walk.
+        // Cells past a worker's depth are stale and never read.
+        if out.engine.len() < stride * slots {
+            out.engine.resize(stride * slots, 0);
         }
+        let depth = &mut out.depth;
+        let engine = &mut out.engine;
 
         for holder in first {
             let slot = holder.slot as usize;
-            if out.slot_entry[slot] != NO_ENTRY {
-                continue;
+            // A second copy of the block under another engine hash adds nothing.
+            if depth[slot] == 0 {
+                depth[slot] = 1;
+                engine[slot * stride] = holder.engine_hash;
             }
-            let index = out.entries.len();
-            out.slot_entry[slot] = index as u32;
-            out.engine[index * stride] = holder.engine_hash;
-            out.entries.push(Entry {
-                worker: self.slot_keys[slot],
-                slot: holder.slot,
-                cached: 1,
-                row: index * stride,
-            });
         }
-
-        for (depth, hash) in hashes.iter().enumerate().skip(1) {
+        for (d, hash) in hashes.iter().enumerate().skip(1) {
             let Some(holders) = self.blocks.get(hash) else {
                 break;
             };
+            let d = d as u32;
             let mut advanced = false;
             for holder in holders {
-                let index = out.slot_entry[holder.slot as usize];
-                if index == NO_ENTRY {
-                    continue;
-                }
-                let entry = &mut out.entries[index as usize];
-                // Still matching iff it held every block so far; this also skips a second
-                // copy of the same block under another engine hash.
-                if entry.cached == depth {
-                    out.engine[entry.row + depth] = holder.engine_hash;
-                    entry.cached += 1;
+                let slot = holder.slot as usize;
+                // Still matching iff it held every block so far; workers that never
+                // held block 0 sit at depth 0 and are skipped here too.
+                if depth[slot] == d {
+                    engine[slot * stride + d as usize] = holder.engine_hash;
+                    depth[slot] = d + 1;
                     advanced = true;
                 }
             }
@@ -526,18 +515,22 @@ impl KvIndex {
             }
         }
 
-        for entry in &out.entries {
-            out.slot_entry[entry.slot as usize] = NO_ENTRY;
+        for holder in first {
+            let slot = holder.slot as usize;
+            if depth[slot] != 0 {
+                out.entries.push(Entry {
+                    worker: self.slot_keys[slot],
+                    cached: depth[slot] as usize,
+                    row: slot * stride,
+                });
+                // Leave the scratch zeroed for the next call.
+                depth[slot] = 0;
+            }
         }
-        out.entries.sort_unstable_by(|a, b| {
-            b.cached
-                .cmp(&a.cached)
-                .then_with(|| a.worker.cmp(&b.worker))
-        });
-        out.by_worker.extend(0..out.entries.len() as u32);
-        let entries = &out.entries;
-        out.by_worker
-            .sort_unstable_by_key(|&i| entries[i as usize].worker);
+        out.entries
+            .sort_unstable_by_key(|e| (std::cmp::Reverse(e.cached), e.worker));
+        out.by_worker.extend_from_slice(&out.entries);
+        out.by_worker.sort_unstable_by_key(|e| e.worker);
     }
 
     /// Number of (worker, block) entries held.
@@ -571,7 +564,6 @@ fn detach(blocks: &mut FastMap<u64, Vec<Holder>>, seq: u64, holder: Holder) {
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     worker: WorkerKey,
-    slot: Slot,
     cached: usize,
     /// Start of this worker's engine hashes in `Overlaps::engine`.
     row: usize,
@@ -583,12 +575,12 @@ struct Entry {
 #[derive(Default)]
 pub struct Overlaps {
     entries: Vec<Entry>,
-    /// Indices into `entries` sorted by worker, for the by-worker lookups.
-    by_worker: Vec<u32>,
-    /// Engine hashes, one row per entry.
+    /// The same entries sorted by worker, so a by-worker lookup is one binary search.
+    by_worker: Vec<Entry>,
+    /// Engine hashes, one row per index slot.
     engine: Vec<u64>,
-    /// Scratch indexed by slot: the entry of that slot during a walk, else `NO_ENTRY`.
-    slot_entry: Vec<u32>,
+    /// Scratch indexed by slot: blocks matched so far during a walk, 0 between walks.
+    depth: Vec<u32>,
 }
 
 impl Overlaps {
@@ -626,9 +618,9 @@ impl Overlaps {
 
     fn find(&self, worker: WorkerKey) -> Option<&Entry> {
         self.by_worker
-            .binary_search_by_key(&worker, |&i| self.entries[i as usize].worker)
+            .binary_search_by_key(&worker, |e| e.worker)
             .ok()
-            .map(|pos| &self.entries[self.by_worker[pos] as usize])
+            .map(|pos| &self.by_worker[pos])
     }
 }
 

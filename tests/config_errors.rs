@@ -1,0 +1,211 @@
+//! Every class of config error, each with its message and its line and column,
+//! as `kvhint check` reports them: all errors at once, in file order.
+
+use kvhint_e2e::{config_file, kvhint_bin, snapshot_of};
+use std::process::Command;
+
+/// The errors for a config, one string per error.
+fn errors(yaml: &str) -> Vec<String> {
+    let fixture = config_file(yaml);
+    match snapshot_of(&fixture, None) {
+        Ok(_) => Vec::new(),
+        Err(errors) => errors
+            .0
+            .iter()
+            .map(|e| {
+                let text = e.to_string();
+                // Strip the temporary directory: "kvhint.yaml:L:C: …".
+                match text.find("kvhint.yaml") {
+                    Some(i) => text[i..].to_string(),
+                    None => text,
+                }
+            })
+            .collect(),
+    }
+}
+
+fn assert_one(yaml: &str, expected: &str) {
+    let found = errors(yaml);
+    assert!(
+        found.iter().any(|e| e.starts_with(expected)),
+        "expected an error starting with\n  {expected}\nfound\n  {}",
+        found.join("\n  ")
+    );
+}
+
+#[test]
+fn invalid_yaml_syntax() {
+    assert_one(
+        "worker_selection:\n  decode: [dynamo-default-cost-fn\n",
+        "kvhint.yaml:3:1: invalid YAML",
+    );
+}
+
+#[test]
+fn duplicate_key() {
+    assert_one(
+        "worker_selection:\n  decode: kvcr\n  decode: dynamo-default-cost-fn\n",
+        "kvhint.yaml:3:3: duplicate key `decode` (first at line 2, column 3)",
+    );
+}
+
+#[test]
+fn unknown_keys_anywhere_with_a_suggestion() {
+    assert_one(
+        "worker_selction: {}\n",
+        "kvhint.yaml:1:1: worker_selction: unknown key `worker_selction` (did you mean `worker_selection`?)",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    type: kvcr\n    hint: []\n",
+        "kvhint.yaml:4:5: worker_selection.decode.hint: unknown key `hint` (did you mean `hints`?); expected one of: type, parameters, hints",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n        params: {}\n",
+        "kvhint.yaml:6:9: worker_selection.decode.hints[0].params: unknown key `params`",
+    );
+    assert_one(
+        "router:\n  blocksize: 16\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml:2:3: router.blocksize: unknown key `blocksize` (did you mean `block_size`?)",
+    );
+}
+
+#[test]
+fn unknown_role() {
+    assert_one(
+        "worker_selection:\n  decoder: kvcr\n",
+        "kvhint.yaml:2:3: worker_selection.decoder: unknown role `decoder`; expected one of: aggregated, prefill, decode",
+    );
+}
+
+#[test]
+fn missing_worker_selection_and_missing_type() {
+    assert_one(
+        "router: {block_size: 16}\n",
+        "kvhint.yaml:1:1: worker_selection: `worker_selection` is missing",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    hints: []\n",
+        "kvhint.yaml:3:5: worker_selection.decode: a role needs `type`",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - name: x\n",
+        "kvhint.yaml:5:9: worker_selection.decode.hints[0]: a hint needs `type`",
+    );
+}
+
+#[test]
+fn wrong_shapes() {
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: kv_fetch\n",
+        "kvhint.yaml:4:12: worker_selection.decode.hints: `hints` must be a list",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n        parameters: [1, 2]\n",
+        "kvhint.yaml:6:21: worker_selection.decode.hints[0].parameters: `parameters` must be a mapping, found a sequence",
+    );
+    assert_one(
+        "router:\n  block_size: 0\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml:2:15: router.block_size: expected a whole number ≥ 1, found `0`",
+    );
+    assert_one(
+        "router:\n  mode: fastest\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml:2:9: router.mode: unknown router mode `fastest`; expected one of: kv, round-robin, random",
+    );
+}
+
+#[test]
+fn unknown_selection_policy_and_bad_selection_parameters() {
+    assert_one(
+        "worker_selection:\n  decode:\n    type: kv-cr\n",
+        "kvhint.yaml:3:11: worker_selection.decode.type: unknown selection policy `kv-cr`; known: dynamo-default-cost-fn, kvcr, round-robin, random",
+    );
+    // Pointed at the offending key, not just the mapping.
+    assert_one(
+        "worker_selection:\n  decode:\n    type: kvcr\n    parameters:\n      shared_cache_multiplier: 0.5\n      overlap_weight: 2\n",
+        "kvhint.yaml:6:7: worker_selection.decode.parameters.overlap_weight: bad parameters for selection policy `kvcr` (built-in): unknown field `overlap_weight`",
+    );
+}
+
+#[test]
+fn unknown_hint_type_lists_the_known_ones() {
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fecth\n",
+        "kvhint.yaml:5:9: worker_selection.decode.hints[0]: unknown hint policy type \"kv_fecth\"; known types: kv_fetch",
+    );
+}
+
+#[test]
+fn bad_hint_parameters_carry_the_plugins_own_message() {
+    assert_one(
+        "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: harness_prefetch\n        parameters:\n          max_block: 8\n",
+        "kvhint.yaml:9:11: worker_selection.decode.hints[0].parameters.max_block: bad parameters for hint policy \"harness_prefetch\" (plugin harness-prefetch 0.1.0",
+    );
+    // A value the plugin's own validation refuses.
+    let found = errors(
+        "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: harness_prefetch\n        parameters: {max_blocks: 0}\n",
+    );
+    assert!(
+        found[0].contains("max_blocks must be at least 1"),
+        "{found:?}"
+    );
+    assert!(
+        found[0].starts_with("kvhint.yaml:8:9: worker_selection.decode.hints[0].parameters"),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn missing_plugin_file_and_bad_pin() {
+    assert_one(
+        "plugins:\n  files: [./libnothere.so]\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml: plugins.files[0]: plugin ",
+    );
+    assert_one(
+        "plugins:\n  files:\n    - path: ./libx.so\n      sha256: abc\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml:4:15: plugins.files[0].sha256: expected 64 hex digits",
+    );
+    assert_one(
+        "plugins:\n  directory: ./no-such-dir\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml:2:14: plugins.directory: plugins directory ",
+    );
+}
+
+#[test]
+fn every_error_is_reported_at_once_in_file_order() {
+    let found = errors(
+        "router:\n  mode: fastest\nworker_selection:\n  decoder: kvcr\n  decode:\n    type: kvcr\n    hint: []\n",
+    );
+    assert_eq!(found.len(), 3, "{found:?}");
+    assert!(
+        found[0].starts_with("kvhint.yaml:2:9: router.mode"),
+        "{found:?}"
+    );
+    assert!(
+        found[1].starts_with("kvhint.yaml:4:3: worker_selection.decoder"),
+        "{found:?}"
+    );
+    assert!(
+        found[2].starts_with("kvhint.yaml:7:5: worker_selection.decode.hint"),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn check_prints_every_error_and_exits_1() {
+    let fixture = config_file(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fecth\n      - type: kv_fetch\n        parameters: {min_additional_blocks: 0}\n",
+    );
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--config"])
+        .arg(&fixture.path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(":5:9: worker_selection.decode.hints[0]: unknown hint policy type"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(":7:9: worker_selection.decode.hints[1].parameters: bad parameters for hint policy \"kv_fetch\" (built-in kv-fetch): min_additional_blocks must be at least 1"), "{stderr}");
+    assert!(stderr.contains("2 errors found"), "{stderr}");
+}

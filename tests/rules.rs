@@ -1,0 +1,394 @@
+//! Rules R1–R6 and R9 of DESIGN.md §3, each on real bookings: a real config
+//! file, real plugin `.so` files, the router's own booking path.
+
+use kvhint::config::RouterMode;
+use kvhint_e2e::trace::{release, request, stored, tokens, worker};
+use kvhint_e2e::{config_file, kvhint_bin, replay_records, snapshot_of};
+use serde_json::{json, Value};
+use std::process::Command;
+
+const BS: usize = 4;
+
+fn workers_booked(bookings: &[Value]) -> Vec<(u64, u64)> {
+    bookings
+        .iter()
+        .map(|b| {
+            (
+                b["worker_id"].as_u64().unwrap(),
+                b["dp_rank"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn action_types(booking: &Value) -> Vec<String> {
+    booking["hint"]["actions"]
+        .as_array()
+        .map(|actions| {
+            actions
+                .iter()
+                .map(|a| a["action_type"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A decode pool: 1 and 2 cold and hint-capable, 3 holding prompt A (16
+/// tokens) and prompt C (8 tokens); then requests that exercise selection.
+fn decode_trace() -> Vec<Value> {
+    let a = tokens(1, 16);
+    let c = tokens(201, 8);
+    vec![
+        worker(1, 0, "decode", true, "decode"),
+        worker(2, 0, "decode", true, "decode"),
+        worker(3, 0, "decode", true, "decode"),
+        stored(3, 0, &a, BS, 3000),
+        stored(3, 0, &c, BS, 3100),
+        request("warm", "decode", &c),
+        request("r1", "decode", &a),
+        request("r2", "decode", &tokens(1, 12)),
+        release("warm"),
+        request("r3", "decode", &a),
+    ]
+}
+
+#[test]
+fn r1_hint_policies_never_change_the_booked_worker() {
+    let plain = config_file(
+        "router: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n    hints: [{type: kv_fetch}]\n",
+    );
+    // The same selection with every kind of hint policy around the sender:
+    // ones that add actions, panic, error and return malformed actions.
+    let busy = config_file(
+        "plugins:\n  files: ['{so:harness_prefetch}', '{so:fixture_misbehaving}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n    hints:\n      - type: echo\n      - type: panics\n      - type: kv_fetch\n      - type: errors\n      - type: malformed\n        parameters: {kind: not_object}\n      - type: harness_prefetch\n      - type: burst\n        parameters: {count: 40}\n",
+    );
+    let (plain, _l1) = snapshot_of(&plain, None).unwrap();
+    let (busy, _l2) = snapshot_of(&busy, None).unwrap();
+    let (a, err_a) = replay_records(&plain, &decode_trace());
+    let (b, err_b) = replay_records(&busy, &decode_trace());
+    assert!(err_a.is_empty() && err_b.is_empty(), "{err_a}{err_b}");
+    assert_eq!(workers_booked(&a), workers_booked(&b));
+    assert_eq!(a.len(), 4);
+    // The busy role really did run its policies (and some failed).
+    assert!(b
+        .iter()
+        .any(|x| !x["policy_failures"].as_array().unwrap().is_empty()));
+    assert!(b
+        .iter()
+        .any(|x| action_types(x).contains(&"test.echo".to_string())));
+}
+
+#[test]
+fn r2_role_entry_forms_and_hint_names() {
+    // A bare string, a mapping without hints, and one type listed twice with
+    // distinct names: all valid.
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  prefill: dynamo-default-cost-fn\n  aggregated:\n    type: dynamo-default-cost-fn\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: harness_prefetch\n        name: near\n        parameters: {max_blocks: 2}\n      - type: harness_prefetch\n        name: far\n        parameters: {max_blocks: 64}\n      - type: kv_fetch\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let names: Vec<_> = snapshot
+        .role(kvhint::config::Role::Decode)
+        .unwrap()
+        .hints
+        .policies()
+        .iter()
+        .map(|p| (p.name.clone(), p.type_name.clone()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("near".to_string(), "harness_prefetch".to_string()),
+            ("far".to_string(), "harness_prefetch".to_string()),
+            ("kv_fetch".to_string(), "kv_fetch".to_string()),
+        ],
+        "name defaults to type"
+    );
+
+    // The same type twice without names, and a duplicate name: refused.
+    let fixture = config_file(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n      - type: kv_fetch\n      - type: kv_fetch\n        name: x\n      - type: kv_fetch\n        name: x\n",
+    );
+    let errors = snapshot_of(&fixture, None).err().unwrap().to_string();
+    assert!(
+        errors.contains(
+            ":6:9: worker_selection.decode.hints[1]: this role lists hint type `kv_fetch` twice"
+        ),
+        "{errors}"
+    );
+    assert!(
+        errors.contains(":9:9: worker_selection.decode.hints[3]: duplicate hint name `x`"),
+        "{errors}"
+    );
+}
+
+#[test]
+fn r3_empty_hints_run_none_and_absent_hints_run_the_defaults_in_order() {
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\nrouter: {block_size: 4}\nworker_selection:\n  decode: kvcr\n  aggregated:\n    type: dynamo-default-cost-fn\n    hints: []\n  prefill: dynamo-default-cost-fn\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let resolved = |role| -> Vec<String> {
+        snapshot
+            .role(role)
+            .unwrap()
+            .hints
+            .policies()
+            .iter()
+            .map(|p| p.name.clone())
+            .collect()
+    };
+    use kvhint::config::Role;
+    // Registered for kvcr first (kv_fetch), then for any selection (echo).
+    assert_eq!(resolved(Role::Decode), ["kv_fetch", "echo"]);
+    assert_eq!(resolved(Role::Prefill), ["echo"]);
+    assert!(resolved(Role::Aggregated).is_empty());
+
+    // On a booking, the actions come in that order too.
+    let mut records = decode_trace();
+    records.push(worker(9, 0, "aggregated", true, "agg"));
+    records.push(request("agg", "aggregated", &tokens(1, 8)));
+    let (bookings, errors) = replay_records(&snapshot, &records);
+    assert!(errors.is_empty(), "{errors}");
+    let r1 = bookings.iter().find(|b| b["request_id"] == "r1").unwrap();
+    assert_eq!(action_types(r1), ["kv.fetch", "test.echo"]);
+    let agg = bookings.iter().find(|b| b["request_id"] == "agg").unwrap();
+    assert_eq!(agg["hint"], Value::Null);
+    assert_eq!(agg["hint_skipped"], "no_policies");
+}
+
+#[test]
+fn r4_hints_only_on_the_kv_path() {
+    let listed = config_file(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n",
+    );
+    // Fine under kv; a start-up error under round-robin and random.
+    assert!(snapshot_of(&listed, None).is_ok());
+    for mode in [RouterMode::RoundRobin, RouterMode::Random] {
+        let errors = snapshot_of(&listed, Some(mode)).err().unwrap().to_string();
+        assert!(
+            errors.contains(&format!(
+                "hints run only on the KV path, but the router mode is `{mode}`"
+            )),
+            "{errors}"
+        );
+        assert!(
+            errors.contains(":4:5: worker_selection.decode.hints"),
+            "{errors}"
+        );
+    }
+    // `kvhint check --router-mode round-robin` says so and exits 1.
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--router-mode", "round-robin", "--config"])
+        .arg(&listed.path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("hints run only on the KV path"));
+
+    // Default hints simply do not run there.
+    let defaults = config_file("router: {block_size: 4}\nworker_selection:\n  decode: kvcr\n");
+    let (snapshot, _loader) = snapshot_of(&defaults, Some(RouterMode::RoundRobin)).unwrap();
+    assert!(snapshot
+        .role(kvhint::config::Role::Decode)
+        .unwrap()
+        .hints
+        .is_empty());
+    let (bookings, _) = replay_records(&snapshot, &decode_trace());
+    assert!(bookings
+        .iter()
+        .all(|b| b["hint"].is_null() && b["hint_skipped"] == "non_kv_mode"));
+    // Round-robin really books in turn.
+    assert_eq!(workers_booked(&bookings), [(1, 0), (2, 0), (3, 0), (1, 0)]);
+}
+
+#[test]
+fn r5_a_copy_committing_selection_needs_exactly_one_kv_copy_sender() {
+    let none = config_file(
+        "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.5}\n    hints: [{type: harness_prefetch}]\n",
+    );
+    let errors = snapshot_of(&none, None).err().unwrap().to_string();
+    assert!(
+        errors.contains(
+            ":5:5: worker_selection.decode: role decode: selection policy `kvcr` commits KV copies"
+        ),
+        "{errors}"
+    );
+    assert!(
+        errors.contains("none of its hint policies declares it (resolved: [harness_prefetch])"),
+        "{errors}"
+    );
+
+    let two = config_file(
+        "worker_selection:\n  decode:\n    type: kvcr\n    hints:\n      - type: kv_fetch\n      - type: kv_fetch\n        name: second_fetch\n",
+    );
+    let errors = snapshot_of(&two, None).err().unwrap().to_string();
+    assert!(
+        errors.contains("2 declare it: kv_fetch, second_fetch"),
+        "{errors}"
+    );
+
+    // A multiplier of 0 commits nothing, so no sender is needed.
+    let zero = config_file(
+        "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0}\n    hints: [{type: harness_prefetch}]\n",
+    );
+    assert!(snapshot_of(&zero, None).is_ok());
+}
+
+#[test]
+fn r6_no_hint_and_no_committed_copy_for_a_worker_without_router_hint() {
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 1.0}\n    hints: [{type: kv_fetch}, {type: echo}]\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let a = tokens(1, 16);
+    let busy = tokens(900, 8);
+    let records = vec![
+        // Worker 1 cannot receive hints; worker 3 holds prompt A and is warm
+        // with another prompt.
+        worker(1, 0, "decode", false, ""),
+        worker(3, 0, "decode", true, "decode"),
+        stored(3, 0, &a, BS, 3000),
+        stored(3, 0, &busy, BS, 3100),
+        request("busy", "decode", &busy),
+        // Were worker 3's copy credited to worker 1, idle 1 would win r1 with a
+        // committed copy it could never be told about. It is not: 3 wins.
+        request("r1", "decode", &a),
+        // With 3 busier, worker 1 wins on load: no hint, no copy.
+        request("r2", "decode", &a),
+        release("r1"),
+        // A hint-capable idle worker wins through the credit: copy committed.
+        worker(2, 0, "decode", true, "decode"),
+        request("r3", "decode", &a),
+    ];
+    let (bookings, errors) = replay_records(&snapshot, &records);
+    assert!(errors.is_empty(), "{errors}");
+    let by_id = |id: &str| bookings.iter().find(|b| b["request_id"] == id).unwrap();
+    assert_eq!(by_id("r1")["worker_id"], 3);
+    assert_eq!(by_id("r1")["committed_copy"], Value::Null);
+    let r2 = by_id("r2");
+    assert_eq!(r2["worker_id"], 1);
+    assert_eq!(r2["committed_copy"], Value::Null);
+    assert_eq!(r2["hint"], Value::Null);
+    assert_eq!(r2["hint_skipped"], "worker_not_hint_capable");
+    assert!(
+        r2["policy_failures"].as_array().unwrap().is_empty(),
+        "no policy ran"
+    );
+    let r3 = by_id("r3");
+    assert_eq!(r3["worker_id"], 2, "{r3}");
+    assert_eq!(r3["committed_copy"]["source_worker_id"], 3);
+    // One message, carrying the copy first.
+    assert_eq!(action_types(r3), ["kv.fetch", "test.echo"]);
+    assert_eq!(r3["hint"]["message_id"], "r3");
+}
+
+fn fetch_payload(booking: &Value) -> Value {
+    let actions = booking["hint"]["actions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(actions.len() <= 1, "one kv.fetch at most: {booking}");
+    actions
+        .first()
+        .map(|a| a["payload"].clone())
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn r9_kv_fetch_sends_the_committed_copy() {
+    let fixture = config_file(
+        "router: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let (bookings, errors) = replay_records(&snapshot, &decode_trace());
+    assert!(errors.is_empty(), "{errors}");
+    let r1 = bookings.iter().find(|b| b["request_id"] == "r1").unwrap();
+    assert_eq!(r1["worker_id"], 1);
+    assert_eq!(
+        r1["committed_copy"],
+        json!({"source_worker_id": 3, "source_dp_rank": 0, "first_block": 0, "last_block": 4})
+    );
+    assert_eq!(
+        fetch_payload(r1),
+        json!({"source_control_endpoint": "tcp://10.0.0.3:23280", "block_hashes": [3000, 3001, 3002, 3003]})
+    );
+}
+
+/// Worker 10 (aggregated, default cost fn: no commitments) holds one block of
+/// the prompt and is booked; peers hold more, and kv_fetch picks one best
+/// effort.
+fn best_effort(min_additional_blocks: u32, peers: &[(u64, u32, usize, bool, &str)]) -> Value {
+    let fixture = config_file(&format!(
+        "router: {{block_size: 4}}\nworker_selection:\n  aggregated:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n        parameters: {{min_additional_blocks: {min_additional_blocks}}}\n"
+    ));
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let prompt = tokens(100, 32);
+    let mut records = vec![
+        worker(10, 0, "aggregated", true, "agg"),
+        stored(10, 0, &prompt[..4], BS, 10_000),
+    ];
+    // Peers serve another role, so worker 10 is the only candidate; a peer's
+    // eligibility is its worker type, not its role.
+    for &(id, rank, blocks, hint, kind) in peers {
+        records.push(worker(id, rank, "prefill", hint, kind));
+        records.push(stored(
+            id,
+            rank,
+            &prompt[..blocks * BS],
+            BS,
+            id * 1000 + rank as u64 * 100,
+        ));
+    }
+    records.push(request("r", "aggregated", &prompt));
+    let (bookings, errors) = replay_records(&snapshot, &records);
+    assert!(errors.is_empty(), "{errors}");
+    let booking = bookings.last().unwrap().clone();
+    assert_eq!(booking["worker_id"], 10, "{booking}");
+    assert_eq!(booking["committed_copy"], Value::Null);
+    booking
+}
+
+#[test]
+fn r9_kv_fetch_best_effort_names_the_longest_eligible_peer() {
+    let booking = best_effort(
+        1,
+        &[
+            (20, 0, 3, true, "agg"),
+            (21, 0, 6, true, "agg"),
+            // Longer, but ineligible: another worker type; no router_hint.
+            (22, 0, 8, true, "other"),
+            (23, 0, 8, false, ""),
+        ],
+    );
+    assert_eq!(
+        fetch_payload(&booking),
+        json!({"source_control_endpoint": "tcp://10.0.0.21:23280", "block_hashes": [21000, 21001, 21002, 21003, 21004, 21005]})
+    );
+}
+
+#[test]
+fn r9_kv_fetch_min_additional_blocks() {
+    // The booked worker holds 1 block, the peer 3: 2 more.
+    let peers = [(20, 0, 3, true, "agg")];
+    assert_eq!(fetch_payload(&best_effort(3, &peers)), Value::Null);
+    assert_eq!(
+        fetch_payload(&best_effort(2, &peers))["source_control_endpoint"],
+        "tcp://10.0.0.20:23280"
+    );
+}
+
+#[test]
+fn r9_kv_fetch_ties_go_to_the_lowest_worker_id_then_dp_rank() {
+    let booking = best_effort(
+        1,
+        &[
+            (31, 0, 5, true, "agg"),
+            (30, 1, 5, true, "agg"),
+            (30, 2, 5, true, "agg"),
+        ],
+    );
+    assert_eq!(
+        fetch_payload(&booking)["source_control_endpoint"],
+        "tcp://10.0.0.30:23281"
+    );
+}
