@@ -177,9 +177,11 @@ fn panicking_policy_is_contained_and_quarantined_after_repeated_panics() {
             );
         }
     }
-    let stats = &stage.policies()[1].stats;
+    let panicking = &stage.policies()[1];
+    let stats = &panicking.stats;
     assert_eq!(stats.panics.load(Ordering::Relaxed), quarantine_after);
-    assert!(stats.is_quarantined());
+    assert!(panicking.is_quarantined());
+    assert_eq!(stats.quarantines.load(Ordering::Relaxed), 1);
     assert_eq!(stats.skipped_quarantined.load(Ordering::Relaxed), 2);
 }
 
@@ -199,9 +201,9 @@ fn erroring_policy_loses_only_its_own_actions() {
     assert!(outcome.failures[0]
         .message
         .contains("cache tier unavailable"));
-    let stats = &stage.policies()[0].stats;
-    assert_eq!(stats.errors.load(Ordering::Relaxed), 1);
-    assert!(!stats.is_quarantined(), "errors do not quarantine");
+    let erroring = &stage.policies()[0];
+    assert_eq!(erroring.stats.errors.load(Ordering::Relaxed), 1);
+    assert!(!erroring.is_quarantined(), "errors do not quarantine");
 }
 
 #[test]

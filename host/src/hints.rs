@@ -17,11 +17,55 @@ use abi_stable::std_types::{RResult, RVec};
 use kvhint_plugin_api::abi::{FfiAction, FfiErrorKind, FfiHintContext, FfiHintPolicyBox};
 use kvhint_plugin_api::policy::Commitments;
 use serde_json::value::RawValue;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Counters of one policy instance. Read by metrics and the status endpoint.
+/// Upper bounds (in microseconds) of the policy-latency histogram buckets.
+pub const LATENCY_BUCKETS_US: [f64; 12] = [
+    0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+];
+
+/// A lock-free latency histogram: one atomic add per observation, so timing a
+/// policy costs the booking path no lock.
+#[derive(Debug, Default)]
+pub struct LatencyHistogram {
+    /// Counts per bucket of [`LATENCY_BUCKETS_US`], plus one for +Inf.
+    buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl LatencyHistogram {
+    pub fn observe(&self, nanos: u64) {
+        let micros = nanos as f64 / 1000.0;
+        let bucket = LATENCY_BUCKETS_US
+            .iter()
+            .position(|&bound| micros <= bound)
+            .unwrap_or(LATENCY_BUCKETS_US.len());
+        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Cumulative counts per bucket (the last is +Inf, i.e. the total count).
+    pub fn cumulative(&self) -> Vec<u64> {
+        let mut total = 0;
+        self.buckets
+            .iter()
+            .map(|b| {
+                total += b.load(Ordering::Relaxed);
+                total
+            })
+            .collect()
+    }
+
+    pub fn sum_seconds(&self) -> f64 {
+        self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9
+    }
+}
+
+/// Counters of one policy of one role. They outlive reloads (a reload hands the
+/// new instance the same counters), so metrics stay monotonic.
 #[derive(Debug, Default)]
 pub struct PolicyStats {
     pub calls: AtomicU64,
@@ -31,14 +75,34 @@ pub struct PolicyStats {
     pub malformed: AtomicU64,
     pub actions: AtomicU64,
     pub skipped_quarantined: AtomicU64,
-    /// Total time inside `build_hints`, for the mean; histograms live in metrics.
-    pub nanos: AtomicU64,
-    quarantined: AtomicBool,
+    pub quarantines: AtomicU64,
+    pub latency: LatencyHistogram,
 }
 
-impl PolicyStats {
-    pub fn is_quarantined(&self) -> bool {
-        self.quarantined.load(Ordering::Relaxed)
+/// The counters of every (role, policy name) seen, across reloads.
+#[derive(Debug, Default)]
+pub struct PolicyStatsRegistry {
+    stats: std::sync::Mutex<BTreeMap<(String, String), Arc<PolicyStats>>>,
+}
+
+impl PolicyStatsRegistry {
+    /// The counters for a role's policy, created on first use.
+    pub fn get(&self, role: &str, policy: &str) -> Arc<PolicyStats> {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(
+            stats
+                .entry((role.to_string(), policy.to_string()))
+                .or_default(),
+        )
+    }
+
+    /// Every (role, policy) with its counters, sorted.
+    pub fn all(&self) -> Vec<((String, String), Arc<PolicyStats>)> {
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        stats
+            .iter()
+            .map(|(k, v)| (k.clone(), Arc::clone(v)))
+            .collect()
     }
 }
 
@@ -50,19 +114,39 @@ pub struct HintPolicyInstance {
     pub origin: Arc<Origin>,
     pub commitments: Commitments,
     policy: FfiHintPolicyBox,
-    pub stats: PolicyStats,
+    pub stats: Arc<PolicyStats>,
+    /// Panics of this instance; quarantine is per snapshot, so a reload (a new
+    /// instance) gives a fixed plugin a fresh start.
+    panics: AtomicU64,
+    quarantined: AtomicBool,
 }
 
 impl HintPolicyInstance {
+    /// An instance with counters of its own.
     pub fn new(name: impl Into<String>, constructed: ConstructedPolicy) -> Self {
+        Self::with_stats(name, constructed, Arc::default())
+    }
+
+    /// An instance counting into shared counters (see [`PolicyStatsRegistry`]).
+    pub fn with_stats(
+        name: impl Into<String>,
+        constructed: ConstructedPolicy,
+        stats: Arc<PolicyStats>,
+    ) -> Self {
         Self {
             name: name.into(),
             type_name: constructed.type_name,
             origin: constructed.origin,
             commitments: constructed.commitments,
             policy: constructed.policy,
-            stats: PolicyStats::default(),
+            stats,
+            panics: AtomicU64::new(0),
+            quarantined: AtomicBool::new(false),
         }
+    }
+
+    pub fn is_quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::Relaxed)
     }
 }
 
@@ -185,16 +269,14 @@ impl HintStage {
         failures: &mut Vec<PolicyFailure>,
     ) -> Option<RVec<FfiAction>> {
         let stats = &instance.stats;
-        if stats.is_quarantined() {
+        if instance.is_quarantined() {
             stats.skipped_quarantined.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         stats.calls.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let result = instance.policy.build_hints(context);
-        stats
-            .nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        stats.latency.observe(started.elapsed().as_nanos() as u64);
         let mut fail = |kind: FailureKind, message: String| {
             stats.failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(policy = %instance.name, kind = ?kind, %message, "hint policy dropped its actions for this booking");
@@ -223,9 +305,12 @@ impl HintStage {
                 Some(actions)
             }
             RResult::RErr(e) if e.kind == FfiErrorKind::Panicked => {
-                let panics = stats.panics.fetch_add(1, Ordering::Relaxed) + 1;
-                if panics >= self.limits.quarantine_after_panics {
-                    stats.quarantined.store(true, Ordering::Relaxed);
+                stats.panics.fetch_add(1, Ordering::Relaxed);
+                let panics = instance.panics.fetch_add(1, Ordering::Relaxed) + 1;
+                if panics >= self.limits.quarantine_after_panics
+                    && !instance.quarantined.swap(true, Ordering::Relaxed)
+                {
+                    stats.quarantines.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(policy = %instance.name, panics, "hint policy quarantined until the next reload");
                 }
                 fail(FailureKind::Panic, e.message.into_string())

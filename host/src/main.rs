@@ -28,6 +28,23 @@ fn parse_mode(text: &str) -> Result<RouterMode, String> {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the router: the HTTP JSON API, reloading on plugin-directory
+    /// changes, SIGHUP and POST /admin/reload.
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long, value_parser = parse_mode)]
+        router_mode: Option<RouterMode>,
+        /// Address to listen on; loopback unless you say otherwise.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Also reload when the config file changes.
+        #[arg(long)]
+        watch_config: bool,
+        /// Largest request body accepted.
+        #[arg(long, default_value_t = 8 << 20)]
+        max_body_bytes: usize,
+    },
     /// Load the plugins, validate the config, construct every policy, and print
     /// each role's resolved selection and hint policies. Exit 1 with every
     /// error found.
@@ -66,13 +83,24 @@ enum Command {
     },
 }
 
+/// `serve` is a daemon whose reloads an operator wants to see; the other
+/// commands print their results and log only problems.
+fn default_log_level() -> &'static str {
+    if std::env::args().nth(1).as_deref() == Some("serve") {
+        "info"
+    } else {
+        "warn"
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KVHINT_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log_level())),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     // Plugin authors need the router's plugin-api version to follow the
     // compatibility rule, so `--version` says it.
@@ -100,6 +128,19 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Serve {
+            config,
+            router_mode,
+            listen,
+            watch_config,
+            max_body_bytes,
+        } => serve(kvhint::service::ServeOptions {
+            config,
+            mode: router_mode,
+            listen,
+            watch_config,
+            max_body_bytes,
+        }),
         Command::Check {
             config,
             router_mode,
@@ -158,6 +199,7 @@ fn load_snapshot(
         mode,
         generation: 1,
         block_size_in_use: None,
+        policy_stats: None,
     };
     match snapshot::build(&config, &options) {
         Ok(snapshot) if errors.is_empty() => Ok((config, loader, snapshot)),
@@ -167,6 +209,21 @@ fn load_snapshot(
             Err(ConfigErrors(errors))
         }
     }
+}
+
+fn serve(options: kvhint::service::ServeOptions) -> anyhow::Result<ExitCode> {
+    // Start-up validates exactly as `check` does, and refuses to serve a config
+    // with any error.
+    let app = match kvhint::service::build_app(&options) {
+        Ok(app) => app,
+        Err(errors) => return Ok(report_errors(&errors)),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(kvhint::service::serve(options, app))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn report_errors(errors: &ConfigErrors) -> ExitCode {

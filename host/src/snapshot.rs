@@ -20,9 +20,9 @@ use crate::catalog;
 use crate::config::{
     Config, ConfigError, ConfigErrors, HintItem, Location, Role, RoleConfig, RouterMode,
 };
-use crate::hints::{HintLimits, HintPolicyInstance, HintStage};
+use crate::hints::{HintLimits, HintPolicyInstance, HintStage, PolicyStatsRegistry};
 use crate::loader::Loader;
-use crate::registry::{Registry, RegistryError};
+use crate::registry::{ConstructedPolicy, Registry, RegistryError};
 use crate::router::selection::{SelectionEnv, SelectionError, SelectionPolicy, SelectionRegistry};
 use kvhint_plugin_api::policy::Commitments;
 use std::path::PathBuf;
@@ -104,6 +104,9 @@ pub struct BuildOptions<'a> {
     pub generation: u64,
     /// The block size the running router's KV index uses, if one runs.
     pub block_size_in_use: Option<usize>,
+    /// Counters that outlive this snapshot (a serving router's); `None` gives
+    /// each policy counters of its own.
+    pub policy_stats: Option<&'a PolicyStatsRegistry>,
 }
 
 struct Builder<'a> {
@@ -152,17 +155,17 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
     let env = SelectionEnv {
         seed: config.router.seed,
     };
+    let context = RoleContext {
+        mode,
+        registry: &registry,
+        selections: &selections,
+        limits,
+        env,
+        policy_stats: options.policy_stats,
+    };
     let mut roles = Vec::new();
     for role in &config.worker_selection {
-        if let Some(runtime) = build_role(
-            &mut builder,
-            role,
-            mode,
-            &registry,
-            &selections,
-            limits,
-            env,
-        ) {
+        if let Some(runtime) = build_role(&mut builder, role, &context) {
             roles.push(runtime);
         }
     }
@@ -241,15 +244,29 @@ fn load_plugins(builder: &mut Builder<'_>, loader: &Loader) -> (Registry, Vec<Pl
     (registry, plugins)
 }
 
+/// What every role of one snapshot is built with.
+struct RoleContext<'a> {
+    mode: RouterMode,
+    registry: &'a Registry,
+    selections: &'a SelectionRegistry,
+    limits: HintLimits,
+    env: SelectionEnv,
+    policy_stats: Option<&'a PolicyStatsRegistry>,
+}
+
 fn build_role(
     builder: &mut Builder<'_>,
     role: &RoleConfig,
-    mode: RouterMode,
-    registry: &Registry,
-    selections: &SelectionRegistry,
-    limits: HintLimits,
-    env: SelectionEnv,
+    context: &RoleContext<'_>,
 ) -> Option<RoleRuntime> {
+    let RoleContext {
+        mode,
+        registry,
+        selections,
+        limits,
+        env,
+        policy_stats,
+    } = *context;
     let selection_type = &role.selection.type_name;
     let selection =
         match selections.construct(selection_type, &role.selection.parameters.value, env) {
@@ -287,6 +304,15 @@ fn build_role(
         (Some(items), true) => (listed_hints(builder, items, registry), HintsFrom::Listed),
         (None, true) => (default_hints(builder, role, registry), HintsFrom::Defaults),
     };
+    let instances: Vec<HintPolicyInstance> = instances
+        .into_iter()
+        .map(|(name, constructed)| {
+            let stats = policy_stats
+                .map(|registry| registry.get(role.role.as_str(), &name))
+                .unwrap_or_default();
+            HintPolicyInstance::with_stats(name, constructed, stats)
+        })
+        .collect();
     let selection = selection?;
     let commits_kv_copies = on_kv_path && selection.commits_kv_copies();
     let expected = match &role.hints {
@@ -342,13 +368,11 @@ fn listed_hints(
     builder: &mut Builder<'_>,
     items: &[HintItem],
     registry: &Registry,
-) -> Vec<HintPolicyInstance> {
+) -> Vec<(String, ConstructedPolicy)> {
     let mut instances = Vec::new();
     for item in items {
         match registry.construct(&item.type_name, &item.parameters.value) {
-            Ok(constructed) => {
-                instances.push(HintPolicyInstance::new(item.name.clone(), constructed))
-            }
+            Ok(constructed) => instances.push((item.name.clone(), constructed)),
             Err(e) => {
                 let message = e.to_string();
                 let at = match e {
@@ -366,13 +390,11 @@ fn default_hints(
     builder: &mut Builder<'_>,
     role: &RoleConfig,
     registry: &Registry,
-) -> Vec<HintPolicyInstance> {
+) -> Vec<(String, ConstructedPolicy)> {
     let mut instances = Vec::new();
     for hint_type in registry.defaults_for(&role.selection.type_name) {
         match registry.construct(&hint_type.name, &serde_json::json!({})) {
-            Ok(constructed) => {
-                instances.push(HintPolicyInstance::new(hint_type.name.clone(), constructed))
-            }
+            Ok(constructed) => instances.push((hint_type.name.clone(), constructed)),
             Err(e) => builder.error(
                 &role.at,
                 format!(

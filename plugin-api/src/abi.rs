@@ -40,6 +40,16 @@ pub struct PluginMod {
     /// Runs the author's registration function and returns what it registered.
     #[sabi(last_prefix_field)]
     pub register: extern "C" fn() -> RResult<RVec<FfiRegistration>, FfiError>,
+    /// Hands the plugin the host's log sink: the plugin's `tracing` events go
+    /// there from then on (see [`crate::log`]). Calling it again replaces the
+    /// sink and its maximum level.
+    ///
+    /// Appended after the first layout, so a plugin built before it has no such
+    /// field. `missing_field(option)` overrides the struct's `panic` default for
+    /// this field: the accessor returns `None` for such a plugin instead of
+    /// panicking inside the loader.
+    #[sabi(missing_field(option))]
+    pub set_log_sink: extern "C" fn(FfiLogSink),
 }
 
 impl RootModule for PluginModRef {
@@ -180,4 +190,49 @@ pub struct FfiHintContext<'a> {
     /// Other workers holding a prefix of the request, longest first.
     pub peers: RSlice<'a, FfiPeer<'a>>,
     pub committed_kv_copy: ROption<FfiKvCopy<'a>>,
+}
+
+/// Log levels as they cross the boundary, in [`FfiLogRecord::level`] and
+/// [`FfiLogSink::max_level`]: a plain `u8`, not a `#[repr(u8)]` enum, because an
+/// enum value one side does not know (a later plugin-api adding a level) would
+/// be undefined behaviour, while an unknown number is just mapped to the nearest
+/// known level. Ordered by verbosity, so "is this level enabled" is `<=`.
+pub mod log_level {
+    /// Only as a sink's `max_level`: the host wants no events at all.
+    pub const OFF: u8 = 0;
+    pub const ERROR: u8 = 1;
+    pub const WARN: u8 = 2;
+    pub const INFO: u8 = 3;
+    pub const DEBUG: u8 = 4;
+    pub const TRACE: u8 = 5;
+}
+
+/// One `tracing` event of a plugin, already formatted on the plugin side.
+/// Borrowed for the duration of one [`FfiLogSink::log`] call.
+///
+/// Formatted text rather than structured fields: fields are `dyn Debug` values
+/// that cannot cross the boundary, and the host only ever prints them.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiLogRecord<'a> {
+    /// One of [`log_level`]'s event levels (`ERROR`..=`TRACE`).
+    pub level: u8,
+    /// The plugin crate's name (`CARGO_PKG_NAME`), as in [`PluginMod::name`].
+    pub plugin: RStr<'a>,
+    /// The event's own target in the plugin (by default its module path).
+    pub target: RStr<'a>,
+    /// The event's `message` field, then its other fields as ` key=value`.
+    pub message: RStr<'a>,
+}
+
+/// Where a plugin's log events go: given to the plugin by the host through
+/// [`PluginMod::set_log_sink`].
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct FfiLogSink {
+    /// The most verbose [`log_level`] the host would print: the plugin does not
+    /// even format events above it.
+    pub max_level: u8,
+    /// Takes one event. The host's implementation never unwinds.
+    pub log: extern "C" fn(&FfiLogRecord<'_>),
 }

@@ -1,16 +1,17 @@
 //! The plugin side of the boundary: adapters from the author's types to the
 //! stable-ABI trait objects, and [`export_plugin!`](crate::export_plugin).
 //!
-//! Every entry point the host can call — registration, construction, and
-//! `build_hints` — runs inside `catch_unwind` here, in the plugin. A panic that
+//! Every entry point the host can call — registration, construction,
+//! `build_hints`, and `set_log_sink` ([`crate::log::set_sink`]) — runs inside
+//! `catch_unwind` here, in the plugin. A panic that
 //! reached the boundary would make `abi_stable` abort the whole router; caught
 //! here it becomes an [`FfiError`] of kind `Panicked` that the host counts and
 //! contains.
 
 use crate::abi::{
     FfiAction, FfiConstructed, FfiError, FfiErrorKind, FfiHintContext, FfiHintHost, FfiHintPolicy,
-    FfiHintPolicyBox, FfiHintPolicy_TO, FfiHintProvider, FfiHintProvider_TO, FfiRegistration,
-    PluginMod, PluginModRef,
+    FfiHintPolicyBox, FfiHintPolicy_TO, FfiHintProvider, FfiHintProvider_TO, FfiLogSink,
+    FfiRegistration, PluginMod, PluginModRef,
 };
 use crate::context::HintContext;
 use crate::policy::{Action, HintError, HintErrorKind, HintPolicy};
@@ -195,6 +196,7 @@ pub fn root_module(
     version: &'static str,
     panic_unwind: bool,
     register: extern "C" fn() -> RResult<RVec<FfiRegistration>, FfiError>,
+    set_log_sink: extern "C" fn(FfiLogSink),
 ) -> PluginModRef {
     PluginMod {
         abi_version: crate::ABI_VERSION,
@@ -203,6 +205,7 @@ pub fn root_module(
         name: RStr::from_str(name),
         version: RStr::from_str(version),
         register,
+        set_log_sink,
     }
     .leak_into_prefix()
 }
@@ -218,6 +221,8 @@ pub fn root_module(
 /// It generates the `abi_stable` root module the router loads from the `.so`,
 /// and a `pub fn kvhint_plugin_module()` that returns the same module, so a
 /// crate built as both `rlib` and `cdylib` can also be linked into a host.
+/// The module's `set_log_sink` lets the router route the plugin's `tracing`
+/// events into its own log ([`crate::log`]).
 #[macro_export]
 macro_rules! export_plugin {
     ($register:path) => {
@@ -227,6 +232,13 @@ macro_rules! export_plugin {
             $crate::abi::FfiError,
         > {
             $crate::export::run_registration($register)
+        }
+
+        // A function per plugin, not one in this crate, so the records carry
+        // this crate's name; `set_sink` catches every panic.
+        #[doc(hidden)]
+        extern "C" fn __kvhint_set_log_sink(sink: $crate::abi::FfiLogSink) {
+            $crate::log::set_sink(env!("CARGO_PKG_NAME"), sink)
         }
 
         /// This plugin's root module, for a host that links the crate in.
@@ -239,6 +251,7 @@ macro_rules! export_plugin {
                     env!("CARGO_PKG_VERSION"),
                     cfg!(panic = "unwind"),
                     __kvhint_register,
+                    __kvhint_set_log_sink,
                 )
             })
         }
@@ -277,5 +290,20 @@ mod tests {
             abi_stable::library::ROOT_MODULE_LOADER_NAME,
             "_1as_0lib_1header_0root_bmodule_bloader"
         );
+    }
+
+    #[test]
+    fn the_root_module_carries_the_log_sink_setter() {
+        use crate::abi::{FfiError, FfiLogSink, FfiRegistration};
+        use abi_stable::std_types::{RResult, RVec};
+        extern "C" fn register() -> RResult<RVec<FfiRegistration>, FfiError> {
+            RResult::ROk(RVec::new())
+        }
+        extern "C" fn set_log_sink(_: FfiLogSink) {}
+        let module = super::root_module("my-plugin", "0.1.0", true, register, set_log_sink);
+        // An `Option`: the field comes after the last prefix field, so a host
+        // must expect plugins built before it (and gets `None` from them).
+        assert!(module.set_log_sink().is_some());
+        assert_eq!(module.name().as_str(), "my-plugin");
     }
 }

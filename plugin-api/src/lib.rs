@@ -12,12 +12,17 @@
 //! [`ABI_VERSION`] and by this crate's version ([`API_VERSION`]); the
 //! compatibility rule is in this crate's README.
 //!
+//! A plugin's `tracing` events reach the router's log through [`log`]: the
+//! host hands each loaded plugin a sink, and `export_plugin!` installs a
+//! subscriber in the plugin that forwards to it.
+//!
 //! This crate stays small on purpose — every plugin depends on it — so it holds
 //! only types, traits and the thin adapters between the two views.
 
 pub mod abi;
 pub mod context;
 pub mod export;
+pub mod log;
 pub mod policy;
 pub mod registry;
 pub mod testing;

@@ -24,6 +24,9 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "fixture-misbehaving",
     "fixture-duplicate-type",
     "fixture-no-root-module",
+    "fixture-hot-add",
+    "fixture-versioned-v1",
+    "fixture-versioned-v2",
 ];
 
 pub fn workspace_root() -> PathBuf {
@@ -150,7 +153,8 @@ fn vendor_plugin_api(base: &Path, version: &str) -> PathBuf {
              [dependencies]\n\
              abi_stable = {{ version = \"=0.11.3\", default-features = false }}\n\
              serde = {{ version = \"1\", features = [\"derive\"] }}\n\
-             serde_json = \"1\"\n"
+             serde_json = \"1\"\n\
+             tracing-core = \"0.1\"\n"
         ),
     )
     .unwrap();
@@ -243,6 +247,7 @@ pub fn snapshot_of(
             mode,
             generation: 1,
             block_size_in_use: None,
+            policy_stats: None,
         },
     )?;
     Ok((snapshot, loader))

@@ -344,6 +344,12 @@ fn open_module(cached: &Path) -> Result<(PluginModRef, PluginInfo), LoadErrorKin
     if !module.panic_unwind() {
         return Err(LoadErrorKind::PanicAbort);
     }
+    // Before registration runs, so whatever the plugin logs from then on reaches
+    // the router's log. A plugin built before the log bridge has no setter
+    // (`None`), and its logs stay as silent as they always were.
+    if let Some(set_log_sink) = module.set_log_sink() {
+        set_log_sink(crate::plugin_log::sink());
+    }
     Ok((module, module_info(module)))
 }
 

@@ -29,7 +29,8 @@
 //! 10 µs in total. [`KvIndex::overlaps`] does one hash-map probe per request block —
 //! never one per worker and block — walks only the holders of that block, stops at the
 //! first block no still-matching worker holds, and writes into a caller-owned
-//! [`Overlaps`] whose buffers are reused across bookings.
+//! [`Overlaps`] whose buffers are reused across bookings. What remains is proportional
+//! to the answer itself: one engine hash written per matched (worker, block).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -76,29 +77,42 @@ pub fn block_hashes(token_ids: &[u32], block_size: usize, out: &mut Vec<u64>) {
     }
     out.reserve(token_ids.len() / block_size);
     let mut buf = [0u8; STACK_BLOCK_BYTES];
+    // Local hashes first, then the chain: the local hashes are independent of each other
+    // and overlap in the pipeline, while the chain is one serial dependency.
+    out.extend(
+        token_ids
+            .chunks_exact(block_size)
+            .map(|block| local_hash(block, &mut buf)),
+    );
     let mut parent = None;
-    for block in token_ids.chunks_exact(block_size) {
-        let seq = sequence_hash(parent, local_hash(block, &mut buf));
-        out.push(seq);
-        parent = Some(seq);
+    for hash in out.iter_mut() {
+        *hash = sequence_hash(parent, *hash);
+        parent = Some(*hash);
     }
 }
 
 /// `buf` is the caller's so that it is zeroed once per prompt, not once per block.
 fn local_hash(tokens: &[u32], buf: &mut [u8; STACK_BLOCK_BYTES]) -> u64 {
-    let len = tokens.len() * 4;
-    if len <= STACK_BLOCK_BYTES {
-        for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
-            dst.copy_from_slice(&t.to_le_bytes());
-        }
+    if tokens.len() * 4 <= STACK_BLOCK_BYTES {
+        let len = le_bytes(tokens, buf);
         xxh3_64_with_seed(&buf[..len], HASH_SEED)
     } else {
         let mut hasher = Xxh3::with_seed(HASH_SEED);
-        for t in tokens {
-            hasher.update(&t.to_le_bytes());
+        for chunk in tokens.chunks(STACK_BLOCK_BYTES / 4) {
+            let len = le_bytes(chunk, buf);
+            hasher.update(&buf[..len]);
         }
         hasher.digest()
     }
+}
+
+/// Writes `tokens` (at most `STACK_BLOCK_BYTES / 4`) into `buf` as little-endian bytes
+/// and returns their length.
+fn le_bytes(tokens: &[u32], buf: &mut [u8; STACK_BLOCK_BYTES]) -> usize {
+    for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    tokens.len() * 4
 }
 
 fn sequence_hash(parent: Option<u64>, local: u64) -> u64 {
@@ -469,44 +483,50 @@ impl KvIndex {
         };
 
         // Scratch is indexed by slot, so a holder costs one array read, not a lookup.
-        // The walk writes one column of the slot-major matrix per block; a row length
-        // that is a power-of-two number of bytes would put every row's current cache
-        // line in the same few L1 sets and miss on nearly every write, so rows span an
-        // odd number of cache lines.
-        let stride = (hashes.len().div_ceil(8) | 1) * 8;
         let slots = self.slot_keys.len();
-        if out.depth.len() < slots {
-            out.depth.resize(slots, 0);
+        if out.walk.len() < slots {
+            out.walk.resize(slots, Walk::default());
         }
+        // One row of engine hashes per worker holding block 0. The walk writes one column
+        // per block; a row length that is a power-of-two number of bytes would put every
+        // row's current cache line in the same few L1 sets and miss on nearly every
+        // write, so rows span an odd number of cache lines.
+        let stride = (hashes.len().div_ceil(8) | 1) * 8;
         // Grow only: zeroing the matrix on every booking would cost more than the walk.
         // Cells past a worker's depth are stale and never read.
-        if out.engine.len() < stride * slots {
-            out.engine.resize(stride * slots, 0);
+        if out.engine.len() < stride * first.len() {
+            out.engine.resize(stride * first.len(), 0);
         }
-        let depth = &mut out.depth;
-        let engine = &mut out.engine;
+        // Slices, not the Vecs: a store through a Vec's buffer could alias its header as
+        // far as the optimiser knows, so it would reload pointer and length every holder.
+        let walk = out.walk.as_mut_slice();
+        let engine = out.engine.as_mut_slice();
 
+        let mut rows = 0;
         for holder in first {
-            let slot = holder.slot as usize;
+            let state = &mut walk[holder.slot as usize];
             // A second copy of the block under another engine hash adds nothing.
-            if depth[slot] == 0 {
-                depth[slot] = 1;
-                engine[slot * stride] = holder.engine_hash;
+            if state.depth == 0 {
+                *state = Walk {
+                    depth: 1,
+                    row: rows * stride,
+                };
+                engine[state.row] = holder.engine_hash;
+                rows += 1;
             }
         }
         for (d, hash) in hashes.iter().enumerate().skip(1) {
             let Some(holders) = self.blocks.get(hash) else {
                 break;
             };
-            let d = d as u32;
             let mut advanced = false;
             for holder in holders {
-                let slot = holder.slot as usize;
+                let state = &mut walk[holder.slot as usize];
                 // Still matching iff it held every block so far; workers that never
                 // held block 0 sit at depth 0 and are skipped here too.
-                if depth[slot] == d {
-                    engine[slot * stride + d as usize] = holder.engine_hash;
-                    depth[slot] = d + 1;
+                if state.depth as usize == d {
+                    engine[state.row + d] = holder.engine_hash;
+                    state.depth += 1;
                     advanced = true;
                 }
             }
@@ -516,15 +536,15 @@ impl KvIndex {
         }
 
         for holder in first {
-            let slot = holder.slot as usize;
-            if depth[slot] != 0 {
+            let state = &mut walk[holder.slot as usize];
+            if state.depth != 0 {
                 out.entries.push(Entry {
-                    worker: self.slot_keys[slot],
-                    cached: depth[slot] as usize,
-                    row: slot * stride,
+                    worker: self.slot_keys[holder.slot as usize],
+                    cached: state.depth as usize,
+                    row: state.row,
                 });
                 // Leave the scratch zeroed for the next call.
-                depth[slot] = 0;
+                state.depth = 0;
             }
         }
         out.entries
@@ -561,6 +581,15 @@ fn detach(blocks: &mut FastMap<u64, Vec<Holder>>, seq: u64, holder: Holder) {
     }
 }
 
+/// A worker's progress during one prefix walk.
+#[derive(Debug, Default, Clone, Copy)]
+struct Walk {
+    /// Leading request blocks matched so far; 0 for a worker not holding block 0.
+    depth: u32,
+    /// Start of its row in `Overlaps::engine`.
+    row: usize,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Entry {
     worker: WorkerKey,
@@ -579,8 +608,8 @@ pub struct Overlaps {
     by_worker: Vec<Entry>,
     /// Engine hashes, one row per index slot.
     engine: Vec<u64>,
-    /// Scratch indexed by slot: blocks matched so far during a walk, 0 between walks.
-    depth: Vec<u32>,
+    /// Scratch indexed by slot, all depths 0 between walks.
+    walk: Vec<Walk>,
 }
 
 impl Overlaps {
@@ -687,6 +716,12 @@ mod tests {
         chain.extend_from_slice(&l1.to_le_bytes());
         let s1 = xxh3_64_with_seed(&chain, 1337);
         assert_eq!(hashes(&tokens), vec![l0, s1]);
+
+        // Any block size, odd ones included: the local hash covers exactly its tokens.
+        let mut out = Vec::new();
+        block_hashes(&tokens[..7], 3, &mut out);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0], xxh3_64_with_seed(&bytes(&tokens[..3]), 1337));
     }
 
     #[test]

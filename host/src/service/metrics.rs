@@ -1,0 +1,338 @@
+//! Counters of the service and their Prometheus text rendering.
+//!
+//! Everything counted on the booking path is a plain atomic (the per-policy
+//! counters and latency histograms live with the policies, in
+//! [`crate::hints::PolicyStats`]), so counting never takes a lock a booking
+//! could wait on. The text format is rendered here from those atomics; a
+//! metrics crate would put a lock (prometheus-client's histogram) or a registry
+//! lookup on the hot path.
+
+use crate::config::Role;
+use crate::hints::LATENCY_BUCKETS_US;
+use crate::router::{Booking, HintSkip};
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Aggregated => 0,
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
+const ROLES: [Role; 3] = [Role::Aggregated, Role::Prefill, Role::Decode];
+
+const SKIPS: [(HintSkip, &str); 4] = [
+    (HintSkip::NonKvMode, "non_kv_mode"),
+    (HintSkip::NoPolicies, "no_policies"),
+    (HintSkip::WorkerNotHintCapable, "worker_not_hint_capable"),
+    (HintSkip::NoActions, "no_actions"),
+];
+
+#[derive(Default)]
+pub struct Metrics {
+    bookings: [AtomicU64; 3],
+    hints_sent: [AtomicU64; 3],
+    committed_copies: AtomicU64,
+    hints_skipped: [AtomicU64; 4],
+    actions_dropped: AtomicU64,
+    /// Action types are open-ended (unknown types pass through), so a map; a
+    /// type seen before costs a read lock and an atomic add.
+    actions_by_type: RwLock<HashMap<String, AtomicU64>>,
+    /// API errors by error code.
+    errors_by_code: RwLock<HashMap<&'static str, AtomicU64>>,
+    pub kv_events: AtomicU64,
+    pub reloads_ok: AtomicU64,
+    pub reloads_failed: AtomicU64,
+}
+
+fn bump<K: std::hash::Hash + Eq + Clone>(map: &RwLock<HashMap<K, AtomicU64>>, key: &K, by: u64) {
+    if let Ok(read) = map.read() {
+        if let Some(counter) = read.get(key) {
+            counter.fetch_add(by, Ordering::Relaxed);
+            return;
+        }
+    }
+    if let Ok(mut write) = map.write() {
+        write
+            .entry(key.clone())
+            .or_default()
+            .fetch_add(by, Ordering::Relaxed);
+    }
+}
+
+fn sorted<K: Ord + Clone + std::hash::Hash + Eq>(
+    map: &RwLock<HashMap<K, AtomicU64>>,
+) -> Vec<(K, u64)> {
+    let mut entries: Vec<(K, u64)> = map
+        .read()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.load(Ordering::Relaxed)))
+                .collect()
+        })
+        .unwrap_or_default();
+    entries.sort();
+    entries
+}
+
+/// Escapes a label value for the text format.
+fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Metrics {
+    pub fn booked(&self, booking: &Booking) {
+        let role = role_index(booking.role);
+        self.bookings[role].fetch_add(1, Ordering::Relaxed);
+        if booking.hint.is_some() {
+            self.hints_sent[role].fetch_add(1, Ordering::Relaxed);
+        }
+        if booking.committed_copy.is_some() {
+            self.committed_copies.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(skip) = booking.hint_skipped {
+            if let Some(i) = SKIPS.iter().position(|(s, _)| *s == skip) {
+                self.hints_skipped[i].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        for action_type in &booking.action_types {
+            bump(&self.actions_by_type, action_type, 1);
+        }
+        if booking.dropped_actions > 0 {
+            self.actions_dropped
+                .fetch_add(booking.dropped_actions as u64, Ordering::Relaxed);
+        }
+    }
+
+    pub fn error(&self, code: &'static str) {
+        bump(&self.errors_by_code, &code, 1);
+    }
+
+    /// The Prometheus text exposition of everything the service counts.
+    pub fn render(&self, app: &super::App) -> String {
+        let mut out = String::new();
+        let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (labels, value) in samples {
+                let _ = writeln!(out, "{name}{labels} {value}");
+            }
+        };
+        let per_role = |counters: &[AtomicU64; 3]| -> Vec<(String, f64)> {
+            ROLES
+                .iter()
+                .map(|role| {
+                    (
+                        format!("{{role=\"{role}\"}}"),
+                        counters[role_index(*role)].load(Ordering::Relaxed) as f64,
+                    )
+                })
+                .collect()
+        };
+        family(
+            "kvhint_bookings_total",
+            "counter",
+            "Bookings made, by role.",
+            &per_role(&self.bookings),
+        );
+        family(
+            "kvhint_hints_sent_total",
+            "counter",
+            "Bookings that carried a hint message, by role.",
+            &per_role(&self.hints_sent),
+        );
+        family(
+            "kvhint_committed_copies_total",
+            "counter",
+            "Bookings committed to a peer's KV copy.",
+            &[(
+                String::new(),
+                self.committed_copies.load(Ordering::Relaxed) as f64,
+            )],
+        );
+        let skipped: Vec<(String, f64)> = SKIPS
+            .iter()
+            .enumerate()
+            .map(|(i, (_, reason))| {
+                (
+                    format!("{{reason=\"{reason}\"}}"),
+                    self.hints_skipped[i].load(Ordering::Relaxed) as f64,
+                )
+            })
+            .collect();
+        family(
+            "kvhint_hints_skipped_total",
+            "counter",
+            "Bookings without a hint message, by reason.",
+            &skipped,
+        );
+        let actions: Vec<(String, f64)> = sorted(&self.actions_by_type)
+            .into_iter()
+            .map(|(t, v)| (format!("{{action_type=\"{}\"}}", label(&t)), v as f64))
+            .collect();
+        family(
+            "kvhint_hint_actions_total",
+            "counter",
+            "Actions sent in hint messages, by action type.",
+            &actions,
+        );
+        family(
+            "kvhint_hint_actions_dropped_total",
+            "counter",
+            "Actions dropped over the per-booking cap of 32.",
+            &[(
+                String::new(),
+                self.actions_dropped.load(Ordering::Relaxed) as f64,
+            )],
+        );
+        let errors: Vec<(String, f64)> = sorted(&self.errors_by_code)
+            .into_iter()
+            .map(|(code, v)| (format!("{{error=\"{code}\"}}"), v as f64))
+            .collect();
+        family(
+            "kvhint_api_errors_total",
+            "counter",
+            "API requests refused, by error code.",
+            &errors,
+        );
+        family(
+            "kvhint_kv_events_total",
+            "counter",
+            "KV events applied to the index.",
+            &[(String::new(), self.kv_events.load(Ordering::Relaxed) as f64)],
+        );
+
+        // Per policy, across reloads.
+        let policies = app.reloader.policy_stats.all();
+        let policy_family =
+            |name: &str, help: &str, get: &dyn Fn(&crate::hints::PolicyStats) -> u64| {
+                let samples: Vec<(String, f64)> = policies
+                    .iter()
+                    .map(|((role, policy), stats)| {
+                        (
+                            format!("{{role=\"{}\",policy=\"{}\"}}", label(role), label(policy)),
+                            get(stats) as f64,
+                        )
+                    })
+                    .collect();
+                (name.to_string(), help.to_string(), samples)
+            };
+        for (name, help, samples) in [
+            policy_family(
+                "kvhint_policy_calls_total",
+                "Calls of a hint policy.",
+                &|s| s.calls.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_failures_total",
+                "Calls that lost their actions (error, panic or malformed action).",
+                &|s| s.failures.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_panics_total",
+                "Calls that panicked (caught in the plugin).",
+                &|s| s.panics.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_malformed_total",
+                "Calls that returned a malformed action.",
+                &|s| s.malformed.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_quarantines_total",
+                "Times a policy was quarantined until the next reload.",
+                &|s| s.quarantines.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_skipped_quarantined_total",
+                "Calls skipped because the policy was quarantined.",
+                &|s| s.skipped_quarantined.load(Ordering::Relaxed),
+            ),
+        ] {
+            family(&name, "counter", &help, &samples);
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvhint_policy_latency_seconds Time inside a hint policy's build_hints.\n# TYPE kvhint_policy_latency_seconds histogram"
+        );
+        for ((role, policy), stats) in &policies {
+            let labels = format!("role=\"{}\",policy=\"{}\"", label(role), label(policy));
+            let cumulative = stats.latency.cumulative();
+            for (i, count) in cumulative.iter().enumerate() {
+                let le = LATENCY_BUCKETS_US
+                    .get(i)
+                    .map(|us| format!("{}", us / 1e6))
+                    .unwrap_or_else(|| "+Inf".to_string());
+                let _ = writeln!(
+                    out,
+                    "kvhint_policy_latency_seconds_bucket{{{labels},le=\"{le}\"}} {count}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "kvhint_policy_latency_seconds_sum{{{labels}}} {}",
+                stats.latency.sum_seconds()
+            );
+            let _ = writeln!(
+                out,
+                "kvhint_policy_latency_seconds_count{{{labels}}} {}",
+                cumulative.last().copied().unwrap_or(0)
+            );
+        }
+
+        let status = app.reloader.status();
+        let snapshot = app.snapshot.load();
+        let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (labels, value) in samples {
+                let _ = writeln!(out, "{name}{labels} {value}");
+            }
+        };
+        family(
+            "kvhint_reloads_total",
+            "counter",
+            "Reloads, by result.",
+            &[
+                ("{result=\"ok\"}".to_string(), status.ok as f64),
+                ("{result=\"failed\"}".to_string(), status.failed as f64),
+            ],
+        );
+        family(
+            "kvhint_snapshot_generation",
+            "gauge",
+            "Generation of the serving snapshot.",
+            &[(String::new(), snapshot.generation as f64)],
+        );
+        family(
+            "kvhint_plugin_libraries_mapped",
+            "gauge",
+            "Distinct plugin libraries mapped (current and replaced builds; never unloaded).",
+            &[(String::new(), app.reloader.loader.libraries_mapped() as f64)],
+        );
+        family(
+            "kvhint_workers",
+            "gauge",
+            "Registered workers.",
+            &[(String::new(), app.router.workers().len() as f64)],
+        );
+        family(
+            "kvhint_open_bookings",
+            "gauge",
+            "Bookings not yet released.",
+            &[(String::new(), app.router.open_bookings() as f64)],
+        );
+        family(
+            "kvhint_kv_index_blocks",
+            "gauge",
+            "(worker, block) entries in the KV index.",
+            &[(String::new(), app.router.index_len() as f64)],
+        );
+        out
+    }
+}

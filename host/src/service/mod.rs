@@ -1,0 +1,351 @@
+//! `kvhint serve`: the HTTP JSON API around the router, with reload.
+//!
+//! State is explicit and shared as one [`App`]: the router's live state
+//! (workers, KV index, load — it survives reloads), the current [`Snapshot`]
+//! behind an `ArcSwap` (what a reload replaces), the reloader, and metrics.
+//! Handlers are thin: decode, call the router, encode; every failure maps to
+//! the one error shape in [`error`].
+
+mod body;
+pub mod error;
+pub mod metrics;
+pub mod reload;
+mod watch;
+
+use crate::config::{self, RouterMode};
+use crate::loader::{Loader, LoaderOptions};
+use crate::router::workers::WorkerRegistration;
+use crate::router::Router;
+use crate::snapshot::Snapshot;
+use crate::wire::{BookBody, BookingView, KvEventBody, ReleaseBody};
+use arc_swap::ArcSwap;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::Json;
+use body::JsonBody;
+use error::ApiError;
+use reload::{Reloader, Trigger};
+use serde::Deserialize;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Everything the handlers share.
+pub struct App {
+    pub router: Router,
+    pub snapshot: ArcSwap<Snapshot>,
+    pub reloader: Reloader,
+    pub metrics: metrics::Metrics,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub config: PathBuf,
+    pub mode: Option<RouterMode>,
+    pub listen: SocketAddr,
+    pub watch_config: bool,
+    pub max_body_bytes: usize,
+}
+
+/// The API's routes over `app`.
+pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
+    axum::Router::new()
+        .route("/workers", post(register_worker))
+        .route("/workers/{worker_id}", delete(deregister_worker))
+        .route("/kv_events", post(kv_event))
+        .route("/book", post(book))
+        .route("/release", post(release))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/admin/status", get(status))
+        .route("/admin/reload", post(admin_reload))
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no such endpoint; see the README's API section",
+            )
+        })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(app)
+}
+
+/// Counts the error, then returns it.
+fn counted(app: &App, error: impl Into<ApiError>) -> ApiError {
+    let error = error.into();
+    app.metrics.error(error.code);
+    error
+}
+
+async fn register_worker(
+    State(app): State<Arc<App>>,
+    body: Result<JsonBody<WorkerRegistration>, ApiError>,
+) -> Result<Response, ApiError> {
+    let JsonBody(registration) = body.map_err(|e| counted(&app, e))?;
+    let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
+    let new = app
+        .router
+        .register_worker(registration)
+        .map_err(|e| counted(&app, e))?;
+    let status = if new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let body = json!({"worker_id": worker_id, "dp_rank": dp_rank, "registered": if new { "new" } else { "updated" }});
+    Ok((status, Json(body)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RankQuery {
+    #[serde(default)]
+    dp_rank: u32,
+}
+
+async fn deregister_worker(
+    State(app): State<Arc<App>>,
+    UrlPath(worker_id): UrlPath<u64>,
+    query: Result<Query<RankQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Query(RankQuery { dp_rank }) =
+        query.map_err(|e| counted(&app, ApiError::bad_request(e.body_text())))?;
+    let key = crate::router::kv_index::WorkerKey { worker_id, dp_rank };
+    app.router
+        .deregister_worker(key)
+        .map_err(|e| counted(&app, e))?;
+    Ok(Json(
+        json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
+    ))
+}
+
+async fn kv_event(
+    State(app): State<Arc<App>>,
+    body: Result<JsonBody<KvEventBody>, ApiError>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
+    let key = crate::router::kv_index::WorkerKey {
+        worker_id: body.worker_id,
+        dp_rank: body.dp_rank,
+    };
+    let stats = app
+        .router
+        .apply_kv_event(key, &body.event)
+        .map_err(|e| counted(&app, e))?;
+    app.metrics.kv_events.fetch_add(1, Ordering::Relaxed);
+    Ok(Json(json!({
+        "stored": stats.stored,
+        "removed": stats.removed,
+        "missing_removals": stats.missing_removals,
+    })))
+}
+
+async fn book(
+    State(app): State<Arc<App>>,
+    body: Result<JsonBody<BookBody>, ApiError>,
+) -> Result<Response, ApiError> {
+    let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
+    let session = body.session_text();
+    // One snapshot for the whole booking, whatever a reload does meanwhile.
+    let snapshot = app.snapshot.load_full();
+    let booking = app
+        .router
+        .book(&snapshot, &body.request(session.as_deref()))
+        .map_err(|e| counted(&app, e))?;
+    app.metrics.booked(&booking);
+    let text = serde_json::to_string(&BookingView::new(&booking))
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
+}
+
+async fn release(
+    State(app): State<Arc<App>>,
+    body: Result<JsonBody<ReleaseBody>, ApiError>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
+    let worker = app
+        .router
+        .release(&body.request_id)
+        .map_err(|e| counted(&app, e))?;
+    Ok(Json(json!({
+        "request_id": body.request_id,
+        "worker_id": worker.worker_id,
+        "dp_rank": worker.dp_rank,
+        "released": true,
+    })))
+}
+
+async fn healthz(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
+    Json(json!({"status": "ok", "generation": app.snapshot.load().generation}))
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let text = app.metrics.render(&app);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
+    let snapshot = app.snapshot.load_full();
+    let roles: Vec<serde_json::Value> = snapshot
+        .roles
+        .iter()
+        .map(|role| {
+            json!({
+                "role": role.role,
+                "selection": role.selection_type,
+                "booked_by": role.booking_selection_type,
+                "parameters": role.selection_parameters,
+                "commits_kv_copies": role.commits_kv_copies,
+                "hints_from": role.hints_from,
+                "hints": role.hints.policies().iter().map(|p| json!({
+                    "name": p.name,
+                    "type": p.type_name,
+                    "origin": p.origin.to_string(),
+                    "commitments": p.commitments.to_string(),
+                    "quarantined": p.is_quarantined(),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let workers: Vec<serde_json::Value> = app
+        .router
+        .workers()
+        .iter()
+        .map(|(worker, load)| {
+            json!({
+                "worker_id": worker.key.worker_id,
+                "dp_rank": worker.key.dp_rank,
+                "role": worker.role,
+                "router_hint": worker.router_hint,
+                "load": load,
+            })
+        })
+        .collect();
+    Json(json!({
+        "generation": snapshot.generation,
+        "config_file": snapshot.config_file,
+        "router_mode": snapshot.mode.as_str(),
+        "block_size": snapshot.block_size,
+        "plugins": snapshot.plugins,
+        "roles": roles,
+        "libraries_mapped": app.reloader.loader.libraries_mapped(),
+        "reloads": app.reloader.status(),
+        "workers": workers,
+        "open_bookings": app.router.open_bookings(),
+    }))
+}
+
+async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
+    let worker = Arc::clone(&app);
+    let result = tokio::task::spawn_blocking(move || {
+        worker.reloader.reload(&worker.snapshot, Trigger::Admin)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    match result {
+        Ok(generation) => {
+            app.metrics.reloads_ok.fetch_add(1, Ordering::Relaxed);
+            Ok(Json(json!({"reloaded": true, "generation": generation})))
+        }
+        Err(errors) => {
+            app.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
+            Err(counted(
+                &app,
+                ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "reload_failed",
+                    format!(
+                        "the previous snapshot keeps serving; {}",
+                        errors
+                            .0
+                            .iter()
+                            .map(|e| e.to_string())
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    ),
+                ),
+            ))
+        }
+    }
+}
+
+/// Builds the app from a config: the loader, the first snapshot, the router.
+pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigErrors> {
+    let config = config::load(&options.config)?;
+    let mut loader_options = LoaderOptions {
+        max_libraries: config.plugins.max_libraries,
+        ..LoaderOptions::default()
+    };
+    if let Some(dir) = &config.plugins.cache_dir {
+        loader_options.cache_dir = dir.clone();
+    }
+    let loader = Loader::new(&loader_options).map_err(|e| {
+        config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
+    })?;
+    let reloader = Reloader::new(&options.config, options.mode, loader);
+    let snapshot = reloader.initial()?;
+    Ok(Arc::new(App {
+        router: Router::new(snapshot.block_size),
+        snapshot: ArcSwap::from_pointee(snapshot),
+        reloader,
+        metrics: metrics::Metrics::default(),
+    }))
+}
+
+/// Runs the service until SIGINT or SIGTERM. Prints `listening on ADDR` once
+/// the socket is bound (on stdout, for scripts and tests).
+pub async fn serve(options: ServeOptions, app: Arc<App>) -> anyhow::Result<()> {
+    let config = config::load(&options.config)?;
+    let plugins_dir = config
+        .plugins
+        .directory
+        .as_deref()
+        .and_then(|d| d.canonicalize().ok());
+    let config_file = if options.watch_config {
+        options.config.canonicalize().ok()
+    } else {
+        None
+    };
+    let _watches = watch::start(Arc::clone(&app), plugins_dir, config_file)?;
+
+    let listener = tokio::net::TcpListener::bind(options.listen).await?;
+    let address = listener.local_addr()?;
+    println!("listening on {address}");
+    tracing::info!(%address, generation = app.snapshot.load().generation, "kvhint serving");
+
+    let hup_app = Arc::clone(&app);
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP; reload with POST /admin/reload");
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            let app = Arc::clone(&hup_app);
+            let _ = tokio::task::spawn_blocking(move || {
+                app.reloader.reload(&app.snapshot, Trigger::Sighup)
+            })
+            .await;
+        }
+    });
+
+    axum::serve(listener, routes(app, options.max_body_bytes))
+        .with_graceful_shutdown(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = match signal(SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => return std::future::pending().await,
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            tracing::info!("shutting down");
+        })
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,153 @@
+//! Reload: build a complete new snapshot, validate every rule, and only then
+//! swap it in. On any failure the old snapshot keeps serving, and the error is
+//! logged, counted and kept for `/admin/status`.
+//!
+//! Reloads are serialized (one at a time) and run off the async workers: they
+//! read files and dlopen libraries. Bookings never wait for them; a booking
+//! loads the current snapshot once and finishes on it even if a reload swaps
+//! another in meanwhile.
+
+use crate::config::{self, ConfigErrors, RouterMode};
+use crate::hints::PolicyStatsRegistry;
+use crate::loader::Loader;
+use crate::snapshot::{self, BuildOptions, Snapshot};
+use arc_swap::ArcSwap;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// What asked for a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    Startup,
+    /// The plugins directory changed.
+    PluginsWatch,
+    /// The config file changed (`--watch-config`).
+    ConfigWatch,
+    Sighup,
+    Admin,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ReloadFailure {
+    pub trigger: Trigger,
+    pub at_unix_ms: u64,
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReloadStatus {
+    pub ok: u64,
+    pub failed: u64,
+    pub last_ok_unix_ms: Option<u64>,
+    pub last_ok_trigger: Option<Trigger>,
+    /// The most recent failure, kept until the next successful reload.
+    pub last_error: Option<ReloadFailure>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub struct Reloader {
+    pub config_path: PathBuf,
+    pub mode: Option<RouterMode>,
+    pub loader: Loader,
+    pub policy_stats: PolicyStatsRegistry,
+    generation: AtomicU64,
+    /// Held for the whole of a reload: one at a time.
+    running: Mutex<()>,
+    status: Mutex<ReloadStatus>,
+}
+
+impl Reloader {
+    pub fn new(config_path: &Path, mode: Option<RouterMode>, loader: Loader) -> Self {
+        Self {
+            config_path: config_path.to_path_buf(),
+            mode,
+            loader,
+            policy_stats: PolicyStatsRegistry::default(),
+            generation: AtomicU64::new(0),
+            running: Mutex::new(()),
+            status: Mutex::new(ReloadStatus::default()),
+        }
+    }
+
+    pub fn status(&self) -> ReloadStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Builds a snapshot from the config file as it is now.
+    pub fn build(&self, block_size_in_use: Option<usize>) -> Result<Snapshot, ConfigErrors> {
+        let config = config::load(&self.config_path)?;
+        snapshot::build(
+            &config,
+            &BuildOptions {
+                loader: &self.loader,
+                mode: self.mode,
+                generation: self.generation.load(Ordering::Relaxed) + 1,
+                block_size_in_use,
+                policy_stats: Some(&self.policy_stats),
+            },
+        )
+    }
+
+    /// The first snapshot, at start-up.
+    pub fn initial(&self) -> Result<Snapshot, ConfigErrors> {
+        let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let snapshot = self.build(None)?;
+        self.generation
+            .store(snapshot.generation, Ordering::Relaxed);
+        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        status.last_ok_unix_ms = Some(now_ms());
+        status.last_ok_trigger = Some(Trigger::Startup);
+        Ok(snapshot)
+    }
+
+    /// Rebuilds and, if every rule holds, swaps the new snapshot in. Returns
+    /// the generation now serving.
+    pub fn reload(
+        &self,
+        current: &ArcSwap<Snapshot>,
+        trigger: Trigger,
+    ) -> Result<u64, ConfigErrors> {
+        let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let block_size = current.load().block_size;
+        match self.build(Some(block_size)) {
+            Ok(snapshot) => {
+                let generation = snapshot.generation;
+                self.generation.store(generation, Ordering::Relaxed);
+                current.store(Arc::new(snapshot));
+                let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+                status.ok += 1;
+                status.last_ok_unix_ms = Some(now_ms());
+                status.last_ok_trigger = Some(trigger);
+                status.last_error = None;
+                tracing::info!(generation, ?trigger, "reloaded");
+                Ok(generation)
+            }
+            Err(errors) => {
+                for error in &errors.0 {
+                    tracing::error!(?trigger, %error, "reload failed; the previous snapshot keeps serving");
+                }
+                let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+                status.failed += 1;
+                status.last_error = Some(ReloadFailure {
+                    trigger,
+                    at_unix_ms: now_ms(),
+                    errors: errors.0.iter().map(|e| e.to_string()).collect(),
+                });
+                Err(errors)
+            }
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! `kvhint serve` over loopback: the README's curl session, hot add, broken
+//! and replaced plugins, reloads under load, and bad requests. Each test runs
+//! the real binary on 127.0.0.1 with an ephemeral port.
+
+use kvhint_e2e::trace::tokens;
+use kvhint_e2e::{kvhint_bin, plugin_so, private_dir, workspace_root, TempDir};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A running `kvhint serve`, killed on drop.
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(config: &Path, extra: &[&str], log_dir: &Path) -> Server {
+        let log = log_dir.join("serve.log");
+        let mut child = Command::new(kvhint_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(config)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let address = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| {
+                panic!(
+                    "serve did not start: {line:?}\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })
+            .to_string();
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(10)))
+            .build()
+            .new_agent();
+        Server {
+            child,
+            base: format!("http://{address}"),
+            agent,
+            log,
+        }
+    }
+
+    fn address(&self) -> &str {
+        self.base.trim_start_matches("http://")
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        let mut response = self
+            .agent
+            .get(&format!("{}{path}", self.base))
+            .call()
+            .unwrap();
+        let status = response.status().as_u16();
+        (status, response.body_mut().read_to_string().unwrap())
+    }
+
+    fn post_raw(&self, path: &str, content_type: &str, body: &str) -> (u16, Value) {
+        let mut response = self
+            .agent
+            .post(&format!("{}{path}", self.base))
+            .header("content-type", content_type)
+            .send(body)
+            .unwrap();
+        let status = response.status().as_u16();
+        let text = response.body_mut().read_to_string().unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        self.post_raw(path, "application/json", &body.to_string())
+    }
+
+    fn status(&self) -> Value {
+        serde_json::from_str(&self.get("/admin/status").1).unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until `check` holds, or fails with the server's log.
+    fn wait_for(&self, what: &str, mut check: impl FnMut(&Server) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if check(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!(
+            "timed out waiting for {what}\n--- serve log ---\n{}",
+            self.log()
+        );
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Writes `text` to `path` the way the drop-in protocol says: a temporary
+/// dotfile in the same directory, then a rename.
+fn drop_in(path: &Path, bytes: &[u8]) {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp",
+        path.file_name().unwrap().to_string_lossy()
+    ));
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// A private directory with a plugins directory and a config that uses it.
+struct Setup {
+    dir: TempDir,
+}
+
+impl Setup {
+    fn new(plugins: &[(&str, PathBuf)], yaml_roles: &str) -> Setup {
+        let dir = private_dir();
+        let plugins_dir = dir.path().join("plugins");
+        std::fs::create_dir(&plugins_dir).unwrap();
+        std::fs::set_permissions(&plugins_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        for (name, so) in plugins {
+            drop_in(&plugins_dir.join(name), &std::fs::read(so).unwrap());
+        }
+        let setup = Setup { dir };
+        setup.write_config(yaml_roles);
+        setup
+    }
+
+    fn plugins(&self) -> PathBuf {
+        self.dir.path().join("plugins")
+    }
+
+    fn config(&self) -> PathBuf {
+        self.dir.path().join("kvhint.yaml")
+    }
+
+    fn write_config(&self, roles: &str) {
+        let yaml = format!(
+            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\nworker_selection:\n{roles}"
+        );
+        drop_in(&self.config(), yaml.as_bytes());
+    }
+}
+
+fn register_decode_worker(server: &Server, id: u64) {
+    let (status, body) = server.post(
+        "/workers",
+        &json!({"worker_id": id, "role": "decode", "runtime_data": {
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.0.{id}:23280")}}}),
+    );
+    assert_eq!(status, 201, "{body}");
+}
+
+fn book(server: &Server, id: &str) -> Value {
+    let (status, body) = server.post(
+        "/book",
+        &json!({"request_id": id, "role": "decode", "token_ids": tokens(1, 16)}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, released) = server.post("/release", &json!({"request_id": id}));
+    assert_eq!(status, 200, "{released}");
+    body
+}
+
+fn action_types(booking: &Value) -> Vec<String> {
+    booking["hint"]["actions"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|x| x["action_type"].as_str().unwrap_or("").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn readme_curl_session_runs_as_documented() {
+    kvhint_e2e::build_dir();
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let start = readme
+        .find("<!-- curl-session:start -->")
+        .expect("README has the curl session");
+    let end = readme.find("<!-- curl-session:end -->").unwrap();
+    let session = &readme[start..end];
+    let block_start = session.find("```console\n").unwrap() + "```console\n".len();
+    let block = &session[block_start..session[block_start..].find("```").unwrap() + block_start];
+
+    // The README's session starts the router on the example config at
+    // 127.0.0.1:8080; here it gets a free port instead.
+    let logs = private_dir();
+    let server = Server::start(
+        &workspace_root().join("examples/kvhint.yaml"),
+        &[],
+        logs.path(),
+    );
+    let mut steps: Vec<(String, Vec<String>)> = Vec::new();
+    for line in block.lines() {
+        if let Some(command) = line.strip_prefix("$ ") {
+            steps.push((command.to_string(), Vec::new()));
+        } else if let Some((_, output)) = steps.last_mut() {
+            output.push(line.to_string());
+        }
+    }
+    let curls: Vec<_> = steps
+        .iter()
+        .filter(|(c, _)| c.starts_with("curl"))
+        .collect();
+    assert!(
+        curls.len() >= 8,
+        "the session shows the API: {} curl steps",
+        curls.len()
+    );
+    for (command, expected) in curls {
+        let command = command.replace("127.0.0.1:8080", server.address());
+        let output = Command::new("sh")
+            .arg("-c")
+            .arg(&command)
+            .current_dir(workspace_root())
+            .output()
+            .unwrap();
+        let actual = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        let expected = expected.join("\n").trim().to_string();
+        match (
+            serde_json::from_str::<Value>(&actual),
+            serde_json::from_str::<Value>(&expected),
+        ) {
+            (Ok(a), Ok(e)) => assert_eq!(a, e, "`{command}`"),
+            _ => assert_eq!(actual, expected, "`{command}`"),
+        }
+    }
+}
+
+#[test]
+fn hot_add_a_plugin_and_use_it_on_the_next_booking_without_restart() {
+    let roles_before =
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
+    let setup = Setup::new(
+        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+        roles_before,
+    );
+    let server = Server::start(&setup.config(), &["--watch-config"], setup.dir.path());
+    register_decode_worker(&server, 1);
+    assert_eq!(action_types(&book(&server, "before")), ["kv.prefetch"]);
+    let generation = server.status()["generation"].as_u64().unwrap();
+
+    // Build output in, by the drop-in protocol; then the YAML names it.
+    let added = Instant::now();
+    drop_in(
+        &setup.plugins().join("libfixture_hot_add.so"),
+        &std::fs::read(plugin_so("fixture_hot_add")).unwrap(),
+    );
+    setup.write_config(
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}, {type: hot_added}]\n",
+    );
+    let mut n = 0;
+    server.wait_for("a booking that carries the new policy's action", |s| {
+        n += 1;
+        action_types(&book(s, &format!("after-{n}"))) == ["kv.prefetch", "test.hot_added"]
+    });
+    eprintln!(
+        "hot add took {:?} (rename to first booking with the action)",
+        added.elapsed()
+    );
+    let status = server.status();
+    assert!(status["generation"].as_u64().unwrap() > generation);
+    assert!(status["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["name"] == "fixture-hot-add"));
+}
+
+#[test]
+fn a_broken_so_dropped_in_leaves_the_old_snapshot_serving() {
+    let roles =
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
+    let setup = Setup::new(
+        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+        roles,
+    );
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    register_decode_worker(&server, 1);
+    let generation = server.status()["generation"].as_u64().unwrap();
+
+    let whole = std::fs::read(plugin_so("fixture_hot_add")).unwrap();
+    drop_in(&setup.plugins().join("libbroken.so"), &whole[..8192]);
+    server.wait_for("the failed reload in /admin/status", |s| {
+        s.status()["reloads"]["failed"].as_u64() >= Some(1)
+    });
+    let status = server.status();
+    let why = status["reloads"]["last_error"]["errors"].to_string();
+    assert!(
+        why.contains("libbroken.so") && why.contains("truncated"),
+        "{why}"
+    );
+    assert_eq!(status["reloads"]["last_error"]["trigger"], "plugins_watch");
+    assert_eq!(
+        status["generation"].as_u64().unwrap(),
+        generation,
+        "old snapshot still serving"
+    );
+    // And it still books, with its hints.
+    assert_eq!(action_types(&book(&server, "still")), ["kv.prefetch"]);
+    let (_, metrics) = server.get("/metrics");
+    assert!(
+        metrics.contains("kvhint_reloads_total{result=\"failed\"} 1"),
+        "{metrics}"
+    );
+
+    // Removing the broken file recovers.
+    std::fs::remove_file(setup.plugins().join("libbroken.so")).unwrap();
+    server.wait_for("a successful reload", |s| {
+        s.status()["reloads"]["last_error"].is_null()
+    });
+}
+
+#[test]
+fn replacing_a_plugin_with_a_new_build_under_the_same_name_switches_code() {
+    let roles = "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: versioned}]\n";
+    let setup = Setup::new(
+        &[("libversioned.so", plugin_so("fixture_versioned_v1"))],
+        roles,
+    );
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    register_decode_worker(&server, 1);
+    assert_eq!(
+        book(&server, "v1")["hint"]["actions"][0]["payload"]["build"],
+        "1.0.0"
+    );
+
+    drop_in(
+        &setup.plugins().join("libversioned.so"),
+        &std::fs::read(plugin_so("fixture_versioned_v2")).unwrap(),
+    );
+    let mut n = 0;
+    server.wait_for("the new build to answer", |s| {
+        n += 1;
+        book(s, &format!("v2-{n}"))["hint"]["actions"][0]["payload"]["build"] == "2.0.0"
+    });
+    // The old build stays mapped (never unloaded), and is counted.
+    assert_eq!(server.status()["libraries_mapped"], 2);
+}
+
+#[test]
+fn twenty_reloads_during_concurrent_bookings_fail_no_booking() {
+    let roles = |max_blocks: u32| {
+        format!(
+            "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{{type: harness_prefetch, parameters: {{max_blocks: {max_blocks}}}}}]\n"
+        )
+    };
+    let setup = Setup::new(
+        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+        &roles(1),
+    );
+    let server = Arc::new(Server::start(&setup.config(), &[], setup.dir.path()));
+    for id in 1..=4 {
+        register_decode_worker(&server, id);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let booked = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let bookers: Vec<_> = (0..4)
+        .map(|t| {
+            let (server, stop, booked, failed) =
+                (Arc::clone(&server), Arc::clone(&stop), Arc::clone(&booked), Arc::clone(&failed));
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                // Bounded: stops when told, or after 20 000 bookings.
+                while !stop.load(Ordering::Relaxed) && n < 20_000 {
+                    n += 1;
+                    let id = format!("t{t}-{n}");
+                    let (status, body) = server.post(
+                        "/book",
+                        &json!({"request_id": id, "role": "decode", "token_ids": tokens(n as u32 % 50, 24)}),
+                    );
+                    let released = server.post("/release", &json!({"request_id": id})).0;
+                    if status == 200 && released == 200 && body["hint"]["actions"].is_array() {
+                        booked.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for i in 0..20 {
+        // Each reload swaps in a genuinely different snapshot.
+        setup.write_config(&roles(1 + i % 3));
+        let (status, body) = server.post_raw("/admin/reload", "application/json", "");
+        assert_eq!(status, 200, "{body}");
+    }
+    let during = booked.load(Ordering::Relaxed);
+    stop.store(true, Ordering::Relaxed);
+    for booker in bookers {
+        booker.join().unwrap();
+    }
+    assert_eq!(failed.load(Ordering::Relaxed), 0);
+    assert!(during > 0, "bookings ran while reloading");
+    let status = server.status();
+    assert_eq!(status["reloads"]["ok"], 20);
+    assert_eq!(status["generation"], 21);
+    assert_eq!(status["open_bookings"], 0);
+}
+
+#[test]
+fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
+    let roles =
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
+    let setup = Setup::new(
+        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+        roles,
+    );
+    let server = Server::start(
+        &setup.config(),
+        &["--max-body-bytes", "4096"],
+        setup.dir.path(),
+    );
+    register_decode_worker(&server, 1);
+    let (status, _) = server.post(
+        "/kv_events",
+        &json!({"worker_id": 1, "event": {"stored": {"parent_block_hash": null,
+            "blocks": [{"block_hash": 7, "token_ids": [1, 2, 3, 4]}]}}}),
+    );
+    assert_eq!(status, 200);
+    let (status, _) = server.post(
+        "/book",
+        &json!({"request_id": "open", "role": "decode", "token_ids": tokens(1, 8)}),
+    );
+    assert_eq!(status, 200);
+    let before = server.status();
+    let (_, metrics_before) = server.get("/metrics");
+    let gauge = |metrics: &str, name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .map(|l| l.to_string())
+    };
+
+    let big =
+        json!({"request_id": "big", "role": "decode", "token_ids": tokens(1, 4000)}).to_string();
+    let cases: Vec<(&str, String, &str, u16, &str)> = vec![
+        ("/book", "{\"request_id\": ".into(), "application/json", 400, "bad_request"),
+        ("/book", json!({"request_id": "x", "role": "decode", "token_ids": [1], "hint": {"actions": []}}).to_string(), "application/json", 400, "client_hint_refused"),
+        ("/book", json!({"request_id": "x", "role": "decoder", "token_ids": [1]}).to_string(), "application/json", 400, "bad_request"),
+        ("/book", json!({"request_id": "x", "role": "prefill", "token_ids": [1, 2]}).to_string(), "application/json", 422, "role_not_configured"),
+        ("/book", json!({"request_id": "x", "role": "decode", "token_ids": []}).to_string(), "application/json", 422, "empty_prompt"),
+        ("/book", json!({"request_id": "open", "role": "decode", "token_ids": [1]}).to_string(), "application/json", 409, "duplicate_request"),
+        ("/book", big, "application/json", 413, "payload_too_large"),
+        ("/book", "request_id=x".into(), "text/plain", 415, "unsupported_media_type"),
+        ("/kv_events", json!({"worker_id": 99, "event": "cleared"}).to_string(), "application/json", 404, "unknown_worker"),
+        ("/kv_events", json!({"worker_id": 1, "event": {"stored": {"parent_block_hash": 12345, "blocks": []}}}).to_string(), "application/json", 422, "kv_event_rejected"),
+        ("/release", json!({"request_id": "never"}).to_string(), "application/json", 404, "unknown_request"),
+        ("/workers", json!({"worker_id": 2, "role": "decode", "runtime_data": {"router_hint": "yes"}}).to_string(), "application/json", 422, "invalid_runtime_data"),
+    ];
+    for (path, body, content_type, status, code) in cases {
+        let (got, response) = server.post_raw(path, content_type, &body);
+        assert_eq!(got, status, "{path} {body:.80}: {response}");
+        assert_eq!(response["error"], code, "{path} {body:.80}: {response}");
+        assert!(
+            response["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "{response}"
+        );
+    }
+    let mut response = server
+        .agent
+        .delete(&format!("{}/workers/99", server.base))
+        .call()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 404);
+    let body: Value = serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(body["error"], "unknown_worker");
+
+    // Nothing changed: the same workers, loads, open bookings and index.
+    let after = server.status();
+    assert_eq!(before["workers"], after["workers"]);
+    assert_eq!(before["open_bookings"], after["open_bookings"]);
+    let (_, metrics_after) = server.get("/metrics");
+    for name in [
+        "kvhint_kv_index_blocks",
+        "kvhint_workers",
+        "kvhint_open_bookings",
+    ] {
+        assert_eq!(
+            gauge(&metrics_before, name),
+            gauge(&metrics_after, name),
+            "{name}"
+        );
+    }
+    assert!(metrics_after.contains("kvhint_api_errors_total{error=\"client_hint_refused\"} 1"));
+    // The service is still fine.
+    let (status, _) = server.get("/healthz");
+    assert_eq!(status, 200);
+    let mut stderr = String::new();
+    let _ = std::fs::File::open(&server.log).map(|mut f| f.read_to_string(&mut stderr));
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
