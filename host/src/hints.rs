@@ -59,6 +59,11 @@ impl LatencyHistogram {
             .collect()
     }
 
+    /// Total time observed, in nanoseconds.
+    pub fn sum_nanos(&self) -> u64 {
+        self.sum_nanos.load(Ordering::Relaxed)
+    }
+
     pub fn sum_seconds(&self) -> f64 {
         self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9
     }

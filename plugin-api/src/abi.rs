@@ -44,10 +44,13 @@ pub struct PluginMod {
     /// there from then on (see [`crate::log`]). Calling it again replaces the
     /// sink and its maximum level.
     ///
-    /// Appended after the first layout, so a plugin built before it has no such
-    /// field. `missing_field(option)` overrides the struct's `panic` default for
-    /// this field: the accessor returns `None` for such a plugin instead of
-    /// panicking inside the loader.
+    /// Appended after the last prefix field, as prefix-type evolution requires.
+    /// In practice every plugin the router loads has it: `abi_stable`'s
+    /// `init_root_module` refuses a root module with fewer fields than the
+    /// router's ("too many fields"), as the compatibility rule refuses older
+    /// builds. `missing_field(option)` still overrides the struct's `panic`
+    /// default here, so the loader's accessor is an `Option` and no layout
+    /// surprise can become a panic inside the loader.
     #[sabi(missing_field(option))]
     pub set_log_sink: extern "C" fn(FfiLogSink),
 }

@@ -57,18 +57,30 @@ fn run(mut command: Command, what: &str) {
     );
 }
 
+fn build_artifacts(release: bool) -> PathBuf {
+    let mut command = cargo();
+    command.arg("build").current_dir(workspace_root());
+    if release {
+        command.arg("--release");
+    }
+    for package in WORKSPACE_ARTIFACTS {
+        command.args(["-p", package]);
+    }
+    run(command, "the test plugins");
+    target_dir().join(if release { "release" } else { "debug" })
+}
+
 /// `target/debug`, after building every workspace artefact the tests use.
 pub fn build_dir() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let mut command = cargo();
-        command.arg("build").current_dir(workspace_root());
-        for package in WORKSPACE_ARTIFACTS {
-            command.args(["-p", package]);
-        }
-        run(command, "the test plugins");
-        target_dir().join("debug")
-    })
+    BUILT.get_or_init(|| build_artifacts(false))
+}
+
+/// `target/release`, after building the same artefacts optimised — what
+/// benchmarks load, so a plugin and the host are built with the same profile.
+pub fn release_dir() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| build_artifacts(true))
 }
 
 /// The `.so` of a workspace crate, by library name (`kv_fetch`, `fixture_misbehaving`).
@@ -332,5 +344,70 @@ pub mod trace {
     /// Tokens `start..start + n`.
     pub fn tokens(start: u32, n: u32) -> Vec<u32> {
         (start..start + n).collect()
+    }
+}
+
+/// Helpers shared by the benchmarks.
+pub mod bench {
+    use std::path::Path;
+    use std::time::Instant;
+
+    /// The artefacts built with the bench binary's own profile: optimised under
+    /// `cargo bench`, debug under `cargo test --benches` (the quick mode CI
+    /// runs), so host and plugins are always compiled alike.
+    pub fn artifacts() -> &'static Path {
+        if cfg!(debug_assertions) {
+            super::build_dir()
+        } else {
+            super::release_dir()
+        }
+    }
+
+    /// Whether the binary runs as a benchmark (`cargo bench`) rather than as a
+    /// quick test (`cargo test --benches`).
+    pub fn is_bench() -> bool {
+        std::env::args().any(|a| a == "--bench")
+    }
+
+    /// Median of `samples` (sorted in place).
+    pub fn median(samples: &mut [f64]) -> f64 {
+        samples.sort_by(f64::total_cmp);
+        samples[samples.len() / 2]
+    }
+
+    /// The `q` quantile (0..=1) of `samples` (sorted in place).
+    pub fn quantile(samples: &mut [f64], q: f64) -> f64 {
+        samples.sort_by(f64::total_cmp);
+        let i = ((samples.len() - 1) as f64 * q).round() as usize;
+        samples[i]
+    }
+
+    /// A/B timing in one run: `rounds` rounds, each timing `batch` calls of `a`
+    /// then of `b` (order alternating per round, so drift hits both alike).
+    /// Returns the per-call nanoseconds of each round, for `a` and `b`.
+    pub fn interleaved(
+        rounds: usize,
+        batch: usize,
+        mut a: impl FnMut(),
+        mut b: impl FnMut(),
+    ) -> (Vec<f64>, Vec<f64>) {
+        let time = |f: &mut dyn FnMut()| {
+            let started = Instant::now();
+            for _ in 0..batch {
+                f();
+            }
+            started.elapsed().as_nanos() as f64 / batch as f64
+        };
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            if round % 2 == 0 {
+                xs.push(time(&mut a));
+                ys.push(time(&mut b));
+            } else {
+                ys.push(time(&mut b));
+                xs.push(time(&mut a));
+            }
+        }
+        (xs, ys)
     }
 }

@@ -345,8 +345,9 @@ fn open_module(cached: &Path) -> Result<(PluginModRef, PluginInfo), LoadErrorKin
         return Err(LoadErrorKind::PanicAbort);
     }
     // Before registration runs, so whatever the plugin logs from then on reaches
-    // the router's log. A plugin built before the log bridge has no setter
-    // (`None`), and its logs stay as silent as they always were.
+    // the router's log. `None` only for a root module without the field, which
+    // `init_root_module` has already refused; then the plugin's logs would just
+    // stay silent.
     if let Some(set_log_sink) = module.set_log_sink() {
         set_log_sink(crate::plugin_log::sink());
     }

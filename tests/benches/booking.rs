@@ -1,0 +1,182 @@
+//! A whole booking in process — block hashing, KV-index lookup, selection,
+//! load reservation, the hint stage (built-in kv_fetch) and the envelope — for
+//! 2, 64 and 1,024 workers and prompts of 1k, 4k and 32k tokens (block size
+//! 16), each booking released again so the load stays level. The role is
+//! `kvcr` (multiplier 1.0) with its default hint, the built-in `kv_fetch`, so
+//! every booking takes the whole path: credit, committed copy, kv.fetch. Two cache layouts:
+//! `sparse` (four workers hold prefixes of the prompt: ¼, ½, ¾, all) and
+//! `shared` (every worker holds a prefix, staggered from ~0 to all: the worst
+//! case for the index, since every worker matches). Then KV-event ingestion.
+//!
+//! `cargo bench -p kvhint-e2e --bench booking`
+
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use kvhint::config::Role;
+use kvhint::router::kv_index::{KvEvent, KvIndex, StoredBlock, WorkerKey};
+use kvhint::router::workers::WorkerRegistration;
+use kvhint::router::{BookRequest, Router};
+use kvhint::snapshot::Snapshot;
+use kvhint_e2e::bench::is_bench;
+use kvhint_e2e::{config_file, snapshot_of};
+use std::hint::black_box;
+
+const BLOCK: usize = 16;
+
+fn snapshot() -> (Snapshot, kvhint::loader::Loader, kvhint_e2e::ConfigFixture) {
+    let fixture = config_file(
+        "router: {block_size: 16}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 1.0}\n",
+    );
+    let (snapshot, loader) = snapshot_of(&fixture, None).expect("config builds");
+    (snapshot, loader, fixture)
+}
+
+fn registration(id: u64) -> WorkerRegistration {
+    serde_json::from_value(serde_json::json!({
+        "worker_id": id, "role": "decode", "runtime_data": {
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.{}.{}:23280", id / 256, id % 256)}
+        }
+    }))
+    .expect("registration")
+}
+
+/// `blocks` leading blocks of `prompt`, stored by one worker in one event.
+fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
+    KvEvent::Stored {
+        parent_block_hash: None,
+        blocks: prompt
+            .chunks_exact(BLOCK)
+            .take(blocks)
+            .enumerate()
+            .map(|(i, chunk)| StoredBlock {
+                block_hash: engine_base + i as u64,
+                token_ids: chunk.to_vec(),
+            })
+            .collect(),
+    }
+}
+
+fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
+    let router = Router::new(BLOCK);
+    let blocks = prompt.len() / BLOCK;
+    for id in 0..workers {
+        router.register_worker(registration(id)).expect("registers");
+    }
+    let holders: Vec<(u64, usize)> = if shared {
+        (0..workers)
+            .map(|id| (id, 1 + (blocks - 1) * id as usize / workers.max(2) as usize))
+            .collect()
+    } else {
+        let n = workers.min(4);
+        (0..n)
+            .map(|i| (i * workers / n, blocks * (i as usize + 1) / n as usize))
+            .collect()
+    };
+    for (id, held) in holders {
+        let key = WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        };
+        router
+            .apply_kv_event(key, &stored(prompt, held, id << 32))
+            .expect("stores");
+    }
+    router
+}
+
+fn benches(c: &mut Criterion) {
+    let (snapshot, _loader, _fixture) = snapshot();
+    let sizes: &[(u64, usize)] = if is_bench() {
+        &[
+            (2, 1024),
+            (2, 4096),
+            (2, 32768),
+            (64, 1024),
+            (64, 4096),
+            (64, 32768),
+            (1024, 1024),
+            (1024, 4096),
+            (1024, 32768),
+        ]
+    } else {
+        &[(2, 1024), (64, 4096)]
+    };
+    let mut group = c.benchmark_group("booking");
+    for &(workers, tokens) in sizes {
+        let prompt: Vec<u32> = (0..tokens as u32)
+            .map(|t| t.wrapping_mul(2654435761) % 50_000)
+            .collect();
+        for shared in [false, true] {
+            // The shared layout at 1,024 workers × 32k tokens is 2M index
+            // entries; it is measured, but it takes a while to set up.
+            let router = router(workers, &prompt, shared);
+            let request = BookRequest {
+                request_id: "bench",
+                role: Role::Decode,
+                token_ids: &prompt,
+                session_context: None,
+            };
+            let booking = router.book(&snapshot, &request).expect("books");
+            // kvcr (multiplier 1) books a worker on a peer's copy: the whole
+            // path runs, committed copy and kv.fetch included.
+            assert!(booking.hint.is_some(), "{booking:?}");
+            router.release("bench").expect("releases");
+            let layout = if shared { "shared" } else { "sparse" };
+            group.bench_function(
+                BenchmarkId::new(
+                    format!("{layout}/{workers}_workers"),
+                    format!("{tokens}_tokens"),
+                ),
+                |b| {
+                    b.iter(|| {
+                        let booking = router.book(&snapshot, black_box(&request));
+                        let _ = router.release("bench");
+                        black_box(booking)
+                    })
+                },
+            );
+        }
+    }
+    group.finish();
+
+    // KV-event ingestion: a stored event of 16 blocks then its removal, on an
+    // index that already holds 64 workers' worth of other blocks.
+    let mut index = KvIndex::new(BLOCK);
+    let background: Vec<u32> = (0..4096).collect();
+    for id in 0..64u64 {
+        let key = WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        };
+        index
+            .apply(key, &stored(&background, 256, id << 32))
+            .expect("stores");
+    }
+    let fresh: Vec<u32> = (100_000..100_000 + 16 * BLOCK as u32).collect();
+    let store = stored(&fresh, 16, 1 << 60);
+    let remove = KvEvent::Removed {
+        block_hashes: (0..16).map(|i| (1u64 << 60) + i).collect(),
+    };
+    let key = WorkerKey {
+        worker_id: 7,
+        dp_rank: 0,
+    };
+    let mut group = c.benchmark_group("kv_events");
+    group.throughput(Throughput::Elements(2));
+    group.bench_function("stored_16_blocks_then_removed", |b| {
+        b.iter(|| {
+            black_box(index.apply(key, black_box(&store)).ok());
+            black_box(index.apply(key, black_box(&remove)).ok());
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(booking, benches);
+
+fn main() {
+    booking();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}
