@@ -7,68 +7,107 @@
 //!    "payload":{"source_control_endpoint":"tcp://10.0.0.7:23280","block_hashes":[11,22]}}]}
 //! ```
 //!
-//! Payloads arrive from plugins as JSON text and are embedded as they are
-//! (`RawValue`): validated once, never decoded into a tree and encoded again,
-//! and an action type the router does not know passes through untouched.
+//! Payloads arrive from plugins as JSON text, made and checked inside the
+//! plugin by the plugin-api adapter (serde_json, from a `Value`), and are
+//! copied into the envelope as they are: never parsed or encoded again on the
+//! booking path. An action type the router does not know passes through
+//! untouched.
 
-use serde::{Serialize, Serializer};
-use serde_json::value::RawValue;
+use kvhint_plugin_api::abi::FfiAction;
 
 pub const PROTOCOL_VERSION: &str = "0.1";
 
 /// The hard cap on actions in one message (rule R7).
 pub const MAX_ACTIONS: usize = 32;
 
-#[derive(Serialize)]
-pub(crate) struct Envelope<'a> {
-    pub protocol_version: &'static str,
-    pub message_id: &'a str,
-    pub actions: &'a [EnvelopeAction<'a>],
-}
-
-#[derive(Serialize)]
-pub(crate) struct EnvelopeAction<'a> {
-    pub action_id: ActionId,
-    pub action_type: &'a str,
-    pub action_version: &'a str,
-    pub payload: &'a RawValue,
-}
-
-/// `a1`, `a2`, … numbered by the host in policy order.
-#[derive(Clone, Copy)]
-pub(crate) struct ActionId(pub usize);
-
-impl Serialize for ActionId {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(&format_args!("a{}", self.0))
-    }
-}
-
-/// Why an action a plugin returned is not sent.
-pub(crate) fn malformed(action_type: &str, action_version: &str, payload: &str) -> Option<String> {
+/// Why an action is not sent, checked cheaply. The plugin-side adapter already
+/// checked the payload is a JSON object it serialized itself; this guards the
+/// envelope against a plugin that implements the raw ABI trait by hand, without
+/// reading the payload through.
+pub(crate) fn malformed(action: &FfiAction) -> Option<String> {
+    let action_type = action.action_type.as_str();
     if action_type.is_empty() {
         return Some("an action has an empty action_type".into());
     }
-    if action_version.is_empty() {
+    if action.action_version.as_str().is_empty() {
         return Some(format!(
             "action {action_type:?} has an empty action_version"
         ));
     }
-    match serde_json::from_str::<&RawValue>(payload) {
-        Err(e) => Some(format!(
-            "action {action_type:?} has a payload that is not JSON: {e}"
-        )),
-        Ok(raw) if !raw.get().trim_start().starts_with('{') => Some(format!(
-            "action {action_type:?} has a payload that is not a JSON object: {}",
-            truncate(raw.get(), 80)
-        )),
-        Ok(_) => None,
+    let payload = action.payload_json.as_str().trim();
+    if !(payload.starts_with('{') && payload.ends_with('}')) {
+        return Some(format!(
+            "action {action_type:?} has a payload that is not a JSON object"
+        ));
     }
+    None
 }
 
-fn truncate(text: &str, max: usize) -> &str {
-    match text.char_indices().nth(max) {
-        Some((i, _)) => &text[..i],
-        None => text,
+/// Writes `text` as a JSON string (serde_json's own escaping).
+fn push_json_string(out: &mut Vec<u8>, text: &str) -> std::io::Result<()> {
+    serde::Serialize::serialize(text, &mut serde_json::Serializer::new(out))
+        .map_err(std::io::Error::other)
+}
+
+/// The engine-format message for `actions` (numbered by position: the first is
+/// `a1`). Payloads are copied in as they came, never parsed again.
+pub(crate) fn write(message_id: &str, actions: &[&FfiAction]) -> std::io::Result<String> {
+    use std::io::Write;
+    let payload_bytes: usize = actions.iter().map(|a| a.payload_json.len() + 96).sum();
+    let mut out = Vec::with_capacity(64 + message_id.len() + payload_bytes);
+    out.extend_from_slice(b"{\"protocol_version\":\"");
+    out.extend_from_slice(PROTOCOL_VERSION.as_bytes());
+    out.extend_from_slice(b"\",\"message_id\":");
+    push_json_string(&mut out, message_id)?;
+    out.extend_from_slice(b",\"actions\":[");
+    for (i, action) in actions.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write!(out, "{{\"action_id\":\"a{}\",\"action_type\":", i + 1)?;
+        push_json_string(&mut out, action.action_type.as_str())?;
+        out.extend_from_slice(b",\"action_version\":");
+        push_json_string(&mut out, action.action_version.as_str())?;
+        out.extend_from_slice(b",\"payload\":");
+        out.extend_from_slice(action.payload_json.as_str().trim().as_bytes());
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"]}");
+    String::from_utf8(out).map_err(std::io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn action(t: &str, v: &str, payload: &str) -> FfiAction {
+        FfiAction {
+            action_type: t.into(),
+            action_version: v.into(),
+            payload_json: payload.into(),
+        }
+    }
+
+    #[test]
+    fn envelope_is_valid_json_with_escaped_strings() {
+        let a = action("kv.fetch", "1.0", r#"{"block_hashes":[11,22]}"#);
+        let b = action("odd\"type\n", "1.0", "{}");
+        let text = write("req \"1\"", &[&a, &b]).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            value,
+            serde_json::json!({"protocol_version": "0.1", "message_id": "req \"1\"", "actions": [
+                {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0", "payload": {"block_hashes": [11, 22]}},
+                {"action_id": "a2", "action_type": "odd\"type\n", "action_version": "1.0", "payload": {}},
+            ]})
+        );
+    }
+
+    #[test]
+    fn cheap_checks_catch_what_a_raw_abi_plugin_could_send() {
+        assert!(malformed(&action("", "1.0", "{}")).is_some());
+        assert!(malformed(&action("t", "", "{}")).is_some());
+        assert!(malformed(&action("t", "1.0", "[1]")).is_some());
+        assert!(malformed(&action("t", "1.0", " {} ")).is_none());
     }
 }

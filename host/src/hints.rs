@@ -11,12 +11,11 @@
 //!   `quarantine_after_panics` times is skipped until the next reload (a reload
 //!   builds fresh instances). The stage never fails the booking.
 
-use crate::envelope::{self, ActionId, Envelope, EnvelopeAction, MAX_ACTIONS};
+use crate::envelope::{self, MAX_ACTIONS};
 use crate::registry::{ConstructedPolicy, Origin};
 use abi_stable::std_types::{RResult, RVec};
 use kvhint_plugin_api::abi::{FfiAction, FfiErrorKind, FfiHintContext, FfiHintPolicyBox};
 use kvhint_plugin_api::policy::Commitments;
-use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -229,35 +228,22 @@ impl HintStage {
             }
         }
 
-        let mut actions: Vec<EnvelopeAction<'_>> = Vec::new();
+        let mut actions: Vec<&FfiAction> = Vec::new();
         for action in results.iter().flatten() {
             if actions.len() == self.limits.max_actions {
                 outcome.dropped_over_cap += 1;
-                continue;
+            } else {
+                actions.push(action);
             }
-            // Validated in `call`, so this cannot fail; a failure would only
-            // drop the action, never the booking.
-            let Ok(payload) = serde_json::from_str::<&RawValue>(action.payload_json.as_str())
-            else {
-                continue;
-            };
-            actions.push(EnvelopeAction {
-                action_id: ActionId(actions.len() + 1),
-                action_type: action.action_type.as_str(),
-                action_version: action.action_version.as_str(),
-                payload,
-            });
         }
         if actions.is_empty() {
             return outcome;
         }
-        outcome.action_types = actions.iter().map(|a| a.action_type.to_string()).collect();
-        let envelope = Envelope {
-            protocol_version: envelope::PROTOCOL_VERSION,
-            message_id: context.request_id.as_str(),
-            actions: &actions,
-        };
-        match serde_json::to_string(&envelope) {
+        outcome.action_types = actions
+            .iter()
+            .map(|a| a.action_type.as_str().to_string())
+            .collect();
+        match envelope::write(context.request_id.as_str(), &actions) {
             Ok(text) => outcome.message = Some(text),
             Err(e) => {
                 tracing::error!(error = %e, "could not encode a hint message; the booking goes out without one")
@@ -294,13 +280,7 @@ impl HintStage {
         };
         match result {
             RResult::ROk(actions) => {
-                if let Some(problem) = actions.iter().find_map(|a| {
-                    envelope::malformed(
-                        a.action_type.as_str(),
-                        a.action_version.as_str(),
-                        a.payload_json.as_str(),
-                    )
-                }) {
+                if let Some(problem) = actions.iter().find_map(envelope::malformed) {
                     stats.malformed.fetch_add(1, Ordering::Relaxed);
                     return fail(FailureKind::Malformed, problem);
                 }
@@ -308,6 +288,10 @@ impl HintStage {
                     .actions
                     .fetch_add(actions.len() as u64, Ordering::Relaxed);
                 Some(actions)
+            }
+            RResult::RErr(e) if e.kind == FfiErrorKind::Malformed => {
+                stats.malformed.fetch_add(1, Ordering::Relaxed);
+                fail(FailureKind::Malformed, e.message.into_string())
             }
             RResult::RErr(e) if e.kind == FfiErrorKind::Panicked => {
                 stats.panics.fetch_add(1, Ordering::Relaxed);

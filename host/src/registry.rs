@@ -273,7 +273,7 @@ impl Registry {
                         origin: hint_type.origin.to_string(),
                         message,
                     },
-                    FfiErrorKind::Failed | FfiErrorKind::Panicked => {
+                    FfiErrorKind::Failed | FfiErrorKind::Panicked | FfiErrorKind::Malformed => {
                         RegistryError::ConstructFailed {
                             name: name.to_string(),
                             origin: hint_type.origin.to_string(),

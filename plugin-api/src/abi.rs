@@ -89,6 +89,10 @@ pub enum FfiErrorKind {
     BadParameters,
     /// The code panicked; the panic was caught on the plugin side.
     Panicked,
+    /// The policy returned a malformed action (empty type or version, payload
+    /// not a JSON object). Checked on the plugin side, where the payload's JSON
+    /// is produced, so the host embeds payloads without parsing them again.
+    Malformed,
 }
 
 #[repr(C)]
@@ -124,8 +128,9 @@ pub trait FfiHintPolicy: Send + Sync {
 
 pub type FfiHintPolicyBox = FfiHintPolicy_TO<'static, RBox<()>>;
 
-/// One KV action. `payload_json` is the payload as JSON text; the host checks
-/// that it is an object and embeds it in the envelope without re-encoding.
+/// One KV action. `payload_json` is the payload as JSON text, produced by
+/// serde_json inside the plugin and checked there to be an object; the host
+/// checks only the cheap invariants and embeds it in the envelope as it is.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
 pub struct FfiAction {

@@ -108,11 +108,38 @@ impl From<Action> for FfiAction {
         FfiAction {
             action_type: action.action_type.into(),
             action_version: action.action_version.into(),
-            // Serializing a `Value` cannot fail; whether it is an object is the
-            // host's check, so a bad payload is reported, not hidden.
-            payload_json: action.payload.to_string().into(),
+            payload_json: action.payload.into_string().into(),
         }
     }
+}
+
+/// Why an action may not be sent, if it may not.
+fn malformed(action: &Action) -> Option<String> {
+    if action.action_type.is_empty() {
+        return Some("an action has an empty action_type".into());
+    }
+    if action.action_version.is_empty() {
+        return Some(format!(
+            "action {:?} has an empty action_version",
+            action.action_type
+        ));
+    }
+    if !action.payload.is_object() {
+        let mut shown = action.payload.as_str().to_string();
+        if shown.len() > 80 {
+            let cut = (0..=80)
+                .rev()
+                .find(|&i| shown.is_char_boundary(i))
+                .unwrap_or(0);
+            shown.truncate(cut);
+            shown.push('…');
+        }
+        return Some(format!(
+            "action {:?} has a payload that is not a JSON object: {shown}",
+            action.action_type
+        ));
+    }
+    None
 }
 
 struct PolicyAdapter {
@@ -123,6 +150,16 @@ impl FfiHintPolicy for PolicyAdapter {
     fn build_hints(&self, context: &FfiHintContext<'_>) -> RResult<RVec<FfiAction>, FfiError> {
         guarded("build_hints", || {
             let actions = self.policy.build_hints(&HintContext::new(context))?;
+            // The payload's JSON was made by serde_json in this plugin, so it
+            // is valid by construction; what can still be wrong is checked here too, so
+            // the host never has to parse a payload (rule R8: a malformed
+            // action costs the policy its actions for this booking).
+            if let Some(problem) = actions.iter().find_map(malformed) {
+                return Err(FfiError {
+                    kind: FfiErrorKind::Malformed,
+                    message: problem.into(),
+                });
+            }
             Ok(actions.into_iter().map(FfiAction::from).collect())
         })
     }

@@ -39,7 +39,7 @@ pub const ABI_VERSION: u32 = 1;
 pub mod prelude {
     pub use crate::context::{HintContext, KvCopy, Peer, Worker};
     pub use crate::export_plugin;
-    pub use crate::policy::{Action, Commitments, HintError, HintErrorKind, HintPolicy};
+    pub use crate::policy::{Action, Commitments, HintError, HintErrorKind, HintPolicy, Payload};
     pub use crate::registry::{
         HintHost, HintPolicyConstructor, HintPolicyProvider, HintRegistry, Parameters,
         RegistryError,

@@ -19,15 +19,16 @@ pub trait HintPolicy: Send + Sync + 'static {
 
 /// One engine-format KV action, e.g. `kv.fetch` version `1.0`. The router adds
 /// the `action_id`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Action {
     pub action_type: String,
     pub action_version: String,
-    /// Must be a JSON object; anything else is dropped by the router as malformed.
-    pub payload: serde_json::Value,
+    /// Must be a JSON object; anything else is dropped as malformed.
+    pub payload: Payload,
 }
 
 impl Action {
+    /// An action whose payload is a `serde_json::Value` (usually `json!({...})`).
     pub fn new(
         action_type: impl Into<String>,
         action_version: impl Into<String>,
@@ -36,8 +37,64 @@ impl Action {
         Self {
             action_type: action_type.into(),
             action_version: action_version.into(),
-            payload,
+            payload: Payload::from(payload),
         }
+    }
+
+    /// An action whose payload is serialized straight from any `Serialize`
+    /// type (a struct with named fields, a map), without building a `Value`
+    /// first — the fast path for large payloads such as thousands of block
+    /// hashes.
+    pub fn serialize<T: serde::Serialize + ?Sized>(
+        action_type: impl Into<String>,
+        action_version: impl Into<String>,
+        payload: &T,
+    ) -> Result<Self, HintError> {
+        Ok(Self {
+            action_type: action_type.into(),
+            action_version: action_version.into(),
+            payload: Payload::serialize(payload)?,
+        })
+    }
+}
+
+/// An action's payload, kept as the compact JSON text it travels as: it is
+/// written once, in the plugin, and copied into the engine message as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payload(String);
+
+impl Payload {
+    pub fn serialize<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, HintError> {
+        serde_json::to_string(value)
+            .map(Self)
+            .map_err(|e| HintError::new(format!("the payload does not serialize: {e}")))
+    }
+
+    /// The JSON text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether it is a JSON object (serde_json's compact output of an object
+    /// starts with `{`, and of nothing else).
+    pub fn is_object(&self) -> bool {
+        self.0.starts_with('{')
+    }
+
+    /// The payload decoded into a `Value` (for tests and inspection).
+    pub fn to_value(&self) -> serde_json::Value {
+        serde_json::from_str(&self.0).unwrap_or(serde_json::Value::Null)
+    }
+
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl From<serde_json::Value> for Payload {
+    fn from(value: serde_json::Value) -> Self {
+        // Serializing a Value cannot fail.
+        Self(value.to_string())
     }
 }
 

@@ -45,8 +45,6 @@ pub struct Metrics {
     /// API errors by error code.
     errors_by_code: RwLock<HashMap<&'static str, AtomicU64>>,
     pub kv_events: AtomicU64,
-    pub reloads_ok: AtomicU64,
-    pub reloads_failed: AtomicU64,
 }
 
 fn bump<K: std::hash::Hash + Eq + Clone>(map: &RwLock<HashMap<K, AtomicU64>>, key: &K, by: u64) {

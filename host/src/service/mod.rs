@@ -247,29 +247,23 @@ async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Va
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     match result {
-        Ok(generation) => {
-            app.metrics.reloads_ok.fetch_add(1, Ordering::Relaxed);
-            Ok(Json(json!({"reloaded": true, "generation": generation})))
-        }
-        Err(errors) => {
-            app.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
-            Err(counted(
-                &app,
-                ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "reload_failed",
-                    format!(
-                        "the previous snapshot keeps serving; {}",
-                        errors
-                            .0
-                            .iter()
-                            .map(|e| e.to_string())
-                            .collect::<Vec<_>>()
-                            .join("; ")
-                    ),
+        Ok(generation) => Ok(Json(json!({"reloaded": true, "generation": generation}))),
+        Err(errors) => Err(counted(
+            &app,
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "reload_failed",
+                format!(
+                    "the previous snapshot keeps serving; {}",
+                    errors
+                        .0
+                        .iter()
+                        .map(|e| e.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 ),
-            ))
-        }
+            ),
+        )),
     }
 }
 

@@ -7,7 +7,6 @@
 
 use kvhint_plugin_api::prelude::*;
 use serde::Deserialize;
-use serde_json::json;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -18,6 +17,14 @@ pub struct PrefetchConfig {
 
 fn default_max_blocks() -> usize {
     64
+}
+
+/// The `kv.prefetch` 1.0 payload (see the README).
+#[derive(serde::Serialize)]
+struct PrefetchPayload<'a> {
+    first_block: usize,
+    block_size: usize,
+    block_hashes: &'a [u64],
 }
 
 pub struct HarnessPrefetch {
@@ -40,15 +47,15 @@ impl HintPolicy for HarnessPrefetch {
         if first == last {
             return Ok(Vec::new());
         }
-        Ok(vec![Action::new(
+        Ok(vec![Action::serialize(
             "kv.prefetch",
             "1.0",
-            json!({
-                "first_block": first,
-                "block_size": context.block_size(),
-                "block_hashes": &hashes[first..last],
-            }),
-        )])
+            &PrefetchPayload {
+                first_block: first,
+                block_size: context.block_size(),
+                block_hashes: &hashes[first..last],
+            },
+        )?])
     }
 }
 
@@ -75,6 +82,7 @@ export_plugin!(register);
 mod tests {
     use super::*;
     use kvhint_plugin_api::testing::{TestBooking, TestWorker};
+    use serde_json::json;
 
     fn booking(cached: usize, blocks: u64) -> TestBooking {
         TestBooking {
@@ -97,7 +105,7 @@ mod tests {
         assert_eq!(actions.len(), 1);
         assert_eq!(actions[0].action_type, "kv.prefetch");
         assert_eq!(
-            actions[0].payload,
+            actions[0].payload.to_value(),
             json!({"first_block": 2, "block_size": 16, "block_hashes": [502, 503, 504]})
         );
     }
@@ -105,7 +113,10 @@ mod tests {
     #[test]
     fn stops_at_the_end_of_the_prompt() {
         let actions = booking(8, 10).run(&policy(64)).unwrap();
-        assert_eq!(actions[0].payload["block_hashes"], json!([508, 509]));
+        assert_eq!(
+            actions[0].payload.to_value()["block_hashes"],
+            json!([508, 509])
+        );
     }
 
     #[test]

@@ -16,8 +16,7 @@
 //! benchmark compares the two).
 
 use kvhint_plugin_api::prelude::*;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +37,14 @@ impl Default for KvFetchConfig {
     }
 }
 
+/// The `kv.fetch` 1.0 payload, serialized straight to JSON (no `Value`: a
+/// fetch can name thousands of hashes, and this runs on every booking).
+#[derive(Serialize)]
+struct FetchPayload<'a> {
+    source_control_endpoint: &'a str,
+    block_hashes: &'a [u64],
+}
+
 pub struct KvFetch {
     min_additional_blocks: usize,
 }
@@ -49,14 +56,14 @@ impl KvFetch {
         }
     }
 
-    fn fetch(endpoint: &str, block_hashes: &[u64]) -> Action {
-        Action::new(
+    fn fetch(endpoint: &str, block_hashes: &[u64]) -> Result<Action, HintError> {
+        Action::serialize(
             "kv.fetch",
             "1.0",
-            json!({
-                "source_control_endpoint": endpoint,
-                "block_hashes": block_hashes,
-            }),
+            &FetchPayload {
+                source_control_endpoint: endpoint,
+                block_hashes,
+            },
         )
     }
 }
@@ -72,7 +79,7 @@ impl HintPolicy for KvFetch {
                     source.dp_rank()
                 ))
             })?;
-            return Ok(vec![Self::fetch(endpoint, copy.block_hashes())]);
+            return Ok(vec![Self::fetch(endpoint, copy.block_hashes())?]);
         }
 
         let booked = context.worker();
@@ -97,8 +104,7 @@ impl HintPolicy for KvFetch {
                     worker.dp_rank(),
                 )
             });
-        Ok(best
-            .into_iter()
+        best.into_iter()
             .filter_map(|peer| {
                 let endpoint = peer.worker().source_control_endpoint()?;
                 Some(Self::fetch(
@@ -106,7 +112,7 @@ impl HintPolicy for KvFetch {
                     &peer.block_hashes()[..peer.cached_blocks()],
                 ))
             })
-            .collect())
+            .collect()
     }
 
     fn commitments(&self) -> Commitments {
@@ -138,6 +144,7 @@ export_plugin!(register);
 mod tests {
     use super::*;
     use kvhint_plugin_api::testing::{TestBooking, TestKvCopy, TestPeer, TestWorker};
+    use serde_json::json;
 
     fn booking(cached: usize) -> TestBooking {
         TestBooking {
@@ -165,7 +172,7 @@ mod tests {
     }
 
     fn payload(actions: &[Action]) -> Vec<serde_json::Value> {
-        actions.iter().map(|a| a.payload.clone()).collect()
+        actions.iter().map(|a| a.payload.to_value()).collect()
     }
 
     #[test]
@@ -229,7 +236,7 @@ mod tests {
         b.peers = vec![p9, p4r1, p4r0];
         let actions = b.run(&policy(1)).unwrap();
         assert_eq!(
-            actions[0].payload["source_control_endpoint"],
+            actions[0].payload.to_value()["source_control_endpoint"],
             "tcp://10.0.0.4:9999"
         );
     }
