@@ -1,14 +1,14 @@
 //! Everything in `examples/` works as the README says.
 
-use kvhint_e2e::{build_dir, kvhint_bin, workspace_root};
+use kvhint_e2e::{examples_copy, kvhint_bin};
 use serde_json::Value;
 use std::process::Command;
 
 #[test]
 fn every_example_config_passes_check() {
-    build_dir(); // builds libharness_prefetch.so, which the example loads
+    let root = examples_copy();
     let mut checked = 0;
-    for entry in std::fs::read_dir(workspace_root().join("examples")).unwrap() {
+    for entry in std::fs::read_dir(root.path().join("examples")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
             continue;
@@ -31,10 +31,9 @@ fn every_example_config_passes_check() {
 
 #[test]
 fn bundled_example_replay_sends_a_committed_copy_and_a_best_effort_fetch() {
-    build_dir();
-    let root = workspace_root();
+    let root = examples_copy();
     let output = Command::new(kvhint_bin())
-        .current_dir(&root)
+        .current_dir(root.path())
         .args([
             "replay",
             "--config",

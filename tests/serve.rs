@@ -204,7 +204,6 @@ fn action_types(booking: &Value) -> Vec<String> {
 
 #[test]
 fn readme_curl_session_runs_as_documented() {
-    kvhint_e2e::build_dir();
     let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
     let start = readme
         .find("<!-- curl-session:start -->")
@@ -216,12 +215,8 @@ fn readme_curl_session_runs_as_documented() {
 
     // The README's session starts the router on the example config at
     // 127.0.0.1:8080; here it gets a free port instead.
-    let logs = private_dir();
-    let server = Server::start(
-        &workspace_root().join("examples/kvhint.yaml"),
-        &[],
-        logs.path(),
-    );
+    let root = kvhint_e2e::examples_copy();
+    let server = Server::start(&root.path().join("examples/kvhint.yaml"), &[], root.path());
     let mut steps: Vec<(String, Vec<String>)> = Vec::new();
     for line in block.lines() {
         if let Some(command) = line.strip_prefix("$ ") {
@@ -244,7 +239,7 @@ fn readme_curl_session_runs_as_documented() {
         let output = Command::new("sh")
             .arg("-c")
             .arg(&command)
-            .current_dir(workspace_root())
+            .current_dir(root.path())
             .output()
             .unwrap();
         let actual = String::from_utf8_lossy(&output.stdout).trim().to_string();

@@ -57,9 +57,20 @@ fn run(mut command: Command, what: &str) {
     );
 }
 
+/// Where the harness builds. Not the workspace's own target directory: a build
+/// started from inside a running `cargo test` can rewrite rlibs that the same
+/// `cargo test` later links doctests against (rustc's E0460), so the harness
+/// keeps its artefacts apart, as trybuild does.
+pub fn e2e_target_dir() -> PathBuf {
+    target_dir().join("e2e")
+}
+
 fn build_artifacts(release: bool) -> PathBuf {
     let mut command = cargo();
-    command.arg("build").current_dir(workspace_root());
+    command
+        .arg("build")
+        .current_dir(workspace_root())
+        .env("CARGO_TARGET_DIR", e2e_target_dir());
     if release {
         command.arg("--release");
     }
@@ -67,7 +78,27 @@ fn build_artifacts(release: bool) -> PathBuf {
         command.args(["-p", package]);
     }
     run(command, "the test plugins");
-    target_dir().join(if release { "release" } else { "debug" })
+    e2e_target_dir().join(if release { "release" } else { "debug" })
+}
+
+/// A copy of `examples/` laid out as in the repository, with the example
+/// plugin where the example config expects a `cargo build` to leave it
+/// (`../target/debug/libharness_prefetch.so`), so the example files are used
+/// verbatim.
+pub fn examples_copy() -> TempDir {
+    let root = private_dir();
+    copy_tree(
+        &workspace_root().join("examples"),
+        &root.path().join("examples"),
+    );
+    let debug = root.path().join("target/debug");
+    std::fs::create_dir_all(&debug).unwrap();
+    std::fs::copy(
+        plugin_so("harness_prefetch"),
+        debug.join("libharness_prefetch.so"),
+    )
+    .unwrap();
+    root
 }
 
 /// `target/debug`, after building every workspace artefact the tests use.

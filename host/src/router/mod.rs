@@ -124,7 +124,6 @@ struct Scratch {
     hashes: Vec<u64>,
     overlaps: Overlaps,
     candidates: Vec<Candidate>,
-    candidate_workers: Vec<Arc<Worker>>,
     peer_workers: Vec<(Arc<Worker>, usize)>,
 }
 
@@ -272,7 +271,7 @@ impl Router {
             let kv = snapshot.mode == RouterMode::Kv;
             let policy = role.selection_for(snapshot.mode);
 
-            let (selected, cached_blocks, committed_copy) = {
+            let (booked, cached_blocks, committed_copy) = {
                 let mut state = self.lock();
                 if state.reservations.contains_key(request.request_id) {
                     return Err(RouterError::DuplicateRequest(
@@ -285,7 +284,6 @@ impl Router {
                     state.index.overlaps(&[], &mut scratch.overlaps);
                 }
                 scratch.candidates.clear();
-                scratch.candidate_workers.clear();
                 for entry in state
                     .workers
                     .values()
@@ -305,7 +303,6 @@ impl Router {
                         prefill_blocks: entry.load.prefill_blocks,
                         peer_copy,
                     });
-                    scratch.candidate_workers.push(Arc::clone(worker));
                 }
                 let selected = policy
                     .select(&SelectionInput {
@@ -315,10 +312,14 @@ impl Router {
                     .filter(|s| s.index < scratch.candidates.len())
                     .ok_or(RouterError::NoWorkers(request.role))?;
                 let chosen = scratch.candidates[selected.index];
+                let booked = state
+                    .workers
+                    .get(&chosen.key)
+                    .map(|entry| Arc::clone(&entry.worker))
+                    .ok_or(RouterError::NoWorkers(request.role))?;
                 // A copy is only ever committed to a worker that can receive
                 // the hint carrying it (rule R6).
                 let committed_copy = selected.committed_copy_from.and_then(|source| {
-                    let booked = &scratch.candidate_workers[selected.index];
                     let last_block = scratch.overlaps.cached_blocks(source);
                     (booked.router_hint && last_block > chosen.cached_blocks).then_some(
                         CommittedCopy {
@@ -362,10 +363,9 @@ impl Router {
                         }
                     }
                 }
-                (selected, chosen.cached_blocks, committed_copy)
+                (booked, chosen.cached_blocks, committed_copy)
             };
 
-            let booked = Arc::clone(&scratch.candidate_workers[selected.index]);
             let mut booking = Booking {
                 request_id: request.request_id.to_string(),
                 role: request.role,
