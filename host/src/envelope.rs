@@ -43,37 +43,55 @@ pub(crate) fn malformed(action: &FfiAction) -> Option<String> {
     None
 }
 
+/// Lets serde_json's string escaping write into a `String`. Its writes are
+/// whole escaped pieces, each valid UTF-8, so checking them costs little; the
+/// large payloads are pushed as `&str` and never re-validated.
+struct StringWriter<'a>(&'a mut String);
+
+impl std::io::Write for StringWriter<'_> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let text = std::str::from_utf8(bytes).map_err(std::io::Error::other)?;
+        self.0.push_str(text);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Writes `text` as a JSON string (serde_json's own escaping).
-fn push_json_string(out: &mut Vec<u8>, text: &str) -> std::io::Result<()> {
-    serde::Serialize::serialize(text, &mut serde_json::Serializer::new(out))
+fn push_json_string(out: &mut String, text: &str) -> std::io::Result<()> {
+    serde::Serialize::serialize(text, &mut serde_json::Serializer::new(StringWriter(out)))
         .map_err(std::io::Error::other)
 }
 
 /// The engine-format message for `actions` (numbered by position: the first is
 /// `a1`). Payloads are copied in as they came, never parsed again.
 pub(crate) fn write(message_id: &str, actions: &[&FfiAction]) -> std::io::Result<String> {
-    use std::io::Write;
+    use std::fmt::Write;
     let payload_bytes: usize = actions.iter().map(|a| a.payload_json.len() + 96).sum();
-    let mut out = Vec::with_capacity(64 + message_id.len() + payload_bytes);
-    out.extend_from_slice(b"{\"protocol_version\":\"");
-    out.extend_from_slice(PROTOCOL_VERSION.as_bytes());
-    out.extend_from_slice(b"\",\"message_id\":");
+    let mut out = String::with_capacity(64 + message_id.len() + payload_bytes);
+    out.push_str("{\"protocol_version\":\"");
+    out.push_str(PROTOCOL_VERSION);
+    out.push_str("\",\"message_id\":");
     push_json_string(&mut out, message_id)?;
-    out.extend_from_slice(b",\"actions\":[");
+    out.push_str(",\"actions\":[");
     for (i, action) in actions.iter().enumerate() {
         if i > 0 {
-            out.push(b',');
+            out.push(',');
         }
-        write!(out, "{{\"action_id\":\"a{}\",\"action_type\":", i + 1)?;
+        write!(out, "{{\"action_id\":\"a{}\",\"action_type\":", i + 1)
+            .map_err(std::io::Error::other)?;
         push_json_string(&mut out, action.action_type.as_str())?;
-        out.extend_from_slice(b",\"action_version\":");
+        out.push_str(",\"action_version\":");
         push_json_string(&mut out, action.action_version.as_str())?;
-        out.extend_from_slice(b",\"payload\":");
-        out.extend_from_slice(action.payload_json.as_str().trim().as_bytes());
-        out.push(b'}');
+        out.push_str(",\"payload\":");
+        out.push_str(action.payload_json.as_str().trim());
+        out.push('}');
     }
-    out.extend_from_slice(b"]}");
-    String::from_utf8(out).map_err(std::io::Error::other)
+    out.push_str("]}");
+    Ok(out)
 }
 
 #[cfg(test)]
