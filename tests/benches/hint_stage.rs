@@ -109,7 +109,7 @@ fn benches(c: &mut Criterion) {
             total.push(elapsed);
             overhead.push(elapsed - (inside() - before) as f64);
         }
-        let mut q = |samples: &mut Vec<f64>| {
+        let q = |samples: &mut Vec<f64>| {
             [0.5, 0.9, 0.95, 0.99, 0.999]
                 .map(|p| format!("p{} {:.0} ns", p * 100.0, quantile(samples, p)))
                 .join(", ")
