@@ -2,29 +2,20 @@
 //! cap), R8 (a failing policy loses only its own actions) and R10 (the engine
 //! envelope).
 
-use kvhint::catalog;
 use kvhint::hints::{FailureKind, HintLimits, HintPolicyInstance, HintStage};
 use kvhint::registry::Registry;
-use kvhint_e2e::{loader, plugin_so, plugins_dir_with, TempDir};
+use kvhint_e2e::{build_dir, registry_of, TempDir};
 use kvhint_plugin_api::testing::{TestBooking, TestKvCopy, TestPeer, TestWorker};
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 
 /// A registry with kv_fetch, harness_prefetch and the misbehaving fixture, all
 /// loaded from their `.so` files.
-fn registry() -> (Registry, kvhint::loader::Loader, TempDir, TempDir) {
-    let dir = plugins_dir_with(&[
-        plugin_so("kv_fetch"),
-        plugin_so("harness_prefetch"),
-        plugin_so("fixture_misbehaving"),
-    ]);
-    let (loader, cache) = loader();
-    let mut registry = Registry::new();
-    let files = catalog::plugin_files(Some(dir.path()), &[], &|_| None).unwrap();
-    for report in catalog::load_into(&loader, &mut registry, &files) {
-        report.result.unwrap_or_else(|e| panic!("{e:?}"));
-    }
-    (registry, loader, dir, cache)
+fn registry() -> (Registry, kvhint::loader::Loader, TempDir) {
+    registry_of(
+        &["kv_fetch", "harness_prefetch", "fixture_misbehaving"],
+        build_dir(),
+    )
 }
 
 fn stage(registry: &Registry, items: &[(&str, &str, Value)]) -> HintStage {

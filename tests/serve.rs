@@ -123,16 +123,8 @@ impl Drop for Server {
     }
 }
 
-/// Writes `text` to `path` the way the drop-in protocol says: a temporary
-/// dotfile in the same directory, then a rename.
 fn drop_in(path: &Path, bytes: &[u8]) {
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp",
-        path.file_name().unwrap().to_string_lossy()
-    ));
-    std::fs::write(&tmp, bytes).unwrap();
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+    kvhint_e2e::drop_in(path, bytes).unwrap();
 }
 
 /// A private directory with a plugins directory and a config that uses it.

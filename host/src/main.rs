@@ -161,14 +161,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 /// The loader for a config: its cache directory and library cap.
 fn loader_for(config: &Config) -> Result<Loader, ConfigError> {
-    let mut options = LoaderOptions {
-        max_libraries: config.plugins.max_libraries,
-        ..LoaderOptions::default()
-    };
-    if let Some(dir) = &config.plugins.cache_dir {
-        options.cache_dir = dir.clone();
-    }
-    Loader::new(&options).map_err(|e| ConfigError::new(&config.file, None, e))
+    Loader::new(&config.plugins.loader_options())
+        .map_err(|e| ConfigError::new(&config.file, None, e))
 }
 
 /// Parses the config and builds a snapshot, collecting every error from both.
@@ -176,14 +170,7 @@ fn load_snapshot(
     file: &Path,
     mode: Option<RouterMode>,
 ) -> Result<(Config, Loader, Snapshot), ConfigErrors> {
-    let text = std::fs::read_to_string(file).map_err(|e| {
-        ConfigErrors(vec![ConfigError::new(
-            file,
-            None,
-            format!("cannot read the config file: {e}"),
-        )])
-    })?;
-    let (config, mut errors) = config::parse_lenient(file, &text);
+    let (config, mut errors) = config::load_lenient(file);
     let Some(config) = config else {
         return Err(ConfigErrors(errors));
     };

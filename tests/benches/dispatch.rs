@@ -11,12 +11,10 @@
 //! loaded / linked ≤ 1.05).
 
 use criterion::{criterion_group, Criterion};
-use kvhint::catalog::{self, PluginFile};
 use kvhint::hints::{HintLimits, HintPolicyInstance, HintStage};
-use kvhint::loader::{Loader, LoaderOptions};
 use kvhint::registry::Registry;
 use kvhint_e2e::bench::{artifacts, interleaved, is_bench, median};
-use kvhint_e2e::private_dir;
+use kvhint_e2e::registry_of;
 use kvhint_plugin_api::testing::{TestBooking, TestPeer, TestWorker};
 use std::hint::black_box;
 
@@ -49,35 +47,9 @@ fn stage(registry: &Registry, type_name: &str) -> HintStage {
     )
 }
 
-/// A registry loaded from the given `.so` files only (no built-ins).
-fn loaded(files: &[&str]) -> (Registry, Loader, kvhint_e2e::TempDir) {
-    let dir = private_dir();
-    let loader = Loader::new(&LoaderOptions {
-        cache_dir: dir.path().join("cache"),
-        max_libraries: 16,
-    })
-    .expect("cache");
-    let mut registry = Registry::new();
-    let files: Vec<PluginFile> = files
-        .iter()
-        .map(|name| {
-            let copy = dir.path().join(format!("lib{name}.so"));
-            std::fs::copy(artifacts().join(format!("lib{name}.so")), &copy).expect("copy");
-            PluginFile {
-                path: copy,
-                sha256: None,
-            }
-        })
-        .collect();
-    for report in catalog::load_into(&loader, &mut registry, &files) {
-        report.result.expect("loads");
-    }
-    (registry, loader, dir)
-}
-
 fn benches(c: &mut Criterion) {
     let builtin = Registry::with_builtins().expect("built-ins register");
-    let (plugins, _loader, _dir) = loaded(&["kv_fetch", "fixture_misbehaving"]);
+    let (plugins, _loader, _dir) = registry_of(&["kv_fetch", "fixture_misbehaving"], artifacts());
     let linked = stage(&builtin, "kv_fetch");
     let dynamic = stage(&plugins, "kv_fetch");
     let noop = stage(&plugins, "noop");

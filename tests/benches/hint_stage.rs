@@ -6,12 +6,10 @@
 //! `cargo bench -p kvhint-e2e --bench hint_stage`
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use kvhint::catalog::{self, PluginFile};
 use kvhint::hints::{HintLimits, HintPolicyInstance, HintStage};
-use kvhint::loader::{Loader, LoaderOptions};
 use kvhint::registry::Registry;
 use kvhint_e2e::bench::{artifacts, is_bench, quantile};
-use kvhint_e2e::private_dir;
+use kvhint_e2e::registry_of;
 use kvhint_plugin_api::testing::{TestBooking, TestPeer, TestWorker};
 use std::hint::black_box;
 use std::time::Instant;
@@ -47,27 +45,7 @@ fn stage(registry: &Registry, n: usize) -> HintStage {
 }
 
 fn benches(c: &mut Criterion) {
-    let dir = private_dir();
-    let loader = Loader::new(&LoaderOptions {
-        cache_dir: dir.path().join("cache"),
-        max_libraries: 16,
-    })
-    .expect("cache");
-    let mut registry = Registry::new();
-    let files: Vec<PluginFile> = ["kv_fetch", "fixture_misbehaving"]
-        .iter()
-        .map(|name| {
-            let copy = dir.path().join(format!("lib{name}.so"));
-            std::fs::copy(artifacts().join(format!("lib{name}.so")), &copy).expect("copy");
-            PluginFile {
-                path: copy,
-                sha256: None,
-            }
-        })
-        .collect();
-    for report in catalog::load_into(&loader, &mut registry, &files) {
-        report.result.expect("loads");
-    }
+    let (registry, _loader, _dir) = registry_of(&["kv_fetch", "fixture_misbehaving"], artifacts());
 
     let mut group = c.benchmark_group("hint_stage");
     for policies in [1, 4, 8] {

@@ -274,13 +274,11 @@ impl Drop for Server {
 /// Writes `path` by the drop-in protocol: a temporary dotfile in the same
 /// directory, then a rename.
 fn drop_in(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let tmp = temp_name(path);
-    std::fs::write(&tmp, bytes).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))
-        .map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+    kvhint_e2e::drop_in(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// The temporary name the drop-in protocol writes under; the hot-add trial
+/// writes and renames by itself so t0 can sit between the two.
 fn temp_name(path: &Path) -> PathBuf {
     path.with_file_name(format!(
         ".{}.tmp",

@@ -236,6 +236,49 @@ pub fn plugins_dir_with(files: &[PathBuf]) -> TempDir {
     dir
 }
 
+/// Writes `bytes` to `path` by the drop-in protocol: a temporary dotfile in
+/// the same directory, then a rename, so a watcher never sees a partial file.
+pub fn drop_in(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    std::fs::rename(&tmp, path)
+}
+
+/// A registry holding only the hint types of the given plugins (library names,
+/// e.g. `kv_fetch`, found in `dir`), loaded from private copies through a
+/// loader with a private cache. Keep the returned loader and directory alive
+/// as long as the registry.
+pub fn registry_of(
+    libs: &[&str],
+    dir: &Path,
+) -> (kvhint::registry::Registry, kvhint::loader::Loader, TempDir) {
+    let private = private_dir();
+    let files: Vec<kvhint::catalog::PluginFile> = libs
+        .iter()
+        .map(|name| {
+            let copy = private.path().join(format!("lib{name}.so"));
+            std::fs::copy(dir.join(format!("lib{name}.so")), &copy).unwrap();
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644)).unwrap();
+            kvhint::catalog::PluginFile {
+                path: copy,
+                sha256: None,
+            }
+        })
+        .collect();
+    let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
+        cache_dir: private.path().join("cache"),
+        max_libraries: 64,
+    })
+    .unwrap();
+    let mut registry = kvhint::registry::Registry::new();
+    for report in kvhint::catalog::load_into(&loader, &mut registry, &files) {
+        report.result.unwrap_or_else(|e| panic!("{e:?}"));
+    }
+    (registry, loader, private)
+}
+
 /// A loader with its own private cache.
 pub fn loader() -> (kvhint::loader::Loader, TempDir) {
     let cache = private_dir();

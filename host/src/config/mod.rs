@@ -250,6 +250,18 @@ impl Default for PluginsConfig {
 }
 
 impl PluginsConfig {
+    /// The loader settings these plugin settings ask for.
+    pub fn loader_options(&self) -> crate::loader::LoaderOptions {
+        let mut options = crate::loader::LoaderOptions {
+            max_libraries: self.max_libraries,
+            ..Default::default()
+        };
+        if let Some(dir) = &self.cache_dir {
+            options.cache_dir = dir.clone();
+        }
+        options
+    }
+
     /// The pin for a file found in the directory, if any.
     pub fn pin_for(&self, path: &Path) -> Option<String> {
         let name = path.file_name()?.to_str()?;
@@ -295,14 +307,25 @@ impl Config {
 
 /// Reads and parses a config file.
 pub fn load(file: &Path) -> Result<Config, ConfigErrors> {
-    let text = std::fs::read_to_string(file).map_err(|e| {
-        ConfigErrors(vec![ConfigError::new(
-            file,
+    match load_lenient(file) {
+        (Some(config), errors) if errors.is_empty() => Ok(config),
+        (_, errors) => Err(ConfigErrors(errors)),
+    }
+}
+
+/// Reads and parses as much of a config file as it can (see [`parse_lenient`]).
+pub fn load_lenient(file: &Path) -> (Option<Config>, Vec<ConfigError>) {
+    match std::fs::read_to_string(file) {
+        Ok(text) => parse_lenient(file, &text),
+        Err(e) => (
             None,
-            format!("cannot read the config file: {e}"),
-        )])
-    })?;
-    parse(file, &text)
+            vec![ConfigError::new(
+                file,
+                None,
+                format!("cannot read the config file: {e}"),
+            )],
+        ),
+    }
 }
 
 /// Parses config text; `file` is for messages and for resolving relative paths.

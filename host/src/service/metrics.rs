@@ -77,6 +77,14 @@ fn sorted<K: Ord + Clone + std::hash::Hash + Eq>(
     entries
 }
 
+/// Writes one metric family: its help, its type, and its samples.
+fn family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        let _ = writeln!(out, "{name}{labels} {value}");
+    }
+}
+
 /// Escapes a label value for the text format.
 fn label(value: &str) -> String {
     value
@@ -116,12 +124,7 @@ impl Metrics {
     /// The Prometheus text exposition of everything the service counts.
     pub fn render(&self, app: &super::App) -> String {
         let mut out = String::new();
-        let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (labels, value) in samples {
-                let _ = writeln!(out, "{name}{labels} {value}");
-            }
-        };
+        let out = &mut out;
         let per_role = |counters: &[AtomicU64; 3]| -> Vec<(String, f64)> {
             ROLES
                 .iter()
@@ -134,18 +137,21 @@ impl Metrics {
                 .collect()
         };
         family(
+            out,
             "kvhint_bookings_total",
             "counter",
             "Bookings made, by role.",
             &per_role(&self.bookings),
         );
         family(
+            out,
             "kvhint_hints_sent_total",
             "counter",
             "Bookings that carried a hint message, by role.",
             &per_role(&self.hints_sent),
         );
         family(
+            out,
             "kvhint_committed_copies_total",
             "counter",
             "Bookings committed to a peer's KV copy.",
@@ -165,6 +171,7 @@ impl Metrics {
             })
             .collect();
         family(
+            out,
             "kvhint_hints_skipped_total",
             "counter",
             "Bookings without a hint message, by reason.",
@@ -175,12 +182,14 @@ impl Metrics {
             .map(|(t, v)| (format!("{{action_type=\"{}\"}}", label(&t)), v as f64))
             .collect();
         family(
+            out,
             "kvhint_hint_actions_total",
             "counter",
             "Actions sent in hint messages, by action type.",
             &actions,
         );
         family(
+            out,
             "kvhint_hint_actions_dropped_total",
             "counter",
             "Actions dropped over the per-booking cap of 32.",
@@ -194,12 +203,14 @@ impl Metrics {
             .map(|(code, v)| (format!("{{error=\"{code}\"}}"), v as f64))
             .collect();
         family(
+            out,
             "kvhint_api_errors_total",
             "counter",
             "API requests refused, by error code.",
             &errors,
         );
         family(
+            out,
             "kvhint_kv_events_total",
             "counter",
             "KV events applied to the index.",
@@ -253,7 +264,7 @@ impl Metrics {
                 &|s| s.skipped_quarantined.load(Ordering::Relaxed),
             ),
         ] {
-            family(&name, "counter", &help, &samples);
+            family(out, &name, "counter", &help, &samples);
         }
         let _ = writeln!(
             out,
@@ -286,13 +297,8 @@ impl Metrics {
 
         let status = app.reloader.status();
         let snapshot = app.snapshot.load();
-        let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (labels, value) in samples {
-                let _ = writeln!(out, "{name}{labels} {value}");
-            }
-        };
         family(
+            out,
             "kvhint_reloads_total",
             "counter",
             "Reloads, by result.",
@@ -302,35 +308,40 @@ impl Metrics {
             ],
         );
         family(
+            out,
             "kvhint_snapshot_generation",
             "gauge",
             "Generation of the serving snapshot.",
             &[(String::new(), snapshot.generation as f64)],
         );
         family(
+            out,
             "kvhint_plugin_libraries_mapped",
             "gauge",
             "Distinct plugin libraries mapped (current and replaced builds; never unloaded).",
             &[(String::new(), app.reloader.loader.libraries_mapped() as f64)],
         );
         family(
+            out,
             "kvhint_workers",
             "gauge",
             "Registered workers.",
             &[(String::new(), app.router.workers().len() as f64)],
         );
         family(
+            out,
             "kvhint_open_bookings",
             "gauge",
             "Bookings not yet released.",
             &[(String::new(), app.router.open_bookings() as f64)],
         );
         family(
+            out,
             "kvhint_kv_index_blocks",
             "gauge",
             "(worker, block) entries in the KV index.",
             &[(String::new(), app.router.index_len() as f64)],
         );
-        out
+        std::mem::take(out)
     }
 }

@@ -13,7 +13,7 @@ pub mod reload;
 mod watch;
 
 use crate::config::{self, RouterMode};
-use crate::loader::{Loader, LoaderOptions};
+use crate::loader::Loader;
 use crate::router::workers::WorkerRegistration;
 use crate::router::Router;
 use crate::snapshot::Snapshot;
@@ -270,14 +270,7 @@ async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Va
 /// Builds the app from a config: the loader, the first snapshot, the router.
 pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigErrors> {
     let config = config::load(&options.config)?;
-    let mut loader_options = LoaderOptions {
-        max_libraries: config.plugins.max_libraries,
-        ..LoaderOptions::default()
-    };
-    if let Some(dir) = &config.plugins.cache_dir {
-        loader_options.cache_dir = dir.clone();
-    }
-    let loader = Loader::new(&loader_options).map_err(|e| {
+    let loader = Loader::new(&config.plugins.loader_options()).map_err(|e| {
         config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
     })?;
     let reloader = Reloader::new(&options.config, options.mode, loader);
