@@ -392,3 +392,179 @@ fn r9_kv_fetch_ties_go_to_the_lowest_worker_id_then_dp_rank() {
         "tcp://10.0.0.30:23281"
     );
 }
+
+#[test]
+fn r7_actions_are_numbered_a1_to_a32_and_the_surplus_is_dropped_and_counted() {
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - {type: burst, name: first, parameters: {count: 20, action_type: test.first}}\n      - {type: burst, name: second, parameters: {count: 20, action_type: test.second}}\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let (bookings, errors) = replay_records(
+        &snapshot,
+        &[
+            worker(1, 0, "decode", true, "decode"),
+            request("r", "decode", &tokens(1, 8)),
+        ],
+    );
+    assert!(errors.is_empty(), "{errors}");
+    let actions = bookings[0]["hint"]["actions"].as_array().unwrap();
+    let ids: Vec<&str> = actions
+        .iter()
+        .map(|a| a["action_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, (1..=32).map(|i| format!("a{i}")).collect::<Vec<_>>());
+    assert_eq!(
+        action_types(&bookings[0])
+            .iter()
+            .filter(|t| *t == "test.second")
+            .count(),
+        12
+    );
+    assert_eq!(bookings[0]["dropped_actions"], 8);
+}
+
+#[test]
+fn r8_a_failing_policy_loses_only_its_own_actions_and_never_the_booking() {
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\nrouter: {block_size: 4, quarantine_after_panics: 2}\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: panics}, {type: errors}, {type: malformed, parameters: {kind: not_object}}, {type: echo}]\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let mut records = vec![worker(1, 0, "decode", true, "decode")];
+    for i in 0..4 {
+        records.push(request(&format!("r{i}"), "decode", &tokens(1, 8)));
+        records.push(release(&format!("r{i}")));
+    }
+    let (bookings, errors) = replay_records(&snapshot, &records);
+    assert!(errors.is_empty(), "{errors}");
+    assert_eq!(bookings.len(), 4, "every booking went through");
+    for (i, booking) in bookings.iter().enumerate() {
+        // The well-behaved policy's action always goes out, as a1.
+        assert_eq!(action_types(booking), ["test.echo"], "{booking}");
+        let kinds: Vec<&str> = booking["policy_failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["kind"].as_str().unwrap())
+            .collect();
+        // The panicking policy is quarantined after its second panic.
+        let expected: &[&str] = if i < 2 {
+            &["panic", "error", "malformed"]
+        } else {
+            &["error", "malformed"]
+        };
+        assert_eq!(kinds, expected, "booking {i}");
+    }
+}
+
+#[test]
+fn r10_the_hint_is_the_engine_envelope_with_exact_u64_hashes() {
+    let fixture = config_file(
+        "router: {block_size: 4}\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: kv_fetch}]\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let prompt = tokens(1, 8);
+    // Engine hashes at the top of the u64 range: they must arrive as exact JSON
+    // numbers, not as floats or strings.
+    let big = u64::MAX - 1;
+    let stored_big = json!({"type": "kv_event", "worker_id": 3, "dp_rank": 0, "event": {"stored": {
+        "parent_block_hash": null,
+        "blocks": [{"block_hash": big, "token_ids": &prompt[..4]}, {"block_hash": big - 1, "token_ids": &prompt[4..]}]}}});
+    let records = vec![
+        worker(1, 0, "decode", true, "decode"),
+        worker(3, 0, "prefill", true, "decode"),
+        stored_big,
+        request("req-42", "decode", &prompt),
+    ];
+    let router = kvhint::router::Router::new(4);
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    let trace: String = records.iter().map(|r| format!("{r}\n")).collect();
+    kvhint::replay::replay(
+        &router,
+        &snapshot,
+        std::path::Path::new("t"),
+        trace.as_bytes(),
+        &mut out,
+        &mut err,
+    )
+    .unwrap();
+    let line = String::from_utf8(out).unwrap();
+    assert!(
+        line.contains(&format!("\"block_hashes\":[{big},{}]", big - 1)),
+        "exact digits: {line}"
+    );
+    let booking: Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(
+        booking["hint"],
+        json!({
+            "protocol_version": "0.1",
+            "message_id": "req-42",
+            "actions": [{
+                "action_id": "a1",
+                "action_type": "kv.fetch",
+                "action_version": "1.0",
+                "payload": {"source_control_endpoint": "tcp://10.0.0.3:23280", "block_hashes": [big, big - 1]}
+            }]
+        })
+    );
+}
+
+#[test]
+fn r11_the_specs_registration_snippet_compiles_and_loads_in_a_plugin() {
+    // harness-prefetch registers itself with the spec's snippet, verbatim.
+    let source = std::fs::read_to_string(
+        kvhint_e2e::workspace_root().join("plugins/harness-prefetch/src/lib.rs"),
+    )
+    .unwrap();
+    let snippet = "registry.register_hint_policy(\n        \"harness_prefetch\",\n        Arc::new(|parameters| {\n            let config: PrefetchConfig = parameters.deserialize()?;";
+    assert!(source.contains(snippet), "the snippet is in the plugin");
+    // And that plugin, built, loads and registers what the snippet says.
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch, parameters: {max_blocks: 64}}]\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let registered = snapshot.registry.get("harness_prefetch").unwrap();
+    assert!(
+        registered.default_hosts.is_empty(),
+        "`[]`: runs only where listed"
+    );
+}
+
+#[test]
+fn r12_builtins_and_plugins_register_through_the_same_code_and_act_alike() {
+    // The built-in kv_fetch (linked) and libkv_fetch.so (loaded).
+    let builtin = kvhint::registry::Registry::with_builtins().unwrap();
+    let (loaded, _loader, _dir) = kvhint_e2e::registry_of(&["kv_fetch"], kvhint_e2e::build_dir());
+    let (a, b) = (
+        builtin.get("kv_fetch").unwrap(),
+        loaded.get("kv_fetch").unwrap(),
+    );
+    assert_eq!(a.default_hosts, b.default_hosts);
+    assert!(a.origin.to_string().starts_with("built-in"));
+    assert!(b.origin.to_string().starts_with("plugin kv-fetch"));
+    let construct = |r: &kvhint::registry::Registry| r.construct("kv_fetch", &json!({})).unwrap();
+    let (pa, pb) = (construct(&builtin), construct(&loaded));
+    assert_eq!(pa.commitments, pb.commitments);
+    // Same hint for the same booking.
+    let booking = kvhint_plugin_api::testing::TestBooking {
+        request_id: "r".into(),
+        worker: kvhint_plugin_api::testing::TestWorker::capable(1),
+        block_size: 16,
+        block_hashes: vec![1, 2, 3],
+        peers: vec![kvhint_plugin_api::testing::TestPeer {
+            worker: kvhint_plugin_api::testing::TestWorker::capable(2),
+            block_hashes: vec![21, 22, 23],
+        }],
+        ..Default::default()
+    };
+    let run = |p| {
+        let stage = kvhint::hints::HintStage::new(
+            vec![kvhint::hints::HintPolicyInstance::new("kv_fetch", p)],
+            kvhint::hints::HintLimits::default(),
+        );
+        booking.with_raw_context(|c| stage.run(c).message)
+    };
+    let (ma, mb) = (run(pa), run(pb));
+    assert!(ma.is_some());
+    assert_eq!(ma, mb);
+}
