@@ -469,7 +469,7 @@ fn r10_the_hint_is_the_engine_envelope_with_exact_u64_hashes() {
     let stored_big = json!({"type": "kv_event", "worker_id": 3, "dp_rank": 0, "event": {"stored": {
         "parent_block_hash": null,
         "blocks": [{"block_hash": big, "token_ids": &prompt[..4]}, {"block_hash": big - 1, "token_ids": &prompt[4..]}]}}});
-    let records = vec![
+    let records = [
         worker(1, 0, "decode", true, "decode"),
         worker(3, 0, "prefill", true, "decode"),
         stored_big,
