@@ -510,3 +510,37 @@ fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
     let _ = std::fs::File::open(&server.log).map(|mut f| f.read_to_string(&mut stderr));
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn sighup_reloads_the_config() {
+    let roles = |max_blocks: u32| {
+        format!(
+            "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{{type: harness_prefetch, parameters: {{max_blocks: {max_blocks}}}}}]\n"
+        )
+    };
+    let setup = Setup::new(
+        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+        &roles(1),
+    );
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    register_decode_worker(&server, 1);
+    let prefetched = |booking: &Value| {
+        booking["hint"]["actions"][0]["payload"]["block_hashes"]
+            .as_array()
+            .map(Vec::len)
+    };
+    assert_eq!(prefetched(&book(&server, "before")), Some(1));
+
+    // No watch on the config: only the signal makes the router read it again.
+    setup.write_config(&roles(3));
+    let status = Command::new("kill")
+        .args(["-HUP", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    server.wait_for("the SIGHUP reload", |s| {
+        s.status()["reloads"]["last_ok_trigger"] == "sighup"
+    });
+    assert_eq!(server.status()["generation"], 2);
+    assert_eq!(prefetched(&book(&server, "after")), Some(3));
+}
