@@ -338,3 +338,26 @@ fn explicit_plugin_files_load_without_a_directory() {
     assert!(reports[0].result.is_ok());
     assert!(registry.get("harness_prefetch").is_some());
 }
+
+#[test]
+fn an_explicit_pin_applies_to_a_file_also_found_in_the_directory() {
+    let dir = plugins_dir_with(&[plugin_so("harness_prefetch")]);
+    let path = dir.path().join("libharness_prefetch.so");
+    let wrong = [PluginFile {
+        path: path.clone(),
+        sha256: Some("0".repeat(64)),
+    }];
+    let files = catalog::plugin_files(Some(dir.path()), &wrong, &|_| None).unwrap();
+    assert_eq!(files.len(), 1, "loaded once");
+    let (loader, _cache) = loader();
+    let mut registry = Registry::new();
+    let reports = catalog::load_into(&loader, &mut registry, &files);
+    let errors = reports[0].result.as_ref().unwrap_err().join("\n");
+    assert!(errors.contains("the config pins"), "{errors}");
+
+    // Two different pins for one file are refused outright.
+    let error = catalog::plugin_files(Some(dir.path()), &wrong, &|_| Some("1".repeat(64)))
+        .err()
+        .unwrap();
+    assert!(error.to_string().contains("keep one pin"), "{error}");
+}

@@ -486,6 +486,20 @@ fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
     let body: Value = serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
     assert_eq!(body["error"], "unknown_worker");
 
+    // Path and method mistakes answer in the same shape.
+    let mut response = server
+        .agent
+        .delete(&format!("{}/workers/abc", server.base))
+        .call()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+    let body: Value = serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(body["error"], "bad_request", "{body}");
+    let (status, text) = server.get("/book");
+    assert_eq!(status, 405);
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"], "method_not_allowed", "{body}");
+
     // Nothing changed: the same workers, loads, open bookings and index.
     let after = server.status();
     assert_eq!(before["workers"], after["workers"]);
@@ -523,6 +537,19 @@ fn sighup_reloads_the_config() {
         &roles(1),
     );
     let server = Server::start(&setup.config(), &[], setup.dir.path());
+    let hup = |server: &Server| {
+        let status = Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    // A SIGHUP the moment the router says it is ready must not end it (the
+    // handler exists before anything slow runs).
+    hup(&server);
+    server.wait_for("the first SIGHUP reload", |s| {
+        s.status()["reloads"]["last_ok_trigger"] == "sighup"
+    });
     register_decode_worker(&server, 1);
     let prefetched = |booking: &Value| {
         booking["hint"]["actions"][0]["payload"]["block_hashes"]
@@ -533,14 +560,46 @@ fn sighup_reloads_the_config() {
 
     // No watch on the config: only the signal makes the router read it again.
     setup.write_config(&roles(3));
-    let status = Command::new("kill")
-        .args(["-HUP", &server.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    server.wait_for("the SIGHUP reload", |s| {
-        s.status()["reloads"]["last_ok_trigger"] == "sighup"
+    hup(&server);
+    server.wait_for("the second SIGHUP reload", |s| {
+        s.status()["generation"] == 3
     });
-    assert_eq!(server.status()["generation"], 2);
     assert_eq!(prefetched(&book(&server, "after")), Some(3));
+}
+
+#[test]
+fn a_reload_that_changes_a_restart_only_setting_is_refused() {
+    let roles =
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
+    let setup = Setup::new(
+        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+        roles,
+    );
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    let other = setup.dir.path().join("elsewhere");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o700)).unwrap();
+    drop_in(
+        &setup.config(),
+        format!(
+            "plugins:\n  directory: elsewhere\n  cache_dir: cache\nrouter:\n  block_size: 8\nworker_selection:\n{roles}"
+        )
+        .as_bytes(),
+    );
+    let (status, body) = server.post_raw("/admin/reload", "application/json", "");
+    assert_eq!(status, 422, "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("router.block_size") && detail.contains("needs a restart"),
+        "{detail}"
+    );
+    assert!(
+        detail.contains("plugins.directory") && detail.contains("watches"),
+        "{detail}"
+    );
+    assert_eq!(
+        server.status()["generation"],
+        1,
+        "the old snapshot keeps serving"
+    );
 }

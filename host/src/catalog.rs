@@ -31,7 +31,9 @@ pub struct LoadedFile {
 }
 
 /// The files to load: the directory's `lib*.so` sorted by name, then the
-/// explicit files in the order given (a file named both ways is loaded once).
+/// explicit files in the order given. A file named both ways is loaded once,
+/// and keeps whichever sha256 pin it was given (two different pins are an
+/// error).
 pub fn plugin_files(
     directory: Option<&Path>,
     explicit: &[PluginFile],
@@ -47,12 +49,27 @@ pub fn plugin_files(
             .collect(),
         None => Vec::new(),
     };
+    let same = |a: &Path, b: &Path| {
+        a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+    };
     for file in explicit {
-        let same = |a: &Path, b: &Path| {
-            a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
-        };
-        if !files.iter().any(|f| same(&f.path, &file.path)) {
-            files.push(file.clone());
+        match files.iter_mut().find(|f| same(&f.path, &file.path)) {
+            None => files.push(file.clone()),
+            // Named both ways: loaded once, and an explicit pin still applies.
+            Some(found) => match (&found.sha256, &file.sha256) {
+                (_, None) => {}
+                (None, Some(pin)) => found.sha256 = Some(pin.clone()),
+                (Some(a), Some(b)) if a.eq_ignore_ascii_case(b) => {}
+                (Some(a), Some(b)) => {
+                    return Err(LoadError {
+                        path: file.path.clone(),
+                        kind: loader::LoadErrorKind::ConflictingPins {
+                            explicit: b.clone(),
+                            directory: a.clone(),
+                        },
+                    })
+                }
+            },
         }
     }
     Ok(files)

@@ -185,7 +185,7 @@ fn load_snapshot(
         loader: &loader,
         mode,
         generation: 1,
-        block_size_in_use: None,
+        fixed: None,
         policy_stats: None,
     };
     match snapshot::build(&config, &options) {
@@ -199,18 +199,24 @@ fn load_snapshot(
 }
 
 fn serve(options: kvhint::service::ServeOptions) -> anyhow::Result<ExitCode> {
-    // Start-up validates exactly as `check` does, and refuses to serve a config
-    // with any error.
-    let app = match kvhint::service::build_app(&options) {
-        Ok(app) => app,
-        Err(errors) => return Ok(report_errors(&errors)),
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(kvhint::service::serve(options, app))?;
-    Ok(ExitCode::SUCCESS)
+    runtime.block_on(async {
+        // First, before loading anything: until a handler exists, SIGHUP's
+        // default action would end the process.
+        let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .context("cannot listen for SIGHUP")?;
+        // Start-up validates exactly as `check` does, and refuses to serve a
+        // config with any error.
+        let app = match kvhint::service::build_app(&options) {
+            Ok(app) => app,
+            Err(errors) => return Ok(report_errors(&errors)),
+        };
+        kvhint::service::serve(options, app, hangups).await?;
+        Ok(ExitCode::SUCCESS)
+    })
 }
 
 fn report_errors(errors: &ConfigErrors) -> ExitCode {

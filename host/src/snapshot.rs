@@ -97,13 +97,35 @@ impl Snapshot {
     }
 }
 
+/// Settings a running router keeps until it restarts: the KV index is keyed
+/// by the block size, the watch is on the plugins directory, and the loader's
+/// cache and cap are the process's. A reload that changes one is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FixedSettings {
+    pub block_size: usize,
+    pub plugins_directory: Option<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
+    pub max_libraries: usize,
+}
+
+impl FixedSettings {
+    pub fn of(config: &Config) -> Self {
+        Self {
+            block_size: config.router.block_size,
+            plugins_directory: config.plugins.directory.clone(),
+            cache_dir: config.plugins.cache_dir.clone(),
+            max_libraries: config.plugins.max_libraries,
+        }
+    }
+}
+
 pub struct BuildOptions<'a> {
     pub loader: &'a Loader,
     /// `--router-mode`, overriding `router.mode`.
     pub mode: Option<RouterMode>,
     pub generation: u64,
-    /// The block size the running router's KV index uses, if one runs.
-    pub block_size_in_use: Option<usize>,
+    /// What the running router cannot change, if one runs.
+    pub fixed: Option<&'a FixedSettings>,
     /// Counters that outlive this snapshot (a serving router's); `None` gives
     /// each policy counters of its own.
     pub policy_stats: Option<&'a PolicyStatsRegistry>,
@@ -132,16 +154,57 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         errors: Vec::new(),
     };
     let mode = options.mode.unwrap_or(config.router.mode);
-    if let Some(in_use) = options.block_size_in_use {
-        if in_use != config.router.block_size {
+    if let Some(running) = options.fixed {
+        let wanted = FixedSettings::of(config);
+        let show = |p: &Option<PathBuf>| {
+            p.as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "(none)".into())
+        };
+        let mut refuse = |path: &str, what: String| {
             builder.error(
                 &Location {
-                    path: "router.block_size".into(),
+                    path: path.into(),
                     ..Location::default()
                 },
+                format!("{what}; changing it needs a restart"),
+            )
+        };
+        if running.block_size != wanted.block_size {
+            refuse(
+                "router.block_size",
                 format!(
-                    "the running router's KV index uses block size {in_use}; changing it to {} needs a restart",
-                    config.router.block_size
+                    "the running router's KV index uses block size {}, the config now says {}",
+                    running.block_size, wanted.block_size
+                ),
+            );
+        }
+        if running.plugins_directory != wanted.plugins_directory {
+            refuse(
+                "plugins.directory",
+                format!(
+                    "the running router watches {}, the config now names {}",
+                    show(&running.plugins_directory),
+                    show(&wanted.plugins_directory)
+                ),
+            );
+        }
+        if running.cache_dir != wanted.cache_dir {
+            refuse(
+                "plugins.cache_dir",
+                format!(
+                    "the running router's plugin cache is {}, the config now names {}",
+                    show(&running.cache_dir),
+                    show(&wanted.cache_dir)
+                ),
+            );
+        }
+        if running.max_libraries != wanted.max_libraries {
+            refuse(
+                "plugins.max_libraries",
+                format!(
+                    "the running router caps mapped libraries at {}, the config now says {}",
+                    running.max_libraries, wanted.max_libraries
                 ),
             );
         }

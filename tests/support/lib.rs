@@ -332,7 +332,7 @@ pub fn snapshot_of(
             loader: &loader,
             mode,
             generation: 1,
-            block_size_in_use: None,
+            fixed: None,
             policy_stats: None,
         },
     )?;

@@ -52,6 +52,8 @@ pub enum LoadErrorKind {
     Elf(#[from] elf::ElfError),
     #[error("its sha256 is {found}, but the config pins {expected}; if this build is the one you mean to run, update the pin")]
     PinMismatch { expected: String, found: String },
+    #[error("the config pins it twice with different sha256 values ({explicit} in plugins.files, {directory} in plugins.sha256); keep one pin")]
+    ConflictingPins { explicit: String, directory: String },
     #[error("{0}")]
     Cache(String),
     #[error("the dynamic linker refused it: {0}; check that the libraries it links against are installed (`ldd` on the file) and that it was built for this system")]

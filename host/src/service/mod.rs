@@ -36,6 +36,8 @@ use std::sync::Arc;
 
 /// Everything the handlers share.
 pub struct App {
+    /// The plugins directory watched for reloads (fixed until restart).
+    pub plugins_dir: Option<PathBuf>,
     pub router: Router,
     pub snapshot: ArcSwap<Snapshot>,
     pub reloader: Reloader,
@@ -68,6 +70,13 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
                 StatusCode::NOT_FOUND,
                 "not_found",
                 "no such endpoint; see the README's API section",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this endpoint does not take that method; see the README's API section",
             )
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
@@ -109,9 +118,15 @@ struct RankQuery {
 
 async fn deregister_worker(
     State(app): State<Arc<App>>,
-    UrlPath(worker_id): UrlPath<u64>,
+    worker_id: Result<UrlPath<u64>, axum::extract::rejection::PathRejection>,
     query: Result<Query<RankQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let UrlPath(worker_id) = worker_id.map_err(|e| {
+        counted(
+            &app,
+            ApiError::bad_request(format!("{}; the worker id is a number", e.body_text())),
+        )
+    })?;
     let Query(RankQuery { dp_rank }) =
         query.map_err(|e| counted(&app, ApiError::bad_request(e.body_text())))?;
     let key = crate::router::kv_index::WorkerKey { worker_id, dp_rank };
@@ -276,6 +291,11 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let reloader = Reloader::new(&options.config, options.mode, loader);
     let snapshot = reloader.initial()?;
     Ok(Arc::new(App {
+        plugins_dir: config
+            .plugins
+            .directory
+            .as_deref()
+            .and_then(|d| d.canonicalize().ok()),
         router: Router::new(snapshot.block_size),
         snapshot: ArcSwap::from_pointee(snapshot),
         reloader,
@@ -284,20 +304,20 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
 }
 
 /// Runs the service until SIGINT or SIGTERM. Prints `listening on ADDR` once
-/// the socket is bound (on stdout, for scripts and tests).
-pub async fn serve(options: ServeOptions, app: Arc<App>) -> anyhow::Result<()> {
-    let config = config::load(&options.config)?;
-    let plugins_dir = config
-        .plugins
-        .directory
-        .as_deref()
-        .and_then(|d| d.canonicalize().ok());
+/// the socket is bound (on stdout, for scripts and tests). `hangups` must have
+/// been created before anything slow ran: until a SIGHUP handler exists, the
+/// signal's default action ends the process.
+pub async fn serve(
+    options: ServeOptions,
+    app: Arc<App>,
+    mut hangups: tokio::signal::unix::Signal,
+) -> anyhow::Result<()> {
     let config_file = if options.watch_config {
         options.config.canonicalize().ok()
     } else {
         None
     };
-    let _watches = watch::start(Arc::clone(&app), plugins_dir, config_file)?;
+    let _watches = watch::start(Arc::clone(&app), app.plugins_dir.clone(), config_file)?;
 
     let listener = tokio::net::TcpListener::bind(options.listen).await?;
     let address = listener.local_addr()?;
@@ -306,11 +326,6 @@ pub async fn serve(options: ServeOptions, app: Arc<App>) -> anyhow::Result<()> {
 
     let hup_app = Arc::clone(&app);
     tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-            tracing::warn!("cannot listen for SIGHUP; reload with POST /admin/reload");
-            return;
-        };
         while hangups.recv().await.is_some() {
             let app = Arc::clone(&hup_app);
             let _ = tokio::task::spawn_blocking(move || {

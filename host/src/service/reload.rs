@@ -10,7 +10,7 @@
 use crate::config::{self, ConfigErrors, RouterMode};
 use crate::hints::PolicyStatsRegistry;
 use crate::loader::Loader;
-use crate::snapshot::{self, BuildOptions, Snapshot};
+use crate::snapshot::{self, BuildOptions, FixedSettings, Snapshot};
 use arc_swap::ArcSwap;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -61,6 +61,8 @@ pub struct Reloader {
     pub loader: Loader,
     pub policy_stats: PolicyStatsRegistry,
     generation: AtomicU64,
+    /// Set by the first snapshot: what later reloads may not change.
+    fixed: Mutex<Option<FixedSettings>>,
     /// Held for the whole of a reload: one at a time.
     running: Mutex<()>,
     status: Mutex<ReloadStatus>,
@@ -74,6 +76,7 @@ impl Reloader {
             loader,
             policy_stats: PolicyStatsRegistry::default(),
             generation: AtomicU64::new(0),
+            fixed: Mutex::new(None),
             running: Mutex::new(()),
             status: Mutex::new(ReloadStatus::default()),
         }
@@ -87,26 +90,36 @@ impl Reloader {
     }
 
     /// Builds a snapshot from the config file as it is now.
-    pub fn build(&self, block_size_in_use: Option<usize>) -> Result<Snapshot, ConfigErrors> {
+    fn build(
+        &self,
+        fixed: Option<&FixedSettings>,
+    ) -> Result<(Snapshot, FixedSettings), ConfigErrors> {
         let config = config::load(&self.config_path)?;
-        snapshot::build(
+        let snapshot = snapshot::build(
             &config,
             &BuildOptions {
                 loader: &self.loader,
                 mode: self.mode,
                 generation: self.generation.load(Ordering::Relaxed) + 1,
-                block_size_in_use,
+                fixed,
                 policy_stats: Some(&self.policy_stats),
             },
-        )
+        )?;
+        Ok((snapshot, FixedSettings::of(&config)))
+    }
+
+    /// What this router keeps until it restarts (known after [`Self::initial`]).
+    pub fn fixed(&self) -> Option<FixedSettings> {
+        self.fixed.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The first snapshot, at start-up.
     pub fn initial(&self) -> Result<Snapshot, ConfigErrors> {
         let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let snapshot = self.build(None)?;
+        let (snapshot, fixed) = self.build(None)?;
         self.generation
             .store(snapshot.generation, Ordering::Relaxed);
+        *self.fixed.lock().unwrap_or_else(|e| e.into_inner()) = Some(fixed);
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.last_ok_unix_ms = Some(now_ms());
         status.last_ok_trigger = Some(Trigger::Startup);
@@ -121,9 +134,9 @@ impl Reloader {
         trigger: Trigger,
     ) -> Result<u64, ConfigErrors> {
         let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let block_size = current.load().block_size;
-        match self.build(Some(block_size)) {
-            Ok(snapshot) => {
+        let fixed = self.fixed();
+        match self.build(fixed.as_ref()) {
+            Ok((snapshot, _)) => {
                 let generation = snapshot.generation;
                 self.generation.store(generation, Ordering::Relaxed);
                 current.store(Arc::new(snapshot));
