@@ -361,3 +361,39 @@ fn an_explicit_pin_applies_to_a_file_also_found_in_the_directory() {
         .unwrap();
     assert!(error.to_string().contains("keep one pin"), "{error}");
 }
+
+#[test]
+fn libraries_refused_after_dlopen_stay_counted_and_count_against_the_cap() {
+    let dir = plugins_dir_with(&[standalone_so("panic-abort"), plugin_so("harness_prefetch")]);
+    let cache = private_dir();
+    let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
+        cache_dir: cache.path().join("cache"),
+        max_libraries: 1,
+    })
+    .unwrap();
+    let refused = dir.path().join("libfixture_panic_abort.so");
+    // Refused after dlopen: it is mapped now, and counted.
+    assert!(matches!(
+        loader.load(&refused, None).err().unwrap().kind,
+        LoadErrorKind::PanicAbort
+    ));
+    assert_eq!(loader.libraries_mapped(), 1);
+    // Asked again, the same answer without opening it again.
+    assert!(matches!(
+        loader.load(&refused, None).err().unwrap().kind,
+        LoadErrorKind::PanicAbort
+    ));
+    assert_eq!(loader.libraries_mapped(), 1);
+    // And it holds the one place the cap allows.
+    let error = loader
+        .load(&dir.path().join("libharness_prefetch.so"), None)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(
+            error.kind,
+            LoadErrorKind::TooManyLibraries { mapped: 1, cap: 1 }
+        ),
+        "{error}"
+    );
+}

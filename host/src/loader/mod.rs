@@ -26,6 +26,7 @@ use kvhint_plugin_api::{ABI_VERSION, API_VERSION};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fmt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -125,12 +126,17 @@ impl Default for LoaderOptions {
     }
 }
 
+/// What dlopening one library gave: its module, or why it was refused.
+type Opened = Result<(PluginModRef, PluginInfo), LoadErrorKind>;
+
 /// Loads plugin files; one per process, shared by every reload.
 pub struct Loader {
     cache: cache::PluginCache,
     max_libraries: usize,
-    /// Every library mapped so far, by content hash.
-    mapped: Mutex<HashMap<String, (PluginModRef, PluginInfo)>>,
+    /// Every library dlopened so far, by content hash: its module, or why it
+    /// was refused after dlopen (it stays mapped either way, and is not opened
+    /// again).
+    mapped: Mutex<HashMap<String, Opened>>,
 }
 
 impl fmt::Debug for Loader {
@@ -228,7 +234,8 @@ impl Loader {
         self.cache.dir()
     }
 
-    /// How many distinct plugin libraries are mapped (current and replaced builds).
+    /// How many distinct plugin libraries are mapped: current and replaced
+    /// builds, and builds refused after dlopen (they stay mapped too).
     pub fn libraries_mapped(&self) -> usize {
         self.mapped.lock().map(|m| m.len()).unwrap_or(0)
     }
@@ -239,8 +246,26 @@ impl Loader {
             path: path.to_path_buf(),
             kind,
         };
-        trust::check_plugin_file(path).map_err(|e| fail(e.into()))?;
-        let bytes = std::fs::read(path).map_err(|e| fail(LoadErrorKind::Io(e.to_string())))?;
+        // Open once: every check below is of this open file, so a rename
+        // between the checks and the read cannot swap in unchecked bytes.
+        // O_NONBLOCK: a FIFO put in place of a plugin must not hang the loader.
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| fail(LoadErrorKind::Io(e.to_string())))?;
+        let opened = file
+            .metadata()
+            .map_err(|e| fail(LoadErrorKind::Io(e.to_string())))?;
+        if !opened.is_file() {
+            return Err(fail(LoadErrorKind::Io(
+                "it is not a regular file".to_string(),
+            )));
+        }
+        trust::check_plugin_file(path, &opened).map_err(|e| fail(e.into()))?;
+        let mut bytes = Vec::with_capacity(opened.len() as usize);
+        std::io::Read::read_to_end(&mut file, &mut bytes)
+            .map_err(|e| fail(LoadErrorKind::Io(e.to_string())))?;
         let sha256 = hex(&Sha256::digest(&bytes));
         if let Some(expected) = pin {
             if !expected.eq_ignore_ascii_case(&sha256) {
@@ -261,8 +286,9 @@ impl Loader {
             .file_stem()
             .and_then(|s| s.to_str())
             .unwrap_or("plugin");
-        if let Some((module, info)) = mapped.get(&sha256) {
+        if let Some(known) = mapped.get(&sha256) {
             // Same content as a library already mapped: nothing to do.
+            let (module, info) = known.as_ref().map_err(|kind| fail(kind.clone()))?;
             return Ok(LoadedPlugin {
                 path: path.to_path_buf(),
                 cached_path: self
@@ -284,8 +310,11 @@ impl Loader {
             .cache
             .store(stem, &sha256, &bytes)
             .map_err(|e| fail(LoadErrorKind::Cache(e)))?;
-        let (module, info) = open_module(&cached_path).map_err(fail)?;
-        mapped.insert(sha256.clone(), (module, info.clone()));
+        dlopen(&cached_path).map_err(fail)?;
+        // From here the library is mapped for good, whatever the checks say.
+        let opened = read_root_module(&cached_path);
+        mapped.insert(sha256.clone(), opened.clone());
+        let (module, info) = opened.map_err(fail)?;
         tracing::info!(
             plugin = %info.name,
             version = %info.version,
@@ -303,17 +332,21 @@ impl Loader {
     }
 }
 
-/// dlopen + root module + the version and panic checks, on the private copy.
-fn open_module(cached: &Path) -> Result<(PluginModRef, PluginInfo), LoadErrorKind> {
+/// dlopen of the private copy, with `RTLD_NOW | RTLD_LOCAL`.
+fn dlopen(cached: &Path) -> Result<(), LoadErrorKind> {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
     // SAFETY: running a library's initialisers is what loading a plugin means;
     // the file was checked as a whole ELF shared object owned by a trusted user.
     let library = unsafe { Library::open(Some(cached), RTLD_NOW | RTLD_LOCAL) }
         .map_err(|e| LoadErrorKind::Dlopen(chain(&e)))?;
-    // Never unloaded (see the module docs); abi_stable opens it again below,
-    // which only bumps the reference count of this mapping.
+    // Never unloaded (see the module docs); abi_stable opens it again, which
+    // only bumps the reference count of this mapping.
     std::mem::forget(library);
+    Ok(())
+}
 
+/// The root module of a dlopened library, and the version and panic checks.
+fn read_root_module(cached: &Path) -> Opened {
     let header = lib_header_from_path(cached).map_err(|e| match e {
         LibraryError::GetSymbolError { .. } => LoadErrorKind::NoRootModule(format!(
             "it does not export `{}`",

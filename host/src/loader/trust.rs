@@ -34,11 +34,11 @@ pub fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-fn check_one(what: &'static str, path: &Path) -> Result<(), TrustError> {
-    let meta = std::fs::metadata(path).map_err(|e| TrustError::Unreadable {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
+fn check_metadata(
+    what: &'static str,
+    path: &Path,
+    meta: &std::fs::Metadata,
+) -> Result<(), TrustError> {
     let me = effective_uid();
     if meta.uid() != me && meta.uid() != 0 {
         return Err(TrustError::ForeignOwner {
@@ -59,22 +59,33 @@ fn check_one(what: &'static str, path: &Path) -> Result<(), TrustError> {
     Ok(())
 }
 
-/// Checks the file, the directory it was found in, and — when it is a symlink —
-/// the directory of its target. The directory it was found in matters on its
-/// own: whoever can write it can plant a link to any library on the system.
-pub fn check_plugin_file(path: &Path) -> Result<(), TrustError> {
-    let real = std::fs::canonicalize(path).map_err(|e| TrustError::Unreadable {
+fn check_directory(path: &Path) -> Result<(), TrustError> {
+    let meta = std::fs::metadata(path).map_err(|e| TrustError::Unreadable {
         path: path.display().to_string(),
         reason: e.to_string(),
     })?;
-    check_one("plugin file", &real)?;
+    check_metadata("plugin directory", path, &meta)
+}
+
+/// Checks an opened plugin file — `opened` is its `fstat`, so the owner and
+/// mode checked are those of the very file whose bytes are read — and the
+/// directories it depends on: the one it was found in (whoever can write it
+/// can plant a link to any library) and, for a symlink, its target's.
+pub fn check_plugin_file(path: &Path, opened: &std::fs::Metadata) -> Result<(), TrustError> {
+    check_metadata("plugin file", path, opened)?;
     let found_in = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    check_one("plugin directory", found_in)?;
+    check_directory(found_in)?;
+    let real = std::fs::canonicalize(path).map_err(|e| TrustError::Unreadable {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
     if let Some(dir) = real.parent() {
-        check_one("plugin directory", dir)?;
+        if dir != found_in {
+            check_directory(dir)?;
+        }
     }
     Ok(())
 }
@@ -90,10 +101,13 @@ mod tests {
         let file = dir.path().join("libx.so");
         std::fs::write(&file, b"x").unwrap();
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let err = check_plugin_file(&file).unwrap_err();
+        let err = check_plugin_file(&file, &std::fs::metadata(&file).unwrap()).unwrap_err();
         assert!(err.to_string().contains("chmod go-w"), "{err}");
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert_eq!(check_plugin_file(&file), Ok(()));
+        assert_eq!(
+            check_plugin_file(&file, &std::fs::metadata(&file).unwrap()),
+            Ok(())
+        );
     }
 
     #[test]
@@ -106,7 +120,7 @@ mod tests {
         std::fs::set_permissions(open.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let link = open.path().join("libx.so");
         std::os::unix::fs::symlink(&file, &link).unwrap();
-        let err = check_plugin_file(&link).unwrap_err();
+        let err = check_plugin_file(&link, &std::fs::metadata(&link).unwrap()).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -125,7 +139,7 @@ mod tests {
         let file = dir.path().join("libx.so");
         std::fs::write(&file, b"x").unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o775)).unwrap();
-        let err = check_plugin_file(&file).unwrap_err();
+        let err = check_plugin_file(&file, &std::fs::metadata(&file).unwrap()).unwrap_err();
         assert!(
             matches!(
                 err,
