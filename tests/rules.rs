@@ -568,3 +568,26 @@ fn r12_builtins_and_plugins_register_through_the_same_code_and_act_alike() {
     assert!(ma.is_some());
     assert_eq!(ma, mb);
 }
+
+#[test]
+fn r5_a_committed_copy_whose_sender_fails_is_withdrawn_and_the_load_corrected() {
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n    hints: [{type: copy_sender_fails}]\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let router = kvhint::router::Router::new(4);
+    let (bookings, errors) = kvhint_e2e::replay_on(&router, &snapshot, &decode_trace()[..7]);
+    assert!(errors.is_empty(), "{errors}");
+    let r1 = bookings.iter().find(|b| b["request_id"] == "r1").unwrap();
+    // kvcr booked worker 1 on worker 3's copy, but the copy's sender failed:
+    // the booking no longer claims it, and worker 1 prefills all 4 blocks.
+    assert_eq!(r1["worker_id"], 1);
+    assert_eq!(r1["committed_copy"], Value::Null, "{r1}");
+    assert_eq!(r1["policy_failures"][0]["kind"], "error");
+    let (_, load) = router
+        .workers()
+        .into_iter()
+        .find(|(w, _)| w.key.worker_id == 1)
+        .unwrap();
+    assert_eq!(load.prefill_blocks, 4);
+}

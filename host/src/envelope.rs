@@ -21,9 +21,10 @@ pub const PROTOCOL_VERSION: &str = "0.1";
 pub const MAX_ACTIONS: usize = 32;
 
 /// Why an action is not sent, checked cheaply. The plugin-side adapter already
-/// checked the payload is a JSON object it serialized itself; this guards the
-/// envelope against a plugin that implements the raw ABI trait by hand, without
-/// reading the payload through.
+/// checked that the payload is a JSON object it serialized itself; this only
+/// catches the obvious mistakes of a plugin that implements the raw ABI trait
+/// by hand, without reading the payload through. The whole message is
+/// validated once where it leaves the process (`wire::checked_hint`).
 pub(crate) fn malformed(action: &FfiAction) -> Option<String> {
     let action_type = action.action_type.as_str();
     if action_type.is_empty() {

@@ -195,6 +195,9 @@ pub struct HintOutcome {
     /// Actions dropped over the cap (rule R7).
     pub dropped_over_cap: usize,
     pub failures: Vec<PolicyFailure>,
+    /// Whether a policy that declares `Commitments::KV_COPY` returned actions
+    /// that made it into the message (so a committed copy was sent).
+    pub kv_copy_sent: bool,
 }
 
 /// A role's ordered hint policies.
@@ -222,18 +225,23 @@ impl HintStage {
         // Each policy's actions, kept as the plugin allocated them; the envelope
         // borrows from them.
         let mut results: Vec<RVec<FfiAction>> = Vec::with_capacity(self.policies.len());
+        let mut senders: Vec<bool> = Vec::with_capacity(self.policies.len());
         for instance in &self.policies {
             if let Some(actions) = self.call(instance, context, &mut outcome.failures) {
                 results.push(actions);
+                senders.push(instance.commitments.contains(Commitments::KV_COPY));
             }
         }
 
         let mut actions: Vec<&FfiAction> = Vec::new();
-        for action in results.iter().flatten() {
-            if actions.len() == self.limits.max_actions {
-                outcome.dropped_over_cap += 1;
-            } else {
-                actions.push(action);
+        for (result, sender) in results.iter().zip(&senders) {
+            for action in result.iter() {
+                if actions.len() == self.limits.max_actions {
+                    outcome.dropped_over_cap += 1;
+                } else {
+                    actions.push(action);
+                    outcome.kv_copy_sent |= *sender;
+                }
             }
         }
         if actions.is_empty() {

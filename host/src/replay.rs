@@ -33,9 +33,9 @@ pub struct ReplaySummary {
 }
 
 impl ReplaySummary {
-    fn count(&mut self, booking: &Booking) {
+    fn count(&mut self, booking: &Booking, hint_sent: bool) {
         self.bookings += 1;
-        if booking.hint.is_some() {
+        if hint_sent {
             self.hints += 1;
         }
         for action_type in &booking.action_types {
@@ -112,9 +112,10 @@ pub fn replay(
             TraceRecord::Request(body) => {
                 let session = body.session_text();
                 match router.book(snapshot, &body.request(session.as_deref())) {
-                    Ok(booking) => {
-                        summary.count(&booking);
-                        let view = BookingView::new(&booking);
+                    Ok(mut booking) => {
+                        let hint = crate::wire::checked_hint(&mut booking);
+                        summary.count(&booking, hint.is_some());
+                        let view = BookingView::new(&booking, hint.as_deref());
                         let text = serde_json::to_string(&view).map_err(std::io::Error::other)?;
                         writeln!(out, "{text}")?;
                     }

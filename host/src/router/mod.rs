@@ -71,6 +71,10 @@ pub enum HintSkip {
     WorkerNotHintCapable,
     /// The policies ran and returned no action.
     NoActions,
+    /// The message was not valid JSON, so it was not sent. Only a plugin that
+    /// implements the raw ABI trait by hand, bypassing the plugin-api adapter,
+    /// can cause this.
+    MalformedMessage,
 }
 
 /// A request to book.
@@ -216,6 +220,30 @@ impl Router {
                 dp_rank: key.dp_rank,
                 message: e.to_string(),
             })
+    }
+
+    /// A committed copy whose fetch did not go out (its sender failed or was
+    /// quarantined) will not happen: the booked worker prefills those blocks
+    /// itself, so its reservation grows by them and the booking stops
+    /// claiming the copy.
+    fn withdraw_copy(&self, booking: &mut Booking) {
+        let Some(copy) = booking.committed_copy.take() else {
+            return;
+        };
+        let blocks = copy.last_block.saturating_sub(copy.first_block) as u64;
+        tracing::warn!(request = %booking.request_id, source = %copy.source, blocks, "committed KV copy not sent; the booked worker prefills it");
+        let mut state = self.lock();
+        let State {
+            workers,
+            reservations,
+            ..
+        } = &mut *state;
+        if let Some(reservation) = reservations.get_mut(&booking.request_id) {
+            reservation.load.prefill_blocks += blocks;
+            if let Some(entry) = workers.get_mut(&reservation.worker) {
+                entry.load.prefill_blocks += blocks;
+            }
+        }
     }
 
     /// Frees the load a booking reserved.
@@ -400,6 +428,9 @@ impl Router {
                 booking.action_types = outcome.action_types;
                 booking.dropped_actions = outcome.dropped_over_cap;
                 booking.policy_failures = outcome.failures;
+                if !outcome.kv_copy_sent {
+                    self.withdraw_copy(&mut booking);
+                }
             }
             Ok(booking)
         })

@@ -25,11 +25,12 @@ fn role_index(role: Role) -> usize {
 
 const ROLES: [Role; 3] = [Role::Aggregated, Role::Prefill, Role::Decode];
 
-const SKIPS: [(HintSkip, &str); 4] = [
+const SKIPS: [(HintSkip, &str); 5] = [
     (HintSkip::NonKvMode, "non_kv_mode"),
     (HintSkip::NoPolicies, "no_policies"),
     (HintSkip::WorkerNotHintCapable, "worker_not_hint_capable"),
     (HintSkip::NoActions, "no_actions"),
+    (HintSkip::MalformedMessage, "malformed_message"),
 ];
 
 #[derive(Default)]
@@ -37,7 +38,7 @@ pub struct Metrics {
     bookings: [AtomicU64; 3],
     hints_sent: [AtomicU64; 3],
     committed_copies: AtomicU64,
-    hints_skipped: [AtomicU64; 4],
+    hints_skipped: [AtomicU64; SKIPS.len()],
     actions_dropped: AtomicU64,
     /// Action types are open-ended (unknown types pass through), so a map; a
     /// type seen before costs a read lock and an atomic add.
@@ -94,10 +95,11 @@ fn label(value: &str) -> String {
 }
 
 impl Metrics {
-    pub fn booked(&self, booking: &Booking) {
+    /// Counts a booking; `hint_sent` says whether its message went out.
+    pub fn booked(&self, booking: &Booking, hint_sent: bool) {
         let role = role_index(booking.role);
         self.bookings[role].fetch_add(1, Ordering::Relaxed);
-        if booking.hint.is_some() {
+        if hint_sent {
             self.hints_sent[role].fetch_add(1, Ordering::Relaxed);
         }
         if booking.committed_copy.is_some() {

@@ -167,12 +167,13 @@ async fn book(
     let session = body.session_text();
     // One snapshot for the whole booking, whatever a reload does meanwhile.
     let snapshot = app.snapshot.load_full();
-    let booking = app
+    let mut booking = app
         .router
         .book(&snapshot, &body.request(session.as_deref()))
         .map_err(|e| counted(&app, e))?;
-    app.metrics.booked(&booking);
-    let text = serde_json::to_string(&BookingView::new(&booking))
+    let hint = crate::wire::checked_hint(&mut booking);
+    app.metrics.booked(&booking, hint.is_some());
+    let text = serde_json::to_string(&BookingView::new(&booking, hint.as_deref()))
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
 }
