@@ -105,7 +105,7 @@ fn wrong_shapes() {
     );
     assert_one(
         "router:\n  block_size: 0\nworker_selection: {decode: kvcr}\n",
-        "kvhint.yaml:2:15: router.block_size: expected a whole number ≥ 1, found `0`",
+        "kvhint.yaml:2:15: router.block_size: expected a whole number from 1 to 1048576, found `0`",
     );
     assert_one(
         "router:\n  mode: fastest\nworker_selection: {decode: kvcr}\n",
@@ -208,4 +208,20 @@ fn check_prints_every_error_and_exits_1() {
     );
     assert!(stderr.contains(":7:9: worker_selection.decode.hints[1].parameters: bad parameters for hint policy \"kv_fetch\" (built-in kv-fetch): min_additional_blocks must be at least 1"), "{stderr}");
     assert!(stderr.contains("2 errors found"), "{stderr}");
+}
+
+#[test]
+fn quoted_numbers_invalid_names_and_null_parameters() {
+    assert_one(
+        "router:\n  block_size: \"16\"\nworker_selection: {decode: kvcr}\n",
+        "kvhint.yaml:2:15: router.block_size: expected a whole number from 1 to 1048576, found the string \"16\"; write the number without quotes",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n        name: \"\"\n",
+        "kvhint.yaml:6:15: worker_selection.decode.hints[0].name: hint name \"\" is invalid",
+    );
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n        parameters: ~\n",
+        "kvhint.yaml:6:21: worker_selection.decode.hints[0].parameters: `parameters` must be a mapping, found nothing (null)",
+    );
 }

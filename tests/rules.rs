@@ -196,9 +196,25 @@ fn r4_hints_only_on_the_kv_path() {
     let (bookings, _) = replay_records(&snapshot, &decode_trace());
     assert!(bookings
         .iter()
-        .all(|b| b["hint"].is_null() && b["hint_skipped"] == "non_kv_mode"));
+        .all(|b| b["hint"].is_null() && b["hint_skipped"] == "not_kv_path"));
     // Round-robin really books in turn.
     assert_eq!(workers_booked(&bookings), [(1, 0), (2, 0), (3, 0), (1, 0)]);
+
+    // Under --router-mode kv, a role whose selection policy is not KV-aware is
+    // off the KV path too: listing hints there is an error, and no default runs.
+    let listed_rr = config_file(
+        "worker_selection:\n  decode:\n    type: round-robin\n    hints: [{type: kv_fetch}]\n",
+    );
+    let errors = snapshot_of(&listed_rr, None).err().unwrap().to_string();
+    assert!(
+        errors.contains("its selection policy `round-robin` is not KV-aware"),
+        "{errors}"
+    );
+    let bare_rr =
+        config_file("router: {block_size: 4}\nworker_selection:\n  decode: round-robin\n");
+    let (snapshot, _loader) = snapshot_of(&bare_rr, None).unwrap();
+    let (bookings, _) = replay_records(&snapshot, &decode_trace());
+    assert!(bookings.iter().all(|b| b["hint_skipped"] == "not_kv_path"));
 }
 
 #[test]
@@ -516,8 +532,30 @@ fn r11_the_specs_registration_snippet_compiles_and_loads_in_a_plugin() {
         kvhint_e2e::workspace_root().join("plugins/harness-prefetch/src/lib.rs"),
     )
     .unwrap();
-    let snippet = "registry.register_hint_policy(\n        \"harness_prefetch\",\n        Arc::new(|parameters| {\n            let config: PrefetchConfig = parameters.deserialize()?;";
-    assert!(source.contains(snippet), "the snippet is in the plugin");
+    // The spec's snippet, line for line (indentation aside); the plugin adds one
+    // parameter check between its two statements, which the spec leaves to
+    // the author.
+    let lines: Vec<&str> = source.lines().map(str::trim).collect();
+    let at = |line: &str| lines.iter().position(|l| *l == line);
+    let spec = [
+        "registry.register_hint_policy(",
+        "\"harness_prefetch\",",
+        "Arc::new(|parameters| {",
+        "let config: PrefetchConfig = parameters.deserialize()?;",
+        "Ok(HintPolicyConstructor::shared(HarnessPrefetch::new(config)))",
+        "}),",
+        "[],",
+        ")?;",
+    ];
+    let positions: Vec<Option<usize>> = spec.iter().map(|l| at(l)).collect();
+    assert!(
+        positions.iter().all(Option::is_some),
+        "every line of the snippet: {positions:?}"
+    );
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "in order: {positions:?}"
+    );
     // And that plugin, built, loads and registers what the snippet says.
     let fixture = config_file(
         "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch, parameters: {max_blocks: 64}}]\n",

@@ -11,7 +11,7 @@ use kvhint_plugin_api::abi::{
     FfiErrorKind, FfiHintHost, FfiHintPolicyBox, FfiHintProviderBox, PluginModRef,
 };
 use kvhint_plugin_api::policy::Commitments;
-use kvhint_plugin_api::registry::HintHost;
+use kvhint_plugin_api::registry::{valid_name, HintHost};
 use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
@@ -284,14 +284,6 @@ impl Registry {
             }
         }
     }
-}
-
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 #[cfg(test)]

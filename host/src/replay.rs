@@ -99,16 +99,10 @@ pub fn replay(
                     fail(e.to_string())?;
                 }
             }
-            TraceRecord::KvEvent(body) => {
-                let key = crate::router::kv_index::WorkerKey {
-                    worker_id: body.worker_id,
-                    dp_rank: body.dp_rank,
-                };
-                match router.apply_kv_event(key, &body.event) {
-                    Ok(_) => summary.kv_events += 1,
-                    Err(e) => fail(e.to_string())?,
-                }
-            }
+            TraceRecord::KvEvent(body) => match router.apply_kv_event(body.key(), &body.event) {
+                Ok(_) => summary.kv_events += 1,
+                Err(e) => fail(e.to_string())?,
+            },
             TraceRecord::Request(body) => {
                 let session = body.session_text();
                 match router.book(snapshot, &body.request(session.as_deref())) {

@@ -53,12 +53,16 @@ pub struct RoleRuntime {
     booking_selection: Arc<dyn SelectionPolicy>,
     pub booking_selection_type: String,
     pub commits_kv_copies: bool,
+    /// KV router mode and a KV-aware selection policy: the KV index is
+    /// consulted and hints may run (rule R4).
+    pub on_kv_path: bool,
     pub hints: HintStage,
     pub hints_from: HintsFrom,
 }
 
 impl RoleRuntime {
-    pub fn selection_for(&self, _mode: RouterMode) -> &dyn SelectionPolicy {
+    /// The policy that books this role.
+    pub fn booking_selection(&self) -> &dyn SelectionPolicy {
         &*self.booking_selection
     }
 }
@@ -422,6 +426,7 @@ fn build_role(
         booking_selection,
         booking_selection_type,
         commits_kv_copies,
+        on_kv_path,
         hints: HintStage::new(instances, limits),
         hints_from,
     })

@@ -35,6 +35,15 @@ pub struct KvEventBody {
     pub event: KvEvent,
 }
 
+impl KvEventBody {
+    pub fn key(&self) -> WorkerKey {
+        WorkerKey {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+        }
+    }
+}
+
 /// A request to book. There is deliberately no field for hints: only the
 /// router attaches them.
 #[derive(Debug, Clone, Deserialize, PartialEq)]

@@ -178,7 +178,9 @@ impl HintRegistry {
     }
 }
 
-pub(crate) fn valid_name(name: &str) -> bool {
+/// Whether `name` is a valid hint-policy type (or instance) name: 1–64
+/// characters from a-z, A-Z, 0-9, `_`, `-`, `.` (it becomes a metric label).
+pub fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name

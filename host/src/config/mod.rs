@@ -518,7 +518,7 @@ fn plugins(walker: &mut Walker, node: &Node, base: &Path) -> PluginsConfig {
         }
     }
     if let Some(node) = map.get_node("max_libraries") {
-        if let Some(n) = walker.unsigned(node, "plugins.max_libraries", 1) {
+        if let Some(n) = walker.unsigned(node, "plugins.max_libraries", 1, 1 << 16) {
             out.max_libraries = n as usize;
         }
     }
@@ -557,17 +557,17 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
         }
     }
     if let Some(node) = map.get_node("block_size") {
-        if let Some(n) = walker.unsigned(node, "router.block_size", 1) {
+        if let Some(n) = walker.unsigned(node, "router.block_size", 1, 1 << 20) {
             out.block_size = n as usize;
         }
     }
     if let Some(node) = map.get_node("quarantine_after_panics") {
-        if let Some(n) = walker.unsigned(node, "router.quarantine_after_panics", 1) {
+        if let Some(n) = walker.unsigned(node, "router.quarantine_after_panics", 1, u64::MAX) {
             out.quarantine_after_panics = n;
         }
     }
     if let Some(node) = map.get_node("seed") {
-        if let Some(n) = walker.unsigned(node, "router.seed", 0) {
+        if let Some(n) = walker.unsigned(node, "router.seed", 0, u64::MAX) {
             out.seed = n;
         }
     }
@@ -720,9 +720,19 @@ fn hint_items(walker: &mut Walker, node: &Node, path: &str) -> Vec<HintItem> {
                 None
             }
         };
-        let name = map
-            .get_node("name")
-            .and_then(|node| walker.string(node, &join(&item_path, "name")));
+        let name = map.get_node("name").and_then(|node| {
+            let name_path = join(&item_path, "name");
+            let name = walker.string(node, &name_path)?;
+            if kvhint_plugin_api::registry::valid_name(&name) {
+                Some(name)
+            } else {
+                walker.error(
+                    location(&name_path, node.span()),
+                    format!("hint name {name:?} is invalid: use 1-64 characters from a-z, A-Z, 0-9, '_', '-', '.'"),
+                );
+                None
+            }
+        });
         let parameters = parameters(walker, map, &item_path);
         let Some(type_name) = type_name else { continue };
         let name_given = name.is_some();

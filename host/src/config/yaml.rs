@@ -124,22 +124,38 @@ impl<'a> Walker<'a> {
         }
     }
 
-    pub fn unsigned(&mut self, node: &Node, path: &str, min: u64) -> Option<u64> {
+    /// A whole number in `min..=max`.
+    pub fn unsigned(&mut self, node: &Node, path: &str, min: u64, max: u64) -> Option<u64> {
+        let range = if max == u64::MAX {
+            format!("a whole number ≥ {min}")
+        } else {
+            format!("a whole number from {min} to {max}")
+        };
         match node {
             Node::Scalar(s) => match s.as_u64() {
-                Some(v) if v >= min => Some(v),
+                Some(v) if (min..=max).contains(&v) => Some(v),
+                _ if !s.may_coerce() && s.as_str().parse::<u64>().is_ok() => {
+                    self.error(
+                        location(path, s.span()),
+                        format!(
+                            "expected {range}, found the string \"{}\"; write the number without quotes",
+                            s.as_str()
+                        ),
+                    );
+                    None
+                }
                 _ => {
                     self.error(
                         location(path, s.span()),
-                        format!("expected a whole number ≥ {min}, found `{}`", s.as_str()),
+                        format!("expected {range}, found `{}`", s.as_str()),
                     );
                     None
                 }
             },
             other => {
                 self.error(
-                    location(path, other.span()),
-                    format!("expected a whole number ≥ {min}, found {}", kind(other)),
+                    node_location(path, other),
+                    format!("expected {range}, found {}", kind(other)),
                 );
                 None
             }
@@ -150,14 +166,14 @@ impl<'a> Walker<'a> {
     pub fn parameters(&mut self, node: Option<&Node>, path: &str) -> serde_json::Value {
         match node {
             None => serde_json::Value::Object(Default::default()),
-            Some(Node::Scalar(s)) if s.may_coerce() && is_null(s) => {
-                serde_json::Value::Object(Default::default())
-            }
             Some(Node::Mapping(map)) => to_json(&Node::Mapping(map.clone())),
             Some(other) => {
                 self.error(
                     node_location(path, other),
-                    format!("`parameters` must be a mapping, found {}", kind(other)),
+                    format!(
+                        "`parameters` must be a mapping, found {}; write `parameters: {{}}` or leave the key out",
+                        kind(other)
+                    ),
                 );
                 serde_json::Value::Object(Default::default())
             }

@@ -14,7 +14,7 @@ pub mod kv_index;
 pub mod selection;
 pub mod workers;
 
-use crate::config::{Role, RouterMode};
+use crate::config::Role;
 use crate::hints::{HintOutcome, PolicyFailure};
 use crate::snapshot::Snapshot;
 use abi_stable::std_types::{ROption, RSlice, RStr};
@@ -63,8 +63,9 @@ pub struct CommittedCopy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HintSkip {
-    /// `--router-mode` is not `kv` (rule R4).
-    NonKvMode,
+    /// The role is not on the KV path: `--router-mode` is not `kv`, or its
+    /// selection policy is not KV-aware (rule R4).
+    NotKvPath,
     /// The role resolves to no hint policies.
     NoPolicies,
     /// The booked worker does not advertise `router_hint` (rule R6).
@@ -296,8 +297,8 @@ impl Router {
             let scratch = &mut *scratch;
             block_hashes(request.token_ids, self.block_size, &mut scratch.hashes);
             let request_blocks = scratch.hashes.len();
-            let kv = snapshot.mode == RouterMode::Kv;
-            let policy = role.selection_for(snapshot.mode);
+            let kv = role.on_kv_path;
+            let policy = role.booking_selection();
 
             let (booked, cached_blocks, committed_copy) = {
                 let mut state = self.lock();
@@ -408,7 +409,7 @@ impl Router {
                 policy_failures: Vec::new(),
             };
             if !kv {
-                booking.hint_skipped = Some(HintSkip::NonKvMode);
+                booking.hint_skipped = Some(HintSkip::NotKvPath);
             } else if role.hints.is_empty() {
                 booking.hint_skipped = Some(HintSkip::NoPolicies);
             } else if !booked.router_hint {

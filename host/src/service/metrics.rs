@@ -26,7 +26,7 @@ fn role_index(role: Role) -> usize {
 const ROLES: [Role; 3] = [Role::Aggregated, Role::Prefill, Role::Decode];
 
 const SKIPS: [(HintSkip, &str); 5] = [
-    (HintSkip::NonKvMode, "non_kv_mode"),
+    (HintSkip::NotKvPath, "not_kv_path"),
     (HintSkip::NoPolicies, "no_policies"),
     (HintSkip::WorkerNotHintCapable, "worker_not_hint_capable"),
     (HintSkip::NoActions, "no_actions"),
@@ -244,6 +244,16 @@ impl Metrics {
                 "kvhint_policy_failures_total",
                 "Calls that lost their actions (error, panic or malformed action).",
                 &|s| s.failures.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_errors_total",
+                "Calls that returned an error.",
+                &|s| s.errors.load(Ordering::Relaxed),
+            ),
+            policy_family(
+                "kvhint_policy_actions_total",
+                "Actions a policy returned (before the per-booking cap).",
+                &|s| s.actions.load(Ordering::Relaxed),
             ),
             policy_family(
                 "kvhint_policy_panics_total",

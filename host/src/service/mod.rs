@@ -143,13 +143,9 @@ async fn kv_event(
     body: Result<JsonBody<KvEventBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
-    let key = crate::router::kv_index::WorkerKey {
-        worker_id: body.worker_id,
-        dp_rank: body.dp_rank,
-    };
     let stats = app
         .router
-        .apply_kv_event(key, &body.event)
+        .apply_kv_event(body.key(), &body.event)
         .map_err(|e| counted(&app, e))?;
     app.metrics.kv_events.fetch_add(1, Ordering::Relaxed);
     Ok(Json(json!({

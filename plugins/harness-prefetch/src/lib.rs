@@ -128,8 +128,25 @@ mod tests {
     fn max_blocks_defaults_to_64_and_zero_is_refused() {
         let config: PrefetchConfig = Parameters::default().deserialize().unwrap();
         assert_eq!(config.max_blocks, 64);
-        let mut registry = HintRegistry::new();
-        register(&mut registry).unwrap();
-        assert_eq!(registry.names().collect::<Vec<_>>(), ["harness_prefetch"]);
+        // Through the exported module, as the router constructs it.
+        let module = kvhint_plugin_module();
+        let registrations = match (module.register())() {
+            abi_stable::std_types::RResult::ROk(list) => list,
+            abi_stable::std_types::RResult::RErr(e) => panic!("{e:?}"),
+        };
+        assert_eq!(registrations.len(), 1);
+        let construct = |json: &str| {
+            registrations[0]
+                .provider
+                .construct(abi_stable::std_types::RStr::from_str(json))
+        };
+        assert!(construct("{}").is_ok());
+        match construct(r#"{"max_blocks": 0}"#) {
+            abi_stable::std_types::RResult::RErr(e) => {
+                assert_eq!(e.kind, kvhint_plugin_api::abi::FfiErrorKind::BadParameters);
+                assert!(e.message.as_str().contains("max_blocks must be at least 1"));
+            }
+            abi_stable::std_types::RResult::ROk(_) => panic!("max_blocks 0 was accepted"),
+        }
     }
 }
