@@ -156,7 +156,7 @@ impl Setup {
 
     fn write_config(&self, roles: &str) {
         let yaml = format!(
-            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\nworker_selection:\n{roles}"
+            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\n  max_prompt_tokens: 256\nworker_selection:\n{roles}"
         );
         drop_in(&self.config(), yaml.as_bytes());
     }
@@ -462,6 +462,7 @@ fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
         ("/book", json!({"request_id": "x", "role": "prefill", "token_ids": [1, 2]}).to_string(), "application/json", 422, "role_not_configured"),
         ("/book", json!({"request_id": "x", "role": "decode", "token_ids": []}).to_string(), "application/json", 422, "empty_prompt"),
         ("/book", json!({"request_id": "open", "role": "decode", "token_ids": [1]}).to_string(), "application/json", 409, "duplicate_request"),
+        ("/book", json!({"request_id": "long", "role": "decode", "token_ids": tokens(1, 300)}).to_string(), "application/json", 422, "prompt_too_long"),
         ("/book", big, "application/json", 413, "payload_too_large"),
         ("/book", "request_id=x".into(), "text/plain", 415, "unsupported_media_type"),
         ("/kv_events", json!({"worker_id": 99, "event": "cleared"}).to_string(), "application/json", 404, "unknown_worker"),

@@ -277,6 +277,9 @@ pub struct RouterConfig {
     pub quarantine_after_panics: u64,
     /// Seed of the `random` selection policy, for reproducible replays.
     pub seed: u64,
+    /// Longest prompt a booking accepts, in tokens: bounds the memory one
+    /// request can make the KV-index lookup use.
+    pub max_prompt_tokens: usize,
 }
 
 impl Default for RouterConfig {
@@ -286,6 +289,7 @@ impl Default for RouterConfig {
             block_size: 16,
             quarantine_after_panics: 3,
             seed: 0,
+            max_prompt_tokens: 262_144,
         }
     }
 }
@@ -540,7 +544,13 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
     walker.known_keys(
         map,
         "router",
-        &["mode", "block_size", "quarantine_after_panics", "seed"],
+        &[
+            "mode",
+            "block_size",
+            "quarantine_after_panics",
+            "seed",
+            "max_prompt_tokens",
+        ],
     );
     if let Some(node) = map.get_node("mode") {
         if let Some(mode) = walker.string(node, "router.mode") {
@@ -564,6 +574,11 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
     if let Some(node) = map.get_node("quarantine_after_panics") {
         if let Some(n) = walker.unsigned(node, "router.quarantine_after_panics", 1, u64::MAX) {
             out.quarantine_after_panics = n;
+        }
+    }
+    if let Some(node) = map.get_node("max_prompt_tokens") {
+        if let Some(n) = walker.unsigned(node, "router.max_prompt_tokens", 1, 1 << 24) {
+            out.max_prompt_tokens = n as usize;
         }
     }
     if let Some(node) = map.get_node("seed") {

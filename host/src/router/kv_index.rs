@@ -620,6 +620,14 @@ impl Overlaps {
     }
 
     /// Leading blocks `worker` holds; 0 if it holds not even the first.
+    /// Bytes held by the reusable buffers (they only grow, so a caller can
+    /// drop an `Overlaps` that a very long request made large).
+    pub fn retained_bytes(&self) -> usize {
+        self.engine.capacity() * std::mem::size_of::<u64>()
+            + (self.entries.capacity() + self.by_worker.capacity()) * std::mem::size_of::<Entry>()
+            + self.walk.capacity() * std::mem::size_of::<Walk>()
+    }
+
     pub fn cached_blocks(&self, worker: WorkerKey) -> usize {
         self.find(worker).map_or(0, |e| e.cached)
     }

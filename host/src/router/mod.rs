@@ -48,6 +48,8 @@ pub enum RouterError {
     NoWorkers(Role),
     #[error("the request has no token ids")]
     EmptyPrompt,
+    #[error("the prompt has {tokens} tokens; this router accepts at most {max} (router.max_prompt_tokens)")]
+    PromptTooLong { tokens: usize, max: usize },
 }
 
 /// A KV copy a booking was committed to: request blocks `first_block..last_block`
@@ -135,6 +137,9 @@ struct Scratch {
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
+
+/// Above this, a thread's scratch is dropped after the booking.
+const SCRATCH_KEEP_BYTES: usize = 16 << 20;
 
 /// The router's live state.
 pub struct Router {
@@ -292,9 +297,33 @@ impl Router {
         if request.token_ids.is_empty() {
             return Err(RouterError::EmptyPrompt);
         }
+        if request.token_ids.len() > snapshot.max_prompt_tokens {
+            return Err(RouterError::PromptTooLong {
+                tokens: request.token_ids.len(),
+                max: snapshot.max_prompt_tokens,
+            });
+        }
+        let booking = SCRATCH
+            .with(|scratch| self.book_with(snapshot, role, request, &mut scratch.borrow_mut()));
+        // The buffers only grow; one very long prompt must not leave a thread
+        // holding a large lookup matrix for good.
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
-            let scratch = &mut *scratch;
+            if scratch.overlaps.retained_bytes() > SCRATCH_KEEP_BYTES {
+                *scratch = Scratch::default();
+            }
+        });
+        booking
+    }
+
+    fn book_with(
+        &self,
+        snapshot: &Snapshot,
+        role: &crate::snapshot::RoleRuntime,
+        request: &BookRequest<'_>,
+        scratch: &mut Scratch,
+    ) -> Result<Booking, RouterError> {
+        {
             block_hashes(request.token_ids, self.block_size, &mut scratch.hashes);
             let request_blocks = scratch.hashes.len();
             let kv = role.on_kv_path;
@@ -434,7 +463,7 @@ impl Router {
                 }
             }
             Ok(booking)
-        })
+        }
     }
 }
 

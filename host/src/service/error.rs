@@ -41,6 +41,9 @@ impl From<RouterError> for ApiError {
                 (StatusCode::UNPROCESSABLE_ENTITY, "role_not_configured")
             }
             RouterError::EmptyPrompt => (StatusCode::UNPROCESSABLE_ENTITY, "empty_prompt"),
+            RouterError::PromptTooLong { .. } => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "prompt_too_long")
+            }
             RouterError::NoWorkers(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_workers"),
         };
         Self::new(status, code, error.to_string())
