@@ -224,17 +224,16 @@ impl HintStage {
         let mut outcome = HintOutcome::default();
         // Each policy's actions, kept as the plugin allocated them; the envelope
         // borrows from them.
-        let mut results: Vec<RVec<FfiAction>> = Vec::with_capacity(self.policies.len());
-        let mut senders: Vec<bool> = Vec::with_capacity(self.policies.len());
+        let mut results: Vec<(RVec<FfiAction>, bool)> = Vec::with_capacity(self.policies.len());
         for instance in &self.policies {
             if let Some(actions) = self.call(instance, context, &mut outcome.failures) {
-                results.push(actions);
-                senders.push(instance.commitments.contains(Commitments::KV_COPY));
+                let sender = instance.commitments.contains(Commitments::KV_COPY);
+                results.push((actions, sender));
             }
         }
 
         let mut actions: Vec<&FfiAction> = Vec::new();
-        for (result, sender) in results.iter().zip(&senders) {
+        for (result, sender) in &results {
             for action in result.iter() {
                 if actions.len() == self.limits.max_actions {
                     outcome.dropped_over_cap += 1;

@@ -303,17 +303,16 @@ impl Router {
                 max: snapshot.max_prompt_tokens,
             });
         }
-        let booking = SCRATCH
-            .with(|scratch| self.book_with(snapshot, role, request, &mut scratch.borrow_mut()));
-        // The buffers only grow; one very long prompt must not leave a thread
-        // holding a large lookup matrix for good.
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
+            let booking = self.book_with(snapshot, role, request, &mut scratch);
+            // The buffers only grow; one very long prompt must not leave a
+            // thread holding a large lookup matrix for good.
             if scratch.overlaps.retained_bytes() > SCRATCH_KEEP_BYTES {
                 *scratch = Scratch::default();
             }
-        });
-        booking
+            booking
+        })
     }
 
     fn book_with(
