@@ -322,147 +322,143 @@ impl Router {
         request: &BookRequest<'_>,
         scratch: &mut Scratch,
     ) -> Result<Booking, RouterError> {
-        {
-            block_hashes(request.token_ids, self.block_size, &mut scratch.hashes);
-            let request_blocks = scratch.hashes.len();
-            let kv = role.on_kv_path;
-            let policy = role.booking_selection();
+        block_hashes(request.token_ids, self.block_size, &mut scratch.hashes);
+        let request_blocks = scratch.hashes.len();
+        let kv = role.on_kv_path;
+        let policy = role.booking_selection();
 
-            let (booked, cached_blocks, committed_copy) = {
-                let mut state = self.lock();
-                if state.reservations.contains_key(request.request_id) {
-                    return Err(RouterError::DuplicateRequest(
-                        request.request_id.to_string(),
-                    ));
-                }
-                if kv {
-                    state.index.overlaps(&scratch.hashes, &mut scratch.overlaps);
-                } else {
-                    state.index.overlaps(&[], &mut scratch.overlaps);
-                }
-                scratch.candidates.clear();
-                for entry in state
-                    .workers
-                    .values()
-                    .filter(|e| e.worker.role == request.role)
-                {
-                    let worker = &entry.worker;
-                    let cached_blocks = scratch.overlaps.cached_blocks(worker.key);
-                    let peer_copy = if policy.wants_peer_copies() && worker.router_hint {
-                        best_peer(&state.workers, &scratch.overlaps, worker, cached_blocks)
-                    } else {
-                        None
-                    };
-                    scratch.candidates.push(Candidate {
-                        key: worker.key,
-                        cached_blocks,
-                        active_blocks: entry.load.active_blocks,
-                        prefill_blocks: entry.load.prefill_blocks,
-                        peer_copy,
-                    });
-                }
-                let selected = policy
-                    .select(&SelectionInput {
-                        request_blocks,
-                        candidates: &scratch.candidates,
-                    })
-                    .filter(|s| s.index < scratch.candidates.len())
-                    .ok_or(RouterError::NoWorkers(request.role))?;
-                let chosen = scratch.candidates[selected.index];
-                let booked = state
-                    .workers
-                    .get(&chosen.key)
-                    .map(|entry| Arc::clone(&entry.worker))
-                    .ok_or(RouterError::NoWorkers(request.role))?;
-                // A copy is only ever committed to a worker that can receive
-                // the hint carrying it (rule R6).
-                let committed_copy = selected.committed_copy_from.and_then(|source| {
-                    let last_block = scratch.overlaps.cached_blocks(source);
-                    (booked.router_hint && last_block > chosen.cached_blocks).then_some(
-                        CommittedCopy {
-                            source,
-                            first_block: chosen.cached_blocks,
-                            last_block,
-                        },
-                    )
-                });
-                // Reserve: the prompt's blocks as decode load, the uncached
-                // part (less any committed copy) as prefill work.
-                let prefill_start = committed_copy
-                    .map(|c| c.last_block)
-                    .unwrap_or(chosen.cached_blocks);
-                let load = Load {
-                    active_requests: 1,
-                    active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
-                    prefill_blocks: request_blocks.saturating_sub(prefill_start) as u64,
-                };
-                if let Some(entry) = state.workers.get_mut(&chosen.key) {
-                    entry.load.active_requests += load.active_requests;
-                    entry.load.active_blocks += load.active_blocks;
-                    entry.load.prefill_blocks += load.prefill_blocks;
-                }
-                state.reservations.insert(
+        let (booked, cached_blocks, committed_copy) = {
+            let mut state = self.lock();
+            if state.reservations.contains_key(request.request_id) {
+                return Err(RouterError::DuplicateRequest(
                     request.request_id.to_string(),
-                    Reservation {
-                        worker: chosen.key,
-                        load,
-                    },
-                );
-                // Peers for the hint context, copied out so the hint stage runs
-                // without the lock.
-                scratch.peer_workers.clear();
-                if kv {
-                    for (i, (key, _)) in scratch.overlaps.iter().enumerate() {
-                        if key != chosen.key {
-                            if let Some(entry) = state.workers.get(&key) {
-                                scratch.peer_workers.push((Arc::clone(&entry.worker), i));
-                            }
+                ));
+            }
+            if kv {
+                state.index.overlaps(&scratch.hashes, &mut scratch.overlaps);
+            } else {
+                state.index.overlaps(&[], &mut scratch.overlaps);
+            }
+            scratch.candidates.clear();
+            for entry in state
+                .workers
+                .values()
+                .filter(|e| e.worker.role == request.role)
+            {
+                let worker = &entry.worker;
+                let cached_blocks = scratch.overlaps.cached_blocks(worker.key);
+                let peer_copy = if policy.wants_peer_copies() && worker.router_hint {
+                    best_peer(&state.workers, &scratch.overlaps, worker, cached_blocks)
+                } else {
+                    None
+                };
+                scratch.candidates.push(Candidate {
+                    key: worker.key,
+                    cached_blocks,
+                    active_blocks: entry.load.active_blocks,
+                    prefill_blocks: entry.load.prefill_blocks,
+                    peer_copy,
+                });
+            }
+            let selected = policy
+                .select(&SelectionInput {
+                    request_blocks,
+                    candidates: &scratch.candidates,
+                })
+                .filter(|s| s.index < scratch.candidates.len())
+                .ok_or(RouterError::NoWorkers(request.role))?;
+            let chosen = scratch.candidates[selected.index];
+            let booked = state
+                .workers
+                .get(&chosen.key)
+                .map(|entry| Arc::clone(&entry.worker))
+                .ok_or(RouterError::NoWorkers(request.role))?;
+            // A copy is only ever committed to a worker that can receive
+            // the hint carrying it (rule R6).
+            let committed_copy = selected.committed_copy_from.and_then(|source| {
+                let last_block = scratch.overlaps.cached_blocks(source);
+                (booked.router_hint && last_block > chosen.cached_blocks).then_some(CommittedCopy {
+                    source,
+                    first_block: chosen.cached_blocks,
+                    last_block,
+                })
+            });
+            // Reserve: the prompt's blocks as decode load, the uncached
+            // part (less any committed copy) as prefill work.
+            let prefill_start = committed_copy
+                .map(|c| c.last_block)
+                .unwrap_or(chosen.cached_blocks);
+            let load = Load {
+                active_requests: 1,
+                active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
+                prefill_blocks: request_blocks.saturating_sub(prefill_start) as u64,
+            };
+            if let Some(entry) = state.workers.get_mut(&chosen.key) {
+                entry.load.active_requests += load.active_requests;
+                entry.load.active_blocks += load.active_blocks;
+                entry.load.prefill_blocks += load.prefill_blocks;
+            }
+            state.reservations.insert(
+                request.request_id.to_string(),
+                Reservation {
+                    worker: chosen.key,
+                    load,
+                },
+            );
+            // Peers for the hint context, copied out so the hint stage runs
+            // without the lock.
+            scratch.peer_workers.clear();
+            if kv {
+                for (i, (key, _)) in scratch.overlaps.iter().enumerate() {
+                    if key != chosen.key {
+                        if let Some(entry) = state.workers.get(&key) {
+                            scratch.peer_workers.push((Arc::clone(&entry.worker), i));
                         }
                     }
                 }
-                (booked, chosen.cached_blocks, committed_copy)
-            };
-
-            let mut booking = Booking {
-                request_id: request.request_id.to_string(),
-                role: request.role,
-                worker: booked.key,
-                cached_blocks,
-                request_blocks,
-                committed_copy,
-                hint: None,
-                hint_skipped: None,
-                action_types: Vec::new(),
-                dropped_actions: 0,
-                policy_failures: Vec::new(),
-            };
-            if !kv {
-                booking.hint_skipped = Some(HintSkip::NotKvPath);
-            } else if role.hints.is_empty() {
-                booking.hint_skipped = Some(HintSkip::NoPolicies);
-            } else if !booked.router_hint {
-                booking.hint_skipped = Some(HintSkip::WorkerNotHintCapable);
-            } else {
-                let outcome = run_hints(
-                    role,
-                    &booked,
-                    &booking,
-                    scratch,
-                    request,
-                    snapshot.selection_type(request.role),
-                    self.block_size,
-                );
-                booking.hint_skipped = outcome.message.is_none().then_some(HintSkip::NoActions);
-                booking.hint = outcome.message;
-                booking.action_types = outcome.action_types;
-                booking.dropped_actions = outcome.dropped_over_cap;
-                booking.policy_failures = outcome.failures;
-                if !outcome.kv_copy_sent {
-                    self.withdraw_copy(&mut booking);
-                }
             }
-            Ok(booking)
+            (booked, chosen.cached_blocks, committed_copy)
+        };
+
+        let mut booking = Booking {
+            request_id: request.request_id.to_string(),
+            role: request.role,
+            worker: booked.key,
+            cached_blocks,
+            request_blocks,
+            committed_copy,
+            hint: None,
+            hint_skipped: None,
+            action_types: Vec::new(),
+            dropped_actions: 0,
+            policy_failures: Vec::new(),
+        };
+        if !kv {
+            booking.hint_skipped = Some(HintSkip::NotKvPath);
+        } else if role.hints.is_empty() {
+            booking.hint_skipped = Some(HintSkip::NoPolicies);
+        } else if !booked.router_hint {
+            booking.hint_skipped = Some(HintSkip::WorkerNotHintCapable);
+        } else {
+            let outcome = run_hints(
+                role,
+                &booked,
+                &booking,
+                scratch,
+                request,
+                snapshot.selection_type(request.role),
+                self.block_size,
+            );
+            booking.hint_skipped = outcome.message.is_none().then_some(HintSkip::NoActions);
+            booking.hint = outcome.message;
+            booking.action_types = outcome.action_types;
+            booking.dropped_actions = outcome.dropped_over_cap;
+            booking.policy_failures = outcome.failures;
+            if !outcome.kv_copy_sent {
+                self.withdraw_copy(&mut booking);
+            }
         }
+        Ok(booking)
     }
 }
 
