@@ -146,6 +146,14 @@ impl Setup {
         setup
     }
 
+    /// A plugins directory holding the example plugin.
+    fn with_prefetch(roles: &str) -> Setup {
+        Setup::new(
+            &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+            roles,
+        )
+    }
+
     fn plugins(&self) -> PathBuf {
         self.dir.path().join("plugins")
     }
@@ -160,6 +168,14 @@ impl Setup {
         );
         drop_in(&self.config(), yaml.as_bytes());
     }
+}
+
+/// The role most tests serve: the default cost function and the example
+/// plugin, with the given `max_blocks`.
+fn prefetch_roles(max_blocks: u32) -> String {
+    format!(
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{{type: harness_prefetch, parameters: {{max_blocks: {max_blocks}}}}}]\n"
+    )
 }
 
 fn register_decode_worker(server: &Server, id: u64) {
@@ -250,10 +266,7 @@ fn readme_curl_session_runs_as_documented() {
 fn hot_add_a_plugin_and_use_it_on_the_next_booking_without_restart() {
     let roles_before =
         "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
-    let setup = Setup::new(
-        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-        roles_before,
-    );
+    let setup = Setup::with_prefetch(roles_before);
     let server = Server::start(&setup.config(), &["--watch-config"], setup.dir.path());
     register_decode_worker(&server, 1);
     assert_eq!(action_types(&book(&server, "before")), ["kv.prefetch"]);
@@ -290,10 +303,7 @@ fn hot_add_a_plugin_and_use_it_on_the_next_booking_without_restart() {
 fn a_broken_so_dropped_in_leaves_the_old_snapshot_serving() {
     let roles =
         "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
-    let setup = Setup::new(
-        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-        roles,
-    );
+    let setup = Setup::with_prefetch(roles);
     let server = Server::start(&setup.config(), &[], setup.dir.path());
     register_decode_worker(&server, 1);
     let generation = server.status()["generation"].as_u64().unwrap();
@@ -359,15 +369,7 @@ fn replacing_a_plugin_with_a_new_build_under_the_same_name_switches_code() {
 
 #[test]
 fn twenty_reloads_during_concurrent_bookings_fail_no_booking() {
-    let roles = |max_blocks: u32| {
-        format!(
-            "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{{type: harness_prefetch, parameters: {{max_blocks: {max_blocks}}}}}]\n"
-        )
-    };
-    let setup = Setup::new(
-        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-        &roles(1),
-    );
+    let setup = Setup::with_prefetch(&prefetch_roles(1));
     let server = Arc::new(Server::start(&setup.config(), &[], setup.dir.path()));
     for id in 1..=4 {
         register_decode_worker(&server, id);
@@ -402,7 +404,7 @@ fn twenty_reloads_during_concurrent_bookings_fail_no_booking() {
     let before_reloads = booked.load(Ordering::Relaxed);
     for i in 0..20 {
         // Each reload swaps in a genuinely different snapshot.
-        setup.write_config(&roles(1 + i % 3));
+        setup.write_config(&prefetch_roles(1 + i % 3));
         let (status, body) = server.post_raw("/admin/reload", "application/json", "");
         assert_eq!(status, 200, "{body}");
     }
@@ -423,10 +425,7 @@ fn twenty_reloads_during_concurrent_bookings_fail_no_booking() {
 fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
     let roles =
         "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
-    let setup = Setup::new(
-        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-        roles,
-    );
+    let setup = Setup::with_prefetch(roles);
     let server = Server::start(
         &setup.config(),
         &["--max-body-bytes", "4096"],
@@ -529,15 +528,7 @@ fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
 
 #[test]
 fn sighup_reloads_the_config() {
-    let roles = |max_blocks: u32| {
-        format!(
-            "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{{type: harness_prefetch, parameters: {{max_blocks: {max_blocks}}}}}]\n"
-        )
-    };
-    let setup = Setup::new(
-        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-        &roles(1),
-    );
+    let setup = Setup::with_prefetch(&prefetch_roles(1));
     let server = Server::start(&setup.config(), &[], setup.dir.path());
     let hup = |server: &Server| {
         let status = Command::new("kill")
@@ -561,7 +552,7 @@ fn sighup_reloads_the_config() {
     assert_eq!(prefetched(&book(&server, "before")), Some(1));
 
     // No watch on the config: only the signal makes the router read it again.
-    setup.write_config(&roles(3));
+    setup.write_config(&prefetch_roles(3));
     hup(&server);
     server.wait_for("the second SIGHUP reload", |s| {
         s.status()["generation"] == 3
@@ -573,10 +564,7 @@ fn sighup_reloads_the_config() {
 fn a_reload_that_changes_a_restart_only_setting_is_refused() {
     let roles =
         "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
-    let setup = Setup::new(
-        &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-        roles,
-    );
+    let setup = Setup::with_prefetch(roles);
     let server = Server::start(&setup.config(), &[], setup.dir.path());
     let other = setup.dir.path().join("elsewhere");
     std::fs::create_dir(&other).unwrap();
