@@ -3,7 +3,7 @@
 
 use kvhint::config::RouterMode;
 use kvhint_e2e::trace::{release, request, stored, tokens, worker};
-use kvhint_e2e::{config_file, kvhint_bin, replay_records, snapshot_of};
+use kvhint_e2e::{action_types, config_file, kvhint_bin, replay_records, snapshot_of};
 use serde_json::{json, Value};
 use std::process::Command;
 
@@ -19,18 +19,6 @@ fn workers_booked(bookings: &[Value]) -> Vec<(u64, u64)> {
             )
         })
         .collect()
-}
-
-fn action_types(booking: &Value) -> Vec<String> {
-    booking["hint"]["actions"]
-        .as_array()
-        .map(|actions| {
-            actions
-                .iter()
-                .map(|a| a["action_type"].as_str().unwrap().to_string())
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// A decode pool: 1 and 2 cold and hint-capable, 3 holding prompt A (16

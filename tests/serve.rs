@@ -3,7 +3,7 @@
 //! the real binary on 127.0.0.1 with an ephemeral port.
 
 use kvhint_e2e::trace::tokens;
-use kvhint_e2e::{kvhint_bin, plugin_so, private_dir, workspace_root, TempDir};
+use kvhint_e2e::{action_types, kvhint_bin, plugin_so, private_dir, workspace_root, TempDir};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::PermissionsExt;
@@ -197,17 +197,6 @@ fn book(server: &Server, id: &str) -> Value {
     let (status, released) = server.post("/release", &json!({"request_id": id}));
     assert_eq!(status, 200, "{released}");
     body
-}
-
-fn action_types(booking: &Value) -> Vec<String> {
-    booking["hint"]["actions"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|x| x["action_type"].as_str().unwrap_or("").to_string())
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 #[test]

@@ -45,7 +45,7 @@
 //! figure. Every request loop is bounded in count and in time; each server is
 //! killed when its guard drops, also on panic.
 
-use kvhint_e2e::{private_dir, TempDir};
+use kvhint_e2e::{action_types, private_dir, TempDir};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -177,17 +177,6 @@ fn carries_hint(body: &str) -> bool {
 
 fn carries_action(body: &str, action_type: &str) -> bool {
     body.contains(&format!("\"action_type\":\"{action_type}\""))
-}
-
-fn action_types(booking: &Value) -> Vec<String> {
-    booking["hint"]["actions"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|x| x["action_type"].as_str().unwrap_or("").to_string())
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 // ---------------------------------------------------------------------------

@@ -375,6 +375,20 @@ pub fn replay_on(
     (bookings, String::from_utf8(err).unwrap())
 }
 
+/// The action types of a booking's hint (as the API and replay print it), in
+/// order; empty when it carries no hint.
+pub fn action_types(booking: &serde_json::Value) -> Vec<String> {
+    booking["hint"]["actions"]
+        .as_array()
+        .map(|actions| {
+            actions
+                .iter()
+                .map(|a| a["action_type"].as_str().unwrap_or("").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Trace-record builders for tests.
 pub mod trace {
     use serde_json::{json, Value};
