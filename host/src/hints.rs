@@ -11,11 +11,15 @@
 //!   `quarantine_after_panics` times is skipped until the next reload (a reload
 //!   builds fresh instances). The stage never fails the booking.
 
+use crate::domain::Worker;
 use crate::envelope::{self, MAX_ACTIONS};
 use crate::registry::{ConstructedPolicy, Origin};
-use abi_stable::std_types::{RResult, RVec};
-use kvhint_plugin_api::abi::{FfiAction, FfiErrorKind, FfiHintContext, FfiHintPolicyBox};
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RVec};
+use kvhint_plugin_api::abi::{
+    FfiAction, FfiErrorKind, FfiHintContext, FfiHintPolicyBox, FfiKvCopy, FfiPeer, FfiWorker,
+};
 use kvhint_plugin_api::policy::Commitments;
+use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -315,6 +319,183 @@ impl HintStage {
                 stats.errors.fetch_add(1, Ordering::Relaxed);
                 fail(FailureKind::Error, e.message.into_string())
             }
+        }
+    }
+}
+
+/// Why a booking carries no hint message although it may have had one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HintSkip {
+    /// The role is not on the KV path: `--router-mode` is not `kv`, or its
+    /// selection policy is not KV-aware (rule R4).
+    NotKvPath,
+    /// The role resolves to no hint policies.
+    NoPolicies,
+    /// The booked worker does not advertise `router_hint` (rule R6).
+    WorkerNotHintCapable,
+    /// The policies ran and returned no action.
+    NoActions,
+    /// The message was not valid JSON, so it was not sent. Only a plugin that
+    /// implements the raw ABI trait by hand, bypassing the plugin-api adapter,
+    /// can cause this.
+    MalformedMessage,
+}
+
+/// A booking's hint: the one message that goes to the booked worker, or why
+/// there is none. The message was validated once, here, where it was made.
+#[derive(Debug, Clone)]
+pub enum Hint {
+    Sent {
+        /// The engine-format message (rule R10), valid JSON, embedded as is.
+        message: Box<RawValue>,
+        /// Its action types, in order.
+        action_types: Vec<String>,
+    },
+    Skipped(HintSkip),
+}
+
+impl Hint {
+    pub fn message(&self) -> Option<&RawValue> {
+        match self {
+            Self::Sent { message, .. } => Some(message),
+            Self::Skipped(_) => None,
+        }
+    }
+
+    pub fn skipped(&self) -> Option<HintSkip> {
+        match self {
+            Self::Sent { .. } => None,
+            Self::Skipped(skip) => Some(*skip),
+        }
+    }
+
+    pub fn action_types(&self) -> &[String] {
+        match self {
+            Self::Sent { action_types, .. } => action_types,
+            Self::Skipped(_) => &[],
+        }
+    }
+}
+
+impl PartialEq for Hint {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (
+                Self::Sent {
+                    message: a,
+                    action_types: at,
+                },
+                Self::Sent {
+                    message: b,
+                    action_types: bt,
+                },
+            ) => a.get() == b.get() && at == bt,
+            (Self::Skipped(a), Self::Skipped(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// What the router hands the hint stage for one booking (read-only, rule R1).
+pub struct BookedRequest<'a> {
+    pub request_id: &'a str,
+    pub worker: &'a Worker,
+    /// Leading request blocks the booked worker already holds.
+    pub cached_blocks: usize,
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    /// JSON object text, if the request had a session context.
+    pub session_context: Option<&'a str>,
+    pub selection_policy: &'a str,
+    pub block_hashes: &'a [u64],
+}
+
+/// The KV copy a booking was committed to, as the hint stage shows it.
+pub struct CommittedCopyView<'a> {
+    pub source: &'a Worker,
+    pub first_block: usize,
+    /// The source's engine hashes of blocks `0..last_block`, root-aligned.
+    pub block_hashes: &'a [u64],
+}
+
+/// What the hint stage did for one booking.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HintResult {
+    pub hint: Hint,
+    /// Actions dropped over the cap (rule R7).
+    pub dropped_actions: usize,
+    pub failures: Vec<PolicyFailure>,
+    /// Whether a committed copy's sender got its actions into the message that
+    /// went out; if not, the copy will not happen.
+    pub kv_copy_sent: bool,
+}
+
+fn ffi_worker(worker: &Worker) -> FfiWorker<'_> {
+    FfiWorker {
+        worker_id: worker.key.worker_id,
+        dp_rank: worker.key.dp_rank,
+        router_hint: worker.router_hint,
+        worker_type: RStr::from_str(&worker.worker_type),
+        source_control_endpoint: RStr::from_str(&worker.source_control_endpoint),
+    }
+}
+
+impl HintStage {
+    /// Builds the borrowed context for a booking, runs the policies on it, and
+    /// validates the message. `peers`: the other workers holding a prefix of the
+    /// request, longest first, each with its engine hashes of that prefix.
+    pub fn run_booking<'a>(
+        &self,
+        booked: &BookedRequest<'a>,
+        peers: impl ExactSizeIterator<Item = (&'a Worker, &'a [u64])>,
+        committed: Option<CommittedCopyView<'a>>,
+    ) -> HintResult {
+        let peers: Vec<FfiPeer<'a>> = peers
+            .map(|(worker, hashes)| FfiPeer {
+                worker: ffi_worker(worker),
+                cached_blocks: hashes.len() as u64,
+                block_hashes: RSlice::from_slice(hashes),
+            })
+            .collect();
+        let context = FfiHintContext {
+            request_id: RStr::from_str(booked.request_id),
+            worker: ffi_worker(booked.worker),
+            cached_blocks: booked.cached_blocks as u64,
+            prompt_tokens: booked.prompt_tokens as u64,
+            block_size: booked.block_size as u32,
+            session_context: RStr::from_str(booked.session_context.unwrap_or("")),
+            selection_policy: RStr::from_str(booked.selection_policy),
+            block_hashes: RSlice::from_slice(booked.block_hashes),
+            peers: RSlice::from_slice(&peers),
+            committed_kv_copy: match committed {
+                Some(copy) => ROption::RSome(FfiKvCopy {
+                    source: ffi_worker(copy.source),
+                    first_block: copy.first_block as u64,
+                    block_hashes: RSlice::from_slice(copy.block_hashes),
+                }),
+                None => ROption::RNone,
+            },
+        };
+        let outcome = self.run(&context);
+        let hint = match outcome.message {
+            None => Hint::Skipped(HintSkip::NoActions),
+            Some(text) => match RawValue::from_string(text) {
+                Ok(message) => Hint::Sent {
+                    message,
+                    action_types: outcome.action_types,
+                },
+                Err(e) => {
+                    tracing::error!(request = ?booked.request_id, error = %e, "a hint message is not valid JSON and is not sent; a plugin bypasses the plugin-api adapter");
+                    Hint::Skipped(HintSkip::MalformedMessage)
+                }
+            },
+        };
+        HintResult {
+            kv_copy_sent: outcome.kv_copy_sent && matches!(hint, Hint::Sent { .. }),
+            hint,
+            dropped_actions: outcome.dropped_over_cap,
+            failures: outcome.failures,
         }
     }
 }

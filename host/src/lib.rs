@@ -9,6 +9,7 @@
 
 pub mod catalog;
 pub mod config;
+pub mod domain;
 pub mod envelope;
 pub mod hints;
 pub mod loader;
@@ -16,6 +17,7 @@ pub mod plugin_log;
 pub mod registry;
 pub mod replay;
 pub mod router;
+pub mod selection;
 pub mod service;
 pub mod snapshot;
 pub mod wire;

@@ -44,6 +44,10 @@ enum Command {
         /// Largest request body accepted.
         #[arg(long, default_value_t = 8 << 20)]
         max_body_bytes: usize,
+        /// Threads that run bookings (selection and hint policies), off the
+        /// HTTP runtime's threads [default: the machine's cores].
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        booking_threads: Option<u16>,
     },
     /// Load the plugins, validate the config, construct every policy, and print
     /// each role's resolved selection and hint policies. Exit 1 with every
@@ -134,12 +138,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             listen,
             watch_config,
             max_body_bytes,
+            booking_threads,
         } => serve(kvhint::service::ServeOptions {
             config,
             mode: router_mode,
             listen,
             watch_config,
             max_body_bytes,
+            booking_threads: booking_threads.map(usize::from),
         }),
         Command::Check {
             config,

@@ -38,7 +38,7 @@ impl ReplaySummary {
         if hint_sent {
             self.hints += 1;
         }
-        for action_type in &booking.action_types {
+        for action_type in booking.action_types() {
             *self.actions_by_type.entry(action_type.clone()).or_default() += 1;
         }
         if booking.committed_copy.is_some() {
@@ -51,7 +51,7 @@ impl ReplaySummary {
                 .entry(failure.policy.clone())
                 .or_default() += 1;
         }
-        if let Some(skip) = booking.hint_skipped {
+        if let Some(skip) = booking.hint_skipped() {
             let reason = serde_json::to_value(skip)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))
@@ -99,17 +99,19 @@ pub fn replay(
                     fail(e.to_string())?;
                 }
             }
-            TraceRecord::KvEvent(body) => match router.apply_kv_event(body.key(), &body.event) {
+            TraceRecord::KvEvent(body) => match router.apply_kv_event(body.key(), body.event) {
                 Ok(_) => summary.kv_events += 1,
                 Err(e) => fail(e.to_string())?,
             },
             TraceRecord::Request(body) => {
                 let session = body.session_text();
-                match router.book(snapshot, &body.request(session.as_deref())) {
-                    Ok(mut booking) => {
-                        let hint = crate::wire::checked_hint(&mut booking);
-                        summary.count(&booking, hint.is_some());
-                        let view = BookingView::new(&booking, hint.as_deref());
+                let request = body.request(session.as_deref());
+                let booked = crate::router::configured_role(snapshot, request.role)
+                    .and_then(|role| router.book(role, &request));
+                match booked {
+                    Ok(booking) => {
+                        summary.count(&booking, booking.hint.message().is_some());
+                        let view = BookingView::new(&booking);
                         let text = serde_json::to_string(&view).map_err(std::io::Error::other)?;
                         writeln!(out, "{text}")?;
                     }

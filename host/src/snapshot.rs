@@ -23,7 +23,7 @@ use crate::config::{
 use crate::hints::{HintLimits, HintPolicyInstance, HintStage, PolicyStatsRegistry};
 use crate::loader::Loader;
 use crate::registry::{ConstructedPolicy, Registry, RegistryError};
-use crate::router::selection::{SelectionEnv, SelectionError, SelectionPolicy, SelectionRegistry};
+use crate::selection::{SelectionEnv, SelectionError, SelectionPolicy, SelectionRegistry};
 use kvhint_plugin_api::policy::Commitments;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,6 +58,8 @@ pub struct RoleRuntime {
     pub on_kv_path: bool,
     pub hints: HintStage,
     pub hints_from: HintsFrom,
+    /// `router.max_prompt_tokens`: longer prompts are refused before any work.
+    pub max_prompt_tokens: usize,
 }
 
 impl RoleRuntime {
@@ -230,6 +232,7 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         limits,
         env,
         policy_stats: options.policy_stats,
+        max_prompt_tokens: config.router.max_prompt_tokens,
     };
     let mut roles = Vec::new();
     for role in &config.worker_selection {
@@ -321,6 +324,7 @@ struct RoleContext<'a> {
     limits: HintLimits,
     env: SelectionEnv,
     policy_stats: Option<&'a PolicyStatsRegistry>,
+    max_prompt_tokens: usize,
 }
 
 fn build_role(
@@ -335,6 +339,7 @@ fn build_role(
         limits,
         env,
         policy_stats,
+        max_prompt_tokens,
     } = *context;
     let selection_type = &role.selection.type_name;
     let selection =
@@ -431,6 +436,7 @@ fn build_role(
         on_kv_path,
         hints: HintStage::new(instances, limits),
         hints_from,
+        max_prompt_tokens,
     })
 }
 

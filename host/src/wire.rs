@@ -1,9 +1,9 @@
 //! The JSON shapes requests and results take, shared by the HTTP service and
 //! the replay trace so the two stay the same language.
 
-use crate::config::Role;
+use crate::domain::{Role, WorkerKey};
 use crate::hints::{FailureKind, PolicyFailure};
-use crate::router::kv_index::{KvEvent, WorkerKey};
+use crate::router::index::KvEvent;
 use crate::router::workers::WorkerRegistration;
 use crate::router::{BookRequest, Booking, HintSkip};
 use serde::{Deserialize, Serialize};
@@ -114,24 +114,6 @@ pub fn failure_kind(kind: FailureKind) -> &'static str {
     }
 }
 
-/// Validates a booking's hint message where it leaves the process, once, and
-/// hands it over as JSON to embed without another parse. Inside the router
-/// the message is never parsed: each payload was made and checked inside its
-/// plugin. Only a plugin that implements the raw ABI trait by hand could make
-/// it invalid; then no hint is sent, the booking says why, and it is logged.
-pub fn checked_hint(booking: &mut Booking) -> Option<Box<RawValue>> {
-    let text = booking.hint.take()?;
-    match RawValue::from_string(text) {
-        Ok(raw) => Some(raw),
-        Err(e) => {
-            tracing::error!(request = %booking.request_id, error = %e, "a hint message is not valid JSON and is not sent; a plugin bypasses the plugin-api adapter");
-            booking.hint_skipped = Some(HintSkip::MalformedMessage);
-            booking.action_types.clear();
-            None
-        }
-    }
-}
-
 /// A booking as the API and replay print it; `hint` is the engine message
 /// embedded as JSON, exactly as the worker receives it.
 #[derive(Debug, Serialize)]
@@ -150,8 +132,7 @@ pub struct BookingView<'a> {
 }
 
 impl<'a> BookingView<'a> {
-    /// `hint` is the booking's message from [`checked_hint`].
-    pub fn new(booking: &'a Booking, hint: Option<&'a RawValue>) -> Self {
+    pub fn new(booking: &'a Booking) -> Self {
         Self {
             request_id: &booking.request_id,
             role: booking.role,
@@ -165,8 +146,8 @@ impl<'a> BookingView<'a> {
                 first_block: c.first_block,
                 last_block: c.last_block,
             }),
-            hint,
-            hint_skipped: booking.hint_skipped,
+            hint: booking.hint.message(),
+            hint_skipped: booking.hint_skipped(),
             dropped_actions: booking.dropped_actions,
             policy_failures: booking
                 .policy_failures
@@ -178,42 +159,5 @@ impl<'a> BookingView<'a> {
                 })
                 .collect(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::router::kv_index::WorkerKey;
-
-    fn booking(hint: &str) -> Booking {
-        Booking {
-            request_id: "r".into(),
-            role: Role::Decode,
-            worker: WorkerKey {
-                worker_id: 1,
-                dp_rank: 0,
-            },
-            cached_blocks: 0,
-            request_blocks: 1,
-            committed_copy: None,
-            hint: Some(hint.into()),
-            hint_skipped: None,
-            action_types: vec!["t".into()],
-            dropped_actions: 0,
-            policy_failures: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn an_invalid_message_is_not_sent_and_the_booking_says_why() {
-        let mut bad = booking(r#"{"actions":[{"payload":{oops}}]}"#);
-        assert!(checked_hint(&mut bad).is_none());
-        assert_eq!(bad.hint_skipped, Some(HintSkip::MalformedMessage));
-        assert!(bad.action_types.is_empty());
-
-        let mut good = booking(r#"{"actions":[]}"#);
-        assert_eq!(checked_hint(&mut good).unwrap().get(), r#"{"actions":[]}"#);
-        assert_eq!(good.hint_skipped, None);
     }
 }

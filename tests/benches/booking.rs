@@ -11,8 +11,8 @@
 //! `cargo bench -p kvhint-e2e --bench booking`
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
-use kvhint::config::Role;
-use kvhint::router::kv_index::{KvEvent, KvIndex, StoredBlock, WorkerKey};
+use kvhint::domain::{Role, WorkerKey};
+use kvhint::router::index::{KvEvent, KvIndex, StoredBlock};
 use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
 use kvhint::snapshot::Snapshot;
@@ -78,7 +78,7 @@ fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
             dp_rank: 0,
         };
         router
-            .apply_kv_event(key, &stored(prompt, held, id << 32))
+            .apply_kv_event(key, stored(prompt, held, id << 32))
             .expect("stores");
     }
     router
@@ -86,6 +86,7 @@ fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
 
 fn benches(c: &mut Criterion) {
     let (snapshot, _loader, _fixture) = snapshot();
+    let role = snapshot.role(Role::Decode).expect("decode role");
     let sizes: &[(u64, usize)] = if is_bench() {
         &[
             (2, 1024),
@@ -116,10 +117,10 @@ fn benches(c: &mut Criterion) {
                 token_ids: &prompt,
                 session_context: None,
             };
-            let booking = router.book(&snapshot, &request).expect("books");
+            let booking = router.book(role, &request).expect("books");
             // kvcr (multiplier 1) books a worker on a peer's copy: the whole
             // path runs, committed copy and kv.fetch included.
-            assert!(booking.hint.is_some(), "{booking:?}");
+            assert!(booking.hint.message().is_some(), "{booking:?}");
             router.release("bench").expect("releases");
             let layout = if shared { "shared" } else { "sparse" };
             group.bench_function(
@@ -129,7 +130,7 @@ fn benches(c: &mut Criterion) {
                 ),
                 |b| {
                     b.iter(|| {
-                        let booking = router.book(&snapshot, black_box(&request));
+                        let booking = router.book(role, black_box(&request));
                         let _ = router.release("bench");
                         black_box(booking)
                     })

@@ -193,29 +193,10 @@ pub(crate) fn join(path: &str, key: &str) -> String {
 fn suggestion<'k>(key: &str, allowed: &[&'k str]) -> Option<&'k str> {
     allowed
         .iter()
-        .map(|candidate| (edit_distance(key, candidate), *candidate))
+        .map(|candidate| (strsim::levenshtein(key, candidate), *candidate))
         .filter(|(d, _)| *d <= 2)
         .min()
         .map(|(_, c)| c)
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut previous = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let current = row[j + 1];
-            row[j + 1] = if ca == *cb {
-                previous
-            } else {
-                1 + previous.min(row[j]).min(current)
-            };
-            previous = current;
-        }
-    }
-    row[b.len()]
 }
 
 /// Converts a YAML node to JSON with the YAML 1.2 core schema's scalar typing:

@@ -1,30 +1,44 @@
 //! The router around the hint stage: workers, the KV index, load, and bookings.
 //!
-//! A booking's data path: the request's block hashes → each candidate's cached
-//! prefix from the KV index → the role's selection policy picks a worker (and,
-//! under `kvcr`, may commit a peer's copy) → the load is reserved → only then,
-//! and only for a worker that advertises `router_hint`, the role's hint
-//! policies run on a read-only context → one engine-format message.
+//! A booking, top to bottom ([`Router::book`]):
+//! 1. **hash** the prompt into the router's block hashes;
+//! 2. **select and reserve** ([`Router::select_and_reserve`]): each candidate's cached
+//!    prefix from the KV index, the role's selection policy picks a worker (and, under
+//!    `kvcr`, may commit a peer's copy), and the load is reserved — the result is a
+//!    [`Plan`];
+//! 3. **hint stage** ([`Router::hint`]): only on the KV path and only for a worker that
+//!    advertises `router_hint`, the role's hint policies run on a read-only context and
+//!    yield one validated message or the reason there is none; a committed copy whose
+//!    fetch did not go out is withdrawn and its blocks reserved as prefill;
+//! 4. the [`Booking`].
+//!
+//! Nothing here holds a lock across an index walk: the index is read without one
+//! ([`index::shared`]), the worker table is an atomically swapped value, load is
+//! atomics per worker, and open bookings are sharded maps locked for one insert.
 //!
 //! State that outlives a reload (workers, index, load) lives here; what a reload
-//! replaces (config, plugins, constructed policies) is the [`Snapshot`] a
-//! booking is handed, so a booking runs wholly on the snapshot it started with.
+//! replaces (config, plugins, constructed policies) is the snapshot, whose role a
+//! booking is handed, so a booking runs wholly on the policies it started with.
 
-pub mod kv_index;
-pub mod selection;
+pub mod bookings;
+pub mod index;
+pub mod ingest;
 pub mod workers;
 
-use crate::config::Role;
-use crate::hints::{HintOutcome, PolicyFailure};
-use crate::snapshot::Snapshot;
-use abi_stable::std_types::{ROption, RSlice, RStr};
-use kv_index::{block_hashes, KvEvent, KvIndex, Overlaps, WorkerKey};
-use kvhint_plugin_api::abi::{FfiHintContext, FfiKvCopy, FfiPeer, FfiWorker};
-use selection::{Candidate, SelectionInput};
+pub use crate::hints::PolicyFailure;
+pub use crate::hints::{Hint, HintSkip};
+
+use crate::domain::{Role, Worker, WorkerKey};
+use crate::hints::{BookedRequest, CommittedCopyView};
+use crate::selection::{Candidate, SelectionInput};
+use crate::snapshot::{RoleRuntime, Snapshot};
+use arc_swap::ArcSwap;
+use bookings::{Bookings, Reservation};
+use index::shared::SharedIndex;
+use index::{block_hashes, KvEvent, Matches, Slot};
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
-use workers::{Load, Worker, WorkerRegistration};
+use std::sync::Arc;
+use workers::{Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RouterError {
@@ -52,6 +66,13 @@ pub enum RouterError {
     PromptTooLong { tokens: usize, max: usize },
 }
 
+/// The role `request` asks for in `snapshot`, or why it cannot be booked.
+pub fn configured_role(snapshot: &Snapshot, role: Role) -> Result<&RoleRuntime, RouterError> {
+    snapshot
+        .role(role)
+        .ok_or(RouterError::RoleNotConfigured(role))
+}
+
 /// A KV copy a booking was committed to: request blocks `first_block..last_block`
 /// from `source`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -59,25 +80,6 @@ pub struct CommittedCopy {
     pub source: WorkerKey,
     pub first_block: usize,
     pub last_block: usize,
-}
-
-/// Why a booking carries no hint message although it may have had one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HintSkip {
-    /// The role is not on the KV path: `--router-mode` is not `kv`, or its
-    /// selection policy is not KV-aware (rule R4).
-    NotKvPath,
-    /// The role resolves to no hint policies.
-    NoPolicies,
-    /// The booked worker does not advertise `router_hint` (rule R6).
-    WorkerNotHintCapable,
-    /// The policies ran and returned no action.
-    NoActions,
-    /// The message was not valid JSON, so it was not sent. Only a plugin that
-    /// implements the raw ABI trait by hand, bypassing the plugin-api adapter,
-    /// can cause this.
-    MalformedMessage,
 }
 
 /// A request to book.
@@ -100,28 +102,35 @@ pub struct Booking {
     pub cached_blocks: usize,
     pub request_blocks: usize,
     pub committed_copy: Option<CommittedCopy>,
-    /// The engine-format hint message (rule R10), if any.
-    pub hint: Option<String>,
-    pub hint_skipped: Option<HintSkip>,
-    pub action_types: Vec<String>,
+    /// The message for the booked worker, or why there is none.
+    pub hint: Hint,
     pub dropped_actions: usize,
     pub policy_failures: Vec<PolicyFailure>,
 }
 
-struct WorkerEntry {
-    worker: Arc<Worker>,
-    load: Load,
+impl Booking {
+    pub fn hint_skipped(&self) -> Option<HintSkip> {
+        self.hint.skipped()
+    }
+
+    pub fn action_types(&self) -> &[String] {
+        self.hint.action_types()
+    }
 }
 
-struct Reservation {
-    worker: WorkerKey,
-    load: Load,
+/// What select-and-reserve decided: the booked worker, what it holds, and the copy
+/// it was committed to. The load is reserved by the time a plan exists.
+struct Plan {
+    booked: Arc<WorkerEntry>,
+    cached_blocks: usize,
+    committed_copy: Option<CommittedCopy>,
 }
 
-struct State {
-    workers: BTreeMap<WorkerKey, WorkerEntry>,
-    index: KvIndex,
-    reservations: HashMap<String, Reservation>,
+/// A matching worker as the booking ranks peers: longest prefix first, then by key.
+#[derive(Clone)]
+struct Ranked {
+    cached: usize,
+    entry: Arc<WorkerEntry>,
 }
 
 /// Buffers a booking reuses on its thread, so the hot path does not allocate
@@ -129,9 +138,26 @@ struct State {
 #[derive(Default)]
 struct Scratch {
     hashes: Vec<u64>,
-    overlaps: Overlaps,
+    matches: Matches,
     candidates: Vec<Candidate>,
-    peer_workers: Vec<(Arc<Worker>, usize)>,
+    ranked: Vec<Ranked>,
+    rows: Vec<(Slot, usize)>,
+    engine: Vec<u64>,
+    lengths: Vec<usize>,
+}
+
+impl Scratch {
+    fn retained_bytes(&self) -> usize {
+        self.matches.retained_bytes()
+            + (self.hashes.capacity() + self.engine.capacity()) * 8
+            + self.lengths.capacity() * 8
+    }
+
+    fn release_entries(&mut self) {
+        // Arcs of workers must not outlive the booking in a thread's scratch (a
+        // deregistered worker's entry would stay alive until the next booking).
+        self.ranked.clear();
+    }
 }
 
 thread_local! {
@@ -143,19 +169,22 @@ const SCRATCH_KEEP_BYTES: usize = 16 << 20;
 
 /// The router's live state.
 pub struct Router {
-    state: Mutex<State>,
     block_size: usize,
+    index: SharedIndex,
+    workers: ArcSwap<WorkerTable>,
+    /// Serialises registrations (each rewrites the table); bookings never take it.
+    registration: parking_lot::Mutex<()>,
+    bookings: Bookings,
 }
 
 impl Router {
     pub fn new(block_size: usize) -> Self {
         Self {
-            state: Mutex::new(State {
-                workers: BTreeMap::new(),
-                index: KvIndex::new(block_size),
-                reservations: HashMap::new(),
-            }),
             block_size,
+            index: SharedIndex::new(block_size.max(1)),
+            workers: ArcSwap::from_pointee(WorkerTable::default()),
+            registration: parking_lot::Mutex::new(()),
+            bookings: Bookings::default(),
         }
     }
 
@@ -163,152 +192,165 @@ impl Router {
         self.block_size
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the state half-updated in
-        // a way later calls care about (every update is one insert or remove),
-        // so a poisoned lock is taken over rather than failing every request.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Registers (or re-registers, keeping its load and cache) a worker.
     pub fn register_worker(&self, registration: WorkerRegistration) -> Result<bool, RouterError> {
         let worker = Arc::new(Worker::from_registration(registration)?);
-        let mut state = self.lock();
-        match state.workers.get_mut(&worker.key) {
-            Some(entry) => {
-                entry.worker = worker;
-                Ok(false)
-            }
-            None => {
-                state.workers.insert(
-                    worker.key,
-                    WorkerEntry {
-                        worker,
-                        load: Load::default(),
-                    },
-                );
-                Ok(true)
-            }
-        }
+        let _serialised = self.registration.lock();
+        let table = self.workers.load_full();
+        let (entry, added) = match table.get(worker.key) {
+            Some(old) => (
+                WorkerEntry {
+                    worker,
+                    slot: old.slot,
+                    load: Arc::clone(&old.load),
+                },
+                false,
+            ),
+            None => (
+                WorkerEntry {
+                    slot: self.index.add_worker(worker.key),
+                    worker,
+                    load: Arc::new(LoadCell::default()),
+                },
+                true,
+            ),
+        };
+        let key = entry.worker.key;
+        let mut entries: Vec<Arc<WorkerEntry>> = table
+            .all()
+            .iter()
+            .filter(|e| e.worker.key != key)
+            .cloned()
+            .collect();
+        entries.push(Arc::new(entry));
+        self.workers
+            .store(Arc::new(WorkerTable::from_entries(entries)));
+        Ok(added)
     }
 
     /// Removes a worker, its cached blocks, and its open bookings' load.
     pub fn deregister_worker(&self, key: WorkerKey) -> Result<(), RouterError> {
-        let mut state = self.lock();
-        if state.workers.remove(&key).is_none() {
+        let _serialised = self.registration.lock();
+        let table = self.workers.load_full();
+        if table.get(key).is_none() {
             return Err(RouterError::UnknownWorker {
                 worker_id: key.worker_id,
                 dp_rank: key.dp_rank,
             });
         }
-        state.index.remove_worker(key);
-        state.reservations.retain(|_, r| r.worker != key);
+        let entries = table
+            .all()
+            .iter()
+            .filter(|e| e.worker.key != key)
+            .cloned()
+            .collect();
+        self.workers
+            .store(Arc::new(WorkerTable::from_entries(entries)));
+        self.index.remove_worker(key);
+        self.bookings.forget_worker(key);
         Ok(())
     }
 
+    /// Applies one worker's KV event; it is visible to bookings when this returns.
     pub fn apply_kv_event(
         &self,
         key: WorkerKey,
-        event: &KvEvent,
-    ) -> Result<kv_index::ApplyStats, RouterError> {
-        let mut state = self.lock();
-        if !state.workers.contains_key(&key) {
-            return Err(RouterError::UnknownWorker {
-                worker_id: key.worker_id,
-                dp_rank: key.dp_rank,
-            });
+        event: KvEvent,
+    ) -> Result<index::ApplyStats, RouterError> {
+        self.apply_kv_events(std::iter::once((key, event)))
+            .pop()
+            .unwrap_or(Ok(index::ApplyStats::default()))
+    }
+
+    /// Applies events in order, each atomically (a refused event changes nothing),
+    /// published to bookings together.
+    pub fn apply_kv_events(
+        &self,
+        events: impl IntoIterator<Item = (WorkerKey, KvEvent)>,
+    ) -> Vec<Result<index::ApplyStats, RouterError>> {
+        let table = self.workers.load();
+        let mut results: Vec<Result<index::ApplyStats, RouterError>> = Vec::new();
+        let mut accepted = Vec::new();
+        for (key, event) in events {
+            if table.get(key).is_none() {
+                results.push(Err(RouterError::UnknownWorker {
+                    worker_id: key.worker_id,
+                    dp_rank: key.dp_rank,
+                }));
+            } else {
+                results.push(Ok(index::ApplyStats::default()));
+                accepted.push((results.len() - 1, key, event));
+            }
         }
-        state
+        let positions: Vec<(usize, WorkerKey)> =
+            accepted.iter().map(|(i, key, _)| (*i, *key)).collect();
+        let applied = self
             .index
-            .apply(key, event)
-            .map_err(|e| RouterError::KvEvent {
+            .apply_batch(accepted.into_iter().map(|(_, key, event)| (key, event)));
+        for ((at, key), result) in positions.into_iter().zip(applied) {
+            results[at] = result.map_err(|e| RouterError::KvEvent {
                 worker_id: key.worker_id,
                 dp_rank: key.dp_rank,
                 message: e.to_string(),
-            })
-    }
-
-    /// A committed copy whose fetch did not go out (its sender failed or was
-    /// quarantined) will not happen: the booked worker prefills those blocks
-    /// itself, so its reservation grows by them and the booking stops
-    /// claiming the copy.
-    fn withdraw_copy(&self, booking: &mut Booking) {
-        let Some(copy) = booking.committed_copy.take() else {
-            return;
-        };
-        let blocks = copy.last_block.saturating_sub(copy.first_block) as u64;
-        tracing::warn!(request = %booking.request_id, source = %copy.source, blocks, "committed KV copy not sent; the booked worker prefills it");
-        let mut state = self.lock();
-        let State {
-            workers,
-            reservations,
-            ..
-        } = &mut *state;
-        if let Some(reservation) = reservations.get_mut(&booking.request_id) {
-            reservation.load.prefill_blocks += blocks;
-            if let Some(entry) = workers.get_mut(&reservation.worker) {
-                entry.load.prefill_blocks += blocks;
-            }
+            });
         }
+        results
     }
 
     /// Frees the load a booking reserved.
     pub fn release(&self, request_id: &str) -> Result<WorkerKey, RouterError> {
-        let mut state = self.lock();
-        let reservation = state
-            .reservations
+        self.bookings
             .remove(request_id)
-            .ok_or_else(|| RouterError::UnknownRequest(request_id.to_string()))?;
-        if let Some(entry) = state.workers.get_mut(&reservation.worker) {
-            entry.load.active_requests -= reservation.load.active_requests;
-            entry.load.active_blocks -= reservation.load.active_blocks;
-            entry.load.prefill_blocks -= reservation.load.prefill_blocks;
-        }
-        Ok(reservation.worker)
+            .map(|r| r.worker)
+            .ok_or_else(|| RouterError::UnknownRequest(request_id.to_string()))
     }
 
     /// Every worker with its load, by key.
     pub fn workers(&self) -> Vec<(Arc<Worker>, Load)> {
-        self.lock()
-            .workers
-            .values()
-            .map(|e| (Arc::clone(&e.worker), e.load))
+        self.workers
+            .load()
+            .all()
+            .iter()
+            .map(|e| (Arc::clone(&e.worker), e.load.get()))
             .collect()
     }
 
-    /// Cached blocks in the index, for metrics.
+    /// (worker, engine hash) copies in the index, for metrics.
     pub fn index_len(&self) -> usize {
-        self.lock().index.len()
+        self.index.read(|index| index.len())
+    }
+
+    /// Runs `f` on the KV index as bookings see it now.
+    pub fn read_index<R>(&self, f: impl FnOnce(&index::KvIndex) -> R) -> R {
+        self.index.read(f)
     }
 
     pub fn open_bookings(&self) -> usize {
-        self.lock().reservations.len()
+        self.bookings.len()
     }
 
-    /// Books a request on `snapshot`'s policies.
+    /// Books a request on `role`'s policies (from the snapshot the caller loaded).
     pub fn book(
         &self,
-        snapshot: &Snapshot,
+        role: &RoleRuntime,
         request: &BookRequest<'_>,
     ) -> Result<Booking, RouterError> {
-        let role = snapshot
-            .role(request.role)
-            .ok_or(RouterError::RoleNotConfigured(request.role))?;
         if request.token_ids.is_empty() {
             return Err(RouterError::EmptyPrompt);
         }
-        if request.token_ids.len() > snapshot.max_prompt_tokens {
+        if request.token_ids.len() > role.max_prompt_tokens {
             return Err(RouterError::PromptTooLong {
                 tokens: request.token_ids.len(),
-                max: snapshot.max_prompt_tokens,
+                max: role.max_prompt_tokens,
             });
         }
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
-            let booking = self.book_with(snapshot, role, request, &mut scratch);
+            let booking = self.book_with(role, request, &mut scratch);
+            scratch.release_entries();
             // The buffers only grow; one very long prompt must not leave a
-            // thread holding a large lookup matrix for good.
-            if scratch.overlaps.retained_bytes() > SCRATCH_KEEP_BYTES {
+            // thread holding large buffers for good.
+            if scratch.retained_bytes() > SCRATCH_KEEP_BYTES {
                 *scratch = Scratch::default();
             }
             booking
@@ -317,232 +359,274 @@ impl Router {
 
     fn book_with(
         &self,
-        snapshot: &Snapshot,
-        role: &crate::snapshot::RoleRuntime,
+        role: &RoleRuntime,
         request: &BookRequest<'_>,
         scratch: &mut Scratch,
     ) -> Result<Booking, RouterError> {
         block_hashes(request.token_ids, self.block_size, &mut scratch.hashes);
-        let request_blocks = scratch.hashes.len();
-        let kv = role.on_kv_path;
-        let policy = role.booking_selection();
-
-        let (booked, cached_blocks, committed_copy) = {
-            let mut state = self.lock();
-            if state.reservations.contains_key(request.request_id) {
-                return Err(RouterError::DuplicateRequest(
-                    request.request_id.to_string(),
-                ));
-            }
-            if kv {
-                state.index.overlaps(&scratch.hashes, &mut scratch.overlaps);
-            } else {
-                state.index.overlaps(&[], &mut scratch.overlaps);
-            }
-            scratch.candidates.clear();
-            for entry in state
-                .workers
-                .values()
-                .filter(|e| e.worker.role == request.role)
-            {
-                let worker = &entry.worker;
-                let cached_blocks = scratch.overlaps.cached_blocks(worker.key);
-                let peer_copy = if policy.wants_peer_copies() && worker.router_hint {
-                    best_peer(&state.workers, &scratch.overlaps, worker, cached_blocks)
-                } else {
-                    None
-                };
-                scratch.candidates.push(Candidate {
-                    key: worker.key,
-                    cached_blocks,
-                    active_blocks: entry.load.active_blocks,
-                    prefill_blocks: entry.load.prefill_blocks,
-                    peer_copy,
-                });
-            }
-            let selected = policy
-                .select(&SelectionInput {
-                    request_blocks,
-                    candidates: &scratch.candidates,
-                })
-                .filter(|s| s.index < scratch.candidates.len())
-                .ok_or(RouterError::NoWorkers(request.role))?;
-            let chosen = scratch.candidates[selected.index];
-            let booked = state
-                .workers
-                .get(&chosen.key)
-                .map(|entry| Arc::clone(&entry.worker))
-                .ok_or(RouterError::NoWorkers(request.role))?;
-            // A copy is only ever committed to a worker that can receive
-            // the hint carrying it (rule R6).
-            let committed_copy = selected.committed_copy_from.and_then(|source| {
-                let last_block = scratch.overlaps.cached_blocks(source);
-                (booked.router_hint && last_block > chosen.cached_blocks).then_some(CommittedCopy {
-                    source,
-                    first_block: chosen.cached_blocks,
-                    last_block,
-                })
-            });
-            // Reserve: the prompt's blocks as decode load, the uncached
-            // part (less any committed copy) as prefill work.
-            let prefill_start = committed_copy
-                .map(|c| c.last_block)
-                .unwrap_or(chosen.cached_blocks);
-            let load = Load {
-                active_requests: 1,
-                active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
-                prefill_blocks: request_blocks.saturating_sub(prefill_start) as u64,
-            };
-            if let Some(entry) = state.workers.get_mut(&chosen.key) {
-                entry.load.active_requests += load.active_requests;
-                entry.load.active_blocks += load.active_blocks;
-                entry.load.prefill_blocks += load.prefill_blocks;
-            }
-            state.reservations.insert(
+        // Refused before any work; `select_and_reserve` checks again as it inserts,
+        // which is what keeps the check exact under concurrent bookings.
+        if self.bookings.contains(request.request_id) {
+            return Err(RouterError::DuplicateRequest(
                 request.request_id.to_string(),
-                Reservation {
-                    worker: chosen.key,
-                    load,
-                },
-            );
-            // Peers for the hint context, copied out so the hint stage runs
-            // without the lock.
-            scratch.peer_workers.clear();
-            if kv {
-                for (i, (key, _)) in scratch.overlaps.iter().enumerate() {
-                    if key != chosen.key {
-                        if let Some(entry) = state.workers.get(&key) {
-                            scratch.peer_workers.push((Arc::clone(&entry.worker), i));
-                        }
-                    }
-                }
-            }
-            (booked, chosen.cached_blocks, committed_copy)
-        };
-
+            ));
+        }
+        let table = self.workers.load();
+        let plan = self.select_and_reserve(role, request, &table, scratch)?;
         let mut booking = Booking {
             request_id: request.request_id.to_string(),
             role: request.role,
-            worker: booked.key,
-            cached_blocks,
-            request_blocks,
-            committed_copy,
-            hint: None,
-            hint_skipped: None,
-            action_types: Vec::new(),
+            worker: plan.booked.worker.key,
+            cached_blocks: plan.cached_blocks,
+            request_blocks: scratch.hashes.len(),
+            committed_copy: plan.committed_copy,
+            hint: Hint::Skipped(HintSkip::NoActions),
             dropped_actions: 0,
             policy_failures: Vec::new(),
         };
-        if !kv {
-            booking.hint_skipped = Some(HintSkip::NotKvPath);
-        } else if role.hints.is_empty() {
-            booking.hint_skipped = Some(HintSkip::NoPolicies);
-        } else if !booked.router_hint {
-            booking.hint_skipped = Some(HintSkip::WorkerNotHintCapable);
-        } else {
-            let outcome = run_hints(
-                role,
-                &booked,
-                &booking,
-                scratch,
-                request,
-                snapshot.selection_type(request.role),
-                self.block_size,
-            );
-            booking.hint_skipped = outcome.message.is_none().then_some(HintSkip::NoActions);
-            booking.hint = outcome.message;
-            booking.action_types = outcome.action_types;
-            booking.dropped_actions = outcome.dropped_over_cap;
-            booking.policy_failures = outcome.failures;
-            if !outcome.kv_copy_sent {
-                self.withdraw_copy(&mut booking);
-            }
-        }
+        self.hint(role, request, &plan, scratch, &mut booking);
         Ok(booking)
+    }
+
+    /// Step 2: candidates with their cached prefixes → the selection policy → the
+    /// load reserved.
+    fn select_and_reserve(
+        &self,
+        role: &RoleRuntime,
+        request: &BookRequest<'_>,
+        table: &WorkerTable,
+        scratch: &mut Scratch,
+    ) -> Result<Plan, RouterError> {
+        let entries = table.role(request.role);
+        if entries.is_empty() {
+            return Err(RouterError::NoWorkers(request.role));
+        }
+        let kv = role.on_kv_path;
+        let policy = role.booking_selection();
+        let Scratch {
+            hashes,
+            matches,
+            candidates,
+            ranked,
+            ..
+        } = scratch;
+        let query: &[u64] = if kv { hashes } else { &[] };
+        self.index.read(|index| index.lookup(query, matches));
+
+        // Peers that could supply a copy, longest prefix first, then by key. The
+        // matches come shortest first, so reversed they are nearly sorted already and
+        // the (adaptive) sort is about linear.
+        ranked.clear();
+        if kv && (policy.wants_peer_copies() || !role.hints.is_empty()) {
+            ranked.extend(matches.found().iter().rev().filter_map(|f| {
+                table.by_slot(f.slot).map(|entry| Ranked {
+                    cached: f.cached,
+                    entry: Arc::clone(entry),
+                })
+            }));
+            ranked.sort_by(|a, b| {
+                b.cached
+                    .cmp(&a.cached)
+                    .then(a.entry.worker.key.cmp(&b.entry.worker.key))
+            });
+        }
+
+        candidates.clear();
+        for entry in entries {
+            let worker = &entry.worker;
+            let cached_blocks = matches.cached_in_slot(entry.slot);
+            let peer_copy = if policy.wants_peer_copies() && worker.router_hint {
+                best_peer(ranked, worker, cached_blocks)
+            } else {
+                None
+            };
+            let load = entry.load.get();
+            candidates.push(Candidate {
+                key: worker.key,
+                cached_blocks,
+                active_blocks: load.active_blocks,
+                prefill_blocks: load.prefill_blocks,
+                peer_copy,
+            });
+        }
+        let selected = policy
+            .select(&SelectionInput {
+                request_blocks: hashes.len(),
+                candidates,
+            })
+            .filter(|s| s.index < candidates.len())
+            .ok_or(RouterError::NoWorkers(request.role))?;
+        let chosen = candidates[selected.index];
+        let booked = Arc::clone(&entries[selected.index]);
+        // A copy is only ever committed to a worker that can receive the hint
+        // carrying it (rule R6).
+        let committed_copy = selected.committed_copy_from.and_then(|source| {
+            let last_block = table
+                .get(source)
+                .map_or(0, |e| matches.cached_in_slot(e.slot));
+            (booked.worker.router_hint && last_block > chosen.cached_blocks).then_some(
+                CommittedCopy {
+                    source,
+                    first_block: chosen.cached_blocks,
+                    last_block,
+                },
+            )
+        });
+        // Reserve: the prompt's blocks as decode load, the uncached part (less any
+        // committed copy) as prefill work.
+        let prefill_start = committed_copy
+            .map(|c| c.last_block)
+            .unwrap_or(chosen.cached_blocks);
+        let load = Load {
+            active_requests: 1,
+            active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
+            prefill_blocks: hashes.len().saturating_sub(prefill_start) as u64,
+        };
+        let reserved = self.bookings.insert(
+            request.request_id,
+            Reservation {
+                worker: booked.worker.key,
+                load,
+                cell: Arc::clone(&booked.load),
+            },
+        );
+        if !reserved {
+            return Err(RouterError::DuplicateRequest(
+                request.request_id.to_string(),
+            ));
+        }
+        Ok(Plan {
+            booked,
+            cached_blocks: chosen.cached_blocks,
+            committed_copy,
+        })
+    }
+
+    /// Step 3: the hint stage, or why it does not run; fills `booking.hint`.
+    fn hint(
+        &self,
+        role: &RoleRuntime,
+        request: &BookRequest<'_>,
+        plan: &Plan,
+        scratch: &mut Scratch,
+        booking: &mut Booking,
+    ) {
+        let booked = &plan.booked.worker;
+        let skip = if !role.on_kv_path {
+            Some(HintSkip::NotKvPath)
+        } else if role.hints.is_empty() {
+            Some(HintSkip::NoPolicies)
+        } else if !booked.router_hint {
+            Some(HintSkip::WorkerNotHintCapable)
+        } else {
+            None
+        };
+        if let Some(skip) = skip {
+            booking.hint = Hint::Skipped(skip);
+            return;
+        }
+
+        // The peers' engine hashes, read on demand now that the booking is decided.
+        let Scratch {
+            hashes,
+            ranked,
+            rows,
+            engine,
+            lengths,
+            ..
+        } = scratch;
+        ranked.retain(|r| r.entry.worker.key != booked.key);
+        rows.clear();
+        rows.extend(ranked.iter().map(|r| (r.entry.slot, r.cached)));
+        engine.clear();
+        self.index
+            .read(|index| index.engine_hashes_for(hashes, rows, engine, lengths));
+
+        let mut peers: Vec<(&Worker, &[u64])> = Vec::with_capacity(ranked.len());
+        let mut committed = None;
+        let mut at = 0;
+        for (r, &len) in ranked.iter().zip(lengths.iter()) {
+            let row = &engine[at..at + len];
+            at += len;
+            if len == 0 {
+                continue;
+            }
+            if let Some(copy) = plan
+                .committed_copy
+                .filter(|c| c.source == r.entry.worker.key)
+            {
+                // The index may have changed since the lookup: name what is still there.
+                let last = copy.last_block.min(len);
+                if last > copy.first_block {
+                    committed = Some(CommittedCopyView {
+                        source: &r.entry.worker,
+                        first_block: copy.first_block,
+                        block_hashes: &row[..last],
+                    });
+                }
+            }
+            peers.push((&r.entry.worker, row));
+        }
+        let selection_policy = role.booking_selection_type.as_str();
+        let result = role.hints.run_booking(
+            &BookedRequest {
+                request_id: request.request_id,
+                worker: booked,
+                cached_blocks: plan.cached_blocks,
+                prompt_tokens: request.token_ids.len(),
+                block_size: self.block_size,
+                session_context: request.session_context,
+                selection_policy,
+                block_hashes: hashes,
+            },
+            peers.into_iter(),
+            committed,
+        );
+        booking.hint = result.hint;
+        booking.dropped_actions = result.dropped_actions;
+        booking.policy_failures = result.failures;
+        if !result.kv_copy_sent {
+            self.withdraw_copy(booking);
+        }
+    }
+
+    /// A committed copy whose fetch did not go out (its sender failed or was
+    /// quarantined, or the message was refused) will not happen: the booked worker
+    /// prefills those blocks itself, so its reservation grows by them and the
+    /// booking stops claiming the copy.
+    fn withdraw_copy(&self, booking: &mut Booking) {
+        let Some(copy) = booking.committed_copy.take() else {
+            return;
+        };
+        let blocks = copy.last_block.saturating_sub(copy.first_block) as u64;
+        tracing::warn!(request = ?booking.request_id, source = %copy.source, blocks, "committed KV copy not sent; the booked worker prefills it");
+        self.bookings.grow(
+            &booking.request_id,
+            Load {
+                prefill_blocks: blocks,
+                ..Load::default()
+            },
+        );
     }
 }
 
 /// The eligible peer (same worker type, hint-capable, with a source endpoint)
-/// holding the longest prefix beyond `worker`'s own. `overlaps` is sorted
-/// longest first, then by key, so the first eligible one wins ties by key.
+/// holding the longest prefix beyond `worker`'s own. `ranked` is sorted longest
+/// first, then by key, so the first eligible one wins ties by key.
 fn best_peer(
-    workers: &BTreeMap<WorkerKey, WorkerEntry>,
-    overlaps: &Overlaps,
+    ranked: &[Ranked],
     worker: &Worker,
     cached_blocks: usize,
 ) -> Option<(WorkerKey, usize)> {
-    overlaps
+    ranked
         .iter()
-        .take_while(|(_, hashes)| hashes.len() > cached_blocks)
-        .find(|(key, _)| {
-            *key != worker.key
-                && workers.get(key).is_some_and(|peer| {
-                    peer.worker.router_hint
-                        && peer.worker.worker_type == worker.worker_type
-                        && !peer.worker.source_control_endpoint.is_empty()
-                })
+        .take_while(|r| r.cached > cached_blocks)
+        .find(|r| {
+            let peer = &r.entry.worker;
+            peer.key != worker.key
+                && peer.router_hint
+                && peer.worker_type == worker.worker_type
+                && !peer.source_control_endpoint.is_empty()
         })
-        .map(|(key, hashes)| (key, hashes.len()))
-}
-
-fn ffi_worker(worker: &Worker) -> FfiWorker<'_> {
-    FfiWorker {
-        worker_id: worker.key.worker_id,
-        dp_rank: worker.key.dp_rank,
-        router_hint: worker.router_hint,
-        worker_type: RStr::from_str(&worker.worker_type),
-        source_control_endpoint: RStr::from_str(&worker.source_control_endpoint),
-    }
-}
-
-/// Builds the borrowed context and runs the role's hint policies.
-fn run_hints(
-    role: &crate::snapshot::RoleRuntime,
-    booked: &Worker,
-    booking: &Booking,
-    scratch: &Scratch,
-    request: &BookRequest<'_>,
-    selection_type: &str,
-    block_size: usize,
-) -> HintOutcome {
-    // `peer_workers` holds overlap positions in increasing order: one merge pass.
-    let mut pending = scratch.peer_workers.iter().peekable();
-    let mut peers: Vec<FfiPeer<'_>> = Vec::with_capacity(scratch.peer_workers.len());
-    for (i, (_, hashes)) in scratch.overlaps.iter().enumerate() {
-        if let Some((worker, _)) = pending.next_if(|(_, at)| *at == i) {
-            peers.push(FfiPeer {
-                worker: ffi_worker(worker),
-                cached_blocks: hashes.len() as u64,
-                block_hashes: RSlice::from_slice(hashes),
-            });
-        }
-    }
-    let committed = booking.committed_copy.and_then(|copy| {
-        let (source, _) = scratch
-            .peer_workers
-            .iter()
-            .find(|(worker, _)| worker.key == copy.source)?;
-        let hashes = scratch.overlaps.engine_hashes(copy.source);
-        Some(FfiKvCopy {
-            source: ffi_worker(source),
-            first_block: copy.first_block as u64,
-            block_hashes: RSlice::from_slice(hashes.get(..copy.last_block)?),
-        })
-    });
-    let context = FfiHintContext {
-        request_id: RStr::from_str(request.request_id),
-        worker: ffi_worker(booked),
-        cached_blocks: booking.cached_blocks as u64,
-        prompt_tokens: request.token_ids.len() as u64,
-        block_size: block_size as u32,
-        session_context: RStr::from_str(request.session_context.unwrap_or("")),
-        selection_policy: RStr::from_str(selection_type),
-        block_hashes: RSlice::from_slice(&scratch.hashes),
-        peers: RSlice::from_slice(&peers),
-        committed_kv_copy: match committed {
-            Some(copy) => ROption::RSome(copy),
-            None => ROption::RNone,
-        },
-    };
-    role.hints.run(&context)
+        .map(|r| (r.entry.worker.key, r.cached))
 }

@@ -1,115 +1,20 @@
-//! Workers as the router knows them: identity, role, and the runtime-data keys
-//! Dynamo uses to advertise hint support (`router_hint`,
-//! `router_hint_worker_type`, `router_hint_source_control_endpoints`).
+//! The registered workers and the load each carries.
+//!
+//! Bookings read the worker table far more often than workers come and go, so the table
+//! is an immutable value behind an atomic pointer (`arc-swap`): a booking loads it once,
+//! without a lock; a registration builds a new one and swaps it in. Load is apart from
+//! the table, one cache-line-sized block of atomics per worker, shared by every table
+//! that lists the worker, so a re-registration keeps it and bookings on different
+//! workers never write the same cache line. A booking may see a load a few microseconds
+//! stale (another booking's reservation landing while it compares costs), as Dynamo's
+//! router does; each reservation itself is exact.
 
-use super::kv_index::WorkerKey;
-use crate::config::Role;
-use serde::Deserialize;
-use std::collections::BTreeMap;
+use super::index::Slot;
+use crate::domain::{Role, Worker, WorkerKey};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// A worker registration as it arrives (HTTP body or trace record).
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct WorkerRegistration {
-    pub worker_id: u64,
-    #[serde(default)]
-    pub dp_rank: u32,
-    pub role: Role,
-    #[serde(default)]
-    pub runtime_data: serde_json::Map<String, serde_json::Value>,
-}
-
-/// A registered worker (one dp rank of one engine).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Worker {
-    pub key: WorkerKey,
-    pub role: Role,
-    /// Advertises `router_hint: true`: can receive hint messages (rule R6).
-    pub router_hint: bool,
-    /// `router_hint_worker_type` ("" if absent).
-    pub worker_type: Arc<str>,
-    /// This rank's entry of `router_hint_source_control_endpoints` ("" if none).
-    pub source_control_endpoint: Arc<str>,
-    pub runtime_data: serde_json::Map<String, serde_json::Value>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("worker {worker_id} rank {dp_rank}: runtime_data.{key} {problem}")]
-pub struct RuntimeDataError {
-    pub worker_id: u64,
-    pub dp_rank: u32,
-    pub key: &'static str,
-    pub problem: String,
-}
-
-impl Worker {
-    pub fn from_registration(registration: WorkerRegistration) -> Result<Self, RuntimeDataError> {
-        let key = WorkerKey {
-            worker_id: registration.worker_id,
-            dp_rank: registration.dp_rank,
-        };
-        let fail = |field: &'static str, problem: String| RuntimeDataError {
-            worker_id: key.worker_id,
-            dp_rank: key.dp_rank,
-            key: field,
-            problem,
-        };
-        let data = &registration.runtime_data;
-        let router_hint = match data.get("router_hint") {
-            None | Some(serde_json::Value::Null) => false,
-            Some(serde_json::Value::Bool(b)) => *b,
-            Some(other) => {
-                return Err(fail(
-                    "router_hint",
-                    format!("must be true or false, found {other}"),
-                ))
-            }
-        };
-        let worker_type = match data.get("router_hint_worker_type") {
-            None | Some(serde_json::Value::Null) => "",
-            Some(serde_json::Value::String(s)) => s.as_str(),
-            Some(other) => {
-                return Err(fail(
-                    "router_hint_worker_type",
-                    format!("must be a string, found {other}"),
-                ))
-            }
-        };
-        // Dynamo advertises one endpoint per global dp rank: {"0": "tcp://…", …}.
-        let endpoints: BTreeMap<String, String> =
-            match data.get("router_hint_source_control_endpoints") {
-                None | Some(serde_json::Value::Null) => BTreeMap::new(),
-                Some(value) => serde_json::from_value(value.clone()).map_err(|_| {
-                    fail(
-                        "router_hint_source_control_endpoints",
-                        format!("must map dp ranks to endpoints, like {{\"0\": \"tcp://10.0.0.7:23280\"}}; found {value}"),
-                    )
-                })?,
-            };
-        let mut endpoint = "";
-        for (rank, value) in &endpoints {
-            match rank.parse::<u32>() {
-                Ok(rank) if rank == key.dp_rank => endpoint = value.as_str(),
-                Ok(_) => {}
-                Err(_) => {
-                    return Err(fail(
-                        "router_hint_source_control_endpoints",
-                        format!("has key {rank:?}, which is not a dp rank number"),
-                    ))
-                }
-            }
-        }
-        Ok(Self {
-            key,
-            role: registration.role,
-            router_hint,
-            worker_type: Arc::from(worker_type),
-            source_control_endpoint: Arc::from(endpoint),
-            runtime_data: registration.runtime_data,
-        })
-    }
-}
+pub use crate::domain::{RuntimeDataError, WorkerRegistration};
 
 /// The load a worker carries from its open bookings.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -119,4 +24,116 @@ pub struct Load {
     pub active_blocks: u64,
     /// Blocks still to prefill for open requests (their uncached part).
     pub prefill_blocks: u64,
+}
+
+/// A worker's load as atomics; aligned so two workers' counters never share a line.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+pub struct LoadCell {
+    active_requests: AtomicU64,
+    active_blocks: AtomicU64,
+    prefill_blocks: AtomicU64,
+}
+
+impl LoadCell {
+    pub fn get(&self) -> Load {
+        Load {
+            active_requests: self.active_requests.load(Ordering::Relaxed),
+            active_blocks: self.active_blocks.load(Ordering::Relaxed),
+            prefill_blocks: self.prefill_blocks.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn add(&self, load: Load) {
+        self.active_requests
+            .fetch_add(load.active_requests, Ordering::Relaxed);
+        self.active_blocks
+            .fetch_add(load.active_blocks, Ordering::Relaxed);
+        self.prefill_blocks
+            .fetch_add(load.prefill_blocks, Ordering::Relaxed);
+    }
+
+    pub fn sub(&self, load: Load) {
+        self.active_requests
+            .fetch_sub(load.active_requests, Ordering::Relaxed);
+        self.active_blocks
+            .fetch_sub(load.active_blocks, Ordering::Relaxed);
+        self.prefill_blocks
+            .fetch_sub(load.prefill_blocks, Ordering::Relaxed);
+    }
+}
+
+/// One registered worker as the table lists it.
+#[derive(Debug)]
+pub struct WorkerEntry {
+    pub worker: Arc<Worker>,
+    /// Its slot in the KV index.
+    pub slot: Slot,
+    pub load: Arc<LoadCell>,
+}
+
+/// Every registered worker, sorted by key, and per role (candidates in key order, so
+/// selection policies break ties by the lowest worker id, then dp rank).
+#[derive(Debug, Default)]
+pub struct WorkerTable {
+    all: Vec<Arc<WorkerEntry>>,
+    by_role: [Vec<Arc<WorkerEntry>>; 3],
+    /// Indexed by KV-index slot, so a lookup's matches map to workers without a search.
+    by_slot: Vec<Option<Arc<WorkerEntry>>>,
+}
+
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Aggregated => 0,
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
+impl WorkerTable {
+    pub fn from_entries(mut all: Vec<Arc<WorkerEntry>>) -> Self {
+        all.sort_by_key(|e| e.worker.key);
+        let mut by_role: [Vec<Arc<WorkerEntry>>; 3] = Default::default();
+        let mut by_slot: Vec<Option<Arc<WorkerEntry>>> = Vec::new();
+        for entry in &all {
+            by_role[role_index(entry.worker.role)].push(Arc::clone(entry));
+            let slot = entry.slot as usize;
+            if by_slot.len() <= slot {
+                by_slot.resize(slot + 1, None);
+            }
+            by_slot[slot] = Some(Arc::clone(entry));
+        }
+        Self {
+            all,
+            by_role,
+            by_slot,
+        }
+    }
+
+    pub fn by_slot(&self, slot: Slot) -> Option<&Arc<WorkerEntry>> {
+        self.by_slot.get(slot as usize)?.as_ref()
+    }
+
+    pub fn all(&self) -> &[Arc<WorkerEntry>] {
+        &self.all
+    }
+
+    pub fn role(&self, role: Role) -> &[Arc<WorkerEntry>] {
+        &self.by_role[role_index(role)]
+    }
+
+    pub fn get(&self, key: WorkerKey) -> Option<&Arc<WorkerEntry>> {
+        self.all
+            .binary_search_by_key(&key, |e| e.worker.key)
+            .ok()
+            .map(|i| &self.all[i])
+    }
+
+    pub fn len(&self) -> usize {
+        self.all.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.all.is_empty()
+    }
 }

@@ -25,6 +25,11 @@ impl ApiError {
     pub fn bad_request(detail: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", detail)
     }
+
+    /// The router is at a queue's bound; the client should retry shortly.
+    pub fn overloaded(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", detail)
+    }
 }
 
 impl From<RouterError> for ApiError {

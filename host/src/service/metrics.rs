@@ -105,12 +105,12 @@ impl Metrics {
         if booking.committed_copy.is_some() {
             self.committed_copies.fetch_add(1, Ordering::Relaxed);
         }
-        if let Some(skip) = booking.hint_skipped {
+        if let Some(skip) = booking.hint_skipped() {
             if let Some(i) = SKIPS.iter().position(|(s, _)| *s == skip) {
                 self.hints_skipped[i].fetch_add(1, Ordering::Relaxed);
             }
         }
-        for action_type in &booking.action_types {
+        for action_type in booking.action_types() {
             bump(&self.actions_by_type, action_type, 1);
         }
         if booking.dropped_actions > 0 {

@@ -9,13 +9,15 @@
 mod body;
 pub mod error;
 pub mod metrics;
+pub mod pool;
 pub mod reload;
 mod watch;
 
 use crate::config::{self, RouterMode};
 use crate::loader::Loader;
+use crate::router::ingest::Ingest;
 use crate::router::workers::WorkerRegistration;
-use crate::router::Router;
+use crate::router::{configured_role, Router};
 use crate::snapshot::Snapshot;
 use crate::wire::{BookBody, BookingView, KvEventBody, ReleaseBody};
 use arc_swap::ArcSwap;
@@ -38,7 +40,11 @@ use std::sync::Arc;
 pub struct App {
     /// The plugins directory watched for reloads (fixed until restart).
     pub plugins_dir: Option<PathBuf>,
-    pub router: Router,
+    pub router: Arc<Router>,
+    /// The one path KV events take into the index (batched, bounded).
+    pub ingest: Ingest,
+    /// Where bookings run, off the async runtime's workers.
+    pub bookings: pool::BookingPool,
     pub snapshot: ArcSwap<Snapshot>,
     pub reloader: Reloader,
     pub metrics: metrics::Metrics,
@@ -51,7 +57,14 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     pub watch_config: bool,
     pub max_body_bytes: usize,
+    /// Booking threads; the machine's parallelism if `None`.
+    pub booking_threads: Option<usize>,
 }
+
+/// KV events waiting for the ingestion thread at most.
+const INGEST_QUEUE: usize = 65_536;
+/// Bookings waiting for a booking thread at most.
+const BOOKING_QUEUE: usize = 4_096;
 
 /// The API's routes over `app`.
 pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
@@ -129,7 +142,7 @@ async fn deregister_worker(
     })?;
     let Query(RankQuery { dp_rank }) =
         query.map_err(|e| counted(&app, ApiError::bad_request(e.body_text())))?;
-    let key = crate::router::kv_index::WorkerKey { worker_id, dp_rank };
+    let key = crate::domain::WorkerKey { worker_id, dp_rank };
     app.router
         .deregister_worker(key)
         .map_err(|e| counted(&app, e))?;
@@ -143,9 +156,19 @@ async fn kv_event(
     body: Result<JsonBody<KvEventBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
-    let stats = app
-        .router
-        .apply_kv_event(body.key(), &body.event)
+    let key = body.key();
+    let applied = app
+        .ingest
+        .submit(key, body.event)
+        .map_err(|e| counted(&app, ApiError::overloaded(e.to_string())))?;
+    let stats = applied
+        .await
+        .map_err(|_| {
+            counted(
+                &app,
+                ApiError::overloaded("the KV-event ingestion path stopped"),
+            )
+        })?
         .map_err(|e| counted(&app, e))?;
     app.metrics.kv_events.fetch_add(1, Ordering::Relaxed);
     Ok(Json(json!({
@@ -160,17 +183,31 @@ async fn book(
     body: Result<JsonBody<BookBody>, ApiError>,
 ) -> Result<Response, ApiError> {
     let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
-    let session = body.session_text();
-    // One snapshot for the whole booking, whatever a reload does meanwhile.
-    let snapshot = app.snapshot.load_full();
-    let mut booking = app
-        .router
-        .book(&snapshot, &body.request(session.as_deref()))
-        .map_err(|e| counted(&app, e))?;
-    let hint = crate::wire::checked_hint(&mut booking);
-    app.metrics.booked(&booking, hint.is_some());
-    let text = serde_json::to_string(&BookingView::new(&booking, hint.as_deref()))
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let worker = Arc::clone(&app);
+    let booked = app
+        .bookings
+        .run(move || {
+            let session = body.session_text();
+            // One snapshot for the whole booking, whatever a reload does meanwhile.
+            let snapshot = worker.snapshot.load_full();
+            let request = body.request(session.as_deref());
+            let booking = configured_role(&snapshot, request.role)
+                .and_then(|role| worker.router.book(role, &request))?;
+            worker
+                .metrics
+                .booked(&booking, booking.hint.message().is_some());
+            serde_json::to_string(&BookingView::new(&booking)).map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })
+        })
+        .await
+        .map_err(|_| {
+            counted(
+                &app,
+                ApiError::overloaded("every booking thread is busy and the booking queue is full"),
+            )
+        })?;
+    let text = booked.map_err(|e| counted(&app, e))?;
     Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
 }
 
@@ -287,13 +324,30 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     })?;
     let reloader = Reloader::new(&options.config, options.mode, loader);
     let snapshot = reloader.initial()?;
+    let router = Arc::new(Router::new(snapshot.block_size));
+    let startup = |what: &str, e: std::io::Error| {
+        config::ConfigErrors(vec![config::ConfigError::new(
+            &options.config,
+            None,
+            format!("could not start the {what} threads: {e}"),
+        )])
+    };
+    let (ingest, _thread) = Ingest::start(Arc::clone(&router), INGEST_QUEUE)
+        .map_err(|e| startup("KV-event ingestion", e))?;
+    let threads = options.booking_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
+    });
+    let bookings =
+        pool::BookingPool::new(threads, BOOKING_QUEUE).map_err(|e| startup("booking", e))?;
     Ok(Arc::new(App {
         plugins_dir: config
             .plugins
             .directory
             .as_deref()
             .and_then(|d| d.canonicalize().ok()),
-        router: Router::new(snapshot.block_size),
+        router,
+        ingest,
+        bookings,
         snapshot: ArcSwap::from_pointee(snapshot),
         reloader,
         metrics: metrics::Metrics::default(),

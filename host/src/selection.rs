@@ -10,7 +10,7 @@
 //! registry (named types, an origin, a provider that validates parameters), so
 //! they can later come from plugins too.
 
-use super::kv_index::WorkerKey;
+use crate::domain::WorkerKey;
 use serde::Deserialize;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

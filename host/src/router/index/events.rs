@@ -1,0 +1,80 @@
+//! KV events as `POST /kv_events` and the trace carry them, and what applying one
+//! reports. Engine hashes here are the engine's own names for its blocks.
+
+use crate::domain::WorkerKey;
+use serde::{Deserialize, Serialize};
+
+/// A KV event from one worker's engine.
+///
+/// Wire format (externally tagged, snake_case, unknown fields refused so that a field an
+/// engine adapter misspells is an error rather than silently dropped data):
+/// ```json
+/// {"stored": {"parent_block_hash": 7, "blocks": [{"block_hash": 11, "token_ids": [1, 2]}]}}
+/// {"removed": {"block_hashes": [11, 22]}}
+/// "cleared"
+/// ```
+/// `block_hash` / `parent_block_hash` are the engine's own hashes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum KvEvent {
+    /// Blocks the engine now holds, each chained onto the one before it; the first onto
+    /// `parent_block_hash`, or starting a sequence when it is `None`.
+    Stored {
+        parent_block_hash: Option<u64>,
+        blocks: Vec<StoredBlock>,
+    },
+    /// Blocks the engine evicted, by engine hash.
+    Removed { block_hashes: Vec<u64> },
+    /// The engine dropped its whole cache (restart, reset).
+    Cleared,
+}
+
+/// One block of a [`KvEvent::Stored`]: its engine hash and exactly `block_size` token ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredBlock {
+    pub block_hash: u64,
+    pub token_ids: Vec<u32>,
+}
+
+/// Why a KV event was refused. A refused event changes nothing in the index.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum KvEventError {
+    #[error(
+        "KV event from {worker}: stored block {index} (engine hash {block_hash}) has {tokens} \
+         token ids but the router's KV block size is {block_size}; the event was ignored and \
+         the index is unchanged. The engine's block (page) size must equal the router's \
+         block size, or this worker's cache can never be matched"
+    )]
+    WrongBlockSize {
+        worker: WorkerKey,
+        index: usize,
+        block_hash: u64,
+        tokens: usize,
+        block_size: usize,
+    },
+    #[error(
+        "KV event from {worker}: stored blocks chain onto parent engine hash \
+         {parent_block_hash}, which this worker never stored (or has since removed or \
+         cleared); the event was ignored and the index is unchanged. Its events were lost \
+         or reordered, or the router restarted without the worker replaying its cache; \
+         these blocks earn no cache credit until the engine stores them again"
+    )]
+    UnknownParent {
+        worker: WorkerKey,
+        parent_block_hash: u64,
+    },
+}
+
+/// What one applied event did, for metrics and logs.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyStats {
+    /// Blocks recorded by a `stored` event (a block stored again counts again).
+    pub stored: usize,
+    /// Blocks dropped by a `removed` or `cleared` event.
+    pub removed: usize,
+    /// Engine hashes a `removed` event named that the worker did not hold. Engines may
+    /// report an eviction twice, so this is counted, not refused; a steadily growing count
+    /// means the router and the engine disagree about the cache.
+    pub missing_removals: usize,
+}

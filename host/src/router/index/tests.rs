@@ -1,0 +1,700 @@
+//! The index's own tests: every rule the previous index's tests held, on the new
+//! structure, plus copies (one worker, many engine hashes for the same tokens).
+
+use super::*;
+use crate::router::index::holders::Slot;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+const BS: usize = 4;
+
+fn w(worker_id: u64, dp_rank: u32) -> WorkerKey {
+    WorkerKey { worker_id, dp_rank }
+}
+
+fn hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut out = Vec::new();
+    block_hashes(tokens, BS, &mut out);
+    out
+}
+
+/// A `stored` event for `tokens` (whole blocks) with engine hashes `engine`.
+fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
+    assert_eq!(tokens.len(), engine.len() * BS);
+    KvEvent::Stored {
+        parent_block_hash: parent,
+        blocks: tokens
+            .chunks(BS)
+            .zip(engine)
+            .map(|(t, &block_hash)| StoredBlock {
+                block_hash,
+                token_ids: t.to_vec(),
+            })
+            .collect(),
+    }
+}
+
+fn prompt(blocks: usize) -> Vec<u32> {
+    (0..(blocks * BS) as u32).map(|t| t * 7 + 3).collect()
+}
+
+fn overlaps(index: &KvIndex, tokens: &[u32]) -> Overlaps {
+    let mut out = Overlaps::new();
+    index.overlaps(&hashes(tokens), &mut out);
+    out
+}
+
+fn as_vec(out: &Overlaps) -> Vec<(WorkerKey, Vec<u64>)> {
+    out.iter().map(|(k, h)| (k, h.to_vec())).collect()
+}
+
+/// The answer the router used to get in one piece — each matching worker, longest
+/// prefix first (then by key), with its engine hashes — put together from
+/// [`KvIndex::lookup`] and [`KvIndex::engine_hashes`], so these tests assert exactly
+/// what they asserted of the previous index.
+#[derive(Default)]
+struct Overlaps {
+    rows: Vec<(WorkerKey, Vec<u64>)>,
+    matches: Matches,
+}
+
+impl Overlaps {
+    fn new() -> Self {
+        Self::default()
+    }
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+    fn iter(&self) -> impl Iterator<Item = (WorkerKey, &[u64])> {
+        self.rows.iter().map(|(k, h)| (*k, h.as_slice()))
+    }
+    fn cached_blocks(&self, worker: WorkerKey) -> usize {
+        self.engine_hashes(worker).len()
+    }
+    fn engine_hashes(&self, worker: WorkerKey) -> &[u64] {
+        self.rows
+            .iter()
+            .find(|(k, _)| *k == worker)
+            .map_or(&[], |(_, h)| h.as_slice())
+    }
+}
+
+trait OverlapsExt {
+    fn overlaps(&self, hashes: &[u64], out: &mut Overlaps);
+}
+
+impl OverlapsExt for KvIndex {
+    fn overlaps(&self, hashes: &[u64], out: &mut Overlaps) {
+        self.lookup(hashes, &mut out.matches);
+        out.rows.clear();
+        for found in out.matches.found() {
+            let mut engine = Vec::new();
+            let n = self.engine_hashes(found.slot, hashes, &mut engine);
+            assert_eq!(n, found.cached, "engine hashes cover the match");
+            assert_eq!(out.matches.cached_in_slot(found.slot), found.cached);
+            out.rows.push((found.worker, engine));
+        }
+        out.rows
+            .sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
+        // The batched form agrees with the one-worker form.
+        let rows: Vec<(Slot, usize)> = {
+            let mut f: Vec<_> = out.matches.found().to_vec();
+            f.sort_by(|a, b| b.cached.cmp(&a.cached));
+            f.iter().map(|f| (f.slot, f.cached)).collect()
+        };
+        let (mut all, mut lengths) = (Vec::new(), Vec::new());
+        self.engine_hashes_for(hashes, &rows, &mut all, &mut lengths);
+        assert_eq!(all.len(), rows.iter().map(|r| r.1).sum::<usize>());
+        assert!(rows.iter().zip(&lengths).all(|(r, l)| r.1 == *l));
+    }
+}
+
+#[test]
+fn block_hashes_follow_the_documented_formula() {
+    let tokens = [1u32, 2, 3, 4, 5, 6, 7, 8];
+    let bytes = |t: &[u32]| t.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let s0 = xxh3_64_with_seed(&bytes(&tokens[..4]), 1337);
+    let s1 = xxh3_64_with_seed(&bytes(&tokens[4..]), s0);
+    assert_eq!(hashes(&tokens), vec![s0, s1]);
+
+    // Any block size, odd ones included: a block's hash covers exactly its tokens.
+    let mut out = Vec::new();
+    block_hashes(&tokens[..7], 3, &mut out);
+    assert_eq!(out.len(), 2);
+    assert_eq!(out[0], xxh3_64_with_seed(&bytes(&tokens[..3]), 1337));
+    assert_eq!(out[1], xxh3_64_with_seed(&bytes(&tokens[3..6]), out[0]));
+}
+
+#[test]
+fn block_hashes_chain_on_the_prefix() {
+    let a = hashes(&[1, 2, 3, 4, 9, 9, 9, 9]);
+    let b = hashes(&[5, 6, 7, 8, 9, 9, 9, 9]);
+    // Same tokens in block 1, different prefix: different sequence hash.
+    assert_ne!(a[1], b[1]);
+    assert_ne!(a[0], b[0]);
+    // Block 1 alone is not block 1 after a prefix.
+    assert_ne!(hashes(&[9, 9, 9, 9])[0], a[1]);
+}
+
+#[test]
+fn block_hashes_skip_a_partial_trailing_block_and_clear_out() {
+    let mut out = vec![42, 43, 44, 45, 46];
+    block_hashes(&[1, 2, 3, 4, 5, 6, 7], BS, &mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out, hashes(&[1, 2, 3, 4]));
+    block_hashes(&[1, 2, 3], BS, &mut out);
+    assert!(out.is_empty());
+    block_hashes(&[1, 2, 3], 0, &mut out);
+    assert!(out.is_empty());
+}
+
+#[test]
+fn large_blocks_hash_like_small_ones() {
+    // Over the stack buffer, the streaming path must give the one-shot hash.
+    let tokens: Vec<u32> = (0..600).collect();
+    let mut out = Vec::new();
+    block_hashes(&tokens, 300, &mut out);
+    let bytes: Vec<u8> = tokens[..300].iter().flat_map(|x| x.to_le_bytes()).collect();
+    assert_eq!(out[0], xxh3_64_with_seed(&bytes, 1337));
+    assert_eq!(out.len(), 2);
+}
+
+#[test]
+fn stored_blocks_give_the_prefix_with_engine_hashes() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(3);
+    let stats = index
+        .apply(w(1, 0), &stored(None, &tokens, &[101, 102, 103]))
+        .unwrap();
+    assert_eq!(stats.stored, 3);
+    assert_eq!(index.len(), 3);
+    assert_eq!(index.distinct_blocks(), 3);
+
+    // A longer request whose first three blocks are cached.
+    let out = overlaps(&index, &prompt(5));
+    assert_eq!(out.len(), 1);
+    assert_eq!(out.cached_blocks(w(1, 0)), 3);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[101, 102, 103]);
+    assert_eq!(out.cached_blocks(w(2, 0)), 0);
+    assert!(out.engine_hashes(w(2, 0)).is_empty());
+
+    // A shorter request matches only its own blocks.
+    let out = overlaps(&index, &prompt(2));
+    assert_eq!(out.engine_hashes(w(1, 0)), &[101, 102]);
+
+    // A request with a different first block matches nothing.
+    let mut other = prompt(3);
+    other[0] += 1;
+    assert!(overlaps(&index, &other).is_empty());
+}
+
+#[test]
+fn workers_keep_their_own_engine_hashes_for_the_same_tokens() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(2);
+    index
+        .apply(w(1, 0), &stored(None, &tokens, &[11, 12]))
+        .unwrap();
+    index
+        .apply(w(2, 0), &stored(None, &tokens, &[21, 22]))
+        .unwrap();
+    assert_eq!(index.len(), 4);
+    assert_eq!(index.distinct_blocks(), 2);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[11, 12]);
+    assert_eq!(out.engine_hashes(w(2, 0)), &[21, 22]);
+}
+
+#[test]
+fn prefix_stops_at_a_gap() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(4);
+    index
+        .apply(w(1, 0), &stored(None, &tokens, &[1, 2, 3, 4]))
+        .unwrap();
+    let stats = index
+        .apply(
+            w(1, 0),
+            &KvEvent::Removed {
+                block_hashes: vec![2],
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        stats,
+        ApplyStats {
+            removed: 1,
+            ..ApplyStats::default()
+        }
+    );
+    // Blocks 3 and 4 are still held but worth nothing after the gap.
+    assert_eq!(index.len(), 3);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[1]);
+}
+
+#[test]
+fn removed_counts_missing_hashes_and_cleared_drops_everything() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(3);
+    index
+        .apply(w(1, 0), &stored(None, &tokens, &[1, 2, 3]))
+        .unwrap();
+    index
+        .apply(w(2, 0), &stored(None, &tokens, &[1, 2, 3]))
+        .unwrap();
+
+    let stats = index
+        .apply(
+            w(1, 0),
+            &KvEvent::Removed {
+                block_hashes: vec![3, 3, 99],
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        stats,
+        ApplyStats {
+            stored: 0,
+            removed: 1,
+            missing_removals: 2
+        }
+    );
+    // Worker 2's block of the same engine hash is untouched.
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.cached_blocks(w(1, 0)), 2);
+    assert_eq!(out.cached_blocks(w(2, 0)), 3);
+
+    let stats = index.apply(w(2, 0), &KvEvent::Cleared).unwrap();
+    assert_eq!(stats.removed, 3);
+    assert_eq!(index.len(), 2);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out.cached_blocks(w(2, 0)), 0);
+
+    // Removals from a worker the index never saw are all missing, not errors.
+    let stats = index
+        .apply(
+            w(9, 0),
+            &KvEvent::Removed {
+                block_hashes: vec![1],
+            },
+        )
+        .unwrap();
+    assert_eq!(stats.missing_removals, 1);
+
+    index.apply(w(1, 0), &KvEvent::Cleared).unwrap();
+    assert!(index.is_empty());
+    assert_eq!(index.distinct_blocks(), 0);
+
+    // A cleared worker stores again from scratch.
+    index
+        .apply(w(2, 0), &stored(None, &tokens, &[7, 8, 9]))
+        .unwrap();
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(2, 0)), &[7, 8, 9]);
+}
+
+#[test]
+fn remove_worker_forgets_it_and_reuses_its_slot() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(2);
+    index
+        .apply(w(1, 0), &stored(None, &tokens, &[11, 12]))
+        .unwrap();
+    index
+        .apply(w(2, 0), &stored(None, &tokens, &[21, 22]))
+        .unwrap();
+    index.remove_worker(w(1, 0));
+    assert_eq!(index.len(), 2);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(as_vec(&out), vec![(w(2, 0), vec![21, 22])]);
+
+    // Its parents are gone too.
+    let more = prompt(3);
+    let err = index
+        .apply(w(1, 0), &stored(Some(12), &more[8..], &[13]))
+        .unwrap_err();
+    assert!(matches!(err, KvEventError::UnknownParent { .. }));
+
+    // A new worker takes the freed slot without inheriting anything.
+    index
+        .apply(w(3, 0), &stored(None, &tokens[..4], &[31]))
+        .unwrap();
+    let out = overlaps(&index, &tokens);
+    assert_eq!(
+        as_vec(&out),
+        vec![(w(2, 0), vec![21, 22]), (w(3, 0), vec![31])]
+    );
+    index.remove_worker(w(2, 0));
+    index.remove_worker(w(3, 0));
+    index.remove_worker(w(3, 0));
+    assert!(index.is_empty());
+    assert_eq!(index.distinct_blocks(), 0);
+}
+
+#[test]
+fn unknown_parent_is_refused_and_changes_nothing() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(3);
+    index
+        .apply(w(1, 0), &stored(None, &tokens[..4], &[1]))
+        .unwrap();
+    let before = overlaps(&index, &tokens);
+
+    let err = index
+        .apply(w(1, 0), &stored(Some(77), &tokens[4..], &[2, 3]))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        KvEventError::UnknownParent {
+            worker: w(1, 0),
+            parent_block_hash: 77
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("77") && msg.contains("worker 1 dp_rank 0"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("ignored") && msg.contains("unchanged"),
+        "{msg}"
+    );
+
+    // A parent another worker stored is still unknown to this one.
+    index
+        .apply(w(2, 0), &stored(None, &tokens[..4], &[5]))
+        .unwrap();
+    assert!(index
+        .apply(w(1, 0), &stored(Some(5), &tokens[4..], &[2, 3]))
+        .is_err());
+    // Nor does an unknown worker get a slot from a refused event.
+    assert!(index
+        .apply(w(3, 0), &stored(Some(1), &tokens[4..], &[2, 3]))
+        .is_err());
+
+    assert_eq!(index.len(), 2);
+    assert_eq!(index.distinct_blocks(), 1);
+    let after = overlaps(&index, &tokens);
+    assert_eq!(after.engine_hashes(w(1, 0)), before.engine_hashes(w(1, 0)));
+    assert_eq!(after.len(), 2);
+}
+
+#[test]
+fn wrong_token_count_is_refused_and_changes_nothing() {
+    let mut index = KvIndex::new(BS);
+    let event = KvEvent::Stored {
+        parent_block_hash: None,
+        blocks: vec![
+            StoredBlock {
+                block_hash: 1,
+                token_ids: vec![1, 2, 3, 4],
+            },
+            StoredBlock {
+                block_hash: 2,
+                token_ids: vec![5, 6, 7],
+            },
+        ],
+    };
+    let err = index.apply(w(1, 0), &event).unwrap_err();
+    assert_eq!(
+        err,
+        KvEventError::WrongBlockSize {
+            worker: w(1, 0),
+            index: 1,
+            block_hash: 2,
+            tokens: 3,
+            block_size: BS
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("3 token ids") && msg.contains("block size is 4"),
+        "{msg}"
+    );
+    assert!(msg.contains("unchanged"), "{msg}");
+    // Even the valid first block was not stored.
+    assert!(index.is_empty());
+    assert!(overlaps(&index, &[1, 2, 3, 4]).is_empty());
+}
+
+#[test]
+fn chained_stored_events_continue_the_request_hashes() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(5);
+    index
+        .apply(w(1, 0), &stored(None, &tokens[..8], &[1, 2]))
+        .unwrap();
+    index
+        .apply(w(1, 0), &stored(Some(2), &tokens[8..], &[3, 4, 5]))
+        .unwrap();
+    assert_eq!(index.distinct_blocks(), 5);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[1, 2, 3, 4, 5]);
+
+    // Branching from a middle block shares the prefix and nothing after it.
+    let mut branch = tokens.clone();
+    branch[12] += 1;
+    index
+        .apply(w(2, 0), &stored(None, &branch[..12], &[1, 2, 3]))
+        .unwrap();
+    index
+        .apply(w(2, 0), &stored(Some(3), &branch[12..], &[40, 50]))
+        .unwrap();
+    assert_eq!(index.distinct_blocks(), 7);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(2, 0)), &[1, 2, 3]);
+    let out = overlaps(&index, &branch);
+    assert_eq!(out.engine_hashes(w(2, 0)), &[1, 2, 3, 40, 50]);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[1, 2, 3]);
+}
+
+#[test]
+fn overlaps_are_ordered_longest_then_worker_then_rank() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(3);
+    let store = |index: &mut KvIndex, key: WorkerKey, blocks: usize| {
+        let engine: Vec<u64> = (0..blocks as u64).map(|b| key.worker_id * 10 + b).collect();
+        index
+            .apply(key, &stored(None, &tokens[..blocks * BS], &engine))
+            .unwrap();
+    };
+    store(&mut index, w(5, 1), 1);
+    store(&mut index, w(3, 0), 2);
+    store(&mut index, w(9, 0), 3);
+    store(&mut index, w(5, 0), 1);
+    store(&mut index, w(2, 0), 1);
+    store(&mut index, w(4, 0), 3);
+    let mut out = Overlaps::new();
+    index.overlaps(&hashes(&tokens), &mut out);
+    let order: Vec<(WorkerKey, usize)> = out.iter().map(|(k, h)| (k, h.len())).collect();
+    assert_eq!(
+        order,
+        vec![
+            (w(4, 0), 3),
+            (w(9, 0), 3),
+            (w(3, 0), 2),
+            (w(2, 0), 1),
+            (w(5, 0), 1),
+            (w(5, 1), 1),
+        ]
+    );
+    assert_eq!(out.engine_hashes(w(9, 0)), &[90, 91, 92]);
+    assert_eq!(out.cached_blocks(w(5, 1)), 1);
+
+    // Reusing the output for a shorter request leaves nothing stale behind.
+    index.overlaps(&hashes(&tokens[..4]), &mut out);
+    assert_eq!(out.len(), 6);
+    assert!(out.iter().all(|(_, h)| h.len() == 1));
+    assert_eq!(out.engine_hashes(w(4, 0)), &[40]);
+    index.overlaps(&[], &mut out);
+    assert!(out.is_empty());
+    assert_eq!(out.cached_blocks(w(4, 0)), 0);
+}
+
+#[test]
+fn same_tokens_under_two_engine_hashes_survive_one_removal() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(1);
+    index.apply(w(1, 0), &stored(None, &tokens, &[1])).unwrap();
+    index.apply(w(1, 0), &stored(None, &tokens, &[2])).unwrap();
+    assert_eq!(index.len(), 2);
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out.cached_blocks(w(1, 0)), 1);
+    index
+        .apply(
+            w(1, 0),
+            &KvEvent::Removed {
+                block_hashes: vec![1],
+            },
+        )
+        .unwrap();
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[2]);
+
+    // Storing the same engine hash again is idempotent.
+    index.apply(w(1, 0), &stored(None, &tokens, &[2])).unwrap();
+    assert_eq!(index.len(), 1);
+    // Reusing an engine hash for other tokens moves it.
+    let other = prompt(2);
+    index
+        .apply(w(1, 0), &stored(None, &other[4..], &[2]))
+        .unwrap();
+    assert_eq!(index.len(), 1);
+    assert!(overlaps(&index, &tokens).is_empty());
+    assert_eq!(overlaps(&index, &other[4..]).engine_hashes(w(1, 0)), &[2]);
+}
+
+/// Random event streams against a naive model: per worker, the set of router hashes
+/// it holds; a worker's overlap is the leading run of a request's hashes in its set.
+#[test]
+fn random_event_streams_match_a_naive_model() {
+    use std::collections::{BTreeMap, HashSet};
+
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    };
+    let base = prompt(8);
+    let mut docs = [base.clone(), base.clone(), base, prompt(8)];
+    docs[1][3 * BS] += 1; // shares 3 blocks with doc 0
+    docs[2][6 * BS + 1] += 1; // shares 6 blocks
+    docs[3].reverse(); // shares nothing
+    let doc_hashes: Vec<Vec<u64>> = docs.iter().map(|d| hashes(d)).collect();
+    let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0), w(4, 2)];
+    // Engines name blocks by content, but each worker differently.
+    let engine = |k: WorkerKey, seq: u64| seq ^ (k.worker_id << 40) ^ u64::from(k.dp_rank);
+
+    let mut index = KvIndex::new(BS);
+    let mut model: BTreeMap<WorkerKey, HashSet<u64>> = BTreeMap::new();
+    let mut out = Overlaps::new();
+    let (mut chained, mut refused, mut longest) = (0, 0, 0);
+    for _ in 0..3000 {
+        let k = workers[next(workers.len() as u64) as usize];
+        let held = model.entry(k).or_default();
+        match next(10) {
+            0..=5 => {
+                let d = next(docs.len() as u64) as usize;
+                let start = next(8) as usize;
+                let count = 1 + next((8 - start) as u64) as usize;
+                let parent = (start > 0).then(|| engine(k, doc_hashes[d][start - 1]));
+                let blocks = &doc_hashes[d][start..start + count];
+                let ev = stored(
+                    parent,
+                    &docs[d][start * BS..(start + count) * BS],
+                    &blocks.iter().map(|&h| engine(k, h)).collect::<Vec<_>>(),
+                );
+                let known = start == 0 || held.contains(&doc_hashes[d][start - 1]);
+                match index.apply(k, &ev) {
+                    Ok(stats) => {
+                        assert!(known);
+                        chained += usize::from(start > 0);
+                        assert_eq!(stats.stored, count);
+                        held.extend(blocks);
+                    }
+                    Err(err) => {
+                        assert!(!known);
+                        refused += 1;
+                        assert!(matches!(err, KvEventError::UnknownParent { .. }));
+                    }
+                }
+            }
+            6..=7 => {
+                let d = next(docs.len() as u64) as usize;
+                let victims: Vec<u64> = (0..1 + next(3))
+                    .map(|_| doc_hashes[d][next(8) as usize])
+                    .collect();
+                let mut removed = 0;
+                for v in &victims {
+                    removed += usize::from(held.remove(v));
+                }
+                let ev = KvEvent::Removed {
+                    block_hashes: victims.iter().map(|&h| engine(k, h)).collect(),
+                };
+                let stats = index.apply(k, &ev).unwrap();
+                assert_eq!(stats.removed, removed);
+                assert_eq!(stats.missing_removals, victims.len() - removed);
+            }
+            8 => {
+                let stats = index.apply(k, &KvEvent::Cleared).unwrap();
+                assert_eq!(stats.removed, held.len());
+                held.clear();
+            }
+            _ => {
+                index.remove_worker(k);
+                held.clear();
+            }
+        }
+
+        assert_eq!(index.len(), model.values().map(HashSet::len).sum::<usize>());
+        let distinct: HashSet<u64> = model.values().flatten().copied().collect();
+        assert_eq!(index.distinct_blocks(), distinct.len());
+        for request in &doc_hashes {
+            let n = 1 + next(8) as usize;
+            let request = &request[..n];
+            let mut expected: Vec<(WorkerKey, Vec<u64>)> = model
+                .iter()
+                .map(|(&k, held)| {
+                    let prefix = request.iter().take_while(|h| held.contains(h));
+                    (k, prefix.map(|&h| engine(k, h)).collect::<Vec<_>>())
+                })
+                .filter(|(_, e)| !e.is_empty())
+                .collect();
+            expected.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(&b.0)));
+            index.overlaps(request, &mut out);
+            longest = longest.max(expected.first().map_or(0, |e| e.1.len()));
+            assert_eq!(as_vec(&out), expected);
+            for (k, e) in &expected {
+                assert_eq!(out.engine_hashes(*k), e.as_slice());
+            }
+        }
+    }
+    // The stream must have exercised chaining, refusal and deep prefixes.
+    assert!(
+        chained > 100 && refused > 100 && longest == 8,
+        "{chained} {refused} {longest}"
+    );
+}
+
+#[test]
+fn wire_forms_round_trip() {
+    let forms = [
+        (
+            r#"{"stored":{"parent_block_hash":7,"blocks":[{"block_hash":11,"token_ids":[1,2,3,4]}]}}"#,
+            KvEvent::Stored {
+                parent_block_hash: Some(7),
+                blocks: vec![StoredBlock {
+                    block_hash: 11,
+                    token_ids: vec![1, 2, 3, 4],
+                }],
+            },
+        ),
+        (
+            r#"{"stored":{"parent_block_hash":null,"blocks":[]}}"#,
+            KvEvent::Stored {
+                parent_block_hash: None,
+                blocks: vec![],
+            },
+        ),
+        (
+            r#"{"removed":{"block_hashes":[11,22,18446744073709551615]}}"#,
+            KvEvent::Removed {
+                block_hashes: vec![11, 22, u64::MAX],
+            },
+        ),
+        (r#""cleared""#, KvEvent::Cleared),
+    ];
+    for (json, event) in forms {
+        let parsed: KvEvent = serde_json::from_str(json).unwrap();
+        assert_eq!(parsed, event, "{json}");
+        assert_eq!(serde_json::to_string(&event).unwrap(), json);
+    }
+    let key = w(3, 1);
+    let json = serde_json::to_string(&key).unwrap();
+    assert_eq!(json, r#"{"worker_id":3,"dp_rank":1}"#);
+    assert_eq!(serde_json::from_str::<WorkerKey>(&json).unwrap(), key);
+}
+
+#[test]
+fn wire_forms_refuse_unknown_fields_and_variants() {
+    for json in [
+        r#"{"stored":{"parent_block_hash":null,"blocks":[],"lora_id":3}}"#,
+        r#"{"stored":{"parent_block_hash":null,"blocks":[{"block_hash":1,"token_ids":[],"extra":1}]}}"#,
+        r#"{"removed":{"block_hashes":[1],"medium":"gpu"}}"#,
+    ] {
+        let err = serde_json::from_str::<KvEvent>(json).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{json}: {err}");
+    }
+    for json in [
+        r#""evicted""#,
+        r#"{"Stored":{"parent_block_hash":null,"blocks":[]}}"#,
+        r#"{"removed":{"block_hashes":[-1]}}"#,
+    ] {
+        assert!(serde_json::from_str::<KvEvent>(json).is_err(), "{json}");
+    }
+}

@@ -1,0 +1,136 @@
+//! The ingestion path: one thread that applies KV events in batches.
+//!
+//! Every source of events (the HTTP endpoint today, engine subscriptions next) hands its
+//! events to one bounded queue; the ingestion thread takes whatever has queued up — up to
+//! [`MAX_BATCH`] events — applies them in order and publishes them to bookings at once.
+//! Under a light stream a batch is one event and it is visible within microseconds;
+//! under a heavy one, batching amortises the publish (one wait for the readers in flight
+//! per batch). Bookings never wait for it: they read the published copy of the index.
+//! A full queue refuses new events at once instead of growing without bound.
+
+use super::index::{ApplyStats, KvEvent};
+use super::{Router, RouterError};
+use crate::domain::WorkerKey;
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Events applied and published together at most.
+pub const MAX_BATCH: usize = 1024;
+
+type Reply = tokio::sync::oneshot::Sender<Result<ApplyStats, RouterError>>;
+
+struct Job {
+    worker: WorkerKey,
+    event: KvEvent,
+    reply: Option<Reply>,
+}
+
+/// Counters of the ingestion path.
+#[derive(Debug, Default)]
+pub struct IngestStats {
+    pub batches: AtomicU64,
+    pub events: AtomicU64,
+    pub refused_full: AtomicU64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the KV-event queue is full ({capacity} events waiting); the event was not applied — retry after a short wait")]
+pub struct QueueFull {
+    pub capacity: usize,
+}
+
+/// A handle to submit events; the thread stops when every handle is dropped.
+#[derive(Clone)]
+pub struct Ingest {
+    queue: Sender<Job>,
+    capacity: usize,
+    pub stats: Arc<IngestStats>,
+}
+
+impl Ingest {
+    /// Starts the ingestion thread for `router`, with a queue of `capacity` events.
+    pub fn start(router: Arc<Router>, capacity: usize) -> std::io::Result<(Self, JoinHandle<()>)> {
+        let (queue, jobs) = crossbeam_channel::bounded(capacity.max(1));
+        let stats = Arc::new(IngestStats::default());
+        let thread_stats = Arc::clone(&stats);
+        let thread = std::thread::Builder::new()
+            .name("kvhint-ingest".into())
+            .spawn(move || run(&router, &jobs, &thread_stats))?;
+        Ok((
+            Self {
+                queue,
+                capacity: capacity.max(1),
+                stats,
+            },
+            thread,
+        ))
+    }
+
+    /// Queues one event; the receiver gets its result once it is visible to bookings.
+    pub fn submit(
+        &self,
+        worker: WorkerKey,
+        event: KvEvent,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<ApplyStats, RouterError>>, QueueFull> {
+        let (reply, result) = tokio::sync::oneshot::channel();
+        self.send(Job {
+            worker,
+            event,
+            reply: Some(reply),
+        })?;
+        Ok(result)
+    }
+
+    /// Queues one event whose result nobody waits for (an engine stream).
+    pub fn submit_detached(&self, worker: WorkerKey, event: KvEvent) -> Result<(), QueueFull> {
+        self.send(Job {
+            worker,
+            event,
+            reply: None,
+        })
+    }
+
+    fn send(&self, job: Job) -> Result<(), QueueFull> {
+        match self.queue.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.stats.refused_full.fetch_add(1, Ordering::Relaxed);
+                Err(QueueFull {
+                    capacity: self.capacity,
+                })
+            }
+        }
+    }
+}
+
+fn run(router: &Router, jobs: &Receiver<Job>, stats: &IngestStats) {
+    let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    while let Ok(first) = jobs.recv() {
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match jobs.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let mut replies = Vec::with_capacity(batch.len());
+        let events = batch.drain(..).map(|job| {
+            replies.push(job.reply);
+            (job.worker, job.event)
+        });
+        let events: Vec<(WorkerKey, KvEvent)> = events.collect();
+        let results = router.apply_kv_events(events);
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats
+            .events
+            .fetch_add(results.len() as u64, Ordering::Relaxed);
+        for (reply, result) in replies.into_iter().zip(results) {
+            if let Some(reply) = reply {
+                // The caller may have gone (its connection closed): nothing to do.
+                let _ = reply.send(result);
+            }
+        }
+    }
+}
