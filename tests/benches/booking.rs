@@ -8,7 +8,7 @@
 //! `shared` (every worker holds a prefix, staggered from ~0 to all: the worst
 //! case for the index, since every worker matches). Then KV-event ingestion.
 //!
-//! `cargo bench -p kvhint-e2e --bench booking`
+//! `cargo bench -p kvhint-e2e --bench booking` (`BOOKING_CASES=64/4096` for one size)
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvhint::domain::{Role, WorkerKey};
@@ -102,8 +102,18 @@ fn benches(c: &mut Criterion) {
     } else {
         &[(2, 1024), (64, 4096)]
     };
+    // BOOKING_CASES=64/4096,2/1024 sets up and measures only those sizes (the
+    // large layouts take a while to build even when a filter skips them).
+    let only = std::env::var("BOOKING_CASES").ok();
+    let wanted = |workers: u64, tokens: usize| {
+        only.as_deref().is_none_or(|cases| {
+            cases
+                .split(',')
+                .any(|case| case.trim() == format!("{workers}/{tokens}"))
+        })
+    };
     let mut group = c.benchmark_group("booking");
-    for &(workers, tokens) in sizes {
+    for &(workers, tokens) in sizes.iter().filter(|(w, t)| wanted(*w, *t)) {
         let prompt: Vec<u32> = (0..tokens as u32)
             .map(|t| t.wrapping_mul(2654435761) % 50_000)
             .collect();

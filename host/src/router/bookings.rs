@@ -8,7 +8,7 @@ use super::workers::{Load, LoadCell};
 use crate::domain::WorkerKey;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
 const SHARDS: usize = 32;
@@ -31,10 +31,8 @@ pub struct Bookings {
 
 impl Bookings {
     fn shard(&self, request_id: &str) -> &Mutex<FxHashMap<String, Reservation>> {
-        let mut h = self.hasher.build_hasher();
-        request_id.hash(&mut h);
         // The high bits: FxHash's low bits are its weakest.
-        &self.shards[(h.finish() >> 59) as usize % SHARDS]
+        &self.shards[(self.hasher.hash_one(request_id) >> 59) as usize % SHARDS]
     }
 
     pub fn contains(&self, request_id: &str) -> bool {

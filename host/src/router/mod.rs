@@ -144,6 +144,7 @@ struct Scratch {
     rows: Vec<(Slot, usize)>,
     engine: Vec<u64>,
     lengths: Vec<usize>,
+    row_scratch: index::lookup::RowScratch,
 }
 
 impl Scratch {
@@ -533,6 +534,7 @@ impl Router {
             rows,
             engine,
             lengths,
+            row_scratch,
             ..
         } = scratch;
         ranked.retain(|r| r.entry.worker.key != booked.key);
@@ -540,7 +542,7 @@ impl Router {
         rows.extend(ranked.iter().map(|r| (r.entry.slot, r.cached)));
         engine.clear();
         self.index
-            .read(|index| index.engine_hashes_for(hashes, rows, engine, lengths));
+            .read(|index| index.engine_hashes_for(hashes, rows, engine, lengths, row_scratch));
 
         let mut peers: Vec<(&Worker, &[u64])> = Vec::with_capacity(ranked.len());
         let mut committed = None;

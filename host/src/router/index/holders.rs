@@ -38,6 +38,11 @@ impl Holders {
         &self.words
     }
 
+    /// One engine hash per holder, in slot order.
+    pub fn engines(&self) -> &[u64] {
+        &self.engines
+    }
+
     pub fn len(&self) -> usize {
         self.engines.len()
     }

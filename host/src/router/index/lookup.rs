@@ -173,53 +173,166 @@ impl KvIndex {
     /// worker's slot and how many leading blocks to name, longest first. Appends each
     /// row's hashes to `out` consecutively and writes each row's length (shorter than
     /// asked if the worker no longer holds that many: the index may have changed since
-    /// the lookup) into `lengths`.
+    /// the lookup) into `lengths`. `scratch` is the caller's, reused across calls.
+    ///
+    /// Per block, the rows still wanting it are a bitmap ANDed with the block's holders,
+    /// and the engine hashes of the survivors are read in slot order with a running rank:
+    /// one word operation per 64 rows, one write per hash, no per-row search.
     pub fn engine_hashes_for(
         &self,
         hashes: &[u64],
         rows: &[(Slot, usize)],
         out: &mut Vec<u64>,
         lengths: &mut Vec<usize>,
+        scratch: &mut RowScratch,
     ) {
         lengths.clear();
         lengths.resize(rows.len(), 0);
+        let RowScratch {
+            row_of_slot,
+            wanting,
+        } = scratch;
         let start = out.len();
-        let total: usize = rows.iter().map(|r| r.1).sum();
-        out.resize(start + total, 0);
-        let mut offsets = Vec::with_capacity(rows.len());
-        let mut at = start;
-        for &(_, len) in rows {
-            offsets.push(at);
-            at += len;
-        }
+        // Rows are written column by column into a matrix first, each row `stride`
+        // cells apart, then packed. A stride of a power-of-two number of bytes would
+        // put every row's current cache line in the same few L1 sets and miss on
+        // nearly every write, so rows span an odd number of cache lines.
         let deepest = rows.first().map_or(0, |r| r.1).min(hashes.len());
-        // Rows are longest first, so the rows still wanting block `d` are a prefix.
-        let mut wanting = rows.len();
-        for (d, hash) in hashes.iter().enumerate().take(deepest) {
-            while wanting > 0 && rows[wanting - 1].1 <= d {
-                wanting -= 1;
+        let stride = (deepest.div_ceil(8) | 1) * 8;
+        out.resize(start + stride * rows.len(), 0);
+        if row_of_slot.len() < self.slot_count() {
+            row_of_slot.resize(self.slot_count(), u32::MAX);
+        }
+        wanting.clear();
+        for (i, &(slot, len)) in rows.iter().enumerate() {
+            if len == 0 || slot as usize >= row_of_slot.len() {
+                continue;
             }
-            let Some(holders) = self.holders(*hash) else {
+            row_of_slot[slot as usize] = i as u32;
+            set_bit(wanting, slot);
+        }
+        // Slices, not the Vecs: a store through a Vec's buffer could alias its header as
+        // far as the optimiser knows, so it would reload pointer and length every cell.
+        let out_cells = &mut out[start..];
+        let row_at = row_of_slot.as_slice();
+        let lengths = lengths.as_mut_slice();
+        // Rows are longest first: the rows that stop wanting blocks at `d` are the last
+        // ones still wanting, so `ending` walks back from the end.
+        let mut ending = rows.len();
+        let mut d = 0;
+        while d < deepest {
+            while ending > 0 && rows[ending - 1].1 <= d {
+                ending -= 1;
+                if clear_bit(wanting, rows[ending].0) {
+                    lengths[ending] = rows[ending].1;
+                }
+            }
+            if wanting.is_empty() {
+                break;
+            }
+            let Some(holders) = self.holders(hashes[d]) else {
                 break;
             };
-            for (i, &(slot, _)) in rows[..wanting].iter().enumerate() {
-                // A row stays only while it has every block so far.
-                if lengths[i] == d {
-                    if let Some(engine) = holders.engine_of(slot) {
-                        out[offsets[i] + d] = engine;
-                        lengths[i] = d + 1;
+            let engines = holders.engines();
+            let words = holders.words();
+            let mut rank = 0;
+            let mut j = 0;
+            let mut keep = 0;
+            for i in 0..wanting.len() {
+                let want = wanting[i];
+                while j < words.len() && words[j].index < want.index {
+                    rank += words[j].bits.count_ones() as usize;
+                    j += 1;
+                }
+                let held = match words.get(j) {
+                    Some(word) if word.index == want.index => word.bits,
+                    _ => 0,
+                };
+                let bits = want.bits & held;
+                let base = (want.index * 64) as usize;
+                if bits == held {
+                    // Every holder in this word is wanted (the common case): ranks
+                    // follow the bits one by one, no search.
+                    for (k, bit) in Bits(bits).enumerate() {
+                        let row = row_at[base + bit as usize] as usize;
+                        out_cells[row * stride + d] = engines[rank + k];
+                    }
+                } else {
+                    // Walk all holders of the word with a running rank rather than a
+                    // popcount per hit: baseline x86-64 has no popcnt instruction.
+                    for (k, bit) in (rank..).zip(Bits(held)) {
+                        if bits & (1u64 << bit) != 0 {
+                            let row = row_at[base + bit as usize] as usize;
+                            out_cells[row * stride + d] = engines[k];
+                        }
                     }
                 }
+                // A row that misses a block has its prefix; it wants nothing more.
+                for bit in Bits(want.bits & !held) {
+                    lengths[row_at[base + bit as usize] as usize] = d;
+                }
+                if bits != 0 {
+                    wanting[keep] = Word {
+                        index: want.index,
+                        bits,
+                    };
+                    keep += 1;
+                }
+            }
+            wanting.truncate(keep);
+            d += 1;
+        }
+        // Rows still wanting when the walk stopped hold every block it reached.
+        for word in wanting.iter() {
+            for bit in Bits(word.bits) {
+                let row = row_at[(word.index * 64 + bit) as usize] as usize;
+                lengths[row] = d.min(rows[row].1);
             }
         }
         // Close the gaps left by rows that came up short.
         let mut write = start;
         for (i, &len) in lengths.iter().enumerate() {
-            out.copy_within(offsets[i]..offsets[i] + len, write);
+            let from = start + i * stride;
+            if from != write {
+                out.copy_within(from..from + len, write);
+            }
             write += len;
         }
         out.truncate(write);
     }
+}
+
+/// Reusable buffers of [`KvIndex::engine_hashes_for`].
+#[derive(Debug, Default, Clone)]
+pub struct RowScratch {
+    /// Row of each slot being read. Entries of other slots are stale but never read:
+    /// only slots of the current call's rows are looked up.
+    row_of_slot: Vec<u32>,
+    wanting: Vec<Word>,
+}
+
+fn set_bit(words: &mut Vec<Word>, slot: Slot) {
+    let index = slot / 64;
+    let bit = 1u64 << (slot % 64);
+    match words.binary_search_by_key(&index, |w| w.index) {
+        Ok(at) => words[at].bits |= bit,
+        Err(at) => words.insert(at, Word { index, bits: bit }),
+    }
+}
+
+/// Clears `slot`'s bit; returns whether it was set.
+fn clear_bit(words: &mut Vec<Word>, slot: Slot) -> bool {
+    let index = slot / 64;
+    let bit = 1u64 << (slot % 64);
+    let Ok(at) = words.binary_search_by_key(&index, |w| w.index) else {
+        return false;
+    };
+    let was = words[at].bits & bit != 0;
+    words[at].bits &= !bit;
+    if words[at].bits == 0 {
+        words.remove(at);
+    }
+    was
 }
 
 /// `alive &= other`, recording every slot that drops out with depth `depth`.

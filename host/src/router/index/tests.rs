@@ -101,11 +101,24 @@ impl OverlapsExt for KvIndex {
         // The batched form agrees with the one-worker form.
         let rows: Vec<(Slot, usize)> = {
             let mut f: Vec<_> = out.matches.found().to_vec();
-            f.sort_by(|a, b| b.cached.cmp(&a.cached));
+            f.sort_by_key(|f| std::cmp::Reverse(f.cached));
             f.iter().map(|f| (f.slot, f.cached)).collect()
         };
         let (mut all, mut lengths) = (Vec::new(), Vec::new());
-        self.engine_hashes_for(hashes, &rows, &mut all, &mut lengths);
+        self.engine_hashes_for(
+            hashes,
+            &rows,
+            &mut all,
+            &mut lengths,
+            &mut Default::default(),
+        );
+        let mut at = 0;
+        for (&(slot, len), _) in rows.iter().zip(&lengths) {
+            let mut one = Vec::new();
+            self.engine_hashes(slot, hashes, &mut one);
+            assert_eq!(&all[at..at + len], one.as_slice());
+            at += len;
+        }
         assert_eq!(all.len(), rows.iter().map(|r| r.1).sum::<usize>());
         assert!(rows.iter().zip(&lengths).all(|(r, l)| r.1 == *l));
     }
