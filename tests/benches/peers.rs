@@ -818,9 +818,18 @@ fn main() {
     } else {
         (&[2, 64, 1024], &[1024, 4096, 32768], 131_072)
     };
+    // PEERS_CASES=sparse/64w/4k,shared/1024w/1k measures only those cases.
+    let only = std::env::var("PEERS_CASES").ok();
     for layout in [Layout::Sparse, Layout::Shared, Layout::Salted] {
         for &n in workers {
             for &tokens in prompts {
+                let name = format!("{}/{n}w/{}k", layout.name(), tokens / 1024);
+                if only
+                    .as_deref()
+                    .is_some_and(|cases| !cases.split(',').any(|c| c.trim() == name))
+                {
+                    continue;
+                }
                 let workload = Workload::new(layout, n, tokens, background);
                 let timing = measure(&workload, quick);
                 line(&workload.case, "ingest", timing.ingest);

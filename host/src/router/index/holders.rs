@@ -1,16 +1,11 @@
-//! The workers holding one block: a set of worker slots as 64-slot bitmap words, with
-//! one engine hash per holder.
+//! A set of worker slots as 64-slot bitmap words, with one value per member.
 //!
-//! Bitmaps make the prefix walk cheap where it is expensive with holder lists: the
-//! workers still matching after block `d` are the AND of the sets so far, one word per
-//! 64 workers, so a block that 64 workers hold costs one AND instead of 64 checks. Only
-//! words with a bit set are kept, so a block held by a few workers of a large fleet
-//! costs a word or two, not a fleet-sized bitmap.
-//!
-//! A worker is in a block's set at most once, however many engine hashes it stored the
-//! same tokens under (salts, adapters, a misbehaving engine): the copies are tracked per
-//! worker (see `WorkerBlocks` in the parent module), and the set keeps one of them as the
-//! name a `kv.fetch` uses. So the walk's work is bounded by workers, never by copies.
+//! Bitmaps make the prefix walk cheap where holder lists are expensive: the workers
+//! still matching are the AND of the sets met so far, one word per 64 workers, so a
+//! node that 64 workers hold costs one AND instead of 64 checks. Only words with a bit
+//! set are kept, so a node held by a few workers of a large fleet costs a word or two,
+//! not a fleet-sized bitmap. Each member's value (in the tree: its engine hashes of the
+//! node's blocks) is kept in slot order, found by rank.
 
 use smallvec::SmallVec;
 
@@ -25,33 +20,47 @@ pub struct Word {
     pub bits: u64,
 }
 
-#[derive(Debug, Clone, Default)]
-pub struct Holders {
+#[derive(Debug, Clone)]
+pub struct Holders<T> {
     /// Non-zero words, ascending by `index`.
     words: SmallVec<[Word; 1]>,
-    /// One engine hash per set bit, in slot order.
-    engines: SmallVec<[u64; 1]>,
+    /// One value per set bit, in slot order.
+    values: SmallVec<[T; 1]>,
 }
 
-impl Holders {
+impl<T> Default for Holders<T> {
+    fn default() -> Self {
+        Self {
+            words: SmallVec::new(),
+            values: SmallVec::new(),
+        }
+    }
+}
+
+impl<T> Holders<T> {
     pub fn words(&self) -> &[Word] {
         &self.words
     }
 
-    /// One engine hash per holder, in slot order.
-    pub fn engines(&self) -> &[u64] {
-        &self.engines
+    /// The members' values, in slot order.
+    pub fn values(&self) -> &[T] {
+        &self.values
+    }
+
+    pub fn values_mut(&mut self) -> &mut [T] {
+        &mut self.values
     }
 
     pub fn len(&self) -> usize {
-        self.engines.len()
+        self.values.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.engines.is_empty()
+        self.values.is_empty()
     }
 
-    /// Position of `slot`'s engine hash, and whether it is present (else where it would go).
+    /// Position of `slot`'s value, whether it is a member, and the word it is in
+    /// (or where that word would go).
     fn rank(&self, slot: Slot) -> (usize, bool, Result<usize, usize>) {
         let index = slot / 64;
         let bit = 1u64 << (slot % 64);
@@ -69,10 +78,16 @@ impl Holders {
         (rank, false, Err(self.words.len()))
     }
 
-    /// The engine hash `slot` holds this block under, if it holds it.
-    pub fn engine_of(&self, slot: Slot) -> Option<u64> {
+    pub fn get(&self, slot: Slot) -> Option<&T> {
         match self.rank(slot) {
-            (rank, true, _) => Some(self.engines[rank]),
+            (rank, true, _) => Some(&self.values[rank]),
+            _ => None,
+        }
+    }
+
+    pub fn get_mut(&mut self, slot: Slot) -> Option<&mut T> {
+        match self.rank(slot) {
+            (rank, true, _) => Some(&mut self.values[rank]),
             _ => None,
         }
     }
@@ -81,14 +96,14 @@ impl Holders {
         self.rank(slot).1
     }
 
-    /// Adds `slot` under `engine`; returns false (and changes nothing) if it is present.
-    pub fn insert(&mut self, slot: Slot, engine: u64) -> bool {
+    /// Adds `slot` with `value`; returns false (and changes nothing) if it is a member.
+    pub fn insert(&mut self, slot: Slot, value: T) -> bool {
         let bit = 1u64 << (slot % 64);
         match self.rank(slot) {
             (_, true, _) => false,
             (rank, false, Ok(at)) => {
                 self.words[at].bits |= bit;
-                self.engines.insert(rank, engine);
+                self.values.insert(rank, value);
                 true
             }
             (rank, false, Err(at)) => {
@@ -99,21 +114,14 @@ impl Holders {
                         bits: bit,
                     },
                 );
-                self.engines.insert(rank, engine);
+                self.values.insert(rank, value);
                 true
             }
         }
     }
 
-    /// Renames `slot`'s copy (its named copy was removed, another remains).
-    pub fn set_engine(&mut self, slot: Slot, engine: u64) {
-        if let (rank, true, _) = self.rank(slot) {
-            self.engines[rank] = engine;
-        }
-    }
-
-    /// Removes `slot`; returns whether it was present.
-    pub fn remove(&mut self, slot: Slot) -> bool {
+    /// Removes `slot`, returning its value.
+    pub fn remove(&mut self, slot: Slot) -> Option<T> {
         let bit = 1u64 << (slot % 64);
         match self.rank(slot) {
             (rank, true, Ok(at)) => {
@@ -121,19 +129,42 @@ impl Holders {
                 if self.words[at].bits == 0 {
                     self.words.remove(at);
                 }
-                self.engines.remove(rank);
-                true
+                Some(self.values.remove(rank))
             }
-            _ => false,
+            _ => None,
         }
     }
 
-    /// Every (slot, engine hash), in slot order.
-    pub fn iter(&self) -> impl Iterator<Item = (Slot, u64)> + '_ {
+    /// Whether both sets have the same members (values aside).
+    pub fn same_members<U>(&self, other: &Holders<U>) -> bool {
+        self.words == other.words
+    }
+
+    /// The same members with values made by `f`.
+    pub fn map<U>(&self, f: impl FnMut(&T) -> U) -> Holders<U> {
+        Holders {
+            words: self.words.clone(),
+            values: self.values.iter().map(f).collect(),
+        }
+    }
+
+    /// Every (slot, value), in slot order.
+    pub fn iter(&self) -> impl Iterator<Item = (Slot, &T)> + '_ {
+        self.slots().zip(self.values.iter())
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (Slot, &mut T)> + '_ {
+        let words = &self.words;
+        words
+            .iter()
+            .flat_map(|w| Bits(w.bits).map(move |b| w.index * 64 + b))
+            .zip(self.values.iter_mut())
+    }
+
+    pub fn slots(&self) -> impl Iterator<Item = Slot> + '_ {
         self.words
             .iter()
             .flat_map(|w| Bits(w.bits).map(move |b| w.index * 64 + b))
-            .zip(self.engines.iter().copied())
     }
 }
 
@@ -161,24 +192,29 @@ mod tests {
     #[test]
     fn insert_remove_and_rank_across_words() {
         let mut h = Holders::default();
-        for (slot, engine) in [(70, 7), (3, 3), (200, 20), (64, 6), (5, 5)] {
-            assert!(h.insert(slot, engine));
+        for (slot, value) in [(70, 7), (3, 3), (200, 20), (64, 6), (5, 5)] {
+            assert!(h.insert(slot, value));
         }
         assert!(!h.insert(3, 99), "a slot is held once");
         assert_eq!(
-            h.iter().collect::<Vec<_>>(),
+            h.iter().map(|(s, v)| (s, *v)).collect::<Vec<_>>(),
             vec![(3, 3), (5, 5), (64, 6), (70, 7), (200, 20)]
         );
         assert_eq!(h.words().len(), 3);
-        assert_eq!(h.engine_of(70), Some(7));
-        assert_eq!(h.engine_of(71), None);
-        h.set_engine(64, 60);
-        assert!(h.remove(200));
-        assert!(!h.remove(200));
+        assert_eq!(h.get(70), Some(&7));
+        assert_eq!(h.get(71), None);
+        *h.get_mut(64).unwrap() = 60;
+        assert_eq!(h.remove(200), Some(20));
+        assert_eq!(h.remove(200), None);
         assert_eq!(h.words().len(), 2, "an empty word is dropped");
-        assert!(h.remove(3) && h.remove(5));
-        assert_eq!(h.iter().collect::<Vec<_>>(), vec![(64, 60), (70, 7)]);
-        assert!(h.remove(64) && h.remove(70));
+        assert!(h.remove(3).is_some() && h.remove(5).is_some());
+        assert_eq!(
+            h.iter().map(|(s, v)| (s, *v)).collect::<Vec<_>>(),
+            vec![(64, 60), (70, 7)]
+        );
+        let other = h.map(|v| v * 2);
+        assert!(h.same_members(&other));
+        assert!(h.remove(64).is_some() && h.remove(70).is_some());
         assert!(h.is_empty() && h.words().is_empty());
     }
 }

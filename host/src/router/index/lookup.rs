@@ -1,16 +1,18 @@
 //! The prefix walk: for a request's block hashes, each worker's cached prefix; and, on
 //! demand, the engine hashes naming a worker's part of it.
 //!
-//! The walk keeps the set of workers still matching as bitmap words, starting from the
-//! holders of block 0 and ANDed with each next block's holders; a worker whose bit drops
-//! at block `d` holds exactly `d` leading blocks. It stops at the first block nobody
-//! still matching holds. Work: one probe per matched block, one word operation per 64
-//! still-matching workers, one record per matching worker — bounded by the prompt and
-//! the workers, whatever the index holds besides. [`Matches::visited`] counts it, so
-//! tests can hold that bound without timing anything.
+//! The walk follows the request's hashes down the tree: inside a node it only compares
+//! hashes (every block of a node has the same holders); entering a node it ANDs the set
+//! of workers still matching with the node's holder words, and a worker whose bit drops
+//! there holds exactly the blocks matched so far. It stops at the first block nobody
+//! still matching holds, or where the request leaves the tree. Work: one compare per
+//! matched block, one word operation per 64 still-matching workers per node, one record
+//! per matching worker — bounded by the prompt and the workers, whatever the index holds
+//! besides (other sequences, or one worker's many copies of these). [`Matches::visited`]
+//! counts it, so tests can hold that bound without timing anything.
 
 use super::holders::{Bits, Slot, Word};
-use super::{KvIndex, WorkerKey};
+use super::{KvIndex, Node, WorkerKey};
 use std::fmt;
 
 /// One worker's match.
@@ -109,33 +111,34 @@ impl KvIndex {
     /// with how many leading blocks it holds. Clears and fills `out`.
     pub fn lookup(&self, hashes: &[u64], out: &mut Matches) {
         out.reset();
-        let Some(first) = hashes.first().and_then(|h| self.holders(*h)) else {
+        let Some(&first) = hashes.first().and_then(|h| self.roots.get(h)) else {
             out.visited = usize::from(!hashes.is_empty());
             return;
         };
-        let mut visited = 1 + first.words().len();
-        out.alive.extend_from_slice(first.words());
-        let mut depth = 1;
-        while depth < hashes.len() {
-            let Some(holders) = self.holders(hashes[depth]) else {
-                visited += 1;
-                break;
-            };
-            visited += 1 + out.alive.len();
-            intersect(&mut out.alive, holders.words(), depth, &mut out.found);
-            if out.alive.is_empty() {
+        let mut node = &self.nodes[first as usize];
+        out.alive.extend_from_slice(node.holders.words());
+        let mut visited = 1 + out.alive.len();
+        let mut depth = 0;
+        while !out.alive.is_empty() {
+            // Within a node every block has the same holders: only compare hashes.
+            let matched = common_prefix(&node.seqs, &hashes[depth..]);
+            visited += 1 + matched;
+            depth += matched;
+            if matched < node.len() || depth == hashes.len() {
                 break;
             }
-            depth += 1;
+            let Some(child) = node.children.get(hashes[depth]) else {
+                break;
+            };
+            node = &self.nodes[child as usize];
+            visited += out.alive.len();
+            intersect(&mut out.alive, node.holders.words(), depth, &mut out.found);
         }
         for word in &out.alive {
             for bit in Bits(word.bits) {
                 out.found.push(Found {
                     slot: word.index * 64 + bit,
-                    worker: WorkerKey {
-                        worker_id: 0,
-                        dp_rank: 0,
-                    },
+                    worker: NO_WORKER,
                     cached: depth,
                 });
             }
@@ -145,8 +148,8 @@ impl KvIndex {
             out.by_slot.resize(self.slot_count(), 0);
         }
         for f in &mut out.found {
-            // Every set bit is a live slot (a freed slot's bits are cleared with its
-            // blocks), so the key is always there.
+            // Every set bit is a live slot (a worker's bits go with its blocks), so the
+            // key is always there.
             if let Some(key) = self.key_of(f.slot) {
                 f.worker = key;
             }
@@ -155,29 +158,54 @@ impl KvIndex {
         out.visited = visited + out.found.len();
     }
 
+    /// The path a request's hashes take through the tree: each node entered with the
+    /// depth it starts at and how many of its blocks match.
+    fn path<'a>(
+        &'a self,
+        hashes: &'a [u64],
+    ) -> impl Iterator<Item = (&'a Node, usize, usize)> + 'a {
+        let mut next = hashes.first().and_then(|h| self.roots.get(h)).copied();
+        let mut depth = 0;
+        std::iter::from_fn(move || {
+            let node = &self.nodes[next? as usize];
+            let matched = common_prefix(&node.seqs, &hashes[depth..]);
+            let start = depth;
+            depth += matched;
+            next = if matched == node.len() && depth < hashes.len() {
+                node.children.get(hashes[depth])
+            } else {
+                None
+            };
+            Some((node, start, matched))
+        })
+    }
+
     /// The engine hashes under which the worker in `slot` holds the leading blocks of
     /// `hashes`, root-aligned (entry `i` names block `i`), as many as it holds in a row.
     /// Appends to `out` and returns how many it appended.
     pub fn engine_hashes(&self, slot: Slot, hashes: &[u64], out: &mut Vec<u64>) -> usize {
         let start = out.len();
-        for hash in hashes {
-            match self.holders(*hash).and_then(|h| h.engine_of(slot)) {
-                Some(engine) => out.push(engine),
-                None => break,
+        for (node, _, matched) in self.path(hashes) {
+            let Some(row) = node.holders.get(slot) else {
+                break;
+            };
+            out.extend_from_slice(&row[..matched]);
+            if matched < node.len() {
+                break;
             }
         }
         out.len() - start
     }
 
-    /// Engine hashes for several workers at once, one probe per block: `rows` gives each
-    /// worker's slot and how many leading blocks to name, longest first. Appends each
-    /// row's hashes to `out` consecutively and writes each row's length (shorter than
-    /// asked if the worker no longer holds that many: the index may have changed since
-    /// the lookup) into `lengths`. `scratch` is the caller's, reused across calls.
+    /// Engine hashes for several workers at once, one walk: `rows` gives each worker's
+    /// slot and how many leading blocks to name, longest first. Appends each row's
+    /// hashes to `out` consecutively and writes each row's length (shorter than asked if
+    /// the worker no longer holds that many: the index may have changed since the
+    /// lookup) into `lengths`. `scratch` is the caller's, reused across calls.
     ///
-    /// Per block, the rows still wanting it are a bitmap ANDed with the block's holders,
-    /// and the engine hashes of the survivors are read in slot order with a running rank:
-    /// one word operation per 64 rows, one write per hash, no per-row search.
+    /// Per node on the path, the rows still wanting blocks are a bitmap ANDed with the
+    /// node's holders, and each survivor's engine hashes of the node's matched blocks are
+    /// copied as one slice.
     pub fn engine_hashes_for(
         &self,
         hashes: &[u64],
@@ -189,52 +217,41 @@ impl KvIndex {
         lengths.clear();
         lengths.resize(rows.len(), 0);
         let RowScratch {
+            offsets,
             row_of_slot,
             wanting,
         } = scratch;
         let start = out.len();
-        // Rows are written column by column into a matrix first, each row `stride`
-        // cells apart, then packed. A stride of a power-of-two number of bytes would
-        // put every row's current cache line in the same few L1 sets and miss on
-        // nearly every write, so rows span an odd number of cache lines.
-        let deepest = rows.first().map_or(0, |r| r.1).min(hashes.len());
-        let stride = (deepest.div_ceil(8) | 1) * 8;
-        out.resize(start + stride * rows.len(), 0);
+        offsets.clear();
+        let mut at = start;
+        for &(_, len) in rows {
+            offsets.push(at);
+            at += len;
+        }
+        out.resize(at, 0);
         if row_of_slot.len() < self.slot_count() {
             row_of_slot.resize(self.slot_count(), u32::MAX);
         }
         wanting.clear();
         for (i, &(slot, len)) in rows.iter().enumerate() {
-            if len == 0 || slot as usize >= row_of_slot.len() {
-                continue;
+            if len > 0 && (slot as usize) < row_of_slot.len() {
+                row_of_slot[slot as usize] = i as u32;
+                set_bit(wanting, slot);
             }
-            row_of_slot[slot as usize] = i as u32;
-            set_bit(wanting, slot);
         }
-        // Slices, not the Vecs: a store through a Vec's buffer could alias its header as
-        // far as the optimiser knows, so it would reload pointer and length every cell.
-        let out_cells = &mut out[start..];
-        let row_at = row_of_slot.as_slice();
-        let lengths = lengths.as_mut_slice();
-        // Rows are longest first: the rows that stop wanting blocks at `d` are the last
-        // ones still wanting, so `ending` walks back from the end.
+        // Rows are longest first: the rows that stop wanting blocks at depth `d` are the
+        // last ones still wanting, so `ending` walks back from the end.
         let mut ending = rows.len();
-        let mut d = 0;
-        while d < deepest {
-            while ending > 0 && rows[ending - 1].1 <= d {
+        for (node, depth, matched) in self.path(hashes) {
+            while ending > 0 && rows[ending - 1].1 <= depth {
                 ending -= 1;
-                if clear_bit(wanting, rows[ending].0) {
-                    lengths[ending] = rows[ending].1;
-                }
+                clear_bit(wanting, rows[ending].0);
             }
-            if wanting.is_empty() {
+            if wanting.is_empty() || matched == 0 {
                 break;
             }
-            let Some(holders) = self.holders(hashes[d]) else {
-                break;
-            };
-            let engines = holders.engines();
-            let words = holders.words();
+            let words = node.holders.words();
+            let values = node.holders.values();
             let mut rank = 0;
             let mut j = 0;
             let mut keep = 0;
@@ -249,28 +266,26 @@ impl KvIndex {
                     _ => 0,
                 };
                 let bits = want.bits & held;
-                let base = (want.index * 64) as usize;
-                if bits == held {
-                    // Every holder in this word is wanted (the common case): ranks
-                    // follow the bits one by one, no search.
-                    for (k, bit) in Bits(bits).enumerate() {
-                        let row = row_at[base + bit as usize] as usize;
-                        out_cells[row * stride + d] = engines[rank + k];
+                // Walk the word's holders with a running rank rather than a popcount per
+                // hit: baseline x86-64 has no popcnt instruction.
+                let base = want.index * 64;
+                let mut remaining = bits;
+                for (k, bit) in (rank..).zip(Bits(held)) {
+                    if remaining == 0 {
+                        break;
                     }
-                } else {
-                    // Walk all holders of the word with a running rank rather than a
-                    // popcount per hit: baseline x86-64 has no popcnt instruction.
-                    for (k, bit) in (rank..).zip(Bits(held)) {
-                        if bits & (1u64 << bit) != 0 {
-                            let row = row_at[base + bit as usize] as usize;
-                            out_cells[row * stride + d] = engines[k];
-                        }
+                    let mask = 1u64 << bit;
+                    if remaining & mask == 0 {
+                        continue;
                     }
+                    remaining &= !mask;
+                    let row = row_of_slot[(base + bit) as usize] as usize;
+                    let take = matched.min(rows[row].1 - depth);
+                    let to = offsets[row] + depth;
+                    out[to..to + take].copy_from_slice(&values[k][..take]);
+                    lengths[row] = depth + take;
                 }
-                // A row that misses a block has its prefix; it wants nothing more.
-                for bit in Bits(want.bits & !held) {
-                    lengths[row_at[base + bit as usize] as usize] = d;
-                }
+                // A row whose worker does not hold this node has its prefix.
                 if bits != 0 {
                     wanting[keep] = Word {
                         index: want.index,
@@ -280,21 +295,15 @@ impl KvIndex {
                 }
             }
             wanting.truncate(keep);
-            d += 1;
-        }
-        // Rows still wanting when the walk stopped hold every block it reached.
-        for word in wanting.iter() {
-            for bit in Bits(word.bits) {
-                let row = row_at[(word.index * 64 + bit) as usize] as usize;
-                lengths[row] = d.min(rows[row].1);
+            if matched < node.len() {
+                break;
             }
         }
         // Close the gaps left by rows that came up short.
         let mut write = start;
         for (i, &len) in lengths.iter().enumerate() {
-            let from = start + i * stride;
-            if from != write {
-                out.copy_within(from..from + len, write);
+            if offsets[i] != write {
+                out.copy_within(offsets[i]..offsets[i] + len, write);
             }
             write += len;
         }
@@ -302,9 +311,32 @@ impl KvIndex {
     }
 }
 
+/// Placeholder key of a match until its slot is resolved.
+const NO_WORKER: WorkerKey = WorkerKey {
+    worker_id: 0,
+    dp_rank: 0,
+};
+
+/// How many leading entries `run` and `query` share.
+#[inline]
+fn common_prefix(run: &[u64], query: &[u64]) -> usize {
+    let n = run.len().min(query.len());
+    let (run, query) = (&run[..n], &query[..n]);
+    // Eight at a time while they agree (the common case inside a node), then one by one.
+    let mut i = 0;
+    while i + 8 <= n && run[i..i + 8] == query[i..i + 8] {
+        i += 8;
+    }
+    while i < n && run[i] == query[i] {
+        i += 1;
+    }
+    i
+}
+
 /// Reusable buffers of [`KvIndex::engine_hashes_for`].
 #[derive(Debug, Default, Clone)]
 pub struct RowScratch {
+    offsets: Vec<usize>,
     /// Row of each slot being read. Entries of other slots are stale but never read:
     /// only slots of the current call's rows are looked up.
     row_of_slot: Vec<u32>,
@@ -320,19 +352,14 @@ fn set_bit(words: &mut Vec<Word>, slot: Slot) {
     }
 }
 
-/// Clears `slot`'s bit; returns whether it was set.
-fn clear_bit(words: &mut Vec<Word>, slot: Slot) -> bool {
+fn clear_bit(words: &mut Vec<Word>, slot: Slot) {
     let index = slot / 64;
-    let bit = 1u64 << (slot % 64);
-    let Ok(at) = words.binary_search_by_key(&index, |w| w.index) else {
-        return false;
-    };
-    let was = words[at].bits & bit != 0;
-    words[at].bits &= !bit;
-    if words[at].bits == 0 {
-        words.remove(at);
+    if let Ok(at) = words.binary_search_by_key(&index, |w| w.index) {
+        words[at].bits &= !(1u64 << (slot % 64));
+        if words[at].bits == 0 {
+            words.remove(at);
+        }
     }
-    was
 }
 
 /// `alive &= other`, recording every slot that drops out with depth `depth`.
@@ -380,10 +407,7 @@ fn record(index: u32, dropped: u64, depth: usize, found: &mut Vec<Found>) {
     for bit in Bits(dropped) {
         found.push(Found {
             slot: index * 64 + bit,
-            worker: WorkerKey {
-                worker_id: 0,
-                dp_rank: 0,
-            },
+            worker: NO_WORKER,
             cached: depth,
         });
     }

@@ -7,25 +7,32 @@
 //! stream of KV events (`stored` / `removed` / `cleared`, [`events`]); this index folds
 //! those streams into one structure that answers on the booking hot path.
 //!
-//! **Shape: one hash map from block to holder bitmap.** Blocks are keyed by the router's
-//! chained *sequence hash* ([`hashing`]): a block's hash covers its tokens and everything
-//! before it, so one probe per request block serves every worker, and the map needs no
-//! tree: the chain is in the keys. Each entry is the set of workers holding that block as
-//! 64-slot bitmap words ([`holders`]) with one engine hash per holder. A lookup ANDs the
-//! sets block by block ([`lookup`]): one word operation per 64 still-matching workers per
-//! block, plus one record when a worker drops out, so its cost is the prompt's matched
-//! blocks times the fleet's words, never a per-worker, per-block loop and never how many
-//! copies a worker holds. Engine hashes, which only a `kv.fetch` needs, are read on
-//! demand for the workers that need them, root-aligned.
+//! **Shape: a compressed radix tree of blocks with holder bitmaps.** Blocks are named by
+//! the router's chained *sequence hash* ([`hashing`]). A node is a run of consecutive
+//! blocks that the same set of workers holds: their sequence hashes side by side, the
+//! holder set as 64-slot bitmap words ([`holders`]), and per holder its engine hashes of
+//! those blocks. A lookup ([`lookup`]) compares the request's hashes with a node's run
+//! one after the other — a sequential compare, no hash-map probe — and meets a map only
+//! where the run ends and a child starts; entering a node ANDs the still-matching set
+//! with the node's holders, one word per 64 workers. So its cost is the matched blocks
+//! plus, per node, the fleet's words: never a probe per block, never a loop over workers
+//! per block, and never how many copies a worker holds. Engine hashes, which only a
+//! `kv.fetch` needs, are copied on demand, a run at a time.
+//!
+//! **Why a tree and not a map from block to holders.** A map costs a probe (a likely
+//! cache miss in a large index) per request block; Dynamo's `RadixTree` and SGLang's
+//! chain index both walk runs sequentially instead, and a per-block map cannot catch
+//! them. Nodes split where holder sets diverge and merge back when they agree again, so
+//! a run stays as long as the fleet's caches allow.
 //!
 //! **Two hashes per block.** Engines name blocks by their own hashes, which differ between
 //! engines, versions and even workers for the same tokens (salts, LoRA ids, hash seeds).
-//! The index keys on the router's hash and keeps, per worker, engine hash → block, because
-//! everything that goes back to an engine — a removal we must recognise, a parent a later
-//! `stored` event chains onto, a "fetch these blocks from peer X" hint — has to speak that
-//! engine's names. A worker that stores the same tokens under several engine hashes holds
-//! the block once; its copies are a ring through its engine-hash map, so removing any of
-//! them is O(1) and the block stays held until the last copy goes.
+//! The index keeps, per worker, engine hash → block, because everything that goes back to
+//! an engine — a removal we must recognise, a parent a later `stored` event chains onto,
+//! a "fetch these blocks from peer X" hint — has to speak that engine's names. A worker
+//! that stores the same tokens under several engine hashes holds the block once; its
+//! copies form a ring through its engine-hash map, so removing any of them is O(1) and
+//! the block stays held until the last copy goes.
 //!
 //! **Prefix semantics.** A KV block is only usable if every block before it is present:
 //! attention over block *i* needs the keys and values of blocks `0..i`. So a worker's
@@ -47,20 +54,136 @@ pub use crate::domain::WorkerKey;
 pub use events::{ApplyStats, KvEvent, KvEventError, StoredBlock};
 pub use hashing::{block_hashes, chained_hash, HASH_SEED};
 pub use holders::Slot;
-pub use lookup::Matches;
+pub use lookup::{Found, Matches, RowScratch};
 
 use holders::Holders;
 use rustc_hash::FxHashMap;
-use std::collections::hash_map::Entry;
+use smallvec::SmallVec;
 
-/// One of a worker's copies of a block, named by an engine hash. Copies of the same block
-/// (same sequence hash) form a ring through `prev`/`next` (engine hashes; a lone copy
-/// points at itself), so any one can be removed without searching for the others.
+type NodeId = u32;
+const NO_NODE: NodeId = u32::MAX;
+type BlockId = u32;
+
+/// Children of a node by the sequence hash of their first block: a short list scanned
+/// in order, or a map once a node has many (a shared system prompt followed by many
+/// different user prompts).
+#[derive(Debug, Clone)]
+enum Children {
+    Few(SmallVec<[(u64, NodeId); 2]>),
+    Many(FxHashMap<u64, NodeId>),
+}
+
+const FEW_CHILDREN: usize = 8;
+
+impl Default for Children {
+    fn default() -> Self {
+        Self::Few(SmallVec::new())
+    }
+}
+
+impl Children {
+    #[inline]
+    fn get(&self, seq: u64) -> Option<NodeId> {
+        match self {
+            Self::Few(list) => list.iter().find(|(s, _)| *s == seq).map(|(_, n)| *n),
+            Self::Many(map) => map.get(&seq).copied(),
+        }
+    }
+
+    fn insert(&mut self, seq: u64, node: NodeId) {
+        match self {
+            Self::Few(list) => {
+                if let Some(entry) = list.iter_mut().find(|(s, _)| *s == seq) {
+                    entry.1 = node;
+                } else if list.len() < FEW_CHILDREN {
+                    list.push((seq, node));
+                } else {
+                    let mut map: FxHashMap<u64, NodeId> = list.iter().copied().collect();
+                    map.insert(seq, node);
+                    *self = Self::Many(map);
+                }
+            }
+            Self::Many(map) => {
+                map.insert(seq, node);
+            }
+        }
+    }
+
+    fn remove(&mut self, seq: u64) {
+        match self {
+            Self::Few(list) => list.retain(|(s, _)| *s != seq),
+            Self::Many(map) => {
+                map.remove(&seq);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::Few(list) => list.len(),
+            Self::Many(map) => map.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn only(&self) -> Option<NodeId> {
+        match self {
+            Self::Few(list) if list.len() == 1 => Some(list[0].1),
+            Self::Many(map) if map.len() == 1 => map.values().next().copied(),
+            _ => None,
+        }
+    }
+
+    fn nodes(&self) -> Vec<NodeId> {
+        match self {
+            Self::Few(list) => list.iter().map(|(_, n)| *n).collect(),
+            Self::Many(map) => map.values().copied().collect(),
+        }
+    }
+}
+
+/// A run of consecutive blocks that the same workers hold.
+#[derive(Debug, Clone, Default)]
+struct Node {
+    /// Sequence hashes of the blocks, in chain order.
+    seqs: Vec<u64>,
+    /// Ids of the blocks, parallel to `seqs`.
+    ids: Vec<BlockId>,
+    /// The holders of every block of the node, each with its engine hash of each block.
+    holders: Holders<Vec<u64>>,
+    /// `NO_NODE` for a node whose first block starts a sequence.
+    parent: NodeId,
+    children: Children,
+    /// The `offset` its blocks' [`BlockAt`] entries count from, so that splitting a node
+    /// rewrites only the moved blocks' entries.
+    first: u32,
+    live: bool,
+}
+
+impl Node {
+    fn len(&self) -> usize {
+        self.seqs.len()
+    }
+}
+
+/// Where a block is: its node and `first + position` in it.
+#[derive(Debug, Clone, Copy)]
+struct BlockAt {
+    node: NodeId,
+    offset: u32,
+}
+
+/// One of a worker's copies of a block, named by an engine hash. Nearly every block has
+/// one copy, so the entry is kept to 16 bytes with the map key; the copies of a block a
+/// worker stored under several engine hashes form a ring kept aside in
+/// [`WorkerBlocks::rings`], so any one can be removed without searching for the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Copy {
-    seq: u64,
-    prev: u64,
-    next: u64,
+    block: BlockId,
+    in_ring: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -68,20 +191,29 @@ struct WorkerBlocks {
     key: WorkerKey,
     /// Engine hash → its block: removals and parents arrive as engine hashes.
     by_engine: FxHashMap<u64, Copy>,
+    /// Engine hash → (previous, next) engine hash in its block's ring of copies, for
+    /// copies of blocks stored under more than one engine hash.
+    rings: FxHashMap<u64, (u64, u64)>,
 }
 
 /// The router's KV index. See the [module documentation](self).
 #[derive(Debug, Clone)]
 pub struct KvIndex {
     block_size: usize,
-    /// Sequence hash → the workers holding that block.
-    blocks: FxHashMap<u64, Holders>,
+    nodes: Vec<Node>,
+    free_nodes: Vec<NodeId>,
+    /// Nodes whose first block starts a sequence, by its sequence hash.
+    roots: FxHashMap<u64, NodeId>,
+    blocks: Vec<BlockAt>,
+    free_blocks: Vec<BlockId>,
     slots: FxHashMap<WorkerKey, Slot>,
     /// Indexed by slot; `None` for a freed slot awaiting reuse.
     workers: Vec<Option<WorkerBlocks>>,
     free_slots: Vec<Slot>,
     /// (worker, engine hash) copies held.
     entries: usize,
+    /// Reused by [`KvIndex::apply`] for a stored event's resolved hashes.
+    resolved: Vec<(u64, u64)>,
 }
 
 impl KvIndex {
@@ -95,11 +227,16 @@ impl KvIndex {
         assert!(block_size > 0, "KV block size must be at least 1 token");
         Self {
             block_size,
-            blocks: FxHashMap::default(),
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            roots: FxHashMap::default(),
+            blocks: Vec::new(),
+            free_blocks: Vec::new(),
             slots: FxHashMap::default(),
             workers: Vec::new(),
             free_slots: Vec::new(),
             entries: 0,
+            resolved: Vec::new(),
         }
     }
 
@@ -116,6 +253,7 @@ impl KvIndex {
         let blocks = WorkerBlocks {
             key: worker,
             by_engine: FxHashMap::default(),
+            rings: FxHashMap::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
@@ -163,8 +301,10 @@ impl KvIndex {
                 parent_block_hash,
                 blocks,
             } => {
-                let mut resolved = Vec::new();
-                self.apply_stored(worker, *parent_block_hash, blocks, &mut resolved)
+                let mut resolved = std::mem::take(&mut self.resolved);
+                let result = self.apply_stored(worker, *parent_block_hash, blocks, &mut resolved);
+                self.resolved = resolved;
+                result
             }
             KvEvent::Removed { block_hashes } => Ok(self.apply_removed(worker, block_hashes)),
             KvEvent::Cleared => Ok(ApplyStats {
@@ -201,23 +341,15 @@ impl KvIndex {
         }
         let mut parent = match parent_block_hash {
             None => None,
-            Some(parent_hash) => {
-                let seq = self
-                    .slots
-                    .get(&worker)
-                    .and_then(|&slot| self.workers[slot as usize].as_ref())
-                    .and_then(|w| w.by_engine.get(&parent_hash))
-                    .map(|copy| copy.seq);
-                match seq {
-                    Some(seq) => Some(seq),
-                    None => {
-                        return Err(KvEventError::UnknownParent {
-                            worker,
-                            parent_block_hash: parent_hash,
-                        })
-                    }
+            Some(parent_hash) => match self.copy_of(worker, parent_hash) {
+                Some(copy) => Some(self.seq_of(copy.block)),
+                None => {
+                    return Err(KvEventError::UnknownParent {
+                        worker,
+                        parent_block_hash: parent_hash,
+                    })
                 }
-            }
+            },
         };
         resolved.clear();
         resolved.reserve(blocks.len());
@@ -226,74 +358,511 @@ impl KvIndex {
             resolved.push((block.block_hash, seq));
             parent = Some(seq);
         }
-        self.store_resolved(worker, resolved);
+        self.store_resolved(worker, parent_block_hash, resolved);
         Ok(ApplyStats {
             stored: blocks.len(),
             ..ApplyStats::default()
         })
     }
 
-    /// Records `worker`'s copies (engine hash, sequence hash), already validated.
-    pub(crate) fn store_resolved(&mut self, worker: WorkerKey, copies: &[(u64, u64)]) {
-        if copies.is_empty() {
+    fn copy_of(&self, worker: WorkerKey, engine: u64) -> Option<Copy> {
+        let slot = *self.slots.get(&worker)?;
+        self.workers[slot as usize]
+            .as_ref()?
+            .by_engine
+            .get(&engine)
+            .copied()
+    }
+
+    fn at(&self, block: BlockId) -> (NodeId, usize) {
+        let at = self.blocks[block as usize];
+        let node = &self.nodes[at.node as usize];
+        (at.node, (at.offset - node.first) as usize)
+    }
+
+    fn seq_of(&self, block: BlockId) -> u64 {
+        let (node, pos) = self.at(block);
+        self.nodes[node as usize].seqs[pos]
+    }
+
+    fn by_engine(&mut self, slot: Slot) -> &mut FxHashMap<u64, Copy> {
+        // Only called for slots `add_worker` just made or found.
+        &mut self.workers[slot as usize]
+            .get_or_insert_with(|| WorkerBlocks {
+                key: WorkerKey {
+                    worker_id: u64::MAX,
+                    dp_rank: u32::MAX,
+                },
+                by_engine: FxHashMap::default(),
+                rings: FxHashMap::default(),
+            })
+            .by_engine
+    }
+
+    fn worker_mut(&mut self, slot: Slot) -> Option<&mut WorkerBlocks> {
+        self.workers.get_mut(slot as usize)?.as_mut()
+    }
+
+    /// Records `worker`'s copies (engine hash, sequence hash) chained onto the block its
+    /// engine calls `parent_engine`; already validated (the parent exists).
+    pub(crate) fn store_resolved(
+        &mut self,
+        worker: WorkerKey,
+        parent_engine: Option<u64>,
+        items: &[(u64, u64)],
+    ) {
+        if items.is_empty() {
             return;
         }
         let slot = self.add_worker(worker);
-        for &(engine, seq) in copies {
-            self.insert(slot, engine, seq);
+        self.by_engine(slot).reserve(items.len());
+        let mut cursor: Option<BlockId> = match parent_engine {
+            Some(p) => match self.by_engine(slot).get(&p) {
+                Some(copy) => Some(copy.block),
+                // Validated before: only a replay of a refused event lands here.
+                None => return,
+            },
+            None => None,
+        };
+        // Nodes that may have lost their last holder; pruned once the store is done, so
+        // no block the cursor names is freed under it.
+        let mut prune = Vec::new();
+        let mut i = 0;
+        while i < items.len() {
+            let (engine, seq) = items[i];
+            let child = self.child_of(cursor, seq);
+            if let Some(copy) = self.by_engine(slot).get(&engine).copied() {
+                if Some(copy.block) == child {
+                    // Stored again: nothing changes (engines re-announce on prefix hits).
+                    cursor = child;
+                    i += 1;
+                    continue;
+                }
+                // The engine reused a hash for other tokens: its old block is gone.
+                self.remove_copy(slot, engine, &mut prune);
+            }
+            // Removing a copy can restructure nodes, never the path to `cursor`'s
+            // children by sequence hash.
+            match self.child_of(cursor, seq) {
+                Some(block) => {
+                    let (node, pos) = self.at(block);
+                    if self.nodes[node as usize].holders.contains(slot) {
+                        self.add_ring_copy(slot, block, engine);
+                        cursor = Some(block);
+                        i += 1;
+                    } else {
+                        let taken = self.hold_stretch(slot, node, pos, &items[i..]);
+                        cursor = Some(self.nodes_block(block, taken));
+                        i += taken;
+                    }
+                }
+                None => {
+                    let rest = items.len() - i;
+                    cursor = Some(self.append_new(slot, cursor, engine, seq, rest));
+                    i += 1;
+                }
+            }
+        }
+        self.prune_all(prune);
+    }
+
+    /// The block `taken - 1` places after `block` in its node (the stretch just held).
+    fn nodes_block(&self, block: BlockId, taken: usize) -> BlockId {
+        let (node, pos) = self.at(block);
+        self.nodes[node as usize].ids[pos + taken - 1]
+    }
+
+    /// The block after `cursor` (or a first block, for `None`) named `seq`, if any.
+    fn child_of(&self, cursor: Option<BlockId>, seq: u64) -> Option<BlockId> {
+        let node = match cursor {
+            None => *self.roots.get(&seq)?,
+            Some(block) => {
+                let (node, pos) = self.at(block);
+                let n = &self.nodes[node as usize];
+                if pos + 1 < n.len() {
+                    return (n.seqs[pos + 1] == seq).then(|| n.ids[pos + 1]);
+                }
+                n.children.get(seq)?
+            }
+        };
+        Some(self.nodes[node as usize].ids[0])
+    }
+
+    /// Adds `slot` as a holder of the blocks of `node` from `pos` on that `items`
+    /// continue (as far as the node goes and no item's engine hash is already in use).
+    /// Returns how many items it took (at least one).
+    fn hold_stretch(
+        &mut self,
+        slot: Slot,
+        node: NodeId,
+        pos: usize,
+        items: &[(u64, u64)],
+    ) -> usize {
+        let mut taken = 1;
+        {
+            let n = &self.nodes[node as usize];
+            let by_engine = &self.workers[slot as usize];
+            // An engine hash used twice in one event names the later block only, so the
+            // stretch ends before a repeat (a set only for long stretches).
+            let mut seen: Option<rustc_hash::FxHashSet<u64>> = None;
+            while taken < items.len()
+                && pos + taken < n.len()
+                && n.seqs[pos + taken] == items[taken].1
+                && by_engine
+                    .as_ref()
+                    .is_none_or(|w| !w.by_engine.contains_key(&items[taken].0))
+            {
+                let engine = items[taken].0;
+                let repeat = if taken < 16 {
+                    items[..taken].iter().any(|(e, _)| *e == engine)
+                } else {
+                    let set = seen
+                        .get_or_insert_with(|| items[..taken].iter().map(|(e, _)| *e).collect());
+                    !set.insert(engine)
+                };
+                if repeat {
+                    break;
+                }
+                taken += 1;
+            }
+        }
+        let m = self.isolate(node, pos, pos + taken);
+        let row: Vec<u64> = items[..taken].iter().map(|(e, _)| *e).collect();
+        let ids = self.nodes[m as usize].ids.clone();
+        self.nodes[m as usize].holders.insert(slot, row);
+        let by_engine = self.by_engine(slot);
+        for (&(engine, _), &block) in items[..taken].iter().zip(&ids) {
+            by_engine.insert(
+                engine,
+                Copy {
+                    block,
+                    in_ring: false,
+                },
+            );
+        }
+        self.entries += taken;
+        self.merge_around(m);
+        taken
+    }
+
+    /// Another engine hash for a block `slot` holds: appended to the block's ring, so the
+    /// block keeps the name it was first stored under.
+    fn add_ring_copy(&mut self, slot: Slot, block: BlockId, engine: u64) {
+        let (node, pos) = self.at(block);
+        let Some(head) = self.nodes[node as usize]
+            .holders
+            .get(slot)
+            .map(|row| row[pos])
+        else {
+            return;
+        };
+        let Some(w) = self.worker_mut(slot) else {
+            return;
+        };
+        // A lone head starts a ring of two; otherwise the copy goes before the head.
+        let tail = w.rings.get(&head).map_or(head, |&(prev, _)| prev);
+        if tail == head {
+            w.rings.insert(head, (engine, engine));
+            w.rings.insert(engine, (head, head));
+        } else {
+            w.rings.insert(engine, (tail, head));
+            if let Some(t) = w.rings.get_mut(&tail) {
+                t.1 = engine;
+            }
+            if let Some(h) = w.rings.get_mut(&head) {
+                h.0 = engine;
+            }
+        }
+        if let Some(c) = w.by_engine.get_mut(&head) {
+            c.in_ring = true;
+        }
+        w.by_engine.insert(
+            engine,
+            Copy {
+                block,
+                in_ring: true,
+            },
+        );
+        self.entries += 1;
+    }
+
+    /// A new block after `cursor`, held by `slot` alone: appended to the cursor's node
+    /// when that node is `slot`'s alone and ends there (a worker extending its own
+    /// sequence), else the start of a new node.
+    /// `rest`: blocks of the event from this one on, for which a new node reserves room
+    /// (the rest of an event's new blocks all land in it).
+    fn append_new(
+        &mut self,
+        slot: Slot,
+        cursor: Option<BlockId>,
+        engine: u64,
+        seq: u64,
+        rest: usize,
+    ) -> BlockId {
+        let parent = match cursor {
+            None => NO_NODE,
+            Some(block) => {
+                let (node, pos) = self.at(block);
+                if pos + 1 < self.nodes[node as usize].len() {
+                    self.split(node, pos + 1);
+                }
+                self.at(block).0
+            }
+        };
+        if parent != NO_NODE {
+            let p = &self.nodes[parent as usize];
+            if p.children.is_empty() && p.holders.len() == 1 && p.holders.contains(slot) {
+                let offset = p.first + p.len() as u32;
+                let block = self.new_block(parent, offset);
+                let p = &mut self.nodes[parent as usize];
+                p.seqs.push(seq);
+                p.ids.push(block);
+                if let Some(row) = p.holders.get_mut(slot) {
+                    row.push(engine);
+                }
+                self.insert_copy(slot, engine, block);
+                return block;
+            }
+        }
+        let node = self.new_node(parent);
+        let block = self.new_block(node, 0);
+        {
+            let n = &mut self.nodes[node as usize];
+            n.seqs.reserve_exact(rest);
+            n.ids.reserve_exact(rest);
+            n.seqs.push(seq);
+            n.ids.push(block);
+            let mut row = Vec::with_capacity(rest);
+            row.push(engine);
+            n.holders.insert(slot, row);
+        }
+        if parent == NO_NODE {
+            self.roots.insert(seq, node);
+        } else {
+            self.nodes[parent as usize].children.insert(seq, node);
+        }
+        self.insert_copy(slot, engine, block);
+        block
+    }
+
+    fn insert_copy(&mut self, slot: Slot, engine: u64, block: BlockId) {
+        self.by_engine(slot).insert(
+            engine,
+            Copy {
+                block,
+                in_ring: false,
+            },
+        );
+        self.entries += 1;
+    }
+
+    fn new_node(&mut self, parent: NodeId) -> NodeId {
+        let node = Node {
+            parent,
+            live: true,
+            ..Node::default()
+        };
+        match self.free_nodes.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as NodeId
+            }
         }
     }
 
-    fn insert(&mut self, slot: Slot, engine: u64, seq: u64) {
-        let Self {
-            blocks,
-            workers,
-            entries,
-            ..
-        } = self;
-        let Some(w) = workers[slot as usize].as_mut() else {
-            return;
+    fn new_block(&mut self, node: NodeId, offset: u32) -> BlockId {
+        let at = BlockAt { node, offset };
+        match self.free_blocks.pop() {
+            Some(id) => {
+                self.blocks[id as usize] = at;
+                id
+            }
+            None => {
+                self.blocks.push(at);
+                (self.blocks.len() - 1) as BlockId
+            }
+        }
+    }
+
+    /// Splits `node` before position `k` (0 < k < len). The node keeps its id and its
+    /// first `k` blocks; a new child takes the rest, the holders and the children. Only
+    /// the moved blocks' entries are rewritten. Returns the new node.
+    fn split(&mut self, node: NodeId, k: usize) -> NodeId {
+        let tail_id = self.new_node(node);
+        let n = &mut self.nodes[node as usize];
+        let seqs = n.seqs.split_off(k);
+        let ids = n.ids.split_off(k);
+        let mut holders = n.holders.map(|_| Vec::new());
+        for (row, tail_row) in n.holders.values_mut().iter_mut().zip(holders.values_mut()) {
+            *tail_row = row.split_off(k);
+        }
+        let children = std::mem::take(&mut n.children);
+        let first = n.first + k as u32;
+        let head_seq = seqs[0];
+        n.children.insert(head_seq, tail_id);
+        for child in children.nodes() {
+            self.nodes[child as usize].parent = tail_id;
+        }
+        for &block in &ids {
+            self.blocks[block as usize].node = tail_id;
+        }
+        let t = &mut self.nodes[tail_id as usize];
+        t.seqs = seqs;
+        t.ids = ids;
+        t.holders = holders;
+        t.children = children;
+        t.first = first;
+        tail_id
+    }
+
+    /// Splits as needed so that one node holds exactly positions `a..b` of `node`;
+    /// returns it.
+    fn isolate(&mut self, node: NodeId, a: usize, b: usize) -> NodeId {
+        if b < self.nodes[node as usize].len() {
+            self.split(node, b);
+        }
+        if a > 0 {
+            self.split(node, a)
+        } else {
+            node
+        }
+    }
+
+    /// Merges `child` into `parent` if it is the parent's only child and both have the
+    /// same holders: a run that holder sets no longer divide becomes one node again.
+    fn try_merge(&mut self, parent: NodeId, child: NodeId) -> bool {
+        if parent == NO_NODE {
+            return false;
+        }
+        let p = &self.nodes[parent as usize];
+        let c = &self.nodes[child as usize];
+        if p.children.only() != Some(child) || !p.holders.same_members(&c.holders) {
+            return false;
+        }
+        let c = std::mem::take(&mut self.nodes[child as usize]);
+        let p = &mut self.nodes[parent as usize];
+        let base = p.first + p.len() as u32;
+        for (j, &block) in c.ids.iter().enumerate() {
+            self.blocks[block as usize] = BlockAt {
+                node: parent,
+                offset: base + j as u32,
+            };
+        }
+        p.seqs.extend_from_slice(&c.seqs);
+        p.ids.extend_from_slice(&c.ids);
+        for (row, tail) in p.holders.values_mut().iter_mut().zip(c.holders.values()) {
+            row.extend_from_slice(tail);
+        }
+        for grandchild in c.children.nodes() {
+            self.nodes[grandchild as usize].parent = parent;
+        }
+        self.nodes[parent as usize].children = c.children;
+        self.free_nodes.push(child);
+        true
+    }
+
+    /// After `node`'s holders changed: merges it with its parent and its only child
+    /// where they now agree. Returns the node its blocks are in now.
+    fn merge_around(&mut self, node: NodeId) -> NodeId {
+        let parent = self.nodes[node as usize].parent;
+        let node = if self.try_merge(parent, node) {
+            parent
+        } else {
+            node
         };
-        match w.by_engine.get(&engine) {
-            Some(copy) if copy.seq == seq => return,
-            // The engine reused a hash for other tokens: its old block is gone.
-            Some(&old) => {
-                w.by_engine.remove(&engine);
-                unlink(blocks, &mut w.by_engine, slot, engine, old);
-                *entries -= 1;
-            }
-            None => {}
+        if let Some(child) = self.nodes[node as usize].children.only() {
+            self.try_merge(node, child);
         }
-        let holders = blocks.entry(seq).or_default();
-        if holders.insert(slot, engine) {
-            w.by_engine.insert(
-                engine,
-                Copy {
-                    seq,
-                    prev: engine,
-                    next: engine,
-                },
-            );
-        } else if let Some(head) = holders.engine_of(slot) {
-            // Another copy of a block this worker holds: append it to the ring, so the
-            // block keeps the name it was first stored under.
-            let tail = w.by_engine.get(&head).map_or(head, |c| c.prev);
-            w.by_engine.insert(
-                engine,
-                Copy {
-                    seq,
-                    prev: tail,
-                    next: head,
-                },
-            );
-            if let Some(c) = w.by_engine.get_mut(&tail) {
-                c.next = engine;
+        node
+    }
+
+    /// Removes one copy; the block loses `slot` when it was the last. A block whose node
+    /// may have become empty is added to `prune` (a block, not a node: nodes split and
+    /// merge meanwhile, a block stays where its node is).
+    fn remove_copy(&mut self, slot: Slot, engine: u64, prune: &mut Vec<BlockId>) -> bool {
+        let Some(copy) = self.by_engine(slot).remove(&engine) else {
+            return false;
+        };
+        self.entries -= 1;
+        if copy.in_ring {
+            let Some(w) = self.worker_mut(slot) else {
+                return true;
+            };
+            let (prev, next) = w.rings.remove(&engine).unwrap_or((engine, engine));
+            if prev == next {
+                // One copy is left: it is lone again.
+                w.rings.remove(&prev);
+                if let Some(c) = w.by_engine.get_mut(&prev) {
+                    c.in_ring = false;
+                }
+            } else {
+                if let Some(p) = w.rings.get_mut(&prev) {
+                    p.1 = next;
+                }
+                if let Some(n) = w.rings.get_mut(&next) {
+                    n.0 = prev;
+                }
             }
-            if let Some(c) = w.by_engine.get_mut(&head) {
-                c.prev = engine;
+            let (node, pos) = self.at(copy.block);
+            if let Some(row) = self.nodes[node as usize].holders.get_mut(slot) {
+                if row[pos] == engine {
+                    row[pos] = next;
+                }
+            }
+            return true;
+        }
+        let (node, pos) = self.at(copy.block);
+        let m = self.isolate(node, pos, pos + 1);
+        self.nodes[m as usize].holders.remove(slot);
+        self.merge_around(m);
+        prune.push(copy.block);
+        true
+    }
+
+    /// Frees nodes no worker holds and no longer lead anywhere, then their parents in
+    /// turn, merging what is left where it agrees.
+    fn prune_all(&mut self, candidates: Vec<BlockId>) {
+        for block in candidates {
+            // A candidate's node may be gone already (pruned with an earlier one); a
+            // stale entry then names a free or reused node, and pruning only ever
+            // removes a node that is empty and leads nowhere, which is right for any.
+            if let Some(at) = self.blocks.get(block as usize) {
+                if (at.node as usize) < self.nodes.len() {
+                    self.prune(at.node);
+                }
             }
         }
-        *entries += 1;
+    }
+
+    fn prune(&mut self, mut node: NodeId) {
+        loop {
+            let n = &self.nodes[node as usize];
+            if !n.live || !n.holders.is_empty() || !n.children.is_empty() {
+                return;
+            }
+            let parent = n.parent;
+            let first_seq = n.seqs[0];
+            let n = std::mem::take(&mut self.nodes[node as usize]);
+            self.free_blocks.extend_from_slice(&n.ids);
+            self.free_nodes.push(node);
+            if parent == NO_NODE {
+                self.roots.remove(&first_seq);
+                return;
+            }
+            self.nodes[parent as usize].children.remove(first_seq);
+            if let Some(child) = self.nodes[parent as usize].children.only() {
+                // The parent and its last child may agree now; merged, the node may
+                // itself be prunable (both were empty), so look at it again.
+                if !self.try_merge(parent, child) {
+                    return;
+                }
+            }
+            node = parent;
+        }
     }
 
     pub(crate) fn apply_removed(&mut self, worker: WorkerKey, engine_hashes: &[u64]) -> ApplyStats {
@@ -302,26 +871,15 @@ impl KvIndex {
             stats.missing_removals = engine_hashes.len();
             return stats;
         };
-        let Self {
-            blocks,
-            workers,
-            entries,
-            ..
-        } = self;
-        let Some(w) = workers[slot as usize].as_mut() else {
-            stats.missing_removals = engine_hashes.len();
-            return stats;
-        };
+        let mut prune = Vec::new();
         for &engine in engine_hashes {
-            match w.by_engine.remove(&engine) {
-                Some(copy) => {
-                    unlink(blocks, &mut w.by_engine, slot, engine, copy);
-                    *entries -= 1;
-                    stats.removed += 1;
-                }
-                None => stats.missing_removals += 1,
+            if self.remove_copy(slot, engine, &mut prune) {
+                stats.removed += 1;
+            } else {
+                stats.missing_removals += 1;
             }
         }
+        self.prune_all(prune);
         stats
     }
 
@@ -336,6 +894,8 @@ impl KvIndex {
 
     /// Drops every block `worker` holds but keeps its slot, since a cleared engine
     /// usually starts storing again at once. Returns how many copies were dropped.
+    /// A node's holders are the same for all its blocks, so the worker leaves whole
+    /// nodes: no splitting.
     pub(crate) fn clear_worker(&mut self, worker: WorkerKey) -> usize {
         let Some(&slot) = self.slots.get(&worker) else {
             return 0;
@@ -344,15 +904,27 @@ impl KvIndex {
             return 0;
         };
         let dropped = w.by_engine.len();
-        for (_, copy) in w.by_engine.drain() {
-            if let Entry::Occupied(mut holders) = self.blocks.entry(copy.seq) {
-                holders.get_mut().remove(slot);
-                if holders.get().is_empty() {
-                    holders.remove();
-                }
-            }
+        w.rings.clear();
+        let mut nodes: Vec<NodeId> = w
+            .by_engine
+            .drain()
+            .map(|(_, copy)| self.blocks[copy.block as usize].node)
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        for &node in &nodes {
+            self.nodes[node as usize].holders.remove(slot);
         }
         self.entries -= dropped;
+        // Merging frees nodes, so first prune, then merge what is still there.
+        for &node in &nodes {
+            self.prune(node);
+        }
+        for node in nodes {
+            if self.nodes[node as usize].live {
+                self.merge_around(node);
+            }
+        }
         dropped
     }
 
@@ -365,50 +937,27 @@ impl KvIndex {
         self.entries == 0
     }
 
-    /// Number of distinct blocks (sequence hashes) held by any worker.
+    /// Number of distinct blocks (sequence hashes) held by any worker. A scan of the
+    /// nodes: for tests and tools, not the booking path.
     pub fn distinct_blocks(&self) -> usize {
-        self.blocks.len()
+        self.live_nodes()
+            .filter(|n| !n.holders.is_empty())
+            .map(Node::len)
+            .sum()
     }
 
     /// Number of (worker, block) pairs: a worker's copies of one block count once.
     pub fn held_blocks(&self) -> usize {
-        self.blocks.values().map(Holders::len).sum()
+        self.live_nodes().map(|n| n.len() * n.holders.len()).sum()
     }
 
-    fn holders(&self, seq: u64) -> Option<&Holders> {
-        self.blocks.get(&seq)
+    /// Nodes in the tree (runs of blocks with one holder set).
+    pub fn node_count(&self) -> usize {
+        self.live_nodes().count()
     }
-}
 
-/// Takes one copy (already removed from `by_engine`) out of its ring, and the worker out
-/// of the block's holders once it was the last copy, so `distinct_blocks` and memory
-/// follow the fleet's caches down as well as up.
-fn unlink(
-    blocks: &mut FxHashMap<u64, Holders>,
-    by_engine: &mut FxHashMap<u64, Copy>,
-    slot: Slot,
-    engine: u64,
-    copy: Copy,
-) {
-    if copy.next == engine {
-        if let Entry::Occupied(mut holders) = blocks.entry(copy.seq) {
-            holders.get_mut().remove(slot);
-            if holders.get().is_empty() {
-                holders.remove();
-            }
-        }
-        return;
-    }
-    if let Some(c) = by_engine.get_mut(&copy.prev) {
-        c.next = copy.next;
-    }
-    if let Some(c) = by_engine.get_mut(&copy.next) {
-        c.prev = copy.prev;
-    }
-    if let Some(holders) = blocks.get_mut(&copy.seq) {
-        if holders.engine_of(slot) == Some(engine) {
-            holders.set_engine(slot, copy.next);
-        }
+    fn live_nodes(&self) -> impl Iterator<Item = &Node> {
+        self.nodes.iter().filter(|n| n.live)
     }
 }
 

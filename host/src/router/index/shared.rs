@@ -30,6 +30,7 @@ pub enum Op {
         /// Taken when the first copy applies it; a `stored` event is replaced by its
         /// resolved copies so the second copy does not hash again.
         event: Option<KvEvent>,
+        parent: Option<u64>,
         resolved: Vec<(u64, u64)>,
         outcome: Outcome,
     },
@@ -46,6 +47,7 @@ impl Absorb<Op> for KvIndex {
             Op::Event {
                 worker,
                 event,
+                parent,
                 resolved,
                 outcome,
             } => {
@@ -53,7 +55,10 @@ impl Absorb<Op> for KvIndex {
                     Some(KvEvent::Stored {
                         parent_block_hash,
                         blocks,
-                    }) => self.apply_stored(*worker, parent_block_hash, &blocks, resolved),
+                    }) => {
+                        *parent = parent_block_hash;
+                        self.apply_stored(*worker, parent_block_hash, &blocks, resolved)
+                    }
                     Some(other) => {
                         let result = self.apply(*worker, &other);
                         // Removals and clears replay as they are: no hashing to save.
@@ -80,13 +85,14 @@ impl Absorb<Op> for KvIndex {
             Op::Event {
                 worker,
                 event,
+                parent,
                 resolved,
                 ..
             } => match event {
                 Some(event) => {
                     let _ = self.apply(worker, &event);
                 }
-                None => self.store_resolved(worker, &resolved),
+                None => self.store_resolved(worker, parent, &resolved),
             },
             Op::AddWorker { worker, .. } => {
                 self.add_worker(worker);
@@ -180,6 +186,7 @@ impl SharedIndex {
                     writer.append(Op::Event {
                         worker,
                         event: Some(event),
+                        parent: None,
                         resolved: Vec::new(),
                         outcome: Arc::clone(&outcome),
                     });

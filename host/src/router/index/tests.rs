@@ -128,8 +128,14 @@ impl OverlapsExt for KvIndex {
 fn block_hashes_follow_the_documented_formula() {
     let tokens = [1u32, 2, 3, 4, 5, 6, 7, 8];
     let bytes = |t: &[u32]| t.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    // The definition in `hashing`, spelled out: content hashes chained by a folded
+    // 128-bit multiply with wyhash's constants.
+    let chain = |p: u64, c: u64| {
+        let m = u128::from(p ^ 0xa076_1d64_78bd_642f) * u128::from(c ^ 0xe703_7ed1_a0b4_28db);
+        (m as u64) ^ ((m >> 64) as u64)
+    };
     let s0 = xxh3_64_with_seed(&bytes(&tokens[..4]), 1337);
-    let s1 = xxh3_64_with_seed(&bytes(&tokens[4..]), s0);
+    let s1 = chain(s0, xxh3_64_with_seed(&bytes(&tokens[4..]), 1337));
     assert_eq!(hashes(&tokens), vec![s0, s1]);
 
     // Any block size, odd ones included: a block's hash covers exactly its tokens.
@@ -137,7 +143,10 @@ fn block_hashes_follow_the_documented_formula() {
     block_hashes(&tokens[..7], 3, &mut out);
     assert_eq!(out.len(), 2);
     assert_eq!(out[0], xxh3_64_with_seed(&bytes(&tokens[..3]), 1337));
-    assert_eq!(out[1], xxh3_64_with_seed(&bytes(&tokens[3..6]), out[0]));
+    assert_eq!(
+        out[1],
+        chain(out[0], xxh3_64_with_seed(&bytes(&tokens[3..6]), 1337))
+    );
 }
 
 #[test]
@@ -165,7 +174,7 @@ fn block_hashes_skip_a_partial_trailing_block_and_clear_out() {
 
 #[test]
 fn large_blocks_hash_like_small_ones() {
-    // Over the stack buffer, the streaming path must give the one-shot hash.
+    // A large block hashes all its token bytes, like a small one.
     let tokens: Vec<u32> = (0..600).collect();
     let mut out = Vec::new();
     block_hashes(&tokens, 300, &mut out);
@@ -710,4 +719,282 @@ fn wire_forms_refuse_unknown_fields_and_variants() {
     ] {
         assert!(serde_json::from_str::<KvEvent>(json).is_err(), "{json}");
     }
+}
+
+impl KvIndex {
+    /// Every structural invariant the tree relies on; panics with the first broken one.
+    fn check_invariants(&self) {
+        let mut copies = 0;
+        for (id, node) in self.nodes.iter().enumerate() {
+            if !node.live {
+                continue;
+            }
+            let id = id as NodeId;
+            assert!(node.len() > 0, "node {id} is empty");
+            assert_eq!(node.ids.len(), node.len(), "node {id} ids");
+            for (j, &block) in node.ids.iter().enumerate() {
+                let at = self.blocks[block as usize];
+                assert_eq!(at.node, id, "block {block} points at another node");
+                assert_eq!(at.offset, node.first + j as u32, "block {block} offset");
+            }
+            for (slot, row) in node.holders.iter() {
+                assert_eq!(row.len(), node.len(), "node {id} slot {slot} row");
+                let w = self.workers[slot as usize]
+                    .as_ref()
+                    .expect("holder is live");
+                for (j, engine) in row.iter().enumerate() {
+                    let copy = w
+                        .by_engine
+                        .get(engine)
+                        .expect("a row's engine hash is held");
+                    assert_eq!(copy.block, node.ids[j], "row engine names its block");
+                }
+            }
+            assert!(
+                !(node.holders.is_empty() && node.children.is_empty()),
+                "node {id} should have been pruned"
+            );
+            if node.parent == NO_NODE {
+                assert_eq!(self.roots.get(&node.seqs[0]), Some(&id), "root {id} listed");
+            } else {
+                let parent = &self.nodes[node.parent as usize];
+                assert!(parent.live, "node {id}'s parent is live");
+                assert_eq!(
+                    parent.children.get(node.seqs[0]),
+                    Some(id),
+                    "child {id} listed"
+                );
+            }
+            for child in node.children.nodes() {
+                assert_eq!(self.nodes[child as usize].parent, id, "child's parent");
+            }
+        }
+        for (&seq, &root) in &self.roots {
+            let node = &self.nodes[root as usize];
+            assert!(node.live && node.parent == NO_NODE && node.seqs[0] == seq);
+        }
+        for (slot, w) in self.workers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            let slot = slot as Slot;
+            copies += w.by_engine.len();
+            for (&engine, copy) in &w.by_engine {
+                let (node, pos) = self.at(copy.block);
+                let n = &self.nodes[node as usize];
+                assert!(n.live, "copy's node is live");
+                let row = n.holders.get(slot).expect("a copy's block is held");
+                assert_eq!(copy.in_ring, w.rings.contains_key(&engine), "ring flag");
+                if copy.in_ring {
+                    // The ring cycles through copies of this block, the named one among them.
+                    let mut seen = vec![engine];
+                    let mut at = w.rings[&engine].1;
+                    while at != engine {
+                        assert_eq!(
+                            w.by_engine[&at].block, copy.block,
+                            "ring stays on its block"
+                        );
+                        assert_eq!(w.rings[&w.rings[&at].0].1, at, "ring links agree");
+                        seen.push(at);
+                        assert!(seen.len() <= w.by_engine.len(), "ring closes");
+                        at = w.rings[&at].1;
+                    }
+                    assert!(seen.len() >= 2, "a ring has two copies at least");
+                    assert!(seen.contains(&row[pos]), "the named copy is in the ring");
+                } else {
+                    assert_eq!(row[pos], engine, "a lone copy names its block");
+                }
+            }
+        }
+        assert_eq!(copies, self.entries, "entries count every copy");
+    }
+}
+
+/// Random event streams — salts and copies (several engine hashes for one block), engine
+/// hashes reused for other tokens, chained stores, removals, clears, deregistrations —
+/// against a reference model that keeps, per worker, each block's engine hashes in the
+/// order stored. A worker's overlap is the leading run of a request's blocks it holds;
+/// the name a fetch uses is the earliest stored copy still there. Every answer is
+/// compared, and the tree's invariants are checked after every event.
+#[test]
+fn random_events_with_copies_match_a_reference_model() {
+    for seed in [
+        0x9e37_79b9_7f4a_7c15_u64,
+        0x2545_f491_4f6c_dd1d,
+        0xdead_beef_cafe_f00d,
+    ] {
+        events_against_the_model(seed);
+    }
+}
+
+fn events_against_the_model(seed: u64) {
+    use std::collections::BTreeMap;
+
+    let mut rng = seed;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    };
+    const DOC: usize = 12;
+    let base = prompt(DOC);
+    let mut docs = vec![base.clone(); 6];
+    docs[1][4 * BS] += 1; // shares 4 blocks with doc 0
+    docs[2][8 * BS + 1] += 1; // shares 8
+    docs[3][BS] += 2; // shares 1
+    docs[4].reverse(); // shares nothing
+    docs[5][10 * BS] += 5; // shares 10
+    let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0), w(4, 2), w(5, 0)];
+
+    type Held = BTreeMap<u64, Vec<u64>>; // seq → engine hashes, oldest first
+    let mut index = KvIndex::new(BS);
+    let mut held: BTreeMap<WorkerKey, Held> = BTreeMap::new();
+    let mut seq_of: BTreeMap<(WorkerKey, u64), u64> = BTreeMap::new();
+    let mut matches = Matches::new();
+    let (mut rings, mut reused, mut merged_back) = (0, 0, 0);
+    for step in 0..6000 {
+        let k = workers[next(workers.len() as u64) as usize];
+        let h = held.entry(k).or_default();
+        // Engine names: a function of the block and a salt; sometimes another block's.
+        let name = |seq: u64, salt: u64| seq.rotate_left(17) ^ (k.worker_id << 48) ^ salt;
+        match next(12) {
+            0..=6 => {
+                let d = next(docs.len() as u64) as usize;
+                let start = next(DOC as u64) as usize;
+                let count = 1 + next((DOC - start) as u64) as usize;
+                let doc_hashes = hashes(&docs[d]);
+                let parent_seq = (start > 0).then(|| doc_hashes[start - 1]);
+                // The parent by one of the names this worker holds it under, if any.
+                let parent = parent_seq.map(|s| {
+                    h.get(&s)
+                        .and_then(|names| names.first().copied())
+                        .unwrap_or(name(s, 99))
+                });
+                let engines: Vec<u64> = doc_hashes[start..start + count]
+                    .iter()
+                    .map(|&s| match next(10) {
+                        0..=5 => name(s, 0),
+                        6..=7 => name(s, 1 + next(2)),
+                        // Reuse: the name of another of this doc's blocks.
+                        _ => name(doc_hashes[next(DOC as u64) as usize], 0),
+                    })
+                    .collect();
+                let event = stored(parent, &docs[d][start * BS..(start + count) * BS], &engines);
+                let known = parent.is_none_or(|p| seq_of.contains_key(&(k, p)));
+                let result = index.apply(k, &event);
+                assert_eq!(result.is_ok(), known, "step {step}: {result:?}");
+                if known {
+                    for (&engine, &seq) in engines.iter().zip(&doc_hashes[start..start + count]) {
+                        match seq_of.get(&(k, engine)) {
+                            Some(&old) if old == seq => continue,
+                            Some(&old) => {
+                                reused += 1;
+                                let names = h.entry(old).or_default();
+                                names.retain(|&e| e != engine);
+                                if names.is_empty() {
+                                    h.remove(&old);
+                                }
+                            }
+                            None => {}
+                        }
+                        seq_of.insert((k, engine), seq);
+                        let names = h.entry(seq).or_default();
+                        names.push(engine);
+                        rings += usize::from(names.len() > 1);
+                    }
+                }
+            }
+            7..=9 => {
+                let victims: Vec<u64> = (0..1 + next(4))
+                    .map(|_| {
+                        let names: Vec<u64> = h.values().flatten().copied().collect();
+                        if names.is_empty() || next(5) == 0 {
+                            next(1 << 40)
+                        } else {
+                            names[next(names.len() as u64) as usize]
+                        }
+                    })
+                    .collect();
+                let mut removed = 0;
+                let mut missing = 0;
+                for &v in &victims {
+                    match seq_of.remove(&(k, v)) {
+                        Some(seq) => {
+                            removed += 1;
+                            let names = h.entry(seq).or_default();
+                            names.retain(|&e| e != v);
+                            if names.is_empty() {
+                                h.remove(&seq);
+                            }
+                        }
+                        None => missing += 1,
+                    }
+                }
+                let stats = index
+                    .apply(
+                        k,
+                        &KvEvent::Removed {
+                            block_hashes: victims,
+                        },
+                    )
+                    .expect("removals apply");
+                assert_eq!((stats.removed, stats.missing_removals), (removed, missing));
+            }
+            10 => {
+                let before = index.node_count();
+                let stats = index.apply(k, &KvEvent::Cleared).expect("clears");
+                assert_eq!(stats.removed, h.values().map(Vec::len).sum::<usize>());
+                h.clear();
+                seq_of.retain(|(worker, _), _| *worker != k);
+                merged_back += usize::from(index.node_count() < before);
+            }
+            _ => {
+                index.remove_worker(k);
+                h.clear();
+                seq_of.retain(|(worker, _), _| *worker != k);
+            }
+        }
+        index.check_invariants();
+        assert_eq!(index.len(), seq_of.len(), "step {step}: copies");
+        let distinct: std::collections::BTreeSet<u64> =
+            held.values().flat_map(|h| h.keys().copied()).collect();
+        assert_eq!(
+            index.distinct_blocks(),
+            distinct.len(),
+            "step {step}: distinct"
+        );
+        for doc in &docs {
+            let doc_hashes = hashes(doc);
+            let n = 1 + next(DOC as u64) as usize;
+            let request = &doc_hashes[..n];
+            index.lookup(request, &mut matches);
+            let mut got: Vec<(WorkerKey, usize)> = matches.iter().collect();
+            got.sort();
+            let expected: Vec<(WorkerKey, usize)> = held
+                .iter()
+                .map(|(&k, h)| (k, request.iter().take_while(|s| h.contains_key(s)).count()))
+                .filter(|(_, c)| *c > 0)
+                .collect();
+            assert_eq!(got, expected, "step {step}");
+            for (key, cached) in expected {
+                let slot = index.slot_of(key).expect("a matching worker has a slot");
+                let mut names = Vec::new();
+                index.engine_hashes(slot, request, &mut names);
+                let want: Vec<u64> = request[..cached].iter().map(|s| held[&key][s][0]).collect();
+                assert_eq!(
+                    names, want,
+                    "step {step}: {key} names its blocks by the oldest copy"
+                );
+            }
+            // Work is bounded by the request and the matching workers, not the index.
+            assert!(
+                matches.visited() <= 4 * n + 4 * workers.len() + 8,
+                "{}",
+                matches.visited()
+            );
+        }
+    }
+    assert!(
+        rings > 200 && reused > 100 && merged_back > 10,
+        "{rings} {reused} {merged_back}"
+    );
 }
