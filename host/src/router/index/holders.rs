@@ -64,6 +64,19 @@ impl<T> Holders<T> {
     fn rank(&self, slot: Slot) -> (usize, bool, Result<usize, usize>) {
         let index = slot / 64;
         let bit = 1u64 << (slot % 64);
+        // Past the last word (a worker registered after the others): no counting.
+        match self.words.last() {
+            None => return (0, false, Err(0)),
+            Some(last) if last.index < index => {
+                return (self.values.len(), false, Err(self.words.len()))
+            }
+            Some(last) if last.index == index => {
+                let above = (last.bits & !(bit | (bit - 1))).count_ones() as usize;
+                let rank = self.values.len() - above - usize::from(last.bits & bit != 0);
+                return (rank, last.bits & bit != 0, Ok(self.words.len() - 1));
+            }
+            Some(_) => {}
+        }
         let mut rank = 0;
         for (at, word) in self.words.iter().enumerate() {
             if word.index == index {

@@ -15,11 +15,10 @@ use super::holders::{Bits, Slot, Word};
 use super::{KvIndex, Node, WorkerKey};
 use std::fmt;
 
-/// One worker's match.
+/// One worker's match, by index slot ([`KvIndex::key_of`] names the worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Found {
     pub slot: Slot,
-    pub worker: WorkerKey,
     /// Leading request blocks it holds (≥ 1).
     pub cached: usize,
 }
@@ -51,9 +50,15 @@ impl Matches {
         self.found.is_empty()
     }
 
-    /// Each matching worker with its cached prefix, shortest prefix first.
-    pub fn iter(&self) -> impl Iterator<Item = (WorkerKey, usize)> + '_ {
-        self.found.iter().map(|f| (f.worker, f.cached))
+    /// Each matching worker with its cached prefix, shortest prefix first; `index` is
+    /// the one the lookup ran on (it names the slots).
+    pub fn workers<'a>(
+        &'a self,
+        index: &'a KvIndex,
+    ) -> impl Iterator<Item = (WorkerKey, usize)> + 'a {
+        self.found
+            .iter()
+            .filter_map(|f| Some((index.key_of(f.slot)?, f.cached)))
     }
 
     /// The matches with their slots, shortest prefix first.
@@ -65,15 +70,6 @@ impl Matches {
     #[inline]
     pub fn cached_in_slot(&self, slot: Slot) -> usize {
         self.by_slot.get(slot as usize).map_or(0, |&d| d as usize)
-    }
-
-    /// Leading blocks `worker` holds (a scan: for tests and tools; the router reads by
-    /// slot).
-    pub fn cached_blocks(&self, worker: WorkerKey) -> usize {
-        self.found
-            .iter()
-            .find(|f| f.worker == worker)
-            .map_or(0, |f| f.cached)
     }
 
     /// Map probes and bitmap words the last lookup touched.
@@ -102,7 +98,9 @@ impl Matches {
 
 impl fmt::Debug for Matches {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map().entries(self.iter()).finish()
+        f.debug_map()
+            .entries(self.found.iter().map(|m| (m.slot, m.cached)))
+            .finish()
     }
 }
 
@@ -115,11 +113,20 @@ impl KvIndex {
             out.visited = usize::from(!hashes.is_empty());
             return;
         };
+        if out.by_slot.len() < self.slot_count() {
+            out.by_slot.resize(self.slot_count(), 0);
+        }
+        let Matches {
+            found,
+            by_slot,
+            alive,
+            ..
+        } = out;
         let mut node = &self.nodes[first as usize];
-        out.alive.extend_from_slice(node.holders.words());
-        let mut visited = 1 + out.alive.len();
+        alive.extend_from_slice(node.holders.words());
+        let mut visited = 1 + alive.len();
         let mut depth = 0;
-        while !out.alive.is_empty() {
+        while !alive.is_empty() {
             // Within a node every block has the same holders: only compare hashes.
             let matched = common_prefix(&node.seqs, &hashes[depth..]);
             visited += 1 + matched;
@@ -131,30 +138,13 @@ impl KvIndex {
                 break;
             };
             node = &self.nodes[child as usize];
-            visited += out.alive.len();
-            intersect(&mut out.alive, node.holders.words(), depth, &mut out.found);
+            visited += alive.len();
+            intersect(alive, node.holders.words(), depth, found, by_slot);
         }
-        for word in &out.alive {
-            for bit in Bits(word.bits) {
-                out.found.push(Found {
-                    slot: word.index * 64 + bit,
-                    worker: NO_WORKER,
-                    cached: depth,
-                });
-            }
+        for word in alive.iter() {
+            record(word.index, word.bits, depth, found, by_slot);
         }
-        out.alive.clear();
-        if out.by_slot.len() < self.slot_count() {
-            out.by_slot.resize(self.slot_count(), 0);
-        }
-        for f in &mut out.found {
-            // Every set bit is a live slot (a worker's bits go with its blocks), so the
-            // key is always there.
-            if let Some(key) = self.key_of(f.slot) {
-                f.worker = key;
-            }
-            out.by_slot[f.slot as usize] = f.cached as u32;
-        }
+        alive.clear();
         out.visited = visited + out.found.len();
     }
 
@@ -311,12 +301,6 @@ impl KvIndex {
     }
 }
 
-/// Placeholder key of a match until its slot is resolved.
-const NO_WORKER: WorkerKey = WorkerKey {
-    worker_id: 0,
-    dp_rank: 0,
-};
-
 /// How many leading entries `run` and `query` share.
 #[inline]
 fn common_prefix(run: &[u64], query: &[u64]) -> usize {
@@ -364,7 +348,13 @@ fn clear_bit(words: &mut Vec<Word>, slot: Slot) {
 
 /// `alive &= other`, recording every slot that drops out with depth `depth`.
 #[inline]
-fn intersect(alive: &mut Vec<Word>, other: &[Word], depth: usize, found: &mut Vec<Found>) {
+fn intersect(
+    alive: &mut Vec<Word>,
+    other: &[Word],
+    depth: usize,
+    found: &mut Vec<Found>,
+    by_slot: &mut [u32],
+) {
     // The common case, a fleet of at most 64 workers: one word on each side.
     if let ([a], [b]) = (alive.as_mut_slice(), other) {
         let bits = if a.index == b.index {
@@ -372,16 +362,39 @@ fn intersect(alive: &mut Vec<Word>, other: &[Word], depth: usize, found: &mut Ve
         } else {
             0
         };
-        record(a.index, a.bits & !bits, depth, found);
+        record(a.index, a.bits & !bits, depth, found, by_slot);
         a.bits = bits;
         if bits == 0 {
             alive.clear();
         }
         return;
     }
-    let mut j = 0;
+    // Word indexes usually line up (the still-matching workers are a subset of each
+    // node's holders, which share the fleet's layout): AND them in step while they do.
+    let mut i = 0;
     let mut keep = 0;
-    for i in 0..alive.len() {
+    let n = alive.len().min(other.len());
+    while i < n && alive[i].index == other[i].index {
+        let word = alive[i];
+        let bits = word.bits & other[i].bits;
+        if bits != word.bits {
+            record(word.index, word.bits & !bits, depth, found, by_slot);
+        }
+        if bits != 0 {
+            alive[keep] = Word {
+                index: word.index,
+                bits,
+            };
+            keep += 1;
+        }
+        i += 1;
+    }
+    if i == alive.len() {
+        alive.truncate(keep);
+        return;
+    }
+    let mut j = i;
+    for i in i..alive.len() {
         let word = alive[i];
         while j < other.len() && other[j].index < word.index {
             j += 1;
@@ -390,7 +403,7 @@ fn intersect(alive: &mut Vec<Word>, other: &[Word], depth: usize, found: &mut Ve
             Some(o) if o.index == word.index => word.bits & o.bits,
             _ => 0,
         };
-        record(word.index, word.bits & !bits, depth, found);
+        record(word.index, word.bits & !bits, depth, found, by_slot);
         if bits != 0 {
             alive[keep] = Word {
                 index: word.index,
@@ -403,12 +416,15 @@ fn intersect(alive: &mut Vec<Word>, other: &[Word], depth: usize, found: &mut Ve
 }
 
 #[inline]
-fn record(index: u32, dropped: u64, depth: usize, found: &mut Vec<Found>) {
+fn record(index: u32, dropped: u64, depth: usize, found: &mut Vec<Found>, by_slot: &mut [u32]) {
     for bit in Bits(dropped) {
+        let slot = index * 64 + bit;
         found.push(Found {
-            slot: index * 64 + bit,
-            worker: NO_WORKER,
+            slot,
             cached: depth,
         });
+        if let Some(d) = by_slot.get_mut(slot as usize) {
+            *d = depth as u32;
+        }
     }
 }

@@ -145,6 +145,11 @@ impl Children {
     }
 }
 
+/// One holder's engine hashes of a node's blocks. Inline for a one-block node: where
+/// many workers each hold a different-length prefix, nodes are one block long and a heap
+/// row per (worker, block) would be most of the cost of storing them.
+type Row = SmallVec<[u64; 1]>;
+
 /// A run of consecutive blocks that the same workers hold.
 #[derive(Debug, Clone, Default)]
 struct Node {
@@ -153,7 +158,7 @@ struct Node {
     /// Ids of the blocks, parallel to `seqs`.
     ids: Vec<BlockId>,
     /// The holders of every block of the node, each with its engine hash of each block.
-    holders: Holders<Vec<u64>>,
+    holders: Holders<Row>,
     /// `NO_NODE` for a node whose first block starts a sequence.
     parent: NodeId,
     children: Children,
@@ -188,7 +193,6 @@ struct Copy {
 
 #[derive(Debug, Clone)]
 struct WorkerBlocks {
-    key: WorkerKey,
     /// Engine hash → its block: removals and parents arrive as engine hashes.
     by_engine: FxHashMap<u64, Copy>,
     /// Engine hash → (previous, next) engine hash in its block's ring of copies, for
@@ -209,6 +213,8 @@ pub struct KvIndex {
     slots: FxHashMap<WorkerKey, Slot>,
     /// Indexed by slot; `None` for a freed slot awaiting reuse.
     workers: Vec<Option<WorkerBlocks>>,
+    /// Each slot's worker, dense, so resolving a lookup's matches reads one array.
+    slot_keys: Vec<WorkerKey>,
     free_slots: Vec<Slot>,
     /// (worker, engine hash) copies held.
     entries: usize,
@@ -234,6 +240,7 @@ impl KvIndex {
             free_blocks: Vec::new(),
             slots: FxHashMap::default(),
             workers: Vec::new(),
+            slot_keys: Vec::new(),
             free_slots: Vec::new(),
             entries: 0,
             resolved: Vec::new(),
@@ -251,17 +258,18 @@ impl KvIndex {
             return slot;
         }
         let blocks = WorkerBlocks {
-            key: worker,
             by_engine: FxHashMap::default(),
             rings: FxHashMap::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.workers[slot as usize] = Some(blocks);
+                self.slot_keys[slot as usize] = worker;
                 slot
             }
             None => {
                 self.workers.push(Some(blocks));
+                self.slot_keys.push(worker);
                 (self.workers.len() - 1) as Slot
             }
         };
@@ -275,7 +283,8 @@ impl KvIndex {
 
     /// The worker a slot currently belongs to.
     pub fn key_of(&self, slot: Slot) -> Option<WorkerKey> {
-        self.workers.get(slot as usize)?.as_ref().map(|w| w.key)
+        self.workers.get(slot as usize)?.as_ref()?;
+        self.slot_keys.get(slot as usize).copied()
     }
 
     /// Slots ever handed out (the size a per-slot array needs).
@@ -389,10 +398,6 @@ impl KvIndex {
         // Only called for slots `add_worker` just made or found.
         &mut self.workers[slot as usize]
             .get_or_insert_with(|| WorkerBlocks {
-                key: WorkerKey {
-                    worker_id: u64::MAX,
-                    dp_rank: u32::MAX,
-                },
                 by_engine: FxHashMap::default(),
                 rings: FxHashMap::default(),
             })
@@ -430,37 +435,54 @@ impl KvIndex {
         let mut i = 0;
         while i < items.len() {
             let (engine, seq) = items[i];
-            let child = self.child_of(cursor, seq);
-            if let Some(copy) = self.by_engine(slot).get(&engine).copied() {
-                if Some(copy.block) == child {
-                    // Stored again: nothing changes (engines re-announce on prefix hits).
-                    cursor = child;
+            let Some(block) = self.child_of(cursor, seq) else {
+                // A new block: one probe of the engine-hash map claims the name for it
+                // (the common case, a sequence no one holds yet).
+                let block = self.reserve_block();
+                match self.by_engine(slot).entry(engine) {
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(Copy {
+                            block,
+                            in_ring: false,
+                        });
+                        self.entries += 1;
+                        self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
+                        cursor = Some(block);
+                        i += 1;
+                    }
+                    std::collections::hash_map::Entry::Occupied(_) => {
+                        // The engine reused a hash for other tokens: its old block is
+                        // gone; then this item again.
+                        self.free_blocks.push(block);
+                        self.remove_copy(slot, engine, &mut prune);
+                    }
+                }
+                continue;
+            };
+            match self.by_engine(slot).get(&engine).copied() {
+                // Stored again: nothing changes (engines re-announce on prefix hits).
+                Some(copy) if copy.block == block => {
+                    cursor = Some(block);
                     i += 1;
                     continue;
                 }
-                // The engine reused a hash for other tokens: its old block is gone.
-                self.remove_copy(slot, engine, &mut prune);
+                // Reused for other tokens: the old block loses it, then this item again
+                // (removing a copy restructures nodes, never the blocks' chain).
+                Some(_) => {
+                    self.remove_copy(slot, engine, &mut prune);
+                    continue;
+                }
+                None => {}
             }
-            // Removing a copy can restructure nodes, never the path to `cursor`'s
-            // children by sequence hash.
-            match self.child_of(cursor, seq) {
-                Some(block) => {
-                    let (node, pos) = self.at(block);
-                    if self.nodes[node as usize].holders.contains(slot) {
-                        self.add_ring_copy(slot, block, engine);
-                        cursor = Some(block);
-                        i += 1;
-                    } else {
-                        let taken = self.hold_stretch(slot, node, pos, &items[i..]);
-                        cursor = Some(self.nodes_block(block, taken));
-                        i += taken;
-                    }
-                }
-                None => {
-                    let rest = items.len() - i;
-                    cursor = Some(self.append_new(slot, cursor, engine, seq, rest));
-                    i += 1;
-                }
+            let (node, pos) = self.at(block);
+            if self.nodes[node as usize].holders.contains(slot) {
+                self.add_ring_copy(slot, block, engine);
+                cursor = Some(block);
+                i += 1;
+            } else {
+                let taken = self.hold_stretch(slot, node, pos, &items[i..]);
+                cursor = Some(self.nodes_block(block, taken));
+                i += taken;
             }
         }
         self.prune_all(prune);
@@ -498,55 +520,50 @@ impl KvIndex {
         pos: usize,
         items: &[(u64, u64)],
     ) -> usize {
-        let mut taken = 1;
+        // Claim each item's name as the stretch grows: one probe per block. A name
+        // already in use (reused for other tokens, or repeated within this event) ends
+        // the stretch; the caller deals with that item next.
+        let mut taken = 0;
         {
-            let n = &self.nodes[node as usize];
-            let by_engine = &self.workers[slot as usize];
-            // An engine hash used twice in one event names the later block only, so the
-            // stretch ends before a repeat (a set only for long stretches).
-            let mut seen: Option<rustc_hash::FxHashSet<u64>> = None;
-            while taken < items.len()
-                && pos + taken < n.len()
-                && n.seqs[pos + taken] == items[taken].1
-                && by_engine
-                    .as_ref()
-                    .is_none_or(|w| !w.by_engine.contains_key(&items[taken].0))
-            {
-                let engine = items[taken].0;
-                let repeat = if taken < 16 {
-                    items[..taken].iter().any(|(e, _)| *e == engine)
-                } else {
-                    let set = seen
-                        .get_or_insert_with(|| items[..taken].iter().map(|(e, _)| *e).collect());
-                    !set.insert(engine)
-                };
-                if repeat {
-                    break;
+            let Self {
+                nodes,
+                workers,
+                entries,
+                ..
+            } = self;
+            let n = &nodes[node as usize];
+            if let Some(w) = workers[slot as usize].as_mut() {
+                while taken < items.len()
+                    && pos + taken < n.len()
+                    && n.seqs[pos + taken] == items[taken].1
+                {
+                    match w.by_engine.entry(items[taken].0) {
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(Copy {
+                                block: n.ids[pos + taken],
+                                in_ring: false,
+                            });
+                            taken += 1;
+                        }
+                        std::collections::hash_map::Entry::Occupied(_) => break,
+                    }
                 }
-                taken += 1;
             }
+            *entries += taken;
+        }
+        if taken == 0 {
+            // Only if the caller's check and this disagree; never for a valid index.
+            return 1;
         }
         let m = self.isolate(node, pos, pos + taken);
-        let row: Vec<u64> = items[..taken].iter().map(|(e, _)| *e).collect();
-        let ids = self.nodes[m as usize].ids.clone();
+        let row: Row = items[..taken].iter().map(|(e, _)| *e).collect();
         self.nodes[m as usize].holders.insert(slot, row);
-        let by_engine = self.by_engine(slot);
-        for (&(engine, _), &block) in items[..taken].iter().zip(&ids) {
-            by_engine.insert(
-                engine,
-                Copy {
-                    block,
-                    in_ring: false,
-                },
-            );
-        }
-        self.entries += taken;
         self.merge_around(m);
         taken
     }
 
-    /// Another engine hash for a block `slot` holds: appended to the block's ring, so the
-    /// block keeps the name it was first stored under.
+    /// Another engine hash for a block `slot` holds: it joins the block's ring right
+    /// after the named copy, so the block keeps the name it has (four map operations).
     fn add_ring_copy(&mut self, slot: Slot, block: BlockId, engine: u64) {
         let (node, pos) = self.at(block);
         let Some(head) = self.nodes[node as usize]
@@ -559,22 +576,23 @@ impl KvIndex {
         let Some(w) = self.worker_mut(slot) else {
             return;
         };
-        // A lone head starts a ring of two; otherwise the copy goes before the head.
-        let tail = w.rings.get(&head).map_or(head, |&(prev, _)| prev);
-        if tail == head {
-            w.rings.insert(head, (engine, engine));
-            w.rings.insert(engine, (head, head));
-        } else {
-            w.rings.insert(engine, (tail, head));
-            if let Some(t) = w.rings.get_mut(&tail) {
-                t.1 = engine;
+        match w.rings.get_mut(&head) {
+            Some(links) => {
+                let after = links.1;
+                links.1 = engine;
+                w.rings.insert(engine, (head, after));
+                if let Some(next) = w.rings.get_mut(&after) {
+                    next.0 = engine;
+                }
             }
-            if let Some(h) = w.rings.get_mut(&head) {
-                h.0 = engine;
+            None => {
+                // A lone copy starts a ring of two.
+                w.rings.insert(head, (engine, engine));
+                w.rings.insert(engine, (head, head));
+                if let Some(c) = w.by_engine.get_mut(&head) {
+                    c.in_ring = true;
+                }
             }
-        }
-        if let Some(c) = w.by_engine.get_mut(&head) {
-            c.in_ring = true;
         }
         w.by_engine.insert(
             engine,
@@ -586,74 +604,77 @@ impl KvIndex {
         self.entries += 1;
     }
 
-    /// A new block after `cursor`, held by `slot` alone: appended to the cursor's node
-    /// when that node is `slot`'s alone and ends there (a worker extending its own
-    /// sequence), else the start of a new node.
+    /// Places the new block `block` (reserved, its name claimed) after `cursor`, held by
+    /// `slot` alone: appended to the cursor's node when that node is `slot`'s alone and
+    /// ends there (a worker extending its own sequence), else the start of a new node.
     /// `rest`: blocks of the event from this one on, for which a new node reserves room
     /// (the rest of an event's new blocks all land in it).
-    fn append_new(
+    fn attach_new(
         &mut self,
         slot: Slot,
         cursor: Option<BlockId>,
+        block: BlockId,
         engine: u64,
         seq: u64,
         rest: usize,
-    ) -> BlockId {
+    ) {
         let parent = match cursor {
             None => NO_NODE,
-            Some(block) => {
-                let (node, pos) = self.at(block);
+            Some(at) => {
+                let (node, pos) = self.at(at);
                 if pos + 1 < self.nodes[node as usize].len() {
                     self.split(node, pos + 1);
                 }
-                self.at(block).0
+                self.at(at).0
             }
         };
         if parent != NO_NODE {
-            let p = &self.nodes[parent as usize];
+            let p = &mut self.nodes[parent as usize];
             if p.children.is_empty() && p.holders.len() == 1 && p.holders.contains(slot) {
                 let offset = p.first + p.len() as u32;
-                let block = self.new_block(parent, offset);
-                let p = &mut self.nodes[parent as usize];
                 p.seqs.push(seq);
                 p.ids.push(block);
                 if let Some(row) = p.holders.get_mut(slot) {
                     row.push(engine);
                 }
-                self.insert_copy(slot, engine, block);
-                return block;
+                self.blocks[block as usize] = BlockAt {
+                    node: parent,
+                    offset,
+                };
+                return;
             }
         }
         let node = self.new_node(parent);
-        let block = self.new_block(node, 0);
         {
             let n = &mut self.nodes[node as usize];
             n.seqs.reserve_exact(rest);
             n.ids.reserve_exact(rest);
             n.seqs.push(seq);
             n.ids.push(block);
-            let mut row = Vec::with_capacity(rest);
+            let mut row = Row::with_capacity(rest);
             row.push(engine);
             n.holders.insert(slot, row);
         }
+        self.blocks[block as usize] = BlockAt { node, offset: 0 };
         if parent == NO_NODE {
             self.roots.insert(seq, node);
         } else {
             self.nodes[parent as usize].children.insert(seq, node);
         }
-        self.insert_copy(slot, engine, block);
-        block
     }
 
-    fn insert_copy(&mut self, slot: Slot, engine: u64, block: BlockId) {
-        self.by_engine(slot).insert(
-            engine,
-            Copy {
-                block,
-                in_ring: false,
-            },
-        );
-        self.entries += 1;
+    /// A block id for a block about to be placed.
+    fn reserve_block(&mut self) -> BlockId {
+        match self.free_blocks.pop() {
+            Some(id) => id,
+            None => {
+                self.blocks.push(BlockAt {
+                    node: NO_NODE,
+                    offset: 0,
+                });
+                (self.blocks.len() - 1) as BlockId
+            }
+        }
     }
 
     fn new_node(&mut self, parent: NodeId) -> NodeId {
@@ -674,20 +695,6 @@ impl KvIndex {
         }
     }
 
-    fn new_block(&mut self, node: NodeId, offset: u32) -> BlockId {
-        let at = BlockAt { node, offset };
-        match self.free_blocks.pop() {
-            Some(id) => {
-                self.blocks[id as usize] = at;
-                id
-            }
-            None => {
-                self.blocks.push(at);
-                (self.blocks.len() - 1) as BlockId
-            }
-        }
-    }
-
     /// Splits `node` before position `k` (0 < k < len). The node keeps its id and its
     /// first `k` blocks; a new child takes the rest, the holders and the children. Only
     /// the moved blocks' entries are rewritten. Returns the new node.
@@ -696,9 +703,10 @@ impl KvIndex {
         let n = &mut self.nodes[node as usize];
         let seqs = n.seqs.split_off(k);
         let ids = n.ids.split_off(k);
-        let mut holders = n.holders.map(|_| Vec::new());
+        let mut holders = n.holders.map(|_| Row::new());
         for (row, tail_row) in n.holders.values_mut().iter_mut().zip(holders.values_mut()) {
-            *tail_row = row.split_off(k);
+            *tail_row = Row::from_slice(&row[k..]);
+            row.truncate(k);
         }
         let children = std::mem::take(&mut n.children);
         let first = n.first + k as u32;
