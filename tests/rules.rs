@@ -617,3 +617,28 @@ fn r5_a_committed_copy_whose_sender_fails_is_withdrawn_and_the_load_corrected() 
         .unwrap();
     assert_eq!(load.prefill_blocks, 4);
 }
+
+#[test]
+fn r8_a_message_refused_as_invalid_json_withdraws_the_committed_copy_across_the_abi() {
+    // A plugin on the raw ABI returns a kv.fetch whose payload is not JSON: the hint
+    // stage refuses the message where it is made, so nothing is sent, and the copy the
+    // booking was committed to will not happen: the booked worker prefills it.
+    let fixture = config_file(
+        "plugins:\n  files: ['{so:fixture_raw_abi}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n    hints: [{type: raw_bad_json}]\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let router = kvhint::router::Router::new(4);
+    let (bookings, errors) = kvhint_e2e::replay_on(&router, &snapshot, &decode_trace()[..7]);
+    assert!(errors.is_empty(), "{errors}");
+    let r1 = bookings.iter().find(|b| b["request_id"] == "r1").unwrap();
+    assert_eq!(r1["worker_id"], 1);
+    assert_eq!(r1["hint"], Value::Null, "{r1}");
+    assert_eq!(r1["hint_skipped"], "malformed_message", "{r1}");
+    assert_eq!(r1["committed_copy"], Value::Null, "{r1}");
+    let (_, load) = router
+        .workers()
+        .into_iter()
+        .find(|(w, _)| w.key.worker_id == 1)
+        .unwrap();
+    assert_eq!(load.prefill_blocks, 4);
+}

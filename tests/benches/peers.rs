@@ -163,7 +163,7 @@ mod kvhint_side {
         fn counts(&mut self, query: &Self::Query) -> Vec<(u64, usize)> {
             self.lookup(query);
             self.matches
-                .iter()
+                .workers(&self.index)
                 .map(|(worker, blocks)| (worker.worker_id, blocks))
                 .collect()
         }

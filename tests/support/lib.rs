@@ -27,6 +27,7 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "fixture-hot-add",
     "fixture-versioned-v1",
     "fixture-versioned-v2",
+    "fixture-raw-abi",
 ];
 
 pub fn workspace_root() -> PathBuf {

@@ -289,10 +289,16 @@ impl Router {
             .index
             .apply_batch(accepted.into_iter().map(|(_, key, event)| (key, event)));
         for ((at, key), result) in positions.into_iter().zip(applied) {
-            results[at] = result.map_err(|e| RouterError::KvEvent {
-                worker_id: key.worker_id,
-                dp_rank: key.dp_rank,
-                message: e.to_string(),
+            results[at] = result.map_err(|e| match e {
+                index::KvEventError::UnknownWorker { .. } => RouterError::UnknownWorker {
+                    worker_id: key.worker_id,
+                    dp_rank: key.dp_rank,
+                },
+                e => RouterError::KvEvent {
+                    worker_id: key.worker_id,
+                    dp_rank: key.dp_rank,
+                    message: e.to_string(),
+                },
             });
         }
         results
@@ -372,8 +378,21 @@ impl Router {
                 request.request_id.to_string(),
             ));
         }
-        let table = self.workers.load();
-        let plan = self.select_and_reserve(role, request, &table, scratch)?;
+        // A deregistration swaps the table, then drops the worker's bookings. A booking
+        // that selected on the old table and reserved after that sweep would stay open
+        // on a worker that is gone; so once reserved, it checks the table again and
+        // books afresh if its worker left meanwhile (rare: a few tries at most).
+        let mut tries = 0;
+        let (plan, table) = loop {
+            let table = self.workers.load_full();
+            let plan = self.select_and_reserve(role, request, &table, scratch)?;
+            if self.workers.load().get(plan.booked.worker.key).is_some() || tries == 3 {
+                break (plan, table);
+            }
+            self.bookings.remove(request.request_id);
+            tries += 1;
+        };
+        drop(table);
         let mut booking = Booking {
             request_id: request.request_id.to_string(),
             role: request.role,
@@ -557,7 +576,8 @@ impl Router {
                 .committed_copy
                 .filter(|c| c.source == r.entry.worker.key)
             {
-                // The index may have changed since the lookup: name what is still there.
+                // The source's cache may have shrunk since the lookup: the copy is what
+                // it can still name (see below for the reservation).
                 let last = copy.last_block.min(len);
                 if last > copy.first_block {
                     committed = Some(CommittedCopyView {
@@ -568,6 +588,17 @@ impl Router {
                 }
             }
             peers.push((&r.entry.worker, row));
+        }
+        // What the policies are told is what the booking claims: a copy that shrank
+        // claims fewer blocks (the booked worker prefills the rest), and one the source
+        // can no longer supply at all is withdrawn, whatever a sender does instead.
+        let told = committed.as_ref().map(|c| c.block_hashes.len());
+        match (booking.committed_copy, told) {
+            (Some(copy), Some(last)) if last < copy.last_block => {
+                self.shrink_copy(booking, last);
+            }
+            (Some(_), None) => self.withdraw_copy(booking),
+            _ => {}
         }
         let selection_policy = role.booking_selection_type.as_str();
         let result = role.hints.run_booking(
@@ -590,6 +621,23 @@ impl Router {
         if !result.kv_copy_sent {
             self.withdraw_copy(booking);
         }
+    }
+
+    /// A committed copy the source can only partly supply now: it ends at `last`, and
+    /// the booked worker prefills the blocks it loses.
+    fn shrink_copy(&self, booking: &mut Booking, last: usize) {
+        let Some(copy) = booking.committed_copy.as_mut() else {
+            return;
+        };
+        let lost = copy.last_block.saturating_sub(last) as u64;
+        copy.last_block = last;
+        self.bookings.grow(
+            &booking.request_id,
+            Load {
+                prefill_blocks: lost,
+                ..Load::default()
+            },
+        );
     }
 
     /// A committed copy whose fetch did not go out (its sender failed or was

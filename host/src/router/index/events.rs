@@ -64,6 +64,10 @@ pub enum KvEventError {
         worker: WorkerKey,
         parent_block_hash: u64,
     },
+    /// The router's index takes events only for registered workers: one deregistered
+    /// while its events were queued must not come back with the cache it had.
+    #[error("KV event from {worker}: the worker is not registered (or was deregistered); the event was ignored — register it first")]
+    UnknownWorker { worker: WorkerKey },
 }
 
 /// What one applied event did, for metrics and logs.

@@ -51,7 +51,13 @@ impl Absorb<Op> for KvIndex {
                 resolved,
                 outcome,
             } => {
+                // Only registration gives a worker a slot here: events queued for a
+                // worker that was deregistered meanwhile are refused, not replayed
+                // into a fresh slot.
                 let result = match event.take() {
+                    Some(_) if self.slot_of(*worker).is_none() => {
+                        Err(KvEventError::UnknownWorker { worker: *worker })
+                    }
                     Some(KvEvent::Stored {
                         parent_block_hash,
                         blocks,

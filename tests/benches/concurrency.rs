@@ -1,0 +1,430 @@
+//! Bookings in parallel, in process (DESIGN.md §9): bookings/s with one and two booking
+//! threads, per-booking latency p50/p99, quiet and under a concurrent KV-event stream of
+//! ~100k stored blocks/s (each batch also removes as many older blocks, so the index
+//! stays level).
+//!
+//! The fleet is the booking bench's: 64 hint-capable decode workers, 4,096-token prompts
+//! (block size 16, 256 blocks), `kvcr` (multiplier 1.0) with its default `kv_fetch`, the
+//! sparse layout (four workers hold ¼, ½, ¾ and all of a prompt), here for 8 distinct
+//! prompts so threads do not all walk one prompt. Each booking has a unique id and is
+//! released right after it; its latency is `book()` alone, timed with `Instant`.
+//!
+//! The event stream: a separate thread applies, every [`EVENT_PERIOD`], one batch
+//! (`apply_kv_events`) of [`EVENTS_PER_BATCH`] stored events of 16 fresh blocks (tokens
+//! no prompt uses) on the background workers 32..64, plus the removals of the blocks
+//! stored [`KEEP_BATCHES`] batches earlier. It paces to a deadline (sleeping, never
+//! spinning, so it takes no more of a core than the work); the achieved rate is printed.
+//!
+//! Each line also gives `other_processes_cores`: the CPU other processes used during the
+//! window (from `/proc`), since on a small shared machine a figure taken while something
+//! else ran is not a measurement of the router.
+//!
+//! `cargo bench -p kvhint-e2e --bench concurrency` (3 s per measurement after 0.5 s of
+//! warm-up). Under `cargo test --benches` it runs a quick mode (0.2 s each) whose figures
+//! are not measurements.
+
+use kvhint::domain::{Role, WorkerKey};
+use kvhint::router::index::{KvEvent, StoredBlock};
+use kvhint::router::workers::{Load, WorkerRegistration};
+use kvhint::router::{BookRequest, Router};
+use kvhint::snapshot::{RoleRuntime, Snapshot};
+use kvhint_e2e::bench::is_bench;
+use kvhint_e2e::{config_file, snapshot_of};
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 16;
+const WORKERS: u64 = 64;
+const PROMPTS: usize = 8;
+const PROMPT_TOKENS: usize = 4096;
+/// Stored blocks per second the event stream aims at.
+const EVENT_BLOCKS_PER_S: u64 = 100_000;
+const BLOCKS_PER_EVENT: usize = 16;
+const EVENTS_PER_BATCH: usize = 2;
+/// 2 × 16 blocks every 320 µs = 100k blocks/s.
+const EVENT_PERIOD: Duration = Duration::from_nanos(
+    1_000_000_000 * (EVENTS_PER_BATCH * BLOCKS_PER_EVENT) as u64 / EVENT_BLOCKS_PER_S,
+);
+/// A batch's blocks are removed this many batches later.
+const KEEP_BATCHES: usize = 64;
+/// Workers the event stream feeds (none holds a prompt).
+const BACKGROUND: std::ops::Range<u64> = 32..64;
+
+fn snapshot() -> (Snapshot, kvhint::loader::Loader, kvhint_e2e::ConfigFixture) {
+    let fixture = config_file(
+        "router: {block_size: 16}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 1.0}\n",
+    );
+    let (snapshot, loader) = snapshot_of(&fixture, None).expect("config builds");
+    (snapshot, loader, fixture)
+}
+
+fn registration(id: u64) -> WorkerRegistration {
+    serde_json::from_value(serde_json::json!({
+        "worker_id": id, "role": "decode", "runtime_data": {
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.{}.{}:23280", id / 256, id % 256)}
+        }
+    }))
+    .expect("registration")
+}
+
+fn key(id: u64) -> WorkerKey {
+    WorkerKey {
+        worker_id: id,
+        dp_rank: 0,
+    }
+}
+
+fn prompt(j: usize) -> Vec<u32> {
+    (0..PROMPT_TOKENS as u32)
+        .map(|t| (j as u32 * 1_000_003 + t).wrapping_mul(2_654_435_761) % 50_000)
+        .collect()
+}
+
+/// `blocks` leading blocks of `prompt`, stored by one worker in one event.
+fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
+    KvEvent::Stored {
+        parent_block_hash: None,
+        blocks: prompt
+            .chunks_exact(BLOCK)
+            .take(blocks)
+            .enumerate()
+            .map(|(i, chunk)| StoredBlock {
+                block_hash: engine_base + i as u64,
+                token_ids: chunk.to_vec(),
+            })
+            .collect(),
+    }
+}
+
+/// 64 workers; for prompt `j`, workers `j`, `j + 16`, `j + 32`, `j + 48` hold ¼, ½, ¾
+/// and all of it (the booking bench's sparse layout, rotated per prompt).
+fn router(prompts: &[Vec<u32>]) -> Router {
+    let router = Router::new(BLOCK);
+    for id in 0..WORKERS {
+        router.register_worker(registration(id)).expect("registers");
+    }
+    let blocks = PROMPT_TOKENS / BLOCK;
+    for (j, p) in prompts.iter().enumerate() {
+        for i in 0..4u64 {
+            let id = j as u64 + i * WORKERS / 4;
+            let held = blocks * (i as usize + 1) / 4;
+            router
+                .apply_kv_event(key(id), stored(p, held, (id << 40) | ((j as u64) << 32)))
+                .expect("stores");
+        }
+    }
+    router
+}
+
+struct Measurement {
+    bookings_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    /// Cores' worth of CPU other processes used during the window (the machine may be
+    /// shared), if `/proc` says.
+    others_cores: Option<f64>,
+}
+
+/// CPU ticks: (all processes busy, this process), from `/proc`.
+type Ticks = (u64, u64);
+
+/// utime + stime of a `/proc/.../stat` file, in ticks.
+fn stat_ticks(path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // Fields after the command name (which is in parentheses): utime is the 12th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+fn cpu_ticks() -> Option<Ticks> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let all: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal
+    let busy = all.first()? + all.get(1)? + all.get(2)? + all.get(5)? + all.get(6)?;
+    Some((busy, stat_ticks("/proc/self/stat")?))
+}
+
+/// Cores' worth of CPU used by other processes between two [`cpu_ticks`] samples
+/// (ticks are 1/100 s on Linux).
+fn others_cores(before: Option<Ticks>, after: Option<Ticks>, took: Duration) -> Option<f64> {
+    let ((b0, s0), (b1, s1)) = (before?, after?);
+    let others = (b1 - b0).saturating_sub(s1 - s0) as f64 / 100.0;
+    Some(others / took.as_secs_f64())
+}
+
+/// `threads` booking threads, each booking and releasing unique ids for `warmup` then
+/// `measure`; counts and latencies from the measured part only.
+fn measure(
+    router: &Router,
+    role: &RoleRuntime,
+    prompts: &[Vec<u32>],
+    threads: usize,
+    warmup: Duration,
+    measure: Duration,
+    run: usize,
+) -> Measurement {
+    let barrier = Barrier::new(threads);
+    // When the measured window began, and the CPU ticks then.
+    let sample: Mutex<Option<(Instant, Option<Ticks>)>> = Mutex::default();
+    let per_thread: Vec<(u64, Duration, Vec<u64>)> = thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (barrier, sample) = (&barrier, &sample);
+                s.spawn(move || {
+                    let mut id = String::new();
+                    let mut samples: Vec<u64> = Vec::with_capacity(1 << 20);
+                    let mut i = 0usize;
+                    let mut book = |record: bool, samples: &mut Vec<u64>| {
+                        id.clear();
+                        let _ = write!(id, "r{run}-t{t}-{i}");
+                        let request = BookRequest {
+                            request_id: &id,
+                            role: Role::Decode,
+                            token_ids: &prompts[(i + t) % PROMPTS],
+                            session_context: None,
+                        };
+                        i += 1;
+                        let started = Instant::now();
+                        let booking = router.book(role, black_box(&request));
+                        let took = started.elapsed();
+                        let booking = booking.expect("books");
+                        router.release(&booking.request_id).expect("releases");
+                        if record {
+                            samples.push(took.as_nanos() as u64);
+                        }
+                    };
+                    barrier.wait();
+                    let start = Instant::now();
+                    while start.elapsed() < warmup {
+                        book(false, &mut samples);
+                    }
+                    barrier.wait();
+                    if t == 0 {
+                        *sample.lock().unwrap() = Some((Instant::now(), cpu_ticks()));
+                    }
+                    let start = Instant::now();
+                    let mut count = 0u64;
+                    while start.elapsed() < measure {
+                        book(true, &mut samples);
+                        count += 1;
+                    }
+                    (count, start.elapsed(), samples)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let others = sample
+        .into_inner()
+        .unwrap()
+        .and_then(|(at, ticks)| others_cores(ticks, cpu_ticks(), at.elapsed()));
+    let bookings_per_s = per_thread
+        .iter()
+        .map(|(count, took, _)| *count as f64 / took.as_secs_f64())
+        .sum();
+    let mut samples: Vec<u64> = per_thread.into_iter().flat_map(|(_, _, s)| s).collect();
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize] as f64 / 1e3;
+    Measurement {
+        bookings_per_s,
+        p50_us: at(0.50),
+        p99_us: at(0.99),
+        others_cores: others,
+    }
+}
+
+/// What the event stream did.
+struct Stream {
+    stored_blocks: u64,
+    removed_blocks: u64,
+    batches: u64,
+    took: Duration,
+    /// CPU the stream's thread used, in cores.
+    cpu_cores: Option<f64>,
+}
+
+/// Applies the paced event stream until `stop`.
+fn event_stream(router: &Router, stop: &AtomicBool) -> Stream {
+    let mut counter: u64 = 0;
+    let mut worker = BACKGROUND.start;
+    let mut kept: VecDeque<Vec<(WorkerKey, Vec<u64>)>> = VecDeque::new();
+    let mut stream = Stream {
+        stored_blocks: 0,
+        removed_blocks: 0,
+        batches: 0,
+        took: Duration::ZERO,
+        cpu_cores: None,
+    };
+    let cpu_start = stat_ticks("/proc/thread-self/stat");
+    let start = Instant::now();
+    let mut deadline = start;
+    while !stop.load(Ordering::Relaxed) {
+        let mut batch = Vec::with_capacity(2 * EVENTS_PER_BATCH);
+        let mut names = Vec::with_capacity(EVENTS_PER_BATCH);
+        for _ in 0..EVENTS_PER_BATCH {
+            let k = key(worker);
+            worker = if worker + 1 == BACKGROUND.end {
+                BACKGROUND.start
+            } else {
+                worker + 1
+            };
+            let blocks: Vec<StoredBlock> = (0..BLOCKS_PER_EVENT)
+                .map(|_| {
+                    counter += 1;
+                    // Tokens no prompt uses (prompts are below 50,000).
+                    let base = 100_000 + (counter as u32).wrapping_mul(BLOCK as u32);
+                    StoredBlock {
+                        block_hash: (1 << 62) | counter,
+                        token_ids: (base..base + BLOCK as u32).collect(),
+                    }
+                })
+                .collect();
+            names.push((k, blocks.iter().map(|b| b.block_hash).collect::<Vec<_>>()));
+            batch.push((
+                k,
+                KvEvent::Stored {
+                    parent_block_hash: None,
+                    blocks,
+                },
+            ));
+        }
+        kept.push_back(names);
+        if kept.len() > KEEP_BATCHES {
+            for (k, block_hashes) in kept.pop_front().unwrap_or_default() {
+                stream.removed_blocks += block_hashes.len() as u64;
+                batch.push((k, KvEvent::Removed { block_hashes }));
+            }
+        }
+        stream.stored_blocks += (EVENTS_PER_BATCH * BLOCKS_PER_EVENT) as u64;
+        for result in router.apply_kv_events(batch) {
+            result.expect("event applies");
+        }
+        stream.batches += 1;
+        deadline += EVENT_PERIOD;
+        let now = Instant::now();
+        if deadline > now {
+            thread::sleep(deadline - now);
+        }
+    }
+    stream.took = start.elapsed();
+    stream.cpu_cores = cpu_start
+        .zip(stat_ticks("/proc/thread-self/stat"))
+        .map(|(a, b)| (b - a) as f64 / 100.0 / stream.took.as_secs_f64());
+    stream
+}
+
+fn line(threads: usize, stream: Option<&Stream>, m: &Measurement) {
+    let events = stream.map_or("quiet".to_string(), |s| {
+        format!(
+            "events_per_s={:.0} removed_per_s={:.0} batches_per_s={:.0} event_thread_cores={}",
+            s.stored_blocks as f64 / s.took.as_secs_f64(),
+            s.removed_blocks as f64 / s.took.as_secs_f64(),
+            s.batches as f64 / s.took.as_secs_f64(),
+            s.cpu_cores.map_or("?".to_string(), |c| format!("{c:.2}")),
+        )
+    });
+    let others = m
+        .others_cores
+        .map_or(String::new(), |c| format!(" other_processes_cores={c:.2}"));
+    println!(
+        "concurrency threads={threads} {events} bookings_per_s={:.0} p50_us={:.2} p99_us={:.2}{others}",
+        m.bookings_per_s, m.p50_us, m.p99_us
+    );
+}
+
+fn main() {
+    let bench = is_bench();
+    let (warmup, window) = if bench {
+        (Duration::from_millis(500), Duration::from_secs(3))
+    } else {
+        (Duration::from_millis(50), Duration::from_millis(200))
+    };
+    if !bench {
+        println!("concurrency quick mode: debug build, figures are not measurements");
+    }
+    println!(
+        "concurrency available_parallelism={} workers={WORKERS} prompt_tokens={PROMPT_TOKENS} block_size={BLOCK} prompts={PROMPTS} layout=sparse selection=kvcr(1.0)+kv_fetch window_s={:.1}",
+        thread::available_parallelism().map_or(0, |n| n.get()),
+        window.as_secs_f64()
+    );
+    let (snapshot, _loader, _fixture) = snapshot();
+    let role = snapshot.role(Role::Decode).expect("decode role");
+    let prompts: Vec<Vec<u32>> = (0..PROMPTS).map(prompt).collect();
+    let router = router(&prompts);
+    // The whole path runs: kvcr commits a peer's copy and kv_fetch sends it.
+    for (j, p) in prompts.iter().enumerate() {
+        let id = format!("check-{j}");
+        let booking = router
+            .book(
+                role,
+                &BookRequest {
+                    request_id: &id,
+                    role: Role::Decode,
+                    token_ids: p,
+                    session_context: None,
+                },
+            )
+            .expect("books");
+        assert!(booking.committed_copy.is_some(), "{booking:?}");
+        assert!(booking.hint.message().is_some(), "{booking:?}");
+        router.release(&id).expect("releases");
+    }
+    let index_before = router.index_len();
+
+    let mut run = 0;
+    let mut results: Vec<(usize, Measurement, Measurement)> = Vec::new();
+    for threads in [1, 2] {
+        run += 1;
+        let quiet = measure(&router, role, &prompts, threads, warmup, window, run);
+        line(threads, None, &quiet);
+        run += 1;
+        let stop = AtomicBool::new(false);
+        let (busy, stream) = thread::scope(|s| {
+            let events = s.spawn(|| event_stream(&router, &stop));
+            let busy = measure(&router, role, &prompts, threads, warmup, window, run);
+            stop.store(true, Ordering::Relaxed);
+            (busy, events.join().unwrap())
+        });
+        line(threads, Some(&stream), &busy);
+        results.push((threads, quiet, busy));
+    }
+    let one = &results[0];
+    let two = &results[1];
+    println!(
+        "concurrency scaling two_threads/one_thread={:.2} (target >= 1.7) quiet",
+        two.1.bookings_per_s / one.1.bookings_per_s
+    );
+    println!(
+        "concurrency scaling two_threads/one_thread={:.2} under events",
+        two.2.bookings_per_s / one.2.bookings_per_s
+    );
+    for (threads, quiet, busy) in &results {
+        println!(
+            "concurrency p99 under events / quiet={:.2} (target <= 2) threads={threads}",
+            busy.p99_us / quiet.p99_us
+        );
+    }
+
+    // Everything booked was released; the event stream left the index as it found it
+    // apart from the blocks still kept.
+    assert_eq!(router.open_bookings(), 0);
+    assert!(router
+        .workers()
+        .iter()
+        .all(|(_, load)| *load == Load::default()));
+    assert!(router.index_len() >= index_before);
+}
