@@ -9,12 +9,7 @@ use crate::loader::{self, LoadError, LoadedPlugin, Loader};
 use crate::registry::{Origin, Registry};
 use std::path::{Path, PathBuf};
 
-/// A plugin file to load, with an optional sha256 pin.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PluginFile {
-    pub path: PathBuf,
-    pub sha256: Option<String>,
-}
+pub use crate::config::PluginFile;
 
 /// What happened to one file.
 #[derive(Debug)]

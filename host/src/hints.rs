@@ -90,13 +90,13 @@ pub struct PolicyStats {
 /// The counters of every (role, policy name) seen, across reloads.
 #[derive(Debug, Default)]
 pub struct PolicyStatsRegistry {
-    stats: std::sync::Mutex<BTreeMap<(String, String), Arc<PolicyStats>>>,
+    stats: parking_lot::Mutex<BTreeMap<(String, String), Arc<PolicyStats>>>,
 }
 
 impl PolicyStatsRegistry {
     /// The counters for a role's policy, created on first use.
     pub fn get(&self, role: &str, policy: &str) -> Arc<PolicyStats> {
-        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut stats = self.stats.lock();
         Arc::clone(
             stats
                 .entry((role.to_string(), policy.to_string()))
@@ -106,7 +106,7 @@ impl PolicyStatsRegistry {
 
     /// Every (role, policy) with its counters, sorted.
     pub fn all(&self) -> Vec<((String, String), Arc<PolicyStats>)> {
-        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let stats = self.stats.lock();
         stats
             .iter()
             .map(|(k, v)| (k.clone(), Arc::clone(v)))

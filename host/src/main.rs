@@ -45,8 +45,10 @@ enum Command {
         #[arg(long, default_value_t = 8 << 20)]
         max_body_bytes: usize,
         /// Threads that run bookings (selection and hint policies), off the
-        /// HTTP runtime's threads [default: the machine's cores].
-        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        /// HTTP runtime's threads [default: the machine's cores]. 0 runs each
+        /// booking on the runtime thread that received it, under
+        /// `block_in_place` (less hand-off, but a thread per slow booking).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(0..=1024))]
         booking_threads: Option<u16>,
     },
     /// Load the plugins, validate the config, construct every policy, and print
@@ -167,7 +169,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 /// The loader for a config: its cache directory and library cap.
 fn loader_for(config: &Config) -> Result<Loader, ConfigError> {
-    Loader::new(&config.plugins.loader_options())
+    Loader::new(&kvhint::loader::LoaderOptions::from_config(&config.plugins))
         .map_err(|e| ConfigError::new(&config.file, None, e))
 }
 

@@ -36,6 +36,7 @@
 //! | `LOADGEN_SECONDS` | 5 | measured seconds per mode in section 1 (after a 1 s warm-up) |
 //! | `LOADGEN_TRIALS` | 10 | hot-add trials (section 2) |
 //! | `LOADGEN_RELOADS` | 100 | `POST /admin/reload` calls under load (section 3) |
+//! | `LOADGEN_BOOKING_THREADS` | (the server's default) | `kvhint serve --booking-threads` (0: bookings under `block_in_place` on the HTTP runtime) |
 //!
 //! **Quick mode**: run without `--bench` (as `cargo test --benches` does), it
 //! uses the debug artefacts and 1 thread, 0.3 s per mode, 1 hot-add trial and
@@ -206,6 +207,10 @@ impl Server {
             .stderr(stderr);
         if watch_config {
             command.arg("--watch-config");
+        }
+        // LOADGEN_BOOKING_THREADS: the server's --booking-threads (0: block_in_place).
+        if let Ok(threads) = std::env::var("LOADGEN_BOOKING_THREADS") {
+            command.args(["--booking-threads", &threads]);
         }
         let child = command
             .spawn()

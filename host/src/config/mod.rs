@@ -9,12 +9,18 @@
 
 mod yaml;
 
-use crate::catalog::PluginFile;
 use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use yaml::{join, key_location, location, node_location, Walker};
+
+/// A plugin file to load, with an optional sha256 pin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginFile {
+    pub path: PathBuf,
+    pub sha256: Option<String>,
+}
 
 /// A position in the config: the YAML path and where it starts (1-based; 0 if
 /// unknown).
@@ -175,18 +181,6 @@ impl Default for PluginsConfig {
 }
 
 impl PluginsConfig {
-    /// The loader settings these plugin settings ask for.
-    pub fn loader_options(&self) -> crate::loader::LoaderOptions {
-        let mut options = crate::loader::LoaderOptions {
-            max_libraries: self.max_libraries,
-            ..Default::default()
-        };
-        if let Some(dir) = &self.cache_dir {
-            options.cache_dir = dir.clone();
-        }
-        options
-    }
-
     /// The pin for a file found in the directory, if any.
     pub fn pin_for(&self, path: &Path) -> Option<String> {
         let name = path.file_name()?.to_str()?;

@@ -23,12 +23,12 @@ pub use cache::default_cache_dir;
 use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
 use kvhint_plugin_api::abi::PluginModRef;
 use kvhint_plugin_api::{ABI_VERSION, API_VERSION};
+use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fmt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 /// A plugin file that was refused, and why.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -115,6 +115,20 @@ pub struct LoaderOptions {
     pub cache_dir: PathBuf,
     /// How many distinct plugin libraries may be mapped over the process's life.
     pub max_libraries: usize,
+}
+
+impl LoaderOptions {
+    /// The loader settings a config's `plugins:` section asks for.
+    pub fn from_config(plugins: &crate::config::PluginsConfig) -> Self {
+        let mut options = Self {
+            max_libraries: plugins.max_libraries,
+            ..Default::default()
+        };
+        if let Some(dir) = &plugins.cache_dir {
+            options.cache_dir = dir.clone();
+        }
+        options
+    }
 }
 
 impl Default for LoaderOptions {
@@ -237,7 +251,7 @@ impl Loader {
     /// How many distinct plugin libraries are mapped: current and replaced
     /// builds, and builds refused after dlopen (they stay mapped too).
     pub fn libraries_mapped(&self) -> usize {
-        self.mapped.lock().map(|m| m.len()).unwrap_or(0)
+        self.mapped.lock().len()
     }
 
     /// Loads one plugin file. `pin` is an optional expected sha256 (hex).
@@ -277,11 +291,7 @@ impl Loader {
         }
         elf::check_shared_object(&bytes).map_err(|e| fail(e.into()))?;
 
-        let mut mapped = self.mapped.lock().map_err(|_| {
-            fail(LoadErrorKind::Cache(
-                "the loader's state is poisoned".into(),
-            ))
-        })?;
+        let mut mapped = self.mapped.lock();
         let stem = path
             .file_stem()
             .and_then(|s| s.to_str())

@@ -127,10 +127,13 @@ struct Plan {
 }
 
 /// A matching worker as the booking ranks peers: longest prefix first, then by key.
-#[derive(Clone)]
+/// By slot, not by `Arc`: cloning every matched worker's `Arc` per booking would make
+/// their reference counts cache lines that every core writes.
+#[derive(Clone, Copy)]
 struct Ranked {
     cached: usize,
-    entry: Arc<WorkerEntry>,
+    slot: Slot,
+    key: WorkerKey,
 }
 
 /// Buffers a booking reuses on its thread, so the hot path does not allocate
@@ -152,12 +155,6 @@ impl Scratch {
         self.matches.retained_bytes()
             + (self.hashes.capacity() + self.engine.capacity()) * 8
             + self.lengths.capacity() * 8
-    }
-
-    fn release_entries(&mut self) {
-        // Arcs of workers must not outlive the booking in a thread's scratch (a
-        // deregistered worker's entry would stay alive until the next booking).
-        self.ranked.clear();
     }
 }
 
@@ -354,7 +351,6 @@ impl Router {
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
             let booking = self.book_with(role, request, &mut scratch);
-            scratch.release_entries();
             // The buffers only grow; one very long prompt must not leave a
             // thread holding large buffers for good.
             if scratch.retained_bytes() > SCRATCH_KEEP_BYTES {
@@ -384,7 +380,7 @@ impl Router {
         // books afresh if its worker left meanwhile (rare: a few tries at most).
         let mut tries = 0;
         let (plan, table) = loop {
-            let table = self.workers.load_full();
+            let table = self.workers.load();
             let plan = self.select_and_reserve(role, request, &table, scratch)?;
             if self.workers.load().get(plan.booked.worker.key).is_some() || tries == 3 {
                 break (plan, table);
@@ -392,7 +388,6 @@ impl Router {
             self.bookings.remove(request.request_id);
             tries += 1;
         };
-        drop(table);
         let mut booking = Booking {
             request_id: request.request_id.to_string(),
             role: request.role,
@@ -404,7 +399,7 @@ impl Router {
             dropped_actions: 0,
             policy_failures: Vec::new(),
         };
-        self.hint(role, request, &plan, scratch, &mut booking);
+        self.hint(role, request, &plan, &table, scratch, &mut booking);
         Ok(booking)
     }
 
@@ -441,14 +436,11 @@ impl Router {
             ranked.extend(matches.found().iter().rev().filter_map(|f| {
                 table.by_slot(f.slot).map(|entry| Ranked {
                     cached: f.cached,
-                    entry: Arc::clone(entry),
+                    slot: f.slot,
+                    key: entry.worker.key,
                 })
             }));
-            ranked.sort_by(|a, b| {
-                b.cached
-                    .cmp(&a.cached)
-                    .then(a.entry.worker.key.cmp(&b.entry.worker.key))
-            });
+            ranked.sort_by(|a, b| b.cached.cmp(&a.cached).then(a.key.cmp(&b.key)));
         }
 
         candidates.clear();
@@ -456,7 +448,7 @@ impl Router {
             let worker = &entry.worker;
             let cached_blocks = matches.cached_in_slot(entry.slot);
             let peer_copy = if policy.wants_peer_copies() && worker.router_hint {
-                best_peer(ranked, worker, cached_blocks)
+                best_peer(table, ranked, worker, cached_blocks)
             } else {
                 None
             };
@@ -528,6 +520,7 @@ impl Router {
         role: &RoleRuntime,
         request: &BookRequest<'_>,
         plan: &Plan,
+        table: &WorkerTable,
         scratch: &mut Scratch,
         booking: &mut Booking,
     ) {
@@ -556,9 +549,9 @@ impl Router {
             row_scratch,
             ..
         } = scratch;
-        ranked.retain(|r| r.entry.worker.key != booked.key);
+        ranked.retain(|r| r.key != booked.key);
         rows.clear();
-        rows.extend(ranked.iter().map(|r| (r.entry.slot, r.cached)));
+        rows.extend(ranked.iter().map(|r| (r.slot, r.cached)));
         engine.clear();
         self.index
             .read(|index| index.engine_hashes_for(hashes, rows, engine, lengths, row_scratch));
@@ -569,25 +562,22 @@ impl Router {
         for (r, &len) in ranked.iter().zip(lengths.iter()) {
             let row = &engine[at..at + len];
             at += len;
-            if len == 0 {
+            let Some(entry) = table.by_slot(r.slot).filter(|_| len > 0) else {
                 continue;
-            }
-            if let Some(copy) = plan
-                .committed_copy
-                .filter(|c| c.source == r.entry.worker.key)
-            {
+            };
+            if let Some(copy) = plan.committed_copy.filter(|c| c.source == r.key) {
                 // The source's cache may have shrunk since the lookup: the copy is what
                 // it can still name (see below for the reservation).
                 let last = copy.last_block.min(len);
                 if last > copy.first_block {
                     committed = Some(CommittedCopyView {
-                        source: &r.entry.worker,
+                        source: &entry.worker,
                         first_block: copy.first_block,
                         block_hashes: &row[..last],
                     });
                 }
             }
-            peers.push((&r.entry.worker, row));
+            peers.push((&entry.worker, row));
         }
         // What the policies are told is what the booking claims: a copy that shrank
         // claims fewer blocks (the booked worker prefills the rest), and one the source
@@ -664,6 +654,7 @@ impl Router {
 /// holding the longest prefix beyond `worker`'s own. `ranked` is sorted longest
 /// first, then by key, so the first eligible one wins ties by key.
 fn best_peer(
+    table: &WorkerTable,
     ranked: &[Ranked],
     worker: &Worker,
     cached_blocks: usize,
@@ -672,11 +663,13 @@ fn best_peer(
         .iter()
         .take_while(|r| r.cached > cached_blocks)
         .find(|r| {
-            let peer = &r.entry.worker;
-            peer.key != worker.key
-                && peer.router_hint
-                && peer.worker_type == worker.worker_type
-                && !peer.source_control_endpoint.is_empty()
+            r.key != worker.key
+                && table.by_slot(r.slot).is_some_and(|e| {
+                    let peer = &e.worker;
+                    peer.router_hint
+                        && peer.worker_type == worker.worker_type
+                        && !peer.source_control_endpoint.is_empty()
+                })
         })
-        .map(|r| (r.entry.worker.key, r.cached))
+        .map(|r| (r.key, r.cached))
 }

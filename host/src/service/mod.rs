@@ -319,9 +319,10 @@ async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Va
 /// Builds the app from a config: the loader, the first snapshot, the router.
 pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigErrors> {
     let config = config::load(&options.config)?;
-    let loader = Loader::new(&config.plugins.loader_options()).map_err(|e| {
-        config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
-    })?;
+    let loader =
+        Loader::new(&crate::loader::LoaderOptions::from_config(&config.plugins)).map_err(|e| {
+            config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
+        })?;
     let reloader = Reloader::new(&options.config, options.mode, loader);
     let snapshot = reloader.initial()?;
     let router = Arc::new(Router::new(snapshot.block_size));

@@ -14,7 +14,8 @@ use std::thread::JoinHandle;
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
 pub struct BookingPool {
-    jobs: Sender<Job>,
+    /// `None`: no pool; bookings run on the runtime's thread under `block_in_place`.
+    jobs: Option<Sender<Job>>,
     threads: usize,
     _workers: Vec<JoinHandle<()>>,
 }
@@ -24,9 +25,19 @@ pub struct BookingPool {
 pub struct Overloaded;
 
 impl BookingPool {
-    /// `threads` booking threads (at least one) with `queue` waiting jobs at most.
+    /// `threads` booking threads with `queue` waiting jobs at most. With 0 threads,
+    /// a booking runs on the HTTP runtime's thread that received it, inside
+    /// `tokio::task::block_in_place`: the runtime hands that thread's other tasks to
+    /// another worker while the booking runs, so it still parks no worker that
+    /// others wait on.
     pub fn new(threads: usize, queue: usize) -> std::io::Result<Self> {
-        let threads = threads.max(1);
+        if threads == 0 {
+            return Ok(Self {
+                jobs: None,
+                threads: 0,
+                _workers: Vec::new(),
+            });
+        }
         let (jobs, receiver) = crossbeam_channel::bounded::<Job>(queue.max(1));
         let mut workers = Vec::with_capacity(threads);
         for i in 0..threads {
@@ -42,7 +53,7 @@ impl BookingPool {
             );
         }
         Ok(Self {
-            jobs,
+            jobs: Some(jobs),
             threads,
             _workers: workers,
         })
@@ -57,11 +68,14 @@ impl BookingPool {
         &self,
         f: impl FnOnce() -> R + Send + 'static,
     ) -> Result<R, Overloaded> {
+        let Some(jobs) = &self.jobs else {
+            return Ok(tokio::task::block_in_place(f));
+        };
         let (reply, result) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move || {
             let _ = reply.send(f());
         });
-        match self.jobs.try_send(job) {
+        match jobs.try_send(job) {
             Ok(()) => {}
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => return Err(Overloaded),
         }

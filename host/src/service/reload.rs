@@ -12,10 +12,11 @@ use crate::hints::PolicyStatsRegistry;
 use crate::loader::Loader;
 use crate::snapshot::{self, BuildOptions, FixedSettings, Snapshot};
 use arc_swap::ArcSwap;
+use parking_lot::Mutex;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What asked for a reload.
@@ -83,10 +84,7 @@ impl Reloader {
     }
 
     pub fn status(&self) -> ReloadStatus {
-        self.status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.status.lock().clone()
     }
 
     /// Builds a snapshot from the config file as it is now.
@@ -110,17 +108,17 @@ impl Reloader {
 
     /// What this router keeps until it restarts (known after [`Self::initial`]).
     pub fn fixed(&self) -> Option<FixedSettings> {
-        self.fixed.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.fixed.lock().clone()
     }
 
     /// The first snapshot, at start-up.
     pub fn initial(&self) -> Result<Snapshot, ConfigErrors> {
-        let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let _running = self.running.lock();
         let (snapshot, fixed) = self.build(None)?;
         self.generation
             .store(snapshot.generation, Ordering::Relaxed);
-        *self.fixed.lock().unwrap_or_else(|e| e.into_inner()) = Some(fixed);
-        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        *self.fixed.lock() = Some(fixed);
+        let mut status = self.status.lock();
         status.last_ok_unix_ms = Some(now_ms());
         status.last_ok_trigger = Some(Trigger::Startup);
         Ok(snapshot)
@@ -133,14 +131,14 @@ impl Reloader {
         current: &ArcSwap<Snapshot>,
         trigger: Trigger,
     ) -> Result<u64, ConfigErrors> {
-        let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let _running = self.running.lock();
         let fixed = self.fixed();
         match self.build(fixed.as_ref()) {
             Ok((snapshot, _)) => {
                 let generation = snapshot.generation;
                 self.generation.store(generation, Ordering::Relaxed);
                 current.store(Arc::new(snapshot));
-                let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+                let mut status = self.status.lock();
                 status.ok += 1;
                 status.last_ok_unix_ms = Some(now_ms());
                 status.last_ok_trigger = Some(trigger);
@@ -152,7 +150,7 @@ impl Reloader {
                 for error in &errors.0 {
                     tracing::error!(?trigger, %error, "reload failed; the previous snapshot keeps serving");
                 }
-                let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+                let mut status = self.status.lock();
                 status.failed += 1;
                 status.last_error = Some(ReloadFailure {
                     trigger,

@@ -272,7 +272,17 @@ impl KvIndex {
                     let row = row_of_slot[(base + bit) as usize] as usize;
                     let take = matched.min(rows[row].1 - depth);
                     let to = offsets[row] + depth;
-                    out[to..to + take].copy_from_slice(&values[k][..take]);
+                    let (dst, src) = (&mut out[to..to + take], &values[k][..take]);
+                    if take <= 8 {
+                        // Nodes are often a few blocks long (where many workers each
+                        // hold a different prefix): a call to memcpy per row would
+                        // cost more than the copy.
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            *d = *s;
+                        }
+                    } else {
+                        dst.copy_from_slice(src);
+                    }
                     lengths[row] = depth + take;
                 }
                 // A row whose worker does not hold this node has its prefix.
@@ -306,10 +316,18 @@ impl KvIndex {
 fn common_prefix(run: &[u64], query: &[u64]) -> usize {
     let n = run.len().min(query.len());
     let (run, query) = (&run[..n], &query[..n]);
-    // Eight at a time while they agree (the common case inside a node), then one by one.
+    // Four at a time while they agree (the common case inside a node), then one by one.
+    // Spelled out rather than as slice equality, which calls memcmp: a call per node
+    // costs more than the compare when nodes are a few blocks long.
     let mut i = 0;
-    while i + 8 <= n && run[i..i + 8] == query[i..i + 8] {
-        i += 8;
+    while i + 4 <= n
+        && (run[i] ^ query[i])
+            | (run[i + 1] ^ query[i + 1])
+            | (run[i + 2] ^ query[i + 2])
+            | (run[i + 3] ^ query[i + 3])
+            == 0
+    {
+        i += 4;
     }
     while i < n && run[i] == query[i] {
         i += 1;

@@ -792,43 +792,85 @@ impl KvIndex {
     /// may have become empty is added to `prune` (a block, not a node: nodes split and
     /// merge meanwhile, a block stays where its node is).
     fn remove_copy(&mut self, slot: Slot, engine: u64, prune: &mut Vec<BlockId>) -> bool {
-        let Some(copy) = self.by_engine(slot).remove(&engine) else {
-            return false;
-        };
+        match self.take_copy(slot, engine) {
+            None => false,
+            Some(None) => true,
+            Some(Some(block)) => {
+                self.release_blocks(slot, vec![block], prune);
+                true
+            }
+        }
+    }
+
+    /// Takes one copy out of `slot`'s engine-hash map and its ring: `None` if there was
+    /// no such copy, `Some(Some(block))` if it was the worker's last copy of `block` (the
+    /// worker must then leave the block), `Some(None)` if other copies still name it.
+    fn take_copy(&mut self, slot: Slot, engine: u64) -> Option<Option<BlockId>> {
+        let copy = self.by_engine(slot).remove(&engine)?;
         self.entries -= 1;
-        if copy.in_ring {
-            let Some(w) = self.worker_mut(slot) else {
-                return true;
-            };
-            let (prev, next) = w.rings.remove(&engine).unwrap_or((engine, engine));
-            if prev == next {
-                // One copy is left: it is lone again.
-                w.rings.remove(&prev);
-                if let Some(c) = w.by_engine.get_mut(&prev) {
-                    c.in_ring = false;
-                }
-            } else {
-                if let Some(p) = w.rings.get_mut(&prev) {
-                    p.1 = next;
-                }
-                if let Some(n) = w.rings.get_mut(&next) {
-                    n.0 = prev;
-                }
+        if !copy.in_ring {
+            return Some(Some(copy.block));
+        }
+        let w = self.worker_mut(slot)?;
+        let (prev, next) = w.rings.remove(&engine).unwrap_or((engine, engine));
+        if prev == next {
+            // One copy is left: it is lone again.
+            w.rings.remove(&prev);
+            if let Some(c) = w.by_engine.get_mut(&prev) {
+                c.in_ring = false;
             }
-            let (node, pos) = self.at(copy.block);
-            if let Some(row) = self.nodes[node as usize].holders.get_mut(slot) {
-                if row[pos] == engine {
-                    row[pos] = next;
-                }
+        } else {
+            if let Some(p) = w.rings.get_mut(&prev) {
+                p.1 = next;
             }
-            return true;
+            if let Some(n) = w.rings.get_mut(&next) {
+                n.0 = prev;
+            }
         }
         let (node, pos) = self.at(copy.block);
-        let m = self.isolate(node, pos, pos + 1);
-        self.nodes[m as usize].holders.remove(slot);
-        self.merge_around(m);
-        prune.push(copy.block);
-        true
+        if let Some(row) = self.nodes[node as usize].holders.get_mut(slot) {
+            if row[pos] == engine {
+                row[pos] = next;
+            }
+        }
+        Some(None)
+    }
+
+    /// `slot` leaves `blocks` (each a block it held, once). Blocks are taken node by
+    /// node, as runs of consecutive positions from the highest down, so a run costs one
+    /// or two splits whatever its length (splitting keeps the lower positions where
+    /// they are), and a node the worker leaves whole is not split at all. The nodes
+    /// touched are then merged where they agree, and their blocks added to `prune`.
+    fn release_blocks(&mut self, slot: Slot, blocks: Vec<BlockId>, prune: &mut Vec<BlockId>) {
+        let mut at: Vec<(NodeId, usize, BlockId)> = blocks
+            .into_iter()
+            .map(|block| {
+                let (node, pos) = self.at(block);
+                (node, pos, block)
+            })
+            .collect();
+        at.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        let mut touched = Vec::new();
+        let mut k = 0;
+        while k < at.len() {
+            let (node, high, block) = at[k];
+            let mut low = high;
+            k += 1;
+            while k < at.len() && at[k].0 == node && at[k].1 + 1 == low {
+                low = at[k].1;
+                k += 1;
+            }
+            let m = self.isolate(node, low, high + 1);
+            self.nodes[m as usize].holders.remove(slot);
+            touched.push(block);
+        }
+        for &block in &touched {
+            let node = self.blocks[block as usize].node;
+            if self.nodes[node as usize].live {
+                self.merge_around(node);
+            }
+        }
+        prune.extend(touched);
     }
 
     /// Frees nodes no worker holds and no longer lead anywhere, then their parents in
@@ -879,14 +921,18 @@ impl KvIndex {
             stats.missing_removals = engine_hashes.len();
             return stats;
         };
-        let mut prune = Vec::new();
+        let mut leaving = Vec::new();
         for &engine in engine_hashes {
-            if self.remove_copy(slot, engine, &mut prune) {
-                stats.removed += 1;
-            } else {
-                stats.missing_removals += 1;
+            match self.take_copy(slot, engine) {
+                None => stats.missing_removals += 1,
+                Some(last) => {
+                    stats.removed += 1;
+                    leaving.extend(last);
+                }
             }
         }
+        let mut prune = Vec::new();
+        self.release_blocks(slot, leaving, &mut prune);
         self.prune_all(prune);
         stats
     }
