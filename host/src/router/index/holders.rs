@@ -109,6 +109,19 @@ impl<T> Holders<T> {
         self.rank(slot).1
     }
 
+    /// Position of `slot` among the members (slot order), if it is one.
+    pub fn rank_of(&self, slot: Slot) -> Option<usize> {
+        match self.rank(slot) {
+            (rank, true, _) => Some(rank),
+            _ => None,
+        }
+    }
+
+    /// Position `slot` has or would have among the members.
+    pub fn position(&self, slot: Slot) -> usize {
+        self.rank(slot).0
+    }
+
     /// Adds `slot` with `value`; returns false (and changes nothing) if it is a member.
     pub fn insert(&mut self, slot: Slot, value: T) -> bool {
         let bit = 1u64 << (slot % 64);

@@ -176,9 +176,10 @@ impl KvIndex {
     pub fn engine_hashes(&self, slot: Slot, hashes: &[u64], out: &mut Vec<u64>) -> usize {
         let start = out.len();
         for (node, _, matched) in self.path(hashes) {
-            let Some(row) = node.holders.get(slot) else {
+            let Some(rank) = node.holders.rank_of(slot) else {
                 break;
             };
+            let row = node.row(rank);
             out.extend_from_slice(&row[..matched]);
             if matched < node.len() {
                 break;
@@ -220,83 +221,110 @@ impl KvIndex {
         }
         out.resize(at, 0);
         if row_of_slot.len() < self.slot_count() {
-            row_of_slot.resize(self.slot_count(), u32::MAX);
+            row_of_slot.resize(self.slot_count(), Dest::default());
         }
         wanting.clear();
         for (i, &(slot, len)) in rows.iter().enumerate() {
             if len > 0 && (slot as usize) < row_of_slot.len() {
-                row_of_slot[slot as usize] = i as u32;
+                row_of_slot[slot as usize] = Dest {
+                    row: i as u32,
+                    offset: offsets[i],
+                    asked: len,
+                };
                 set_bit(wanting, slot);
             }
         }
-        // Rows are longest first: the rows that stop wanting blocks at depth `d` are the
-        // last ones still wanting, so `ending` walks back from the end.
-        let mut ending = rows.len();
-        for (node, depth, matched) in self.path(hashes) {
-            while ending > 0 && rows[ending - 1].1 <= depth {
-                ending -= 1;
-                clear_bit(wanting, rows[ending].0);
+        // Slices, not the Vecs, in the loop: a store through a Vec's buffer could alias
+        // its header as far as the optimiser knows, so it would reload them every cell.
+        let dests = row_of_slot.as_slice();
+        let cells = out.as_mut_slice();
+        let lengths = lengths.as_mut_slice();
+        // The path is taken in groups of nodes covering a few cache lines of each row,
+        // and within a group row by row: each row's cells of the group are written
+        // together. Taken node by node, a fleet of a thousand peers would get two or
+        // three cells written per row per node, and every write would miss the cache.
+        // A row's length is written once, when it stops: at its asked length, where its
+        // worker stops holding the request's blocks, or where the walk ends.
+        let path: Vec<(&Node, usize, usize)> = self.path(hashes).collect();
+        let mut reached = 0;
+        let mut g = 0;
+        let mut cursors: Vec<(usize, usize)> = Vec::new();
+        while g < path.len() && !wanting.is_empty() {
+            let mut h = g;
+            let mut blocks = 0;
+            while h < path.len() && (h == g || (blocks < GROUP_BLOCKS && h - g < GROUP_NODES)) {
+                blocks += path[h].2;
+                h += 1;
+                if path[h - 1].2 < path[h - 1].0.len() {
+                    break;
+                }
             }
-            if wanting.is_empty() || matched == 0 {
-                break;
-            }
-            let words = node.holders.words();
-            let values = node.holders.values();
-            let mut rank = 0;
-            let mut j = 0;
+            let group = &path[g..h];
+            cursors.clear();
+            cursors.resize(group.len(), (0, 0));
             let mut keep = 0;
-            for i in 0..wanting.len() {
-                let want = wanting[i];
-                while j < words.len() && words[j].index < want.index {
-                    rank += words[j].bits.count_ones() as usize;
-                    j += 1;
-                }
-                let held = match words.get(j) {
-                    Some(word) if word.index == want.index => word.bits,
-                    _ => 0,
-                };
-                let bits = want.bits & held;
-                // Walk the word's holders with a running rank rather than a popcount per
-                // hit: baseline x86-64 has no popcnt instruction.
-                let base = want.index * 64;
-                let mut remaining = bits;
-                for (k, bit) in (rank..).zip(Bits(held)) {
-                    if remaining == 0 {
-                        break;
+            for wi in 0..wanting.len() {
+                let want = wanting[wi];
+                let base = (want.index * 64) as usize;
+                // Each node's word for this index, and the rank its holders start at.
+                let mut words: [u64; GROUP_NODES] = [0; GROUP_NODES];
+                let mut ranks: [usize; GROUP_NODES] = [0; GROUP_NODES];
+                for (gi, (node, _, _)) in group.iter().enumerate() {
+                    let node_words = node.holders.words();
+                    let (j, rank) = &mut cursors[gi];
+                    while *j < node_words.len() && node_words[*j].index < want.index {
+                        *rank += node_words[*j].bits.count_ones() as usize;
+                        *j += 1;
                     }
+                    if let Some(word) = node_words.get(*j).filter(|w| w.index == want.index) {
+                        words[gi] = word.bits;
+                    }
+                    ranks[gi] = *rank;
+                }
+                let mut still = want.bits;
+                for bit in Bits(want.bits) {
                     let mask = 1u64 << bit;
-                    if remaining & mask == 0 {
-                        continue;
-                    }
-                    remaining &= !mask;
-                    let row = row_of_slot[(base + bit) as usize] as usize;
-                    let take = matched.min(rows[row].1 - depth);
-                    let to = offsets[row] + depth;
-                    let (dst, src) = (&mut out[to..to + take], &values[k][..take]);
-                    if take <= 8 {
-                        // Nodes are often a few blocks long (where many workers each
-                        // hold a different prefix): a call to memcpy per row would
-                        // cost more than the copy.
-                        for (d, s) in dst.iter_mut().zip(src) {
-                            *d = *s;
+                    let below = mask - 1;
+                    let dest = dests[base + bit as usize];
+                    for (gi, &(node, depth, matched)) in group.iter().enumerate() {
+                        if dest.asked <= depth {
+                            lengths[dest.row as usize] = dest.asked;
+                            still &= !mask;
+                            break;
                         }
-                    } else {
-                        dst.copy_from_slice(src);
+                        if words[gi] & mask == 0 {
+                            // Its worker does not hold this node: it has its prefix.
+                            lengths[dest.row as usize] = depth;
+                            still &= !mask;
+                            break;
+                        }
+                        let k = ranks[gi] + (words[gi] & below).count_ones() as usize;
+                        let take = matched.min(dest.asked - depth);
+                        let to = dest.offset + depth;
+                        let row = k * node.len();
+                        copy_short(&mut cells[to..to + take], &node.engines[row..row + take]);
                     }
-                    lengths[row] = depth + take;
                 }
-                // A row whose worker does not hold this node has its prefix.
-                if bits != 0 {
+                if still != 0 {
                     wanting[keep] = Word {
                         index: want.index,
-                        bits,
+                        bits: still,
                     };
                     keep += 1;
                 }
             }
             wanting.truncate(keep);
-            if matched < node.len() {
+            let (last, depth, matched) = path[h - 1];
+            reached = depth + matched;
+            if matched < last.len() {
                 break;
+            }
+            g = h;
+        }
+        for word in wanting.iter() {
+            for bit in Bits(word.bits) {
+                let dest = dests[(word.index * 64 + bit) as usize];
+                lengths[dest.row as usize] = reached.min(dest.asked);
             }
         }
         // Close the gaps left by rows that came up short.
@@ -308,6 +336,20 @@ impl KvIndex {
             write += len;
         }
         out.truncate(write);
+    }
+}
+
+/// `dst.copy_from_slice(src)` without a call to memcpy for the few-element copies of
+/// short nodes (where many workers each hold a different prefix, nodes are a block or
+/// two long and a call per copy costs more than the copy).
+#[inline(always)]
+fn copy_short(dst: &mut [u64], src: &[u64]) {
+    match (dst, src) {
+        ([d0], [s0]) => *d0 = *s0,
+        ([d0, d1], [s0, s1]) => (*d0, *d1) = (*s0, *s1),
+        ([d0, d1, d2], [s0, s1, s2]) => (*d0, *d1, *d2) = (*s0, *s1, *s2),
+        ([d0, d1, d2, d3], [s0, s1, s2, s3]) => (*d0, *d1, *d2, *d3) = (*s0, *s1, *s2, *s3),
+        (dst, src) => dst.copy_from_slice(src),
     }
 }
 
@@ -335,13 +377,27 @@ fn common_prefix(run: &[u64], query: &[u64]) -> usize {
     i
 }
 
+/// Blocks a group of path nodes covers at least, in `engine_hashes_for` (four cache
+/// lines of each row), unless it reaches `GROUP_NODES` nodes first.
+const GROUP_BLOCKS: usize = 32;
+const GROUP_NODES: usize = 16;
+
+/// Where one worker's engine hashes go in `engine_hashes_for`'s output.
+#[derive(Debug, Default, Clone, Copy)]
+struct Dest {
+    row: u32,
+    offset: usize,
+    /// Blocks it is asked for.
+    asked: usize,
+}
+
 /// Reusable buffers of [`KvIndex::engine_hashes_for`].
 #[derive(Debug, Default, Clone)]
 pub struct RowScratch {
     offsets: Vec<usize>,
-    /// Row of each slot being read. Entries of other slots are stale but never read:
+    /// Where each slot's row goes. Entries of other slots are stale but never read:
     /// only slots of the current call's rows are looked up.
-    row_of_slot: Vec<u32>,
+    row_of_slot: Vec<Dest>,
     wanting: Vec<Word>,
 }
 
@@ -351,16 +407,6 @@ fn set_bit(words: &mut Vec<Word>, slot: Slot) {
     match words.binary_search_by_key(&index, |w| w.index) {
         Ok(at) => words[at].bits |= bit,
         Err(at) => words.insert(at, Word { index, bits: bit }),
-    }
-}
-
-fn clear_bit(words: &mut Vec<Word>, slot: Slot) {
-    let index = slot / 64;
-    if let Ok(at) = words.binary_search_by_key(&index, |w| w.index) {
-        words[at].bits &= !(1u64 << (slot % 64));
-        if words[at].bits == 0 {
-            words.remove(at);
-        }
     }
 }
 

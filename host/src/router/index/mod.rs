@@ -145,11 +145,6 @@ impl Children {
     }
 }
 
-/// One holder's engine hashes of a node's blocks. Inline for a one-block node: where
-/// many workers each hold a different-length prefix, nodes are one block long and a heap
-/// row per (worker, block) would be most of the cost of storing them.
-type Row = SmallVec<[u64; 1]>;
-
 /// A run of consecutive blocks that the same workers hold.
 #[derive(Debug, Clone, Default)]
 struct Node {
@@ -157,8 +152,13 @@ struct Node {
     seqs: Vec<u64>,
     /// Ids of the blocks, parallel to `seqs`.
     ids: Vec<BlockId>,
-    /// The holders of every block of the node, each with its engine hash of each block.
-    holders: Holders<Row>,
+    /// The holders of every block of the node.
+    holders: Holders<()>,
+    /// Each holder's engine hashes of the node's blocks, one row of `len()` per holder
+    /// in slot order, all in one buffer: reading every peer's names of a node is one
+    /// sequential sweep, and storing them costs one allocation per node, not one per
+    /// (worker, node).
+    engines: Vec<u64>,
     /// `NO_NODE` for a node whose first block starts a sequence.
     parent: NodeId,
     children: Children,
@@ -171,6 +171,42 @@ struct Node {
 impl Node {
     fn len(&self) -> usize {
         self.seqs.len()
+    }
+
+    /// The engine hashes of the holder at `rank`.
+    fn row(&self, rank: usize) -> &[u64] {
+        let len = self.len();
+        &self.engines[rank * len..(rank + 1) * len]
+    }
+
+    /// `slot`'s engine hash of the block at `pos`, if it holds the node.
+    fn engine(&self, slot: Slot, pos: usize) -> Option<u64> {
+        let rank = self.holders.rank_of(slot)?;
+        Some(self.engines[rank * self.len() + pos])
+    }
+
+    fn set_engine(&mut self, slot: Slot, pos: usize, engine: u64) {
+        if let Some(rank) = self.holders.rank_of(slot) {
+            let len = self.len();
+            self.engines[rank * len + pos] = engine;
+        }
+    }
+
+    /// Adds `slot` with its engine hashes of every block (`row.len() == len()`).
+    fn add_holder(&mut self, slot: Slot, row: &[u64]) {
+        let rank = self.holders.position(slot);
+        if self.holders.insert(slot, ()) {
+            let at = rank * self.len();
+            self.engines.splice(at..at, row.iter().copied());
+        }
+    }
+
+    fn remove_holder(&mut self, slot: Slot) {
+        if let Some(rank) = self.holders.rank_of(slot) {
+            self.holders.remove(slot);
+            let len = self.len();
+            self.engines.drain(rank * len..(rank + 1) * len);
+        }
     }
 }
 
@@ -556,8 +592,8 @@ impl KvIndex {
             return 1;
         }
         let m = self.isolate(node, pos, pos + taken);
-        let row: Row = items[..taken].iter().map(|(e, _)| *e).collect();
-        self.nodes[m as usize].holders.insert(slot, row);
+        let row: SmallVec<[u64; 16]> = items[..taken].iter().map(|(e, _)| *e).collect();
+        self.nodes[m as usize].add_holder(slot, &row);
         self.merge_around(m);
         taken
     }
@@ -566,11 +602,7 @@ impl KvIndex {
     /// after the named copy, so the block keeps the name it has (four map operations).
     fn add_ring_copy(&mut self, slot: Slot, block: BlockId, engine: u64) {
         let (node, pos) = self.at(block);
-        let Some(head) = self.nodes[node as usize]
-            .holders
-            .get(slot)
-            .map(|row| row[pos])
-        else {
+        let Some(head) = self.nodes[node as usize].engine(slot, pos) else {
             return;
         };
         let Some(w) = self.worker_mut(slot) else {
@@ -634,9 +666,8 @@ impl KvIndex {
                 let offset = p.first + p.len() as u32;
                 p.seqs.push(seq);
                 p.ids.push(block);
-                if let Some(row) = p.holders.get_mut(slot) {
-                    row.push(engine);
-                }
+                // Its only holder's row is the whole buffer.
+                p.engines.push(engine);
                 self.blocks[block as usize] = BlockAt {
                     node: parent,
                     offset,
@@ -651,9 +682,9 @@ impl KvIndex {
             n.ids.reserve_exact(rest);
             n.seqs.push(seq);
             n.ids.push(block);
-            let mut row = Row::with_capacity(rest);
-            row.push(engine);
-            n.holders.insert(slot, row);
+            n.engines.reserve_exact(rest);
+            n.engines.push(engine);
+            n.holders.insert(slot, ());
         }
         self.blocks[block as usize] = BlockAt { node, offset: 0 };
         if parent == NO_NODE {
@@ -701,13 +732,21 @@ impl KvIndex {
     fn split(&mut self, node: NodeId, k: usize) -> NodeId {
         let tail_id = self.new_node(node);
         let n = &mut self.nodes[node as usize];
+        let len = n.len();
         let seqs = n.seqs.split_off(k);
         let ids = n.ids.split_off(k);
-        let mut holders = n.holders.map(|_| Row::new());
-        for (row, tail_row) in n.holders.values_mut().iter_mut().zip(holders.values_mut()) {
-            *tail_row = Row::from_slice(&row[k..]);
-            row.truncate(k);
+        let holders = n.holders.clone();
+        // Each holder's row splits at `k`: the tails go to the new node, the heads are
+        // packed in place.
+        let rows = n.holders.len();
+        let mut engines = Vec::with_capacity(rows * (len - k));
+        for r in 0..rows {
+            engines.extend_from_slice(&n.engines[r * len + k..(r + 1) * len]);
         }
+        for r in 0..rows {
+            n.engines.copy_within(r * len..r * len + k, r * k);
+        }
+        n.engines.truncate(rows * k);
         let children = std::mem::take(&mut n.children);
         let first = n.first + k as u32;
         let head_seq = seqs[0];
@@ -722,6 +761,7 @@ impl KvIndex {
         t.seqs = seqs;
         t.ids = ids;
         t.holders = holders;
+        t.engines = engines;
         t.children = children;
         t.first = first;
         tail_id
@@ -754,6 +794,14 @@ impl KvIndex {
         let c = std::mem::take(&mut self.nodes[child as usize]);
         let p = &mut self.nodes[parent as usize];
         let base = p.first + p.len() as u32;
+        // Rows interleave: each holder's parent row, then its child row.
+        let (plen, clen, rows) = (p.len(), c.len(), p.holders.len());
+        let mut engines = Vec::with_capacity(rows * (plen + clen));
+        for r in 0..rows {
+            engines.extend_from_slice(&p.engines[r * plen..(r + 1) * plen]);
+            engines.extend_from_slice(&c.engines[r * clen..(r + 1) * clen]);
+        }
+        p.engines = engines;
         for (j, &block) in c.ids.iter().enumerate() {
             self.blocks[block as usize] = BlockAt {
                 node: parent,
@@ -762,9 +810,6 @@ impl KvIndex {
         }
         p.seqs.extend_from_slice(&c.seqs);
         p.ids.extend_from_slice(&c.ids);
-        for (row, tail) in p.holders.values_mut().iter_mut().zip(c.holders.values()) {
-            row.extend_from_slice(tail);
-        }
         for grandchild in c.children.nodes() {
             self.nodes[grandchild as usize].parent = parent;
         }
@@ -828,10 +873,9 @@ impl KvIndex {
             }
         }
         let (node, pos) = self.at(copy.block);
-        if let Some(row) = self.nodes[node as usize].holders.get_mut(slot) {
-            if row[pos] == engine {
-                row[pos] = next;
-            }
+        let n = &mut self.nodes[node as usize];
+        if n.engine(slot, pos) == Some(engine) {
+            n.set_engine(slot, pos, next);
         }
         Some(None)
     }
@@ -861,7 +905,7 @@ impl KvIndex {
                 k += 1;
             }
             let m = self.isolate(node, low, high + 1);
-            self.nodes[m as usize].holders.remove(slot);
+            self.nodes[m as usize].remove_holder(slot);
             touched.push(block);
         }
         for &block in &touched {
@@ -967,7 +1011,7 @@ impl KvIndex {
         nodes.sort_unstable();
         nodes.dedup();
         for &node in &nodes {
-            self.nodes[node as usize].holders.remove(slot);
+            self.nodes[node as usize].remove_holder(slot);
         }
         self.entries -= dropped;
         // Merging frees nodes, so first prune, then merge what is still there.

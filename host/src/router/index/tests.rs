@@ -740,8 +740,13 @@ impl KvIndex {
                 assert_eq!(at.node, id, "block {block} points at another node");
                 assert_eq!(at.offset, node.first + j as u32, "block {block} offset");
             }
-            for (slot, row) in node.holders.iter() {
-                assert_eq!(row.len(), node.len(), "node {id} slot {slot} row");
+            assert_eq!(
+                node.engines.len(),
+                node.len() * node.holders.len(),
+                "node {id}: a row per holder"
+            );
+            for (rank, slot) in node.holders.slots().enumerate() {
+                let row = node.row(rank);
                 let w = self.workers[slot as usize]
                     .as_ref()
                     .expect("holder is live");
@@ -784,7 +789,8 @@ impl KvIndex {
                 let (node, pos) = self.at(copy.block);
                 let n = &self.nodes[node as usize];
                 assert!(n.live, "copy's node is live");
-                let row = n.holders.get(slot).expect("a copy's block is held");
+                let rank = n.holders.rank_of(slot).expect("a copy's block is held");
+                let row = n.row(rank);
                 assert_eq!(copy.in_ring, w.rings.contains_key(&engine), "ring flag");
                 if copy.in_ring {
                     // The ring cycles through copies of this block, the named one among them.
