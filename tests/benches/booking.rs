@@ -17,27 +17,16 @@ use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
 use kvhint::snapshot::Snapshot;
 use kvhint_e2e::bench::is_bench;
-use kvhint_e2e::{config_file, snapshot_of};
 use std::hint::black_box;
 
 const BLOCK: usize = 16;
 
 fn snapshot() -> (Snapshot, kvhint::loader::Loader, kvhint_e2e::ConfigFixture) {
-    let fixture = config_file(
-        "router: {block_size: 16}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 1.0}\n",
-    );
-    let (snapshot, loader) = snapshot_of(&fixture, None).expect("config builds");
-    (snapshot, loader, fixture)
+    kvhint_e2e::kvcr_snapshot()
 }
 
 fn registration(id: u64) -> WorkerRegistration {
-    serde_json::from_value(serde_json::json!({
-        "worker_id": id, "role": "decode", "runtime_data": {
-            "router_hint": true, "router_hint_worker_type": "decode",
-            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.{}.{}:23280", id / 256, id % 256)}
-        }
-    }))
-    .expect("registration")
+    kvhint_e2e::decode_worker(id)
 }
 
 /// `blocks` leading blocks of `prompt`, stored by one worker in one event.

@@ -29,7 +29,6 @@ use kvhint::router::workers::{Load, WorkerRegistration};
 use kvhint::router::{BookRequest, Router};
 use kvhint::snapshot::{RoleRuntime, Snapshot};
 use kvhint_e2e::bench::is_bench;
-use kvhint_e2e::{config_file, snapshot_of};
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -56,21 +55,11 @@ const KEEP_BATCHES: usize = 64;
 const BACKGROUND: std::ops::Range<u64> = 32..64;
 
 fn snapshot() -> (Snapshot, kvhint::loader::Loader, kvhint_e2e::ConfigFixture) {
-    let fixture = config_file(
-        "router: {block_size: 16}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 1.0}\n",
-    );
-    let (snapshot, loader) = snapshot_of(&fixture, None).expect("config builds");
-    (snapshot, loader, fixture)
+    kvhint_e2e::kvcr_snapshot()
 }
 
 fn registration(id: u64) -> WorkerRegistration {
-    serde_json::from_value(serde_json::json!({
-        "worker_id": id, "role": "decode", "runtime_data": {
-            "router_hint": true, "router_hint_worker_type": "decode",
-            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.{}.{}:23280", id / 256, id % 256)}
-        }
-    }))
-    .expect("registration")
+    kvhint_e2e::decode_worker(id)
 }
 
 fn key(id: u64) -> WorkerKey {

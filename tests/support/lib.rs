@@ -340,6 +340,31 @@ pub fn snapshot_of(
     Ok((snapshot, loader))
 }
 
+/// The benchmarks' fleet: a decode role under `kvcr` (multiplier 1.0, so bookings
+/// commit peers' copies and the built-in `kv_fetch` sends them), block size 16.
+pub fn kvcr_snapshot() -> (
+    kvhint::snapshot::Snapshot,
+    kvhint::loader::Loader,
+    ConfigFixture,
+) {
+    let fixture = config_file(
+        "router: {block_size: 16}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 1.0}\n",
+    );
+    let (snapshot, loader) = snapshot_of(&fixture, None).expect("config builds");
+    (snapshot, loader, fixture)
+}
+
+/// A hint-capable decode worker with an endpoint of its own.
+pub fn decode_worker(id: u64) -> kvhint::router::workers::WorkerRegistration {
+    serde_json::from_value(serde_json::json!({
+        "worker_id": id, "role": "decode", "runtime_data": {
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.{}.{}:23280", id / 256, id % 256)}
+        }
+    }))
+    .expect("registration")
+}
+
 /// Replays trace records (JSON values) on a fresh router; returns each booking
 /// as JSON and the error lines.
 pub fn replay_records(

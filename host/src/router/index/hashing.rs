@@ -54,12 +54,17 @@ pub fn block_hashes(token_ids: &[u32], block_size: usize, out: &mut Vec<u64>) {
     if block_size == 0 {
         return;
     }
-    out.extend(token_ids.chunks_exact(block_size).map(content_hash));
-    let mut parent = None;
-    for hash in out.iter_mut() {
-        let seq = chained(parent, *hash);
-        *hash = seq;
-        parent = Some(seq);
+    // One pass: the processor hashes the next blocks' tokens while the mix of this one
+    // (a multiply's latency) completes, so the chain adds next to nothing.
+    let mut blocks = token_ids.chunks_exact(block_size);
+    let Some(first) = blocks.next() else {
+        return;
+    };
+    let mut parent = content_hash(first);
+    out.push(parent);
+    for block in blocks {
+        parent = chain(parent, content_hash(block));
+        out.push(parent);
     }
 }
 
