@@ -163,7 +163,9 @@ impl<T> Holders<T> {
 
     /// Whether both sets have the same members (values aside).
     pub fn same_members<U>(&self, other: &Holders<U>) -> bool {
-        self.words == other.words
+        // The member counts first: sets that differ usually differ in size, and the
+        // count is known without touching the words.
+        self.values.len() == other.values.len() && self.words == other.words
     }
 
     /// The same members with values made by `f`.

@@ -30,8 +30,8 @@
 //! The index keeps, per worker, engine hash → block, because everything that goes back to
 //! an engine — a removal we must recognise, a parent a later `stored` event chains onto,
 //! a "fetch these blocks from peer X" hint — has to speak that engine's names. A worker
-//! that stores the same tokens under several engine hashes holds the block once; its
-//! copies form a ring through its engine-hash map, so removing any of them is O(1) and
+//! that stores the same tokens under several engine hashes holds the block once: one
+//! copy names it, the others are extras kept aside, any of them removed in O(1), and
 //! the block stays held until the last copy goes.
 //!
 //! **Prefix semantics.** A KV block is only usable if every block before it is present:
@@ -179,12 +179,6 @@ impl Node {
         &self.engines[rank * len..(rank + 1) * len]
     }
 
-    /// `slot`'s engine hash of the block at `pos`, if it holds the node.
-    fn engine(&self, slot: Slot, pos: usize) -> Option<u64> {
-        let rank = self.holders.rank_of(slot)?;
-        Some(self.engines[rank * self.len() + pos])
-    }
-
     fn set_engine(&mut self, slot: Slot, pos: usize, engine: u64) {
         if let Some(rank) = self.holders.rank_of(slot) {
             let len = self.len();
@@ -217,23 +211,28 @@ struct BlockAt {
     offset: u32,
 }
 
-/// One of a worker's copies of a block, named by an engine hash. Nearly every block has
-/// one copy, so the entry is kept to 16 bytes with the map key; the copies of a block a
-/// worker stored under several engine hashes form a ring kept aside in
-/// [`WorkerBlocks::rings`], so any one can be removed without searching for the others.
+/// One of a worker's copies of a block, named by an engine hash: the block's *named*
+/// copy (the one its node row holds, which a `kv.fetch` sends), or one of its extra
+/// copies, by position in [`WorkerBlocks::extras`]. Nearly every block has one copy, so
+/// the entry is kept to 16 bytes with the map key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Copy {
     block: BlockId,
-    in_ring: bool,
+    /// `NAMED`, or the copy's position in its block's extras.
+    extra: u32,
 }
+
+const NAMED: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
 struct WorkerBlocks {
     /// Engine hash → its block: removals and parents arrive as engine hashes.
     by_engine: FxHashMap<u64, Copy>,
-    /// Engine hash → (previous, next) engine hash in its block's ring of copies, for
-    /// copies of blocks stored under more than one engine hash.
-    rings: FxHashMap<u64, (u64, u64)>,
+    /// Block → the engine hashes of its copies besides the named one, for blocks this
+    /// worker stored under more than one. Adding or removing one is O(1) (a removal
+    /// moves the last extra into its place), so tens of thousands of names for one
+    /// block cost no more per name than a handful.
+    extras: FxHashMap<BlockId, SmallVec<[u64; 2]>>,
 }
 
 /// The router's KV index. See the [module documentation](self).
@@ -295,7 +294,7 @@ impl KvIndex {
         }
         let blocks = WorkerBlocks {
             by_engine: FxHashMap::default(),
-            rings: FxHashMap::default(),
+            extras: FxHashMap::default(),
         };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
@@ -435,7 +434,7 @@ impl KvIndex {
         &mut self.workers[slot as usize]
             .get_or_insert_with(|| WorkerBlocks {
                 by_engine: FxHashMap::default(),
-                rings: FxHashMap::default(),
+                extras: FxHashMap::default(),
             })
             .by_engine
     }
@@ -479,7 +478,7 @@ impl KvIndex {
                     std::collections::hash_map::Entry::Vacant(v) => {
                         v.insert(Copy {
                             block,
-                            in_ring: false,
+                            extra: NAMED,
                         });
                         self.entries += 1;
                         self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
@@ -512,7 +511,7 @@ impl KvIndex {
             }
             let (node, pos) = self.at(block);
             if self.nodes[node as usize].holders.contains(slot) {
-                self.add_ring_copy(slot, block, engine);
+                self.add_extra_copy(slot, block, engine);
                 cursor = Some(block);
                 i += 1;
             } else {
@@ -577,7 +576,7 @@ impl KvIndex {
                         std::collections::hash_map::Entry::Vacant(v) => {
                             v.insert(Copy {
                                 block: n.ids[pos + taken],
-                                in_ring: false,
+                                extra: NAMED,
                             });
                             taken += 1;
                         }
@@ -598,41 +597,16 @@ impl KvIndex {
         taken
     }
 
-    /// Another engine hash for a block `slot` holds: it joins the block's ring right
-    /// after the named copy, so the block keeps the name it has (four map operations).
-    fn add_ring_copy(&mut self, slot: Slot, block: BlockId, engine: u64) {
-        let (node, pos) = self.at(block);
-        let Some(head) = self.nodes[node as usize].engine(slot, pos) else {
-            return;
-        };
+    /// Another engine hash for a block `slot` holds: an extra copy; the block keeps
+    /// the name it has (two map operations).
+    fn add_extra_copy(&mut self, slot: Slot, block: BlockId, engine: u64) {
         let Some(w) = self.worker_mut(slot) else {
             return;
         };
-        match w.rings.get_mut(&head) {
-            Some(links) => {
-                let after = links.1;
-                links.1 = engine;
-                w.rings.insert(engine, (head, after));
-                if let Some(next) = w.rings.get_mut(&after) {
-                    next.0 = engine;
-                }
-            }
-            None => {
-                // A lone copy starts a ring of two.
-                w.rings.insert(head, (engine, engine));
-                w.rings.insert(engine, (head, head));
-                if let Some(c) = w.by_engine.get_mut(&head) {
-                    c.in_ring = true;
-                }
-            }
-        }
-        w.by_engine.insert(
-            engine,
-            Copy {
-                block,
-                in_ring: true,
-            },
-        );
+        let extras = w.extras.entry(block).or_default();
+        let extra = extras.len() as u32;
+        extras.push(engine);
+        w.by_engine.insert(engine, Copy { block, extra });
         self.entries += 1;
     }
 
@@ -847,36 +821,51 @@ impl KvIndex {
         }
     }
 
-    /// Takes one copy out of `slot`'s engine-hash map and its ring: `None` if there was
-    /// no such copy, `Some(Some(block))` if it was the worker's last copy of `block` (the
-    /// worker must then leave the block), `Some(None)` if other copies still name it.
+    /// Takes one copy out of `slot`'s engine-hash map: `None` if there was no such copy,
+    /// `Some(Some(block))` if it was the worker's last copy of `block` (the worker must
+    /// then leave the block), `Some(None)` if another copy still names it. When the
+    /// named copy goes and extras remain, the last extra becomes the named one.
     fn take_copy(&mut self, slot: Slot, engine: u64) -> Option<Option<BlockId>> {
         let copy = self.by_engine(slot).remove(&engine)?;
         self.entries -= 1;
-        if !copy.in_ring {
+        let w = self.worker_mut(slot)?;
+        if copy.extra != NAMED {
+            let Some(extras) = w.extras.get_mut(&copy.block) else {
+                return Some(None);
+            };
+            let at = copy.extra as usize;
+            if at < extras.len() {
+                extras.swap_remove(at);
+                if let Some(&moved) = extras.get(at) {
+                    if let Some(c) = w.by_engine.get_mut(&moved) {
+                        c.extra = at as u32;
+                    }
+                }
+            }
+            if extras.is_empty() {
+                w.extras.remove(&copy.block);
+            }
+            return Some(None);
+        }
+        // Most workers never store a block twice: no probe of the extras for them.
+        if w.extras.is_empty() {
             return Some(Some(copy.block));
         }
-        let w = self.worker_mut(slot)?;
-        let (prev, next) = w.rings.remove(&engine).unwrap_or((engine, engine));
-        if prev == next {
-            // One copy is left: it is lone again.
-            w.rings.remove(&prev);
-            if let Some(c) = w.by_engine.get_mut(&prev) {
-                c.in_ring = false;
-            }
-        } else {
-            if let Some(p) = w.rings.get_mut(&prev) {
-                p.1 = next;
-            }
-            if let Some(n) = w.rings.get_mut(&next) {
-                n.0 = prev;
-            }
+        let Some(extras) = w.extras.get_mut(&copy.block) else {
+            return Some(Some(copy.block));
+        };
+        let Some(named) = extras.pop() else {
+            w.extras.remove(&copy.block);
+            return Some(Some(copy.block));
+        };
+        if extras.is_empty() {
+            w.extras.remove(&copy.block);
+        }
+        if let Some(c) = w.by_engine.get_mut(&named) {
+            c.extra = NAMED;
         }
         let (node, pos) = self.at(copy.block);
-        let n = &mut self.nodes[node as usize];
-        if n.engine(slot, pos) == Some(engine) {
-            n.set_engine(slot, pos, next);
-        }
+        self.nodes[node as usize].set_engine(slot, pos, named);
         Some(None)
     }
 
@@ -1002,7 +991,7 @@ impl KvIndex {
             return 0;
         };
         let dropped = w.by_engine.len();
-        w.rings.clear();
+        w.extras.clear();
         let mut nodes: Vec<NodeId> = w
             .by_engine
             .drain()

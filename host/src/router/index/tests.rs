@@ -791,25 +791,27 @@ impl KvIndex {
                 assert!(n.live, "copy's node is live");
                 let rank = n.holders.rank_of(slot).expect("a copy's block is held");
                 let row = n.row(rank);
-                assert_eq!(copy.in_ring, w.rings.contains_key(&engine), "ring flag");
-                if copy.in_ring {
-                    // The ring cycles through copies of this block, the named one among them.
-                    let mut seen = vec![engine];
-                    let mut at = w.rings[&engine].1;
-                    while at != engine {
-                        assert_eq!(
-                            w.by_engine[&at].block, copy.block,
-                            "ring stays on its block"
-                        );
-                        assert_eq!(w.rings[&w.rings[&at].0].1, at, "ring links agree");
-                        seen.push(at);
-                        assert!(seen.len() <= w.by_engine.len(), "ring closes");
-                        at = w.rings[&at].1;
-                    }
-                    assert!(seen.len() >= 2, "a ring has two copies at least");
-                    assert!(seen.contains(&row[pos]), "the named copy is in the ring");
+                if copy.extra == NAMED {
+                    assert_eq!(row[pos], engine, "the named copy is the node's");
                 } else {
-                    assert_eq!(row[pos], engine, "a lone copy names its block");
+                    let extras = &w.extras[&copy.block];
+                    assert_eq!(
+                        extras[copy.extra as usize], engine,
+                        "an extra knows its place"
+                    );
+                    assert_ne!(row[pos], engine, "an extra is not the named copy");
+                }
+            }
+            for (&block, extras) in &w.extras {
+                assert!(!extras.is_empty(), "no empty extras list is kept");
+                for (i, engine) in extras.iter().enumerate() {
+                    assert_eq!(
+                        w.by_engine[engine],
+                        Copy {
+                            block,
+                            extra: i as u32
+                        }
+                    );
                 }
             }
         }
@@ -819,10 +821,10 @@ impl KvIndex {
 
 /// Random event streams — salts and copies (several engine hashes for one block), engine
 /// hashes reused for other tokens, chained stores, removals, clears, deregistrations —
-/// against a reference model that keeps, per worker, each block's engine hashes in the
-/// order stored. A worker's overlap is the leading run of a request's blocks it holds;
-/// the name a fetch uses is the first copy stored while it lasts, then the most recent
-/// one still there. Every answer is
+/// against a reference model that keeps, per worker, each block's named copy and its
+/// extra copies. A worker's overlap is the leading run of a request's blocks it holds;
+/// the name a fetch uses is the first copy stored while it lasts, then the last of the
+/// extras (a removed extra's place is taken by the last one). Every answer is
 /// compared, and the tree's invariants are checked after every event.
 #[test]
 fn random_events_with_copies_match_a_reference_model() {
@@ -838,16 +840,19 @@ fn random_events_with_copies_match_a_reference_model() {
 fn events_against_the_model(seed: u64) {
     use std::collections::BTreeMap;
 
-    /// A copy goes; if it was the named one, the most recent copy left is named.
+    /// A copy goes: an extra's place is taken by the last extra; if the named copy goes,
+    /// the last extra becomes the named one.
     fn drop_name(h: &mut BTreeMap<u64, (u64, Vec<u64>)>, seq: u64, engine: u64) {
-        if let Some((named, names)) = h.get_mut(&seq) {
-            names.retain(|&e| e != engine);
-            match names.last() {
-                None => {
-                    h.remove(&seq);
+        if let Some((named, extras)) = h.get_mut(&seq) {
+            if *named == engine {
+                match extras.pop() {
+                    Some(last) => *named = last,
+                    None => {
+                        h.remove(&seq);
+                    }
                 }
-                Some(&last) if *named == engine => *named = last,
-                Some(_) => {}
+            } else if let Some(at) = extras.iter().position(|&e| e == engine) {
+                extras.swap_remove(at);
             }
         }
     }
@@ -869,7 +874,7 @@ fn events_against_the_model(seed: u64) {
     docs[5][10 * BS] += 5; // shares 10
     let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0), w(4, 2), w(5, 0)];
 
-    // seq → (the name a fetch uses, every engine hash held for it, oldest first)
+    // seq → (the name a fetch uses, the other engine hashes held for it)
     type Held = BTreeMap<u64, (u64, Vec<u64>)>;
     let mut index = KvIndex::new(BS);
     let mut held: BTreeMap<WorkerKey, Held> = BTreeMap::new();
@@ -889,11 +894,8 @@ fn events_against_the_model(seed: u64) {
                 let doc_hashes = hashes(&docs[d]);
                 let parent_seq = (start > 0).then(|| doc_hashes[start - 1]);
                 // The parent by one of the names this worker holds it under, if any.
-                let parent = parent_seq.map(|s| {
-                    h.get(&s)
-                        .and_then(|(_, names)| names.first().copied())
-                        .unwrap_or(name(s, 99))
-                });
+                let parent =
+                    parent_seq.map(|s| h.get(&s).map(|(named, _)| *named).unwrap_or(name(s, 99)));
                 let engines: Vec<u64> = doc_hashes[start..start + count]
                     .iter()
                     .map(|&s| match next(10) {
@@ -918,16 +920,26 @@ fn events_against_the_model(seed: u64) {
                             None => {}
                         }
                         seq_of.insert((k, engine), seq);
-                        let (_, names) = h.entry(seq).or_insert((engine, Vec::new()));
-                        names.push(engine);
-                        rings += usize::from(names.len() > 1);
+                        match h.get_mut(&seq) {
+                            Some((_, extras)) => {
+                                extras.push(engine);
+                                rings += 1;
+                            }
+                            None => {
+                                h.insert(seq, (engine, Vec::new()));
+                            }
+                        }
                     }
                 }
             }
             7..=9 => {
                 let victims: Vec<u64> = (0..1 + next(4))
                     .map(|_| {
-                        let names: Vec<u64> = h.values().flat_map(|(_, n)| n).copied().collect();
+                        let names: Vec<u64> = h
+                            .values()
+                            .flat_map(|(named, extras)| std::iter::once(named).chain(extras))
+                            .copied()
+                            .collect();
                         if names.is_empty() || next(5) == 0 {
                             next(1 << 40)
                         } else {
@@ -961,7 +973,7 @@ fn events_against_the_model(seed: u64) {
                 let stats = index.apply(k, &KvEvent::Cleared).expect("clears");
                 assert_eq!(
                     stats.removed,
-                    h.values().map(|(_, n)| n.len()).sum::<usize>()
+                    h.values().map(|(_, n)| 1 + n.len()).sum::<usize>()
                 );
                 h.clear();
                 seq_of.retain(|(worker, _), _| *worker != k);
