@@ -382,11 +382,15 @@ impl Router {
         let (plan, table) = loop {
             let table = self.workers.load();
             let plan = self.select_and_reserve(role, request, &table, scratch)?;
-            if self.workers.load().get(plan.booked.worker.key).is_some() || tries == 3 {
+            if self.workers.load().get(plan.booked.worker.key).is_some() {
                 break (plan, table);
             }
             self.bookings.remove(request.request_id);
             tries += 1;
+            if tries == 3 {
+                // Workers leave faster than this request can be booked.
+                return Err(RouterError::NoWorkers(request.role));
+            }
         };
         let mut booking = Booking {
             request_id: request.request_id.to_string(),
