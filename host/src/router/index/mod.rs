@@ -484,6 +484,14 @@ impl KvIndex {
                         self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
                         cursor = Some(block);
                         i += 1;
+                        // The rest of the event follows a block no one else holds, which
+                        // has no children yet: each is new too, and goes at the end of
+                        // the same node (this worker's alone). No lookups but the name.
+                        let added = self.append_run(slot, block, &items[i..]);
+                        if added > 0 {
+                            cursor = Some(self.nodes_block(block, added + 1));
+                            i += added;
+                        }
                     }
                     std::collections::hash_map::Entry::Occupied(_) => {
                         // The engine reused a hash for other tokens: its old block is
@@ -521,6 +529,61 @@ impl KvIndex {
             }
         }
         self.prune_all(prune);
+    }
+
+    /// Appends `items` to the node that ends with `last` (held by `slot` alone, no
+    /// children) as new blocks, up to the first whose engine hash is already in use;
+    /// returns how many it appended.
+    fn append_run(&mut self, slot: Slot, last: BlockId, items: &[(u64, u64)]) -> usize {
+        let node = self.blocks[last as usize].node;
+        let mut added = 0;
+        for &(engine, seq) in items {
+            let block = match self.free_blocks.pop() {
+                Some(id) => id,
+                None => {
+                    self.blocks.push(BlockAt {
+                        node: NO_NODE,
+                        offset: 0,
+                    });
+                    (self.blocks.len() - 1) as BlockId
+                }
+            };
+            let Self {
+                workers,
+                nodes,
+                blocks,
+                free_blocks,
+                entries,
+                ..
+            } = self;
+            let Some(w) = workers[slot as usize].as_mut() else {
+                free_blocks.push(block);
+                break;
+            };
+            match w.by_engine.entry(engine) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(Copy {
+                        block,
+                        extra: NAMED,
+                    });
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    free_blocks.push(block);
+                    break;
+                }
+            }
+            *entries += 1;
+            let n = &mut nodes[node as usize];
+            blocks[block as usize] = BlockAt {
+                node,
+                offset: n.first + n.len() as u32,
+            };
+            n.seqs.push(seq);
+            n.ids.push(block);
+            n.engines.push(engine);
+            added += 1;
+        }
+        added
     }
 
     /// The block `taken - 1` places after `block` in its node (the stretch just held).
