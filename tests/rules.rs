@@ -595,26 +595,37 @@ fn r12_builtins_and_plugins_register_through_the_same_code_and_act_alike() {
     assert_eq!(ma, mb);
 }
 
-#[test]
-fn r5_a_committed_copy_whose_sender_fails_is_withdrawn_and_the_load_corrected() {
-    let fixture = config_file(
-        "plugins:\n  files: ['{so:fixture_misbehaving}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n    hints: [{type: copy_sender_fails}]\n",
-    );
+/// Books the decode trace's first requests with the copy's sender `hints` (a plugin
+/// from `plugin`): returns r1 as booked and worker 1's load afterwards.
+fn r1_with_copy_sender(plugin: &str, hints: &str) -> (Value, kvhint::router::workers::Load) {
+    let fixture = config_file(&format!(
+        "plugins:\n  files: ['{{so:{plugin}}}']\nrouter: {{block_size: 4}}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {{shared_cache_multiplier: 0.75}}\n    hints: [{{type: {hints}}}]\n"
+    ));
     let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
     let router = kvhint::router::Router::new(4);
     let (bookings, errors) = kvhint_e2e::replay_on(&router, &snapshot, &decode_trace()[..7]);
     assert!(errors.is_empty(), "{errors}");
-    let r1 = bookings.iter().find(|b| b["request_id"] == "r1").unwrap();
-    // kvcr booked worker 1 on worker 3's copy, but the copy's sender failed:
-    // the booking no longer claims it, and worker 1 prefills all 4 blocks.
-    assert_eq!(r1["worker_id"], 1);
-    assert_eq!(r1["committed_copy"], Value::Null, "{r1}");
-    assert_eq!(r1["policy_failures"][0]["kind"], "error");
+    let r1 = bookings
+        .iter()
+        .find(|b| b["request_id"] == "r1")
+        .unwrap()
+        .clone();
     let (_, load) = router
         .workers()
         .into_iter()
         .find(|(w, _)| w.key.worker_id == 1)
         .unwrap();
+    (r1, load)
+}
+
+#[test]
+fn r5_a_committed_copy_whose_sender_fails_is_withdrawn_and_the_load_corrected() {
+    let (r1, load) = r1_with_copy_sender("fixture_misbehaving", "copy_sender_fails");
+    // kvcr booked worker 1 on worker 3's copy, but the copy's sender failed:
+    // the booking no longer claims it, and worker 1 prefills all 4 blocks.
+    assert_eq!(r1["worker_id"], 1);
+    assert_eq!(r1["committed_copy"], Value::Null, "{r1}");
+    assert_eq!(r1["policy_failures"][0]["kind"], "error");
     assert_eq!(load.prefill_blocks, 4);
 }
 
@@ -623,22 +634,10 @@ fn r8_a_message_refused_as_invalid_json_withdraws_the_committed_copy_across_the_
     // A plugin on the raw ABI returns a kv.fetch whose payload is not JSON: the hint
     // stage refuses the message where it is made, so nothing is sent, and the copy the
     // booking was committed to will not happen: the booked worker prefills it.
-    let fixture = config_file(
-        "plugins:\n  files: ['{so:fixture_raw_abi}']\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n    hints: [{type: raw_bad_json}]\n",
-    );
-    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
-    let router = kvhint::router::Router::new(4);
-    let (bookings, errors) = kvhint_e2e::replay_on(&router, &snapshot, &decode_trace()[..7]);
-    assert!(errors.is_empty(), "{errors}");
-    let r1 = bookings.iter().find(|b| b["request_id"] == "r1").unwrap();
+    let (r1, load) = r1_with_copy_sender("fixture_raw_abi", "raw_bad_json");
     assert_eq!(r1["worker_id"], 1);
     assert_eq!(r1["hint"], Value::Null, "{r1}");
     assert_eq!(r1["hint_skipped"], "malformed_message", "{r1}");
     assert_eq!(r1["committed_copy"], Value::Null, "{r1}");
-    let (_, load) = router
-        .workers()
-        .into_iter()
-        .find(|(w, _)| w.key.worker_id == 1)
-        .unwrap();
     assert_eq!(load.prefill_blocks, 4);
 }

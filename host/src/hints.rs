@@ -448,7 +448,7 @@ impl HintStage {
     pub fn run_booking<'a>(
         &self,
         booked: &BookedRequest<'a>,
-        peers: impl ExactSizeIterator<Item = (&'a Worker, &'a [u64])>,
+        peers: impl Iterator<Item = (&'a Worker, &'a [u64])>,
         committed: Option<CommittedCopyView<'a>>,
     ) -> HintResult {
         let peers: Vec<FfiPeer<'a>> = peers

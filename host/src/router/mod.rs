@@ -560,39 +560,37 @@ impl Router {
         self.index
             .read(|index| index.engine_hashes_for(hashes, rows, engine, lengths, row_scratch));
 
-        let mut peers: Vec<(&Worker, &[u64])> = Vec::with_capacity(ranked.len());
-        let mut committed = None;
-        let mut at = 0;
-        for (r, &len) in ranked.iter().zip(lengths.iter()) {
-            let row = &engine[at..at + len];
-            at += len;
-            let Some(entry) = table.by_slot(r.slot).filter(|_| len > 0) else {
-                continue;
-            };
-            if let Some(copy) = plan.committed_copy.filter(|c| c.source == r.key) {
-                // The source's cache may have shrunk since the lookup: the copy is what
-                // it can still name (see below for the reservation).
-                let last = copy.last_block.min(len);
-                if last > copy.first_block {
-                    committed = Some(CommittedCopyView {
-                        source: &entry.worker,
-                        first_block: copy.first_block,
-                        block_hashes: &row[..last],
-                    });
-                }
+        // Each ranked peer with its engine hashes, which lie in `engine` one after another.
+        let rows = || {
+            ranked
+                .iter()
+                .zip(lengths.iter())
+                .scan(0, |at, (r, &len)| {
+                    let row = &engine[*at..*at + len];
+                    *at += len;
+                    Some((r, row))
+                })
+                .filter(|(_, row)| !row.is_empty())
+                .filter_map(|(r, row)| Some((r.key, &*table.by_slot(r.slot)?.worker, row)))
+        };
+        // The source's cache may have shrunk since the lookup: the copy is what it can
+        // still name, and what the policies are told is what the booking claims. A copy
+        // that shrank claims fewer blocks (the booked worker prefills the rest); one the
+        // source can no longer supply at all is withdrawn, whatever a sender does.
+        let committed = plan.committed_copy.and_then(|copy| {
+            let (_, source, row) = rows().find(|(key, _, _)| *key == copy.source)?;
+            let last = copy.last_block.min(row.len());
+            (last > copy.first_block).then(|| CommittedCopyView {
+                source,
+                first_block: copy.first_block,
+                block_hashes: &row[..last],
+            })
+        });
+        if let Some(copy) = booking.committed_copy {
+            let named = committed.as_ref().map_or(0, |c| c.block_hashes.len());
+            if named < copy.last_block {
+                self.reduce_copy(booking, named);
             }
-            peers.push((&entry.worker, row));
-        }
-        // What the policies are told is what the booking claims: a copy that shrank
-        // claims fewer blocks (the booked worker prefills the rest), and one the source
-        // can no longer supply at all is withdrawn, whatever a sender does instead.
-        let told = committed.as_ref().map(|c| c.block_hashes.len());
-        match (booking.committed_copy, told) {
-            (Some(copy), Some(last)) if last < copy.last_block => {
-                self.shrink_copy(booking, last);
-            }
-            (Some(_), None) => self.withdraw_copy(booking),
-            _ => {}
         }
         let selection_policy = role.booking_selection_type.as_str();
         let result = role.hints.run_booking(
@@ -606,48 +604,38 @@ impl Router {
                 selection_policy,
                 block_hashes: hashes,
             },
-            peers.into_iter(),
+            rows().map(|(_, worker, row)| (worker, row)),
             committed,
         );
         booking.hint = result.hint;
         booking.dropped_actions = result.dropped_actions;
         booking.policy_failures = result.failures;
         if !result.kv_copy_sent {
-            self.withdraw_copy(booking);
+            self.reduce_copy(booking, 0);
         }
     }
 
-    /// A committed copy the source can only partly supply now: it ends at `last`, and
-    /// the booked worker prefills the blocks it loses.
-    fn shrink_copy(&self, booking: &mut Booking, last: usize) {
+    /// The committed copy can supply blocks only up to `last` now: its source's cache
+    /// shrank, or (`last` at or below its first block) its fetch did not go out — the
+    /// sender failed or was quarantined, or the message was refused — and it will not
+    /// happen. The booked worker prefills the blocks the copy loses, so its reservation
+    /// grows by them; a copy left with none is no longer claimed.
+    fn reduce_copy(&self, booking: &mut Booking, last: usize) {
         let Some(copy) = booking.committed_copy.as_mut() else {
             return;
         };
-        let lost = copy.last_block.saturating_sub(last) as u64;
-        copy.last_block = last;
+        let kept = last.max(copy.first_block);
+        let lost = copy.last_block.saturating_sub(kept) as u64;
+        if kept == copy.first_block {
+            tracing::warn!(request = ?booking.request_id, source = %copy.source, blocks = lost, "committed KV copy not sent; the booked worker prefills it");
+            booking.committed_copy = None;
+        } else {
+            copy.last_block = kept;
+        }
         self.bookings.grow(
             &booking.request_id,
             Load {
                 prefill_blocks: lost,
-                ..Load::default()
-            },
-        );
-    }
-
-    /// A committed copy whose fetch did not go out (its sender failed or was
-    /// quarantined, or the message was refused) will not happen: the booked worker
-    /// prefills those blocks itself, so its reservation grows by them and the
-    /// booking stops claiming the copy.
-    fn withdraw_copy(&self, booking: &mut Booking) {
-        let Some(copy) = booking.committed_copy.take() else {
-            return;
-        };
-        let blocks = copy.last_block.saturating_sub(copy.first_block) as u64;
-        tracing::warn!(request = ?booking.request_id, source = %copy.source, blocks, "committed KV copy not sent; the booked worker prefills it");
-        self.bookings.grow(
-            &booking.request_id,
-            Load {
-                prefill_blocks: blocks,
                 ..Load::default()
             },
         );

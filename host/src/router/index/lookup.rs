@@ -12,7 +12,7 @@
 //! counts it, so tests can hold that bound without timing anything.
 
 use super::holders::{Bits, Slot, Word};
-use super::{KvIndex, Node, WorkerKey};
+use super::{KvIndex, NodeId, WorkerKey};
 use std::fmt;
 
 /// One worker's match, by index slot ([`KvIndex::key_of`] names the worker).
@@ -150,14 +150,12 @@ impl KvIndex {
 
     /// The path a request's hashes take through the tree: each node entered with the
     /// depth it starts at and how many of its blocks match.
-    fn path<'a>(
-        &'a self,
-        hashes: &'a [u64],
-    ) -> impl Iterator<Item = (&'a Node, usize, usize)> + 'a {
+    fn path<'a>(&'a self, hashes: &'a [u64]) -> impl Iterator<Item = (NodeId, usize, usize)> + 'a {
         let mut next = hashes.first().and_then(|h| self.roots.get(h)).copied();
         let mut depth = 0;
         std::iter::from_fn(move || {
-            let node = &self.nodes[next? as usize];
+            let id = next?;
+            let node = &self.nodes[id as usize];
             let matched = common_prefix(&node.seqs, &hashes[depth..]);
             let start = depth;
             depth += matched;
@@ -166,7 +164,7 @@ impl KvIndex {
             } else {
                 None
             };
-            Some((node, start, matched))
+            Some((id, start, matched))
         })
     }
 
@@ -175,7 +173,8 @@ impl KvIndex {
     /// Appends to `out` and returns how many it appended.
     pub fn engine_hashes(&self, slot: Slot, hashes: &[u64], out: &mut Vec<u64>) -> usize {
         let start = out.len();
-        for (node, _, matched) in self.path(hashes) {
+        for (id, _, matched) in self.path(hashes) {
+            let node = &self.nodes[id as usize];
             let Some(rank) = node.holders.rank_of(slot) else {
                 break;
             };
@@ -211,6 +210,7 @@ impl KvIndex {
             offsets,
             row_of_slot,
             wanting,
+            path,
         } = scratch;
         let start = out.len();
         offsets.clear();
@@ -245,23 +245,24 @@ impl KvIndex {
         // three cells written per row per node, and every write would miss the cache.
         // A row's length is written once, when it stops: at its asked length, where its
         // worker stops holding the request's blocks, or where the walk ends.
-        let path: Vec<(&Node, usize, usize)> = self.path(hashes).collect();
+        path.clear();
+        path.extend(self.path(hashes));
+        let node = |id: NodeId| &self.nodes[id as usize];
         let mut reached = 0;
         let mut g = 0;
-        let mut cursors: Vec<(usize, usize)> = Vec::new();
         while g < path.len() && !wanting.is_empty() {
             let mut h = g;
             let mut blocks = 0;
             while h < path.len() && (h == g || (blocks < GROUP_BLOCKS && h - g < GROUP_NODES)) {
                 blocks += path[h].2;
                 h += 1;
-                if path[h - 1].2 < path[h - 1].0.len() {
+                if path[h - 1].2 < node(path[h - 1].0).len() {
                     break;
                 }
             }
             let group = &path[g..h];
-            cursors.clear();
-            cursors.resize(group.len(), (0, 0));
+            // Per node of the group: the word reached and the rank its holders start at.
+            let mut cursors = [(0usize, 0usize); GROUP_NODES];
             let mut keep = 0;
             for wi in 0..wanting.len() {
                 let want = wanting[wi];
@@ -269,8 +270,8 @@ impl KvIndex {
                 // Each node's word for this index, and the rank its holders start at.
                 let mut words: [u64; GROUP_NODES] = [0; GROUP_NODES];
                 let mut ranks: [usize; GROUP_NODES] = [0; GROUP_NODES];
-                for (gi, (node, _, _)) in group.iter().enumerate() {
-                    let node_words = node.holders.words();
+                for (gi, &(id, _, _)) in group.iter().enumerate() {
+                    let node_words = node(id).holders.words();
                     let (j, rank) = &mut cursors[gi];
                     while *j < node_words.len() && node_words[*j].index < want.index {
                         *rank += node_words[*j].bits.count_ones() as usize;
@@ -286,7 +287,8 @@ impl KvIndex {
                     let mask = 1u64 << bit;
                     let below = mask - 1;
                     let dest = dests[base + bit as usize];
-                    for (gi, &(node, depth, matched)) in group.iter().enumerate() {
+                    for (gi, &(id, depth, matched)) in group.iter().enumerate() {
+                        let node = node(id);
                         if dest.asked <= depth {
                             lengths[dest.row as usize] = dest.asked;
                             still &= !mask;
@@ -316,7 +318,7 @@ impl KvIndex {
             wanting.truncate(keep);
             let (last, depth, matched) = path[h - 1];
             reached = depth + matched;
-            if matched < last.len() {
+            if matched < node(last).len() {
                 break;
             }
             g = h;
@@ -399,6 +401,8 @@ pub struct RowScratch {
     /// only slots of the current call's rows are looked up.
     row_of_slot: Vec<Dest>,
     wanting: Vec<Word>,
+    /// The request's path through the tree: (node, depth it starts at, blocks matched).
+    path: Vec<(NodeId, usize, usize)>,
 }
 
 fn set_bit(words: &mut Vec<Word>, slot: Slot) {
@@ -433,32 +437,9 @@ fn intersect(
         }
         return;
     }
-    // Word indexes usually line up (the still-matching workers are a subset of each
-    // node's holders, which share the fleet's layout): AND them in step while they do.
-    let mut i = 0;
     let mut keep = 0;
-    let n = alive.len().min(other.len());
-    while i < n && alive[i].index == other[i].index {
-        let word = alive[i];
-        let bits = word.bits & other[i].bits;
-        if bits != word.bits {
-            record(word.index, word.bits & !bits, depth, found, by_slot);
-        }
-        if bits != 0 {
-            alive[keep] = Word {
-                index: word.index,
-                bits,
-            };
-            keep += 1;
-        }
-        i += 1;
-    }
-    if i == alive.len() {
-        alive.truncate(keep);
-        return;
-    }
-    let mut j = i;
-    for i in i..alive.len() {
+    let mut j = 0;
+    for i in 0..alive.len() {
         let word = alive[i];
         while j < other.len() && other[j].index < word.index {
             j += 1;

@@ -538,16 +538,7 @@ impl KvIndex {
         let node = self.blocks[last as usize].node;
         let mut added = 0;
         for &(engine, seq) in items {
-            let block = match self.free_blocks.pop() {
-                Some(id) => id,
-                None => {
-                    self.blocks.push(BlockAt {
-                        node: NO_NODE,
-                        offset: 0,
-                    });
-                    (self.blocks.len() - 1) as BlockId
-                }
-            };
+            let block = self.reserve_block();
             let Self {
                 workers,
                 nodes,

@@ -2,7 +2,8 @@
 //! events in batches.
 //!
 //! Two copies of [`KvIndex`] behind `left-right`: bookings read the published copy with
-//! no lock (entering a read costs two atomic increments per booking, not per block), and
+//! no lock (a read costs two increments of the reading thread's own epoch counter, not a
+//! cost per block), and
 //! the writer applies a batch of events to the other copy, swaps, waits for the readers
 //! still in the old copy to finish their walk (microseconds), and replays the batch
 //! there. So a booking never waits for ingestion at all, and ingestion waits at most for
