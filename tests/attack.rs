@@ -79,6 +79,9 @@ fn duplicates(tokens: &[u32], first: u64, count: u64) -> Vec<(WorkerKey, KvEvent
                         block_hash: engine,
                         token_ids: tokens.to_vec(),
                     }],
+                    lora_name: None,
+                    cache_salt: None,
+                    extra_keys: Vec::new(),
                 },
             )
         })
@@ -115,6 +118,9 @@ fn duplicate_engine_hashes_cannot_blow_up_a_maximum_length_booking() {
             KvEvent::Stored {
                 parent_block_hash: None,
                 blocks: honest,
+                lora_name: None,
+                cache_salt: None,
+                extra_keys: Vec::new(),
             },
         )
         .expect("stores");
@@ -158,6 +164,8 @@ fn duplicate_engine_hashes_cannot_blow_up_a_maximum_length_booking() {
             role: Role::Decode,
             token_ids: &prompt,
             session_context: None,
+            lora_name: None,
+            cache_salt: None,
         };
         ALLOCATED.store(0, Ordering::Relaxed);
         COUNTING.store(true, Ordering::Relaxed);

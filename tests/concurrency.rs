@@ -261,6 +261,9 @@ impl EventGen {
             KvEvent::Stored {
                 parent_block_hash: (a > 0).then(|| engine_hash(w, j, false, a - 1)),
                 blocks: blocks_of(tokens, j, w, alt, a..b.max(a)),
+                lora_name: None,
+                cache_salt: None,
+                extra_keys: Vec::new(),
             }
         } else if roll < 80 {
             // Evict the tail; now and then also a second copy's name and a hash never
@@ -292,6 +295,9 @@ impl EventGen {
             KvEvent::Stored {
                 parent_block_hash: Some(engine_hash(w, j, false, PROMPT_BLOCKS + 1)),
                 blocks: blocks_of(tokens, j, w, false, 0..1),
+                lora_name: None,
+                cache_salt: None,
+                extra_keys: Vec::new(),
             }
         } else {
             // Refused: a block of the wrong size (atomically: the first block is fine).
@@ -300,6 +306,9 @@ impl EventGen {
             KvEvent::Stored {
                 parent_block_hash: None,
                 blocks,
+                lora_name: None,
+                cache_salt: None,
+                extra_keys: Vec::new(),
             }
         };
         (key(w), event)
@@ -419,6 +428,8 @@ fn concurrent_bookings_events_and_registrations_leave_exact_state() {
                             role: Role::Decode,
                             token_ids: tokens,
                             session_context: None,
+                            lora_name: None,
+                            cache_salt: None,
                         };
                         let booking = router.book(role, &request).expect("a unique id books");
                         check_booking(&booking, tokens.len());
@@ -454,6 +465,8 @@ fn concurrent_bookings_events_and_registrations_leave_exact_state() {
                                 role: Role::Decode,
                                 token_ids: tokens,
                                 session_context: None,
+                                lora_name: None,
+                                cache_salt: None,
                             },
                         ) {
                             Ok(booking) => {
@@ -620,6 +633,8 @@ fn book_open(
                         role: Role::Decode,
                         token_ids: tokens,
                         session_context: None,
+                        lora_name: None,
+                        cache_salt: None,
                     },
                 )
                 .unwrap();
@@ -643,6 +658,9 @@ fn deregistering_a_worker_drops_its_bookings_and_cache() {
         let event = KvEvent::Stored {
             parent_block_hash: None,
             blocks: blocks_of(&prompts[j], j, id, false, 0..PROMPT_BLOCKS),
+            lora_name: None,
+            cache_salt: None,
+            extra_keys: Vec::new(),
         };
         router.apply_kv_event(key(id), event).unwrap();
     }
@@ -757,6 +775,8 @@ fn deregistration_racing_bookings_leaves_no_orphan_booking() {
                                 role: Role::Decode,
                                 token_ids: &prompts[i % PROMPTS],
                                 session_context: None,
+                                lora_name: None,
+                                cache_salt: None,
                             },
                         ) {
                             Ok(b) => booked.push(b),
@@ -838,6 +858,9 @@ fn deregistration_racing_events_leaves_no_stale_cache() {
                                 KvEvent::Stored {
                                     parent_block_hash: None,
                                     blocks: blocks_of(&prompts[j], j, 1, false, 0..1),
+                                    lora_name: None,
+                                    cache_salt: None,
+                                    extra_keys: Vec::new(),
                                 },
                             )
                         })
@@ -910,6 +933,9 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
         let event = KvEvent::Stored {
             parent_block_hash: None,
             blocks: blocks_of(&prompts[j], j, w, false, 0..held),
+            lora_name: None,
+            cache_salt: None,
+            extra_keys: Vec::new(),
         };
         router.apply_kv_event(key(w), event).unwrap();
     }
@@ -924,6 +950,8 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
                     role: Role::Decode,
                     token_ids: tokens,
                     session_context: None,
+                    lora_name: None,
+                    cache_salt: None,
                 },
             )
             .unwrap();
@@ -960,6 +988,9 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
                         KvEvent::Stored {
                             parent_block_hash: Some(engine_hash(w, j, false, 0)),
                             blocks: blocks_of(&prompts[j], j, w, false, 1..held),
+                            lora_name: None,
+                            cache_salt: None,
+                            extra_keys: Vec::new(),
                         },
                     )
                     .unwrap();

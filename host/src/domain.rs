@@ -109,6 +109,9 @@ pub struct WorkerRegistration {
     pub role: Role,
     #[serde(default)]
     pub runtime_data: serde_json::Map<String, serde_json::Value>,
+    /// Where this worker's engine publishes KV events, if the router should subscribe.
+    #[serde(default)]
+    pub kv_events: Option<crate::event_source::KvEventSource>,
 }
 
 /// A registered worker (one dp rank of one engine).

@@ -10,7 +10,9 @@
 pub mod catalog;
 pub mod config;
 pub mod domain;
+pub mod engine_events;
 pub mod envelope;
+pub mod event_source;
 pub mod hints;
 pub mod loader;
 pub mod plugin_log;

@@ -54,6 +54,12 @@ pub struct BookBody {
     pub token_ids: Vec<u32>,
     #[serde(default)]
     pub session_context: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The LoRA adapter the request runs under, as the engine's events name it.
+    #[serde(default)]
+    pub lora_name: Option<String>,
+    /// The request's cache salt (vLLM's and SGLang's `cache_salt`).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 impl BookBody {
@@ -70,6 +76,8 @@ impl BookBody {
             role: self.role,
             token_ids: &self.token_ids,
             session_context: session,
+            lora_name: self.lora_name.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
         }
     }
 }

@@ -42,6 +42,9 @@ fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
                 token_ids: chunk.to_vec(),
             })
             .collect(),
+        lora_name: None,
+        cache_salt: None,
+        extra_keys: Vec::new(),
     }
 }
 
@@ -115,6 +118,8 @@ fn benches(c: &mut Criterion) {
                 role: Role::Decode,
                 token_ids: &prompt,
                 session_context: None,
+                lora_name: None,
+                cache_salt: None,
             };
             let booking = router.book(role, &request).expect("books");
             // kvcr (multiplier 1) books a worker on a peer's copy: the whole

@@ -88,6 +88,9 @@ fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
                 token_ids: chunk.to_vec(),
             })
             .collect(),
+        lora_name: None,
+        cache_salt: None,
+        extra_keys: Vec::new(),
     }
 }
 
@@ -185,6 +188,8 @@ fn measure(
                             role: Role::Decode,
                             token_ids: &prompts[(i + t) % PROMPTS],
                             session_context: None,
+                            lora_name: None,
+                            cache_salt: None,
                         };
                         i += 1;
                         let started = Instant::now();
@@ -288,6 +293,9 @@ fn event_stream(router: &Router, stop: &AtomicBool) -> Stream {
                 KvEvent::Stored {
                     parent_block_hash: None,
                     blocks,
+                    lora_name: None,
+                    cache_salt: None,
+                    extra_keys: Vec::new(),
                 },
             ));
         }
@@ -365,6 +373,8 @@ fn main() {
                     role: Role::Decode,
                     token_ids: p,
                     session_context: None,
+                    lora_name: None,
+                    cache_salt: None,
                 },
             )
             .expect("books");

@@ -139,6 +139,9 @@ mod kvhint_side {
                     let event = KvEvent::Stored {
                         parent_block_hash: e.parent,
                         blocks,
+                        lora_name: None,
+                        cache_salt: None,
+                        extra_keys: Vec::new(),
                     };
                     (key(e.worker), event)
                 })

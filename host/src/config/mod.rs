@@ -7,8 +7,10 @@
 //! checked when a snapshot is built from the config (see `snapshot`), and
 //! reported against the locations kept here.
 
+mod kv_events;
 mod yaml;
 
+pub use kv_events::{ConfiguredSource, KvEventsConfig};
 use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -219,6 +221,7 @@ pub struct Config {
     pub file: PathBuf,
     pub plugins: PluginsConfig,
     pub router: RouterConfig,
+    pub kv_events: KvEventsConfig,
     pub worker_selection: Vec<RoleConfig>,
 }
 
@@ -278,15 +281,23 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         file: file.to_path_buf(),
         plugins: PluginsConfig::default(),
         router: RouterConfig::default(),
+        kv_events: KvEventsConfig::default(),
         worker_selection: Vec::new(),
     };
     if let Some(map) = walker.mapping(&root, "") {
-        walker.known_keys(map, "", &["plugins", "router", "worker_selection"]);
+        walker.known_keys(
+            map,
+            "",
+            &["plugins", "router", "kv_events", "worker_selection"],
+        );
         if let Some(node) = map.get_node("plugins") {
             config.plugins = plugins(&mut walker, node, base);
         }
         if let Some(node) = map.get_node("router") {
             config.router = router(&mut walker, node);
+        }
+        if let Some(node) = map.get_node("kv_events") {
+            config.kv_events = kv_events::kv_events(&mut walker, node);
         }
         match map.get_node("worker_selection") {
             Some(node) => config.worker_selection = worker_selection(&mut walker, node),

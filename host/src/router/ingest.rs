@@ -1,6 +1,6 @@
 //! The ingestion path: one thread that applies KV events in batches.
 //!
-//! Every source of events (the HTTP endpoint today, engine subscriptions next) hands its
+//! Every source of events (the HTTP endpoint, engine subscriptions) hands its
 //! events to one bounded queue; the ingestion thread takes whatever has queued up — up to
 //! [`MAX_BATCH`] events — applies them in order and publishes them to bookings at once.
 //! Under a light stream a batch is one event and it is visible within microseconds;
@@ -21,10 +21,29 @@ pub const MAX_BATCH: usize = 1024;
 
 type Reply = tokio::sync::oneshot::Sender<Result<ApplyStats, RouterError>>;
 
-struct Job {
-    worker: WorkerKey,
-    event: KvEvent,
-    reply: Option<Reply>,
+/// Where a batch's results go: a channel its submitter owns and reuses.
+pub type BatchReply = crossbeam_channel::Sender<Vec<Result<ApplyStats, RouterError>>>;
+
+enum Job {
+    One {
+        worker: WorkerKey,
+        event: KvEvent,
+        reply: Option<Reply>,
+    },
+    /// An engine's batch: applied in order, its results handed back together.
+    Batch {
+        events: Vec<(WorkerKey, KvEvent)>,
+        reply: BatchReply,
+    },
+}
+
+impl Job {
+    fn len(&self) -> usize {
+        match self {
+            Self::One { .. } => 1,
+            Self::Batch { events, .. } => events.len(),
+        }
+    }
 }
 
 /// Counters of the ingestion path.
@@ -75,31 +94,51 @@ impl Ingest {
         event: KvEvent,
     ) -> Result<tokio::sync::oneshot::Receiver<Result<ApplyStats, RouterError>>, QueueFull> {
         let (reply, result) = tokio::sync::oneshot::channel();
-        self.send(Job {
+        self.send(Job::One {
             worker,
             event,
             reply: Some(reply),
-        })?;
+        })
+        .map_err(|(full, _)| full)?;
         Ok(result)
     }
 
-    /// Queues one event whose result nobody waits for (an engine stream).
+    /// Queues one event whose result nobody waits for.
     pub fn submit_detached(&self, worker: WorkerKey, event: KvEvent) -> Result<(), QueueFull> {
-        self.send(Job {
+        self.send(Job::One {
             worker,
             event,
             reply: None,
         })
+        .map_err(|(full, _)| full)
     }
 
-    fn send(&self, job: Job) -> Result<(), QueueFull> {
+    /// Queues an engine batch; its results (one per event, in order) arrive on `reply`
+    /// once the batch is visible to bookings. The batch takes one place in the queue.
+    /// A full queue hands the events back.
+    pub fn submit_batch(
+        &self,
+        events: Vec<(WorkerKey, KvEvent)>,
+        reply: BatchReply,
+    ) -> Result<(), (QueueFull, Vec<(WorkerKey, KvEvent)>)> {
+        self.send(Job::Batch { events, reply })
+            .map_err(|(full, job)| match job {
+                Job::Batch { events, .. } => (full, events),
+                Job::One { worker, event, .. } => (full, vec![(worker, event)]),
+            })
+    }
+
+    fn send(&self, job: Job) -> Result<(), (QueueFull, Job)> {
         match self.queue.try_send(job) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+            Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
                 self.stats.refused_full.fetch_add(1, Ordering::Relaxed);
-                Err(QueueFull {
-                    capacity: self.capacity,
-                })
+                Err((
+                    QueueFull {
+                        capacity: self.capacity,
+                    },
+                    job,
+                ))
             }
         }
     }
@@ -108,29 +147,56 @@ impl Ingest {
 fn run(router: &Router, jobs: &Receiver<Job>, stats: &IngestStats) {
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = jobs.recv() {
+        let mut events = first.len();
         batch.push(first);
-        while batch.len() < MAX_BATCH {
+        while events < MAX_BATCH {
             match jobs.try_recv() {
-                Ok(job) => batch.push(job),
+                Ok(job) => {
+                    events += job.len();
+                    batch.push(job);
+                }
                 Err(_) => break,
             }
         }
+        let mut all: Vec<(WorkerKey, KvEvent)> = Vec::with_capacity(events);
         let mut replies = Vec::with_capacity(batch.len());
-        let events = batch.drain(..).map(|job| {
-            replies.push(job.reply);
-            (job.worker, job.event)
-        });
-        let events: Vec<(WorkerKey, KvEvent)> = events.collect();
-        let results = router.apply_kv_events(events);
+        for job in batch.drain(..) {
+            match job {
+                Job::One {
+                    worker,
+                    event,
+                    reply,
+                } => {
+                    all.push((worker, event));
+                    replies.push((1, Pending::One(reply)));
+                }
+                Job::Batch { events, reply } => {
+                    replies.push((events.len(), Pending::Batch(reply)));
+                    all.extend(events);
+                }
+            }
+        }
+        let mut results = router.apply_kv_events(all).into_iter();
         stats.batches.fetch_add(1, Ordering::Relaxed);
-        stats
-            .events
-            .fetch_add(results.len() as u64, Ordering::Relaxed);
-        for (reply, result) in replies.into_iter().zip(results) {
-            if let Some(reply) = reply {
-                // The caller may have gone (its connection closed): nothing to do.
-                let _ = reply.send(result);
+        stats.events.fetch_add(events as u64, Ordering::Relaxed);
+        for (count, reply) in replies {
+            match reply {
+                Pending::One(reply) => {
+                    let result = results.next().unwrap_or(Ok(ApplyStats::default()));
+                    if let Some(reply) = reply {
+                        // The caller may have gone (its connection closed): nothing to do.
+                        let _ = reply.send(result);
+                    }
+                }
+                Pending::Batch(reply) => {
+                    let _ = reply.send(results.by_ref().take(count).collect());
+                }
             }
         }
     }
+}
+
+enum Pending {
+    One(Option<Reply>),
+    Batch(BatchReply),
 }

@@ -35,7 +35,7 @@ use crate::snapshot::{RoleRuntime, Snapshot};
 use arc_swap::ArcSwap;
 use bookings::{Bookings, Reservation};
 use index::shared::SharedIndex;
-use index::{block_hashes, KvEvent, Matches, Slot};
+use index::{identity_seed, seeded_block_hashes, KvEvent, Matches, Slot};
 use std::cell::RefCell;
 use std::sync::Arc;
 use workers::{Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
@@ -51,6 +51,9 @@ pub enum RouterError {
         worker_id: u64,
         dp_rank: u32,
         message: String,
+        /// The event chained onto a block the worker does not hold: its events
+        /// were lost, which an engine subscription recovers from.
+        unknown_parent: bool,
     },
     #[error("unknown request {0:?}: it was never booked or is already released")]
     UnknownRequest(String),
@@ -90,6 +93,10 @@ pub struct BookRequest<'a> {
     pub token_ids: &'a [u32],
     /// The session context as JSON object text, if any.
     pub session_context: Option<&'a str>,
+    /// The LoRA adapter and cache salt: they seed the request's block hashes, so
+    /// a prompt matches only blocks an engine stored under the same identity.
+    pub lora_name: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
 }
 
 /// The result of a booking.
@@ -294,6 +301,7 @@ impl Router {
                 e => RouterError::KvEvent {
                     worker_id: key.worker_id,
                     dp_rank: key.dp_rank,
+                    unknown_parent: matches!(e, index::KvEventError::UnknownParent { .. }),
                     message: e.to_string(),
                 },
             });
@@ -366,7 +374,12 @@ impl Router {
         request: &BookRequest<'_>,
         scratch: &mut Scratch,
     ) -> Result<Booking, RouterError> {
-        block_hashes(request.token_ids, self.block_size, &mut scratch.hashes);
+        seeded_block_hashes(
+            request.token_ids,
+            self.block_size,
+            identity_seed(request.lora_name, request.cache_salt),
+            &mut scratch.hashes,
+        );
         // Refused before any work; `select_and_reserve` checks again as it inserts,
         // which is what keeps the check exact under concurrent bookings.
         if self.bookings.contains(request.request_id) {

@@ -354,6 +354,103 @@ impl Metrics {
             "(worker, block) entries in the KV index.",
             &[(String::new(), app.router.index_len() as f64)],
         );
+        kv_event_sources(out, &app.engine_events.sources());
         std::mem::take(out)
     }
+}
+
+/// Per-source families of the engine subscriptions, labelled by worker and rank.
+fn kv_event_sources(out: &mut String, sources: &[crate::engine_events::SourceView]) {
+    use crate::engine_events::stats::SourceStats;
+    let labels = |s: &crate::engine_events::SourceView| {
+        format!(
+            "worker_id=\"{}\",dp_rank=\"{}\"",
+            s.worker.worker_id, s.worker.dp_rank
+        )
+    };
+    type Counter = fn(&SourceStats) -> &AtomicU64;
+    let counters: [(&str, &str, Counter); 12] = [
+        ("kvhint_kv_source_batches_total", "Event batches received and decoded.", |s| &s.batches),
+        ("kvhint_kv_source_blocks_stored_total", "Blocks in stored events that counted.", |s| &s.blocks_stored),
+        ("kvhint_kv_source_decode_errors_total", "Malformed batches skipped (each resynchronises the worker).", |s| &s.decode_errors),
+        ("kvhint_kv_source_frame_errors_total", "Messages without the [topic, seq, payload] frames.", |s| &s.frame_errors),
+        ("kvhint_kv_source_gaps_total", "Sequence gaps seen (missed batches).", |s| &s.gaps),
+        ("kvhint_kv_source_restarts_total", "Publisher restarts seen (sequence back to 0).", |s| &s.restarts),
+        ("kvhint_kv_source_replays_total", "Replay requests made to the engine's replay socket.", |s| &s.replays),
+        ("kvhint_kv_source_replay_failures_total", "Replays that failed or timed out.", |s| &s.replay_failures),
+        ("kvhint_kv_source_resyncs_total", "Times the worker's index entries were cleared to rebuild from new events.", |s| &s.resyncs),
+        ("kvhint_kv_source_dropped_total", "Batches the ingestion queue could not take (recovered as gaps).", |s| &s.dropped),
+        ("kvhint_kv_source_unknown_parent_total", "Stored events chaining onto a block the worker never stored.", |s| &s.unknown_parent),
+        ("kvhint_kv_source_connects_total", "Sockets opened (connect or bind).", |s| &s.connects),
+    ];
+    for (name, help, counter) in counters {
+        let samples: Vec<(String, f64)> = sources
+            .iter()
+            .map(|s| {
+                (
+                    format!("{{{}}}", labels(s)),
+                    counter(s.stats()).load(Ordering::Relaxed) as f64,
+                )
+            })
+            .collect();
+        family(out, name, "counter", help, &samples);
+    }
+    let mut events = Vec::new();
+    for s in sources {
+        let stats = s.stats();
+        for (kind, counter) in [
+            ("stored", &stats.stored),
+            ("removed", &stats.removed),
+            ("cleared", &stats.cleared),
+            ("unknown_type", &stats.unknown_type),
+            ("other_medium", &stats.other_medium),
+            ("other_group", &stats.other_group),
+            ("wrong_block_size", &stats.wrong_block_size),
+        ] {
+            events.push((
+                format!("{{{},type=\"{kind}\"}}", labels(s)),
+                counter.load(Ordering::Relaxed) as f64,
+            ));
+        }
+    }
+    family(
+        out,
+        "kvhint_kv_source_events_total",
+        "counter",
+        "Events by type: applied (stored, removed, cleared) or skipped (unknown_type, other_medium, other_group, wrong_block_size).",
+        &events,
+    );
+    let gauge = |f: &dyn Fn(&SourceStats) -> f64| -> Vec<(String, f64)> {
+        sources
+            .iter()
+            .map(|s| (format!("{{{}}}", labels(s)), f(s.stats())))
+            .collect()
+    };
+    family(
+        out,
+        "kvhint_kv_source_lag_seconds",
+        "gauge",
+        "Arrival time of the last batch minus the engine's timestamp on it.",
+        &gauge(&|s| s.lag_ms.load(Ordering::Relaxed) as f64 / 1000.0),
+    );
+    family(
+        out,
+        "kvhint_kv_source_last_event_age_seconds",
+        "gauge",
+        "Seconds since the last batch arrived (-1 before the first).",
+        &gauge(&|s| s.age_ms().map_or(-1.0, |ms| ms as f64 / 1000.0)),
+    );
+    family(
+        out,
+        "kvhint_kv_source_up",
+        "gauge",
+        "1 while the subscription is live or replaying, 0 while it connects or is stopped.",
+        &gauge(&|s| {
+            use crate::engine_events::stats::SourceState;
+            f64::from(u8::from(matches!(
+                s.state(),
+                SourceState::Live | SourceState::Replaying
+            )))
+        }),
+    );
 }

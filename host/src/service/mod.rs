@@ -14,6 +14,10 @@ pub mod reload;
 mod watch;
 
 use crate::config::{self, RouterMode};
+use crate::engine_events::decode::DecodeSettings;
+use crate::engine_events::subscriber::SubscriberOptions;
+use crate::engine_events::{EngineEvents, Origin};
+use crate::event_source::Endpoints;
 use crate::loader::Loader;
 use crate::router::ingest::Ingest;
 use crate::router::workers::WorkerRegistration;
@@ -48,6 +52,8 @@ pub struct App {
     pub snapshot: ArcSwap<Snapshot>,
     pub reloader: Reloader,
     pub metrics: metrics::Metrics,
+    /// Subscriptions to engines' KV-event publishers.
+    pub engine_events: Arc<EngineEvents>,
 }
 
 #[derive(Debug, Clone)]
@@ -109,10 +115,26 @@ async fn register_worker(
 ) -> Result<Response, ApiError> {
     let JsonBody(registration) = body.map_err(|e| counted(&app, e))?;
     let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
+    let key = crate::domain::WorkerKey { worker_id, dp_rank };
+    // A bad source refuses the registration before anything changes.
+    if let Some(source) = &registration.kv_events {
+        Endpoints::resolve(dp_rank, source)
+            .map_err(|e| counted(&app, ApiError::bad_request(e.to_string())))?;
+    }
+    let source = registration.kv_events.clone();
     let new = app
         .router
         .register_worker(registration)
         .map_err(|e| counted(&app, e))?;
+    match &source {
+        Some(source) => app
+            .engine_events
+            .attach(key, source, Origin::Registration)
+            .map_err(|e| counted(&app, ApiError::bad_request(e.to_string())))?,
+        None => {
+            app.engine_events.detach(key);
+        }
+    }
     let status = if new {
         StatusCode::CREATED
     } else {
@@ -146,6 +168,7 @@ async fn deregister_worker(
     app.router
         .deregister_worker(key)
         .map_err(|e| counted(&app, e))?;
+    app.engine_events.detach(key);
     Ok(Json(
         json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
     ))
@@ -285,7 +308,45 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "reloads": app.reloader.status(),
         "workers": workers,
         "open_bookings": app.router.open_bookings(),
+        "kv_event_sources": kv_event_sources(&app),
     }))
+}
+
+/// Each engine subscription: where, its state, and how far it got.
+fn kv_event_sources(app: &App) -> Vec<serde_json::Value> {
+    app.engine_events
+        .sources()
+        .iter()
+        .map(|source| {
+            let stats = source.stats();
+            let last_seq = stats.last_seq.load(Ordering::Relaxed);
+            json!({
+                "worker_id": source.worker.worker_id,
+                "dp_rank": source.worker.dp_rank,
+                "origin": source.origin.as_str(),
+                "endpoint": source.endpoints.events,
+                "replay_endpoint": source.endpoints.replay,
+                "topic": source.endpoints.topic,
+                "mode": if source.endpoints.bind { "bind" } else { "connect" },
+                "state": stats.state().as_str(),
+                "last_error": stats.last_error(),
+                "last_seq": (last_seq != crate::engine_events::stats::NO_SEQ).then_some(last_seq),
+                "last_event_age_ms": stats.age_ms(),
+                "lag_ms": stats.lag_ms.load(Ordering::Relaxed),
+                "batches": stats.batches.load(Ordering::Relaxed),
+                "gaps": stats.gaps.load(Ordering::Relaxed),
+                "replays": stats.replays.load(Ordering::Relaxed),
+                "resyncs": stats.resyncs.load(Ordering::Relaxed),
+                "hashes": if stats.signed_hashes.load(Ordering::Relaxed) {
+                    "signed"
+                } else if stats.digest_hashes.load(Ordering::Relaxed) {
+                    "digest"
+                } else {
+                    "unsigned"
+                },
+            })
+        })
+        .collect()
 }
 
 async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
@@ -324,7 +385,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
             config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
         })?;
     let reloader = Reloader::new(&options.config, options.mode, loader);
-    let snapshot = reloader.initial()?;
+    let (snapshot, config) = reloader.initial()?;
     let router = Arc::new(Router::new(snapshot.block_size));
     let startup = |what: &str, e: std::io::Error| {
         config::ConfigErrors(vec![config::ConfigError::new(
@@ -340,6 +401,32 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     });
     let bookings =
         pool::BookingPool::new(threads, BOOKING_QUEUE).map_err(|e| startup("booking", e))?;
+    let engine_events = Arc::new(EngineEvents::new(
+        ingest.clone(),
+        DecodeSettings {
+            block_size: snapshot.block_size,
+            media: config.kv_events.media.clone(),
+        },
+        SubscriberOptions {
+            receive_hwm: config.kv_events.receive_hwm as i32,
+            replay_timeout: std::time::Duration::from_millis(config.kv_events.replay_timeout_ms),
+            ..SubscriberOptions::default()
+        },
+    ));
+    let failures = engine_events.apply_config(&router, &config.kv_events);
+    if !failures.is_empty() {
+        return Err(config::ConfigErrors(
+            failures
+                .into_iter()
+                .map(|f| config::ConfigError::new(&options.config, None, format!("kv_events.sources: {f}")))
+                .collect(),
+        ));
+    }
+    let hook_events = Arc::clone(&engine_events);
+    let hook_router = Arc::clone(&router);
+    let _ = reloader.on_reload.set(Box::new(move |config: &config::Config| {
+        hook_events.apply_config(&hook_router, &config.kv_events);
+    }));
     Ok(Arc::new(App {
         plugins_dir: config
             .plugins
@@ -352,6 +439,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         snapshot: ArcSwap::from_pointee(snapshot),
         reloader,
         metrics: metrics::Metrics::default(),
+        engine_events,
     }))
 }
 

@@ -67,6 +67,9 @@ pub struct Reloader {
     /// Held for the whole of a reload: one at a time.
     running: Mutex<()>,
     status: Mutex<ReloadStatus>,
+    /// Run with the new config after each successful reload (the engine
+    /// subscriptions follow the config's `kv_events` section).
+    pub on_reload: std::sync::OnceLock<Box<dyn Fn(&config::Config) + Send + Sync>>,
 }
 
 impl Reloader {
@@ -80,6 +83,7 @@ impl Reloader {
             fixed: Mutex::new(None),
             running: Mutex::new(()),
             status: Mutex::new(ReloadStatus::default()),
+            on_reload: std::sync::OnceLock::new(),
         }
     }
 
@@ -91,7 +95,7 @@ impl Reloader {
     fn build(
         &self,
         fixed: Option<&FixedSettings>,
-    ) -> Result<(Snapshot, FixedSettings), ConfigErrors> {
+    ) -> Result<(Snapshot, config::Config), ConfigErrors> {
         let config = config::load(&self.config_path)?;
         let snapshot = snapshot::build(
             &config,
@@ -103,7 +107,7 @@ impl Reloader {
                 policy_stats: Some(&self.policy_stats),
             },
         )?;
-        Ok((snapshot, FixedSettings::of(&config)))
+        Ok((snapshot, config))
     }
 
     /// What this router keeps until it restarts (known after [`Self::initial`]).
@@ -111,17 +115,18 @@ impl Reloader {
         self.fixed.lock().clone()
     }
 
-    /// The first snapshot, at start-up.
-    pub fn initial(&self) -> Result<Snapshot, ConfigErrors> {
+    /// The first snapshot, and the config it was built from, at start-up.
+    pub fn initial(&self) -> Result<(Snapshot, config::Config), ConfigErrors> {
         let _running = self.running.lock();
-        let (snapshot, fixed) = self.build(None)?;
+        let (snapshot, config) = self.build(None)?;
+        let fixed = FixedSettings::of(&config);
         self.generation
             .store(snapshot.generation, Ordering::Relaxed);
         *self.fixed.lock() = Some(fixed);
         let mut status = self.status.lock();
         status.last_ok_unix_ms = Some(now_ms());
         status.last_ok_trigger = Some(Trigger::Startup);
-        Ok(snapshot)
+        Ok((snapshot, config))
     }
 
     /// Rebuilds and, if every rule holds, swaps the new snapshot in. Returns
@@ -134,10 +139,13 @@ impl Reloader {
         let _running = self.running.lock();
         let fixed = self.fixed();
         match self.build(fixed.as_ref()) {
-            Ok((snapshot, _)) => {
+            Ok((snapshot, config)) => {
                 let generation = snapshot.generation;
                 self.generation.store(generation, Ordering::Relaxed);
                 current.store(Arc::new(snapshot));
+                if let Some(hook) = self.on_reload.get() {
+                    hook(&config);
+                }
                 let mut status = self.status.lock();
                 status.ok += 1;
                 status.last_ok_unix_ms = Some(now_ms());

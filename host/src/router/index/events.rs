@@ -10,10 +10,15 @@ use serde::{Deserialize, Serialize};
 /// engine adapter misspells is an error rather than silently dropped data):
 /// ```json
 /// {"stored": {"parent_block_hash": 7, "blocks": [{"block_hash": 11, "token_ids": [1, 2]}]}}
+/// {"stored": {"parent_block_hash": null, "blocks": [...], "lora_name": "a", "cache_salt": "s"}}
 /// {"removed": {"block_hashes": [11, 22]}}
 /// "cleared"
 /// ```
-/// `block_hash` / `parent_block_hash` are the engine's own hashes.
+/// `block_hash` / `parent_block_hash` are the engine's own hashes. `lora_name` and
+/// `cache_salt` name the request identity the blocks were computed under; they seed
+/// the router's hashes of a sequence's first blocks (a `stored` event with a parent
+/// inherits its parent's identity), exactly as `POST /book`'s fields of the same names
+/// seed a prompt's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum KvEvent {
@@ -22,6 +27,15 @@ pub enum KvEvent {
     Stored {
         parent_block_hash: Option<u64>,
         blocks: Vec<StoredBlock>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lora_name: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cache_salt: Option<String>,
+        /// Blocks whose engine hash also covers inputs other than their tokens
+        /// (multimodal items, prompt embeddings): (block index, a hash of those
+        /// inputs). Only engine subscriptions fill it; the JSON wire has no such field.
+        #[serde(skip)]
+        extra_keys: Vec<(u32, u64)>,
     },
     /// Blocks the engine evicted, by engine hash.
     Removed { block_hashes: Vec<u64> },

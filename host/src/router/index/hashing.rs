@@ -50,6 +50,18 @@ pub fn content_hash(tokens: &[u32]) -> u64 {
 /// for the one before: a third slower than Dynamo's unchained hashes.)
 /// Clears `out` and fills it. A `block_size` of 0 yields no hashes.
 pub fn block_hashes(token_ids: &[u32], block_size: usize, out: &mut Vec<u64>) {
+    seeded_block_hashes(token_ids, block_size, None, out);
+}
+
+/// [`block_hashes`] of a prompt whose identity (LoRA adapter, cache salt) is `seed`
+/// ([`identity_seed`]): block 0's hash is `chain(seed, content)` instead of its bare
+/// content hash, so every block differs from the same tokens under another identity.
+pub fn seeded_block_hashes(
+    token_ids: &[u32],
+    block_size: usize,
+    seed: Option<u64>,
+    out: &mut Vec<u64>,
+) {
     out.clear();
     if block_size == 0 {
         return;
@@ -60,7 +72,7 @@ pub fn block_hashes(token_ids: &[u32], block_size: usize, out: &mut Vec<u64>) {
     let Some(first) = blocks.next() else {
         return;
     };
-    let mut parent = content_hash(first);
+    let mut parent = chained(seed, content_hash(first));
     out.push(parent);
     for block in blocks {
         parent = chain(parent, content_hash(block));
@@ -80,6 +92,45 @@ fn chained(parent: Option<u64>, content: u64) -> u64 {
 #[inline]
 pub fn chained_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
     chained(parent, content_hash(tokens))
+}
+
+/// [`chained_hash`] of a block whose engine hash also covers inputs other than its
+/// tokens (a multimodal item, prompt embeddings), hashed to `extra`: the block then
+/// matches no prompt of tokens alone, as it matches none in the engine.
+#[inline]
+pub fn chained_hash_with_extra(parent: Option<u64>, tokens: &[u32], extra: u64) -> u64 {
+    chained(parent, chain(content_hash(tokens), extra ^ EXTRA_TAG))
+}
+
+const EXTRA_TAG: u64 = 0x6d6d_6b65_7973_0001;
+
+/// The seed of a request's block hashes from its identity: `None` for a request
+/// with neither a LoRA adapter nor a cache salt (so plain prompts hash as they always
+/// did); otherwise an xxh3 (seed 1337) of the tag `kvhint-identity-v1` followed by,
+/// for the LoRA name and then the salt, a byte 0 (absent) or 1 and its UTF-8 length
+/// (u64 little-endian) and bytes. Length prefixes keep `("a", "bc")` and `("ab",
+/// "c")` apart. An empty name or salt counts as absent, as the engines treat it.
+pub fn identity_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> Option<u64> {
+    let lora_name = lora_name.filter(|s| !s.is_empty());
+    let cache_salt = cache_salt.filter(|s| !s.is_empty());
+    if lora_name.is_none() && cache_salt.is_none() {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(
+        32 + lora_name.map_or(0, str::len) + cache_salt.map_or(0, str::len),
+    );
+    bytes.extend_from_slice(b"kvhint-identity-v1");
+    for part in [lora_name, cache_salt] {
+        match part {
+            None => bytes.push(0),
+            Some(text) => {
+                bytes.push(1);
+                bytes.extend_from_slice(&(text.len() as u64).to_le_bytes());
+                bytes.extend_from_slice(text.as_bytes());
+            }
+        }
+    }
+    Some(xxh3_64_with_seed(&bytes, HASH_SEED))
 }
 
 #[cfg(test)]
@@ -110,5 +161,34 @@ mod tests {
         assert_eq!(chained_hash(Some(first), &tokens[16..32]), second);
         block_hashes(&tokens, 0, &mut out);
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn an_identity_seeds_every_block_and_none_changes_nothing() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let (mut plain, mut none, mut lora, mut salt, mut both) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        block_hashes(&tokens, 16, &mut plain);
+        seeded_block_hashes(&tokens, 16, identity_seed(None, Some("")), &mut none);
+        seeded_block_hashes(&tokens, 16, identity_seed(Some("a"), None), &mut lora);
+        seeded_block_hashes(&tokens, 16, identity_seed(None, Some("a")), &mut salt);
+        seeded_block_hashes(&tokens, 16, identity_seed(Some("a"), Some("a")), &mut both);
+        assert_eq!(plain, none, "an empty salt is no salt");
+        for (i, other) in [&lora, &salt, &both].into_iter().enumerate() {
+            for block in 0..2 {
+                assert_ne!(plain[block], other[block], "identity {i}, block {block}");
+            }
+        }
+        assert_ne!(lora, salt, "a LoRA name and a salt of the same text differ");
+        assert_ne!(
+            identity_seed(Some("a"), Some("bc")),
+            identity_seed(Some("ab"), Some("c"))
+        );
+        let seed = identity_seed(Some("a"), None);
+        assert_eq!(lora[0], chained_hash(seed, &tokens[..16]));
+        assert_ne!(
+            chained_hash_with_extra(None, &tokens[..16], 5),
+            chained_hash(None, &tokens[..16])
+        );
     }
 }

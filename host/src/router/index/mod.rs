@@ -52,7 +52,10 @@ pub mod shared;
 
 pub use crate::domain::WorkerKey;
 pub use events::{ApplyStats, KvEvent, KvEventError, StoredBlock};
-pub use hashing::{block_hashes, chained_hash, HASH_SEED};
+pub use hashing::{
+    block_hashes, chained_hash, chained_hash_with_extra, identity_seed, seeded_block_hashes,
+    HASH_SEED,
+};
 pub use holders::Slot;
 pub use lookup::{Found, Matches, RowScratch};
 
@@ -257,6 +260,16 @@ pub struct KvIndex {
     resolved: Vec<(u64, u64)>,
 }
 
+/// The parts of a `stored` event [`KvIndex::apply_stored`] hashes, besides its parent.
+#[derive(Clone, Copy)]
+pub(crate) struct Stored<'a> {
+    /// [`identity_seed`] of the event's LoRA name and cache salt.
+    pub identity: Option<u64>,
+    pub blocks: &'a [StoredBlock],
+    /// (block index, hash of its other inputs), ascending by index.
+    pub extra_keys: &'a [(u32, u64)],
+}
+
 impl KvIndex {
     /// An empty index for engines whose KV blocks hold `block_size` tokens.
     ///
@@ -344,9 +357,22 @@ impl KvIndex {
             KvEvent::Stored {
                 parent_block_hash,
                 blocks,
+                lora_name,
+                cache_salt,
+                extra_keys,
             } => {
                 let mut resolved = std::mem::take(&mut self.resolved);
-                let result = self.apply_stored(worker, *parent_block_hash, blocks, &mut resolved);
+                let identity = identity_seed(lora_name.as_deref(), cache_salt.as_deref());
+                let result = self.apply_stored(
+                    worker,
+                    *parent_block_hash,
+                    Stored {
+                        identity,
+                        blocks,
+                        extra_keys,
+                    },
+                    &mut resolved,
+                );
                 self.resolved = resolved;
                 result
             }
@@ -365,9 +391,10 @@ impl KvIndex {
         &mut self,
         worker: WorkerKey,
         parent_block_hash: Option<u64>,
-        blocks: &[StoredBlock],
+        stored: Stored<'_>,
         resolved: &mut Vec<(u64, u64)>,
     ) -> Result<ApplyStats, KvEventError> {
+        let blocks = stored.blocks;
         // Every check happens before the first change, which is what makes the event
         // atomic without an undo log.
         if let Some((index, block)) = blocks
@@ -383,8 +410,10 @@ impl KvIndex {
                 block_size: self.block_size,
             });
         }
+        // A sequence's first block carries the request identity; a continuation
+        // inherits it through its parent's hash.
         let mut parent = match parent_block_hash {
-            None => None,
+            None => stored.identity,
             Some(parent_hash) => match self.copy_of(worker, parent_hash) {
                 Some(copy) => Some(self.seq_of(copy.block)),
                 None => {
@@ -397,8 +426,12 @@ impl KvIndex {
         };
         resolved.clear();
         resolved.reserve(blocks.len());
-        for block in blocks {
-            let seq = chained_hash(parent, &block.token_ids);
+        let mut extras = stored.extra_keys.iter().peekable();
+        for (index, block) in blocks.iter().enumerate() {
+            let seq = match extras.next_if(|(at, _)| *at as usize == index) {
+                Some(&(_, extra)) => chained_hash_with_extra(parent, &block.token_ids, extra),
+                None => chained_hash(parent, &block.token_ids),
+            };
             resolved.push((block.block_hash, seq));
             parent = Some(seq);
         }

@@ -15,7 +15,7 @@
 //! [`SharedIndex::apply_batch`] publish before they return, so a caller that posted an
 //! event and then books sees it.
 
-use super::{ApplyStats, KvEvent, KvEventError, KvIndex, Slot, WorkerKey};
+use super::{identity_seed, ApplyStats, KvEvent, KvEventError, KvIndex, Slot, Stored, WorkerKey};
 use left_right::{Absorb, ReadHandle, ReadHandleFactory, WriteHandle};
 use parking_lot::Mutex;
 use std::cell::RefCell;
@@ -62,9 +62,22 @@ impl Absorb<Op> for KvIndex {
                     Some(KvEvent::Stored {
                         parent_block_hash,
                         blocks,
+                        lora_name,
+                        cache_salt,
+                        extra_keys,
                     }) => {
                         *parent = parent_block_hash;
-                        self.apply_stored(*worker, parent_block_hash, &blocks, resolved)
+                        let identity = identity_seed(lora_name.as_deref(), cache_salt.as_deref());
+                        self.apply_stored(
+                            *worker,
+                            parent_block_hash,
+                            Stored {
+                                identity,
+                                blocks: &blocks,
+                                extra_keys: &extra_keys,
+                            },
+                            resolved,
+                        )
                     }
                     Some(other) => {
                         let result = self.apply(*worker, &other);

@@ -30,6 +30,9 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
                 token_ids: t.to_vec(),
             })
             .collect(),
+        lora_name: None,
+        cache_salt: None,
+        extra_keys: Vec::new(),
     }
 }
 
@@ -422,6 +425,9 @@ fn wrong_token_count_is_refused_and_changes_nothing() {
                 token_ids: vec![5, 6, 7],
             },
         ],
+        lora_name: None,
+        cache_salt: None,
+        extra_keys: Vec::new(),
     };
     let err = index.apply(w(1, 0), &event).unwrap_err();
     assert_eq!(
@@ -677,6 +683,9 @@ fn wire_forms_round_trip() {
                     block_hash: 11,
                     token_ids: vec![1, 2, 3, 4],
                 }],
+                lora_name: None,
+                cache_salt: None,
+                extra_keys: Vec::new(),
             },
         ),
         (
@@ -684,6 +693,9 @@ fn wire_forms_round_trip() {
             KvEvent::Stored {
                 parent_block_hash: None,
                 blocks: vec![],
+                lora_name: None,
+                cache_salt: None,
+                extra_keys: Vec::new(),
             },
         ),
         (

@@ -1,0 +1,233 @@
+//! `kv_events:`: which engine blocks count, how subscriptions are tuned, and the
+//! sources of fleets that have no registration step.
+
+use super::yaml::{join, key_location, location, node_location, to_json, Walker};
+use super::Location;
+use crate::domain::Role;
+use crate::event_source::{Endpoints, KvEventSource};
+use marked_yaml::Node;
+
+/// `kv_events:`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventsConfig {
+    /// Media whose blocks count as a worker's cache (`GPU` by default).
+    pub media: Vec<String>,
+    /// Messages a subscription's socket buffers before dropping (ZMQ_RCVHWM).
+    pub receive_hwm: u64,
+    /// How long one replay may take before the worker is resynchronised instead.
+    pub replay_timeout_ms: u64,
+    pub sources: Vec<ConfiguredSource>,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            media: vec!["GPU".to_string()],
+            receive_hwm: 100_000,
+            replay_timeout_ms: 5_000,
+            sources: Vec::new(),
+        }
+    }
+}
+
+/// `kv_events.sources[i]`: a worker the router registers itself (every rank in
+/// `0..dp_size`) and subscribes to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfiguredSource {
+    pub worker_id: u64,
+    pub dp_size: u32,
+    pub role: Role,
+    pub runtime_data: serde_json::Map<String, serde_json::Value>,
+    pub source: KvEventSource,
+    pub at: Location,
+}
+
+pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
+    let mut out = KvEventsConfig::default();
+    let Some(map) = walker.mapping(node, "kv_events") else {
+        return out;
+    };
+    walker.known_keys(
+        map,
+        "kv_events",
+        &["media", "receive_hwm", "replay_timeout_ms", "sources"],
+    );
+    if let Some(node) = map.get_node("media") {
+        match node.as_sequence() {
+            Some(items) if !items.is_empty() => {
+                let mut media = Vec::new();
+                for (i, item) in items.iter().enumerate() {
+                    if let Some(text) = walker.string(item, &format!("kv_events.media[{i}]")) {
+                        media.push(text);
+                    }
+                }
+                out.media = media;
+            }
+            _ => walker.error(
+                location("kv_events.media", node.span()),
+                "`media` is a non-empty list of storage media whose blocks count, \
+                 like [GPU] (vLLM: GPU, CPU, STORAGE; SGLang: GPU, CPU_PINNED, DISK, EXTERNAL)",
+            ),
+        }
+    }
+    if let Some(node) = map.get_node("receive_hwm") {
+        if let Some(n) = walker.unsigned(node, "kv_events.receive_hwm", 1, i32::MAX as u64) {
+            out.receive_hwm = n;
+        }
+    }
+    if let Some(node) = map.get_node("replay_timeout_ms") {
+        if let Some(n) = walker.unsigned(node, "kv_events.replay_timeout_ms", 1, 600_000) {
+            out.replay_timeout_ms = n;
+        }
+    }
+    if let Some(node) = map.get_node("sources") {
+        match node.as_sequence() {
+            Some(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    if let Some(source) = configured(walker, item, &format!("kv_events.sources[{i}]"))
+                    {
+                        if let Some(other) = out
+                            .sources
+                            .iter()
+                            .find(|s| s.worker_id == source.worker_id)
+                        {
+                            walker.error(
+                                source.at.clone(),
+                                format!(
+                                    "worker_id {} is listed twice (first at line {}); list each \
+                                     worker once, with `dp_size` for its ranks",
+                                    source.worker_id, other.at.line
+                                ),
+                            );
+                            continue;
+                        }
+                        out.sources.push(source);
+                    }
+                }
+            }
+            None => walker.error(
+                location("kv_events.sources", node.span()),
+                "`sources` is a list of engines to subscribe to, each with worker_id, role \
+                 and endpoint",
+            ),
+        }
+    }
+    out
+}
+
+fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<ConfiguredSource> {
+    let at = node_location(path, node);
+    let map = walker.mapping(node, path)?;
+    walker.known_keys(
+        map,
+        path,
+        &[
+            "worker_id",
+            "dp_size",
+            "role",
+            "runtime_data",
+            "endpoint",
+            "replay_endpoint",
+            "topic",
+            "bind",
+        ],
+    );
+    let errors_before = walker.errors.len();
+    let required = |walker: &mut Walker, key: &str, what: &str| -> Option<&Node> {
+        let node = map.get_node(key);
+        if node.is_none() {
+            walker.error(at.clone(), format!("a source needs `{key}`: {what}"));
+        }
+        node
+    };
+    let worker_id = required(walker, "worker_id", "the worker id bookings name it by")
+        .and_then(|n| walker.unsigned(n, &join(path, "worker_id"), 0, u64::MAX));
+    let dp_size = match map.get_node("dp_size") {
+        Some(n) => walker.unsigned(n, &join(path, "dp_size"), 1, 1024).map(|n| n as u32),
+        None => Some(1),
+    };
+    let role = required(walker, "role", "aggregated, prefill or decode").and_then(|n| {
+        let text = walker.string(n, &join(path, "role"))?;
+        let role = Role::parse(&text);
+        if role.is_none() {
+            walker.error(
+                location(&join(path, "role"), n.span()),
+                format!(
+                    "unknown role `{text}`; expected one of: {}",
+                    Role::NAMES.join(", ")
+                ),
+            );
+        }
+        role
+    });
+    let runtime_data = match map.get_node("runtime_data") {
+        None => Some(serde_json::Map::new()),
+        Some(n) => match to_json(n) {
+            serde_json::Value::Object(m) => Some(m),
+            _ => {
+                walker.error(
+                    key_location(&join(path, "runtime_data"), map, "runtime_data"),
+                    "`runtime_data` is a mapping (Dynamo's keys: router_hint, \
+                     router_hint_worker_type, router_hint_source_control_endpoints)",
+                );
+                None
+            }
+        },
+    };
+    let endpoint = required(
+        walker,
+        "endpoint",
+        "where the engine publishes, as in its --kv-events-config",
+    )
+    .and_then(|n| walker.string(n, &join(path, "endpoint")));
+    let replay_endpoint = map
+        .get_node("replay_endpoint")
+        .and_then(|n| walker.string(n, &join(path, "replay_endpoint")));
+    let topic = map
+        .get_node("topic")
+        .and_then(|n| walker.string(n, &join(path, "topic")))
+        .unwrap_or_default();
+    let bind = match map.get_node("bind") {
+        None => Some(false),
+        Some(n) => match n.as_scalar().map(|s| s.as_str()) {
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            _ => {
+                walker.error(
+                    location(&join(path, "bind"), n.span()),
+                    "`bind` is true (the engine connects to the router) or false (the \
+                     router connects to the engine's bound publisher)",
+                );
+                None
+            }
+        },
+    };
+    if walker.errors.len() > errors_before {
+        return None;
+    }
+    let source = KvEventSource {
+        endpoint: endpoint?,
+        replay_endpoint,
+        topic,
+        bind: bind?,
+    };
+    let dp_size = dp_size?;
+    // Every rank's endpoints must resolve (a port plus the last rank may overflow).
+    if let Err(error) = Endpoints::resolve(dp_size - 1, &source) {
+        let key = error.field;
+        let at = map
+            .get_node(key)
+            .map(|n| location(&join(path, key), n.span()))
+            .unwrap_or(at);
+        walker.error(at, format!("`{key}` {}", error.problem));
+        return None;
+    }
+    Some(ConfiguredSource {
+        worker_id: worker_id?,
+        dp_size,
+        role: role?,
+        runtime_data: runtime_data?,
+        source,
+        at,
+    })
+}

@@ -1,0 +1,252 @@
+//! Engine KV events over ZMQ: one subscription per worker rank whose engine publishes.
+//!
+//! vLLM, SGLang and TensorRT-LLM's push publisher put every cache change on a ZMQ PUB
+//! socket; this module is how the router hears them. [`EngineEvents`] keeps one
+//! subscriber thread per source ([`subscriber`]), started when a worker registers with
+//! a `kv_events` source or the config lists one, stopped when it goes; each thread
+//! decodes batches ([`decode`]) and hands them to the same ingestion path as
+//! `POST /kv_events`, so engine events and API events are applied in one order.
+//! Threads, not async tasks: libzmq sockets block, and a source's work is a poll, a
+//! decode and a hand-off.
+
+pub mod decode;
+pub mod stats;
+pub mod subscriber;
+
+use crate::config::KvEventsConfig;
+use crate::domain::{WorkerKey, WorkerRegistration};
+use crate::event_source::{Endpoints, KvEventSource, SourceError};
+use crate::router::ingest::Ingest;
+use crate::router::Router;
+use arc_swap::ArcSwap;
+use decode::DecodeSettings;
+use parking_lot::Mutex;
+use stats::{SourceState, SourceStats};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use subscriber::{Shared, Subscriber, SubscriberOptions};
+
+/// Who asked for a source: a worker's registration, or the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Registration,
+    Config,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Registration => "registration",
+            Self::Config => "config",
+        }
+    }
+}
+
+struct Running {
+    origin: Origin,
+    source: KvEventSource,
+    shared: Arc<Shared>,
+}
+
+/// A source as `/admin/status` and `/metrics` show it.
+pub struct SourceView {
+    pub worker: WorkerKey,
+    pub origin: Origin,
+    pub endpoints: Endpoints,
+    pub stats: Arc<Shared>,
+}
+
+impl SourceView {
+    pub fn stats(&self) -> &SourceStats {
+        &self.stats.stats
+    }
+}
+
+/// Every engine subscription of one router.
+pub struct EngineEvents {
+    context: zmq::Context,
+    ingest: Ingest,
+    settings: Arc<ArcSwap<DecodeSettings>>,
+    options: SubscriberOptions,
+    sources: Mutex<BTreeMap<WorkerKey, Running>>,
+}
+
+impl EngineEvents {
+    pub fn new(ingest: Ingest, settings: DecodeSettings, options: SubscriberOptions) -> Self {
+        Self {
+            context: zmq::Context::new(),
+            ingest,
+            settings: Arc::new(ArcSwap::from_pointee(settings)),
+            options,
+            sources: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Which media count, and the block size (a reload may change the media).
+    pub fn set_settings(&self, settings: DecodeSettings) {
+        self.settings.store(Arc::new(settings));
+    }
+
+    /// Starts (or, if its source changed, restarts) `worker`'s subscription. The same
+    /// source again changes nothing: re-registering keeps the stream and its sequence.
+    pub fn attach(
+        &self,
+        worker: WorkerKey,
+        source: &KvEventSource,
+        origin: Origin,
+    ) -> Result<(), SourceError> {
+        let endpoints = Endpoints::resolve(worker.dp_rank, source)?;
+        let mut sources = self.sources.lock();
+        if let Some(running) = sources.get_mut(&worker) {
+            if running.source == *source {
+                running.origin = origin;
+                return Ok(());
+            }
+        }
+        if let Some(old) = sources.remove(&worker) {
+            old.shared.stop.store(true, Ordering::Relaxed);
+        }
+        let shared = Arc::new(Shared {
+            worker,
+            endpoints,
+            stats: SourceStats::default(),
+            stop: Default::default(),
+        });
+        let subscriber = Subscriber {
+            shared: Arc::clone(&shared),
+            context: self.context.clone(),
+            ingest: self.ingest.clone(),
+            settings: Arc::clone(&self.settings),
+            options: self.options.clone(),
+        };
+        std::thread::Builder::new()
+            .name(format!("kvhint-kv-{}-{}", worker.worker_id, worker.dp_rank))
+            .spawn(move || subscriber.run())
+            .map_err(|e| SourceError {
+                field: "endpoint",
+                problem: format!("could not start its subscriber thread: {e}"),
+            })?;
+        tracing::info!(
+            worker_id = worker.worker_id,
+            dp_rank = worker.dp_rank,
+            source = %shared.endpoints,
+            origin = origin.as_str(),
+            "subscribing to KV events"
+        );
+        sources.insert(
+            worker,
+            Running {
+                origin,
+                source: source.clone(),
+                shared,
+            },
+        );
+        Ok(())
+    }
+
+    /// Stops `worker`'s subscription, if it has one. Its thread ends within a poll.
+    pub fn detach(&self, worker: WorkerKey) -> bool {
+        match self.sources.lock().remove(&worker) {
+            Some(running) => {
+                running.shared.stop.store(true, Ordering::Relaxed);
+                running.shared.stats.set_state(SourceState::Stopped);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Workers whose source came from `origin`.
+    pub fn workers_from(&self, origin: Origin) -> Vec<WorkerKey> {
+        self.sources
+            .lock()
+            .iter()
+            .filter(|(_, r)| r.origin == origin)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    pub fn sources(&self) -> Vec<SourceView> {
+        self.sources
+            .lock()
+            .iter()
+            .map(|(worker, running)| SourceView {
+                worker: *worker,
+                origin: running.origin,
+                endpoints: running.shared.endpoints.clone(),
+                stats: Arc::clone(&running.shared),
+            })
+            .collect()
+    }
+
+    /// Stops every subscription.
+    pub fn shutdown(&self) {
+        for (_, running) in std::mem::take(&mut *self.sources.lock()) {
+            running.shared.stop.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for EngineEvents {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl EngineEvents {
+    /// Follows the config's `kv_events` section: the media setting, and its sources —
+    /// each listed worker registered (every rank) and subscribed, a worker no longer
+    /// listed deregistered. Returns what failed, already logged.
+    pub fn apply_config(&self, router: &Router, config: &KvEventsConfig) -> Vec<String> {
+        self.set_settings(DecodeSettings {
+            block_size: router.block_size(),
+            media: config.media.clone(),
+        });
+        let mut failures = Vec::new();
+        let mut wanted = Vec::new();
+        for configured in &config.sources {
+            for dp_rank in 0..configured.dp_size {
+                let worker = WorkerKey {
+                    worker_id: configured.worker_id,
+                    dp_rank,
+                };
+                wanted.push(worker);
+                let registration = WorkerRegistration {
+                    worker_id: worker.worker_id,
+                    dp_rank,
+                    role: configured.role,
+                    runtime_data: configured.runtime_data.clone(),
+                    kv_events: Some(configured.source.clone()),
+                };
+                let result = router
+                    .register_worker(registration)
+                    .map_err(|e| e.to_string())
+                    .and_then(|_| {
+                        self.attach(worker, &configured.source, Origin::Config)
+                            .map_err(|e| e.to_string())
+                    });
+                if let Err(problem) = result {
+                    tracing::error!(
+                        worker_id = worker.worker_id,
+                        dp_rank,
+                        line = configured.at.line,
+                        "kv_events.sources: {problem}"
+                    );
+                    failures.push(format!(
+                        "worker {} rank {dp_rank}: {problem}",
+                        worker.worker_id
+                    ));
+                }
+            }
+        }
+        for worker in self.workers_from(Origin::Config) {
+            if !wanted.contains(&worker) {
+                self.detach(worker);
+                // Gone from the config: the router forgets it as a deregistration would.
+                let _ = router.deregister_worker(worker);
+            }
+        }
+        failures
+    }
+}

@@ -1,0 +1,571 @@
+//! One source's thread: a ZMQ SUB socket, its sequence numbers, and recovery.
+//!
+//! Each message is `[topic, seq (u64 big-endian), payload]`. The thread keeps the next
+//! sequence number it expects and, when one goes missing (the network, a full socket
+//! buffer, a batch this router could not queue), asks the engine's replay socket (a
+//! ROUTER; we use a DEALER, since a REQ socket takes only the first reply) for every
+//! buffered batch from the first one missed. When there is no replay socket, or its
+//! buffer no longer reaches back, or the publisher restarted (its sequence went back to
+//! 0), the worker's index entries are cleared and rebuilt from the events that follow:
+//! the router then under-credits that worker for a while, never credits blocks it lost.
+//! A stored event whose parent the worker never stored means the same loss and takes
+//! the same recovery, at most once per [`PARENT_RECOVERY_EVERY`].
+//!
+//! Between the socket and the index nothing grows without bound: the socket's receive
+//! high-water mark drops what a stalled router cannot take (seen as a gap), and a batch
+//! the ingestion queue refuses is dropped and recovered the same way.
+
+use super::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
+use crate::event_source::Endpoints;
+use super::stats::{SourceState, SourceStats};
+use crate::domain::WorkerKey;
+use crate::router::index::{ApplyStats, KvEvent};
+use crate::router::ingest::Ingest;
+use crate::router::RouterError;
+use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The replay socket's end marker (the sequence field of its last message).
+const END_SEQ: [u8; 8] = [0xff; 8];
+/// How long the thread blocks in one poll: the bound on noticing a stop.
+const POLL: Duration = Duration::from_millis(50);
+/// Unknown-parent recoveries at most this often per source: a block whose parent fell
+/// out of the replay buffer stays unknown, and must not clear the worker in a loop.
+pub const PARENT_RECOVERY_EVERY: Duration = Duration::from_secs(2);
+/// Warnings of one kind per source at most this often.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Tuning of every subscription.
+#[derive(Debug, Clone)]
+pub struct SubscriberOptions {
+    /// Messages the SUB socket buffers before it drops (ZMQ_RCVHWM).
+    pub receive_hwm: i32,
+    /// How long a replay may take before it is given up (and the worker resynced).
+    pub replay_timeout: Duration,
+    /// Most batches one replay may return.
+    pub replay_max_batches: usize,
+    /// First and longest wait between attempts to bind or reconnect.
+    pub backoff: (Duration, Duration),
+}
+
+impl Default for SubscriberOptions {
+    fn default() -> Self {
+        Self {
+            receive_hwm: 100_000,
+            replay_timeout: Duration::from_secs(5),
+            replay_max_batches: 100_000,
+            backoff: (Duration::from_millis(100), Duration::from_secs(5)),
+        }
+    }
+}
+
+/// What the manager and the thread share.
+pub struct Shared {
+    /// The worker the source belongs to (a batch's dp rank may name a sibling).
+    pub worker: WorkerKey,
+    pub endpoints: Endpoints,
+    pub stats: SourceStats,
+    pub stop: AtomicBool,
+}
+
+/// Everything one thread needs.
+pub struct Subscriber {
+    pub shared: Arc<Shared>,
+    pub context: zmq::Context,
+    pub ingest: Ingest,
+    pub settings: Arc<ArcSwap<DecodeSettings>>,
+    pub options: SubscriberOptions,
+}
+
+/// Where the sequence stands.
+#[derive(Debug, Default)]
+struct Cursor {
+    /// The next sequence number expected (`None` before the first batch).
+    expected: Option<u64>,
+    /// The first sequence number of the last replay: live batches from there up to
+    /// `expected` were already applied from the replay and are duplicates.
+    replayed_from: Option<u64>,
+}
+
+enum Next {
+    Apply,
+    Gap { from: u64 },
+    Duplicate,
+    Restart,
+}
+
+impl Cursor {
+    fn classify(&self, seq: u64) -> Next {
+        match self.expected {
+            None => Next::Apply,
+            Some(expected) if seq == expected => Next::Apply,
+            Some(expected) if seq > expected => Next::Gap { from: expected },
+            Some(_) if self.replayed_from.is_some_and(|from| seq >= from) && seq != 0 => {
+                Next::Duplicate
+            }
+            Some(_) => Next::Restart,
+        }
+    }
+}
+
+struct Warnings {
+    last: [Option<Instant>; 4],
+}
+
+#[derive(Clone, Copy)]
+enum Warn {
+    Decode = 0,
+    BlockSize = 1,
+    Socket = 2,
+    Recovery = 3,
+}
+
+impl Warnings {
+    fn due(&mut self, kind: Warn) -> bool {
+        let slot = &mut self.last[kind as usize];
+        if slot.is_some_and(|at| at.elapsed() < WARN_EVERY) {
+            return false;
+        }
+        *slot = Some(Instant::now());
+        true
+    }
+}
+
+impl Subscriber {
+    /// Runs until the source is stopped.
+    pub fn run(self) {
+        let mut thread = Thread {
+            sub: &self,
+            cursor: Cursor::default(),
+            decoded: DecodedBatch::default(),
+            groups: GroupFilter::default(),
+            replies: crossbeam_channel::bounded(1),
+            keys: vec![self.shared.worker],
+            warnings: Warnings { last: [None; 4] },
+            last_parent_recovery: None,
+        };
+        thread.run();
+        self.shared.stats.set_state(SourceState::Stopped);
+    }
+}
+
+struct Thread<'a> {
+    sub: &'a Subscriber,
+    cursor: Cursor,
+    decoded: DecodedBatch,
+    groups: GroupFilter,
+    replies: (
+        crossbeam_channel::Sender<Vec<Result<ApplyStats, RouterError>>>,
+        crossbeam_channel::Receiver<Vec<Result<ApplyStats, RouterError>>>,
+    ),
+    /// Every worker key this source has fed (a batch's dp rank may name another).
+    keys: Vec<WorkerKey>,
+    warnings: Warnings,
+    last_parent_recovery: Option<Instant>,
+}
+
+impl Thread<'_> {
+    fn stopped(&self) -> bool {
+        self.sub.shared.stop.load(Ordering::Relaxed)
+    }
+
+    fn stats(&self) -> &SourceStats {
+        &self.sub.shared.stats
+    }
+
+    fn endpoints(&self) -> &Endpoints {
+        &self.sub.shared.endpoints
+    }
+
+    /// Sleeps `wait`, waking early when stopped.
+    fn pause(&self, wait: Duration) {
+        let until = Instant::now() + wait;
+        while !self.stopped() && Instant::now() < until {
+            std::thread::sleep(POLL.min(until.saturating_duration_since(Instant::now())));
+        }
+    }
+
+    fn run(&mut self) {
+        let (first, longest) = self.sub.options.backoff;
+        let mut backoff = first;
+        let mut replayed_history = false;
+        while !self.stopped() {
+            self.stats().set_state(SourceState::Connecting);
+            let socket = match self.open() {
+                Ok(socket) => socket,
+                Err(problem) => {
+                    self.stats().socket_errors.fetch_add(1, Ordering::Relaxed);
+                    self.stats().set_error(&problem);
+                    if self.warnings.due(Warn::Socket) {
+                        tracing::warn!(
+                            worker_id = self.sub.shared.worker.worker_id,
+                            dp_rank = self.sub.shared.worker.dp_rank,
+                            source = %self.endpoints(),
+                            "KV-event subscription failed, retrying in {backoff:?}: {problem}"
+                        );
+                    }
+                    self.pause(backoff);
+                    backoff = (backoff * 2).min(longest);
+                    continue;
+                }
+            };
+            backoff = first;
+            self.stats().connects.fetch_add(1, Ordering::Relaxed);
+            self.stats().set_state(SourceState::Live);
+            // The replay buffer is the only history an engine keeps: load it once, so
+            // a router started after the engine knows what the engine cached lately.
+            if !replayed_history && self.endpoints().replay.is_some() {
+                replayed_history = true;
+                self.recover(0, None);
+            }
+            self.receive(&socket);
+        }
+    }
+
+    fn open(&self) -> Result<zmq::Socket, String> {
+        let endpoints = self.endpoints();
+        let socket = self
+            .sub
+            .context
+            .socket(zmq::SUB)
+            .map_err(|e| format!("cannot create a SUB socket: {e}"))?;
+        let setup = || -> Result<(), zmq::Error> {
+            socket.set_linger(0)?;
+            socket.set_rcvhwm(self.sub.options.receive_hwm)?;
+            socket.set_reconnect_ivl(self.sub.options.backoff.0.as_millis() as i32)?;
+            socket.set_reconnect_ivl_max(self.sub.options.backoff.1.as_millis() as i32)?;
+            socket.set_ipv6(endpoints.events.contains('['))?;
+            socket.set_subscribe(endpoints.topic.as_bytes())?;
+            Ok(())
+        };
+        setup().map_err(|e| format!("cannot configure the SUB socket: {e}"))?;
+        if endpoints.bind {
+            socket.bind(&endpoints.events).map_err(|e| {
+                format!(
+                    "cannot bind {}: {e} (is another process, or another worker's source, \
+                     bound there?)",
+                    endpoints.events
+                )
+            })?;
+        } else {
+            socket
+                .connect(&endpoints.events)
+                .map_err(|e| format!("cannot connect to {}: {e}", endpoints.events))?;
+        }
+        Ok(socket)
+    }
+
+    /// Reads batches until stopped or the socket fails.
+    fn receive(&mut self, socket: &zmq::Socket) {
+        while !self.stopped() {
+            match socket.poll(zmq::POLLIN, POLL.as_millis() as i64) {
+                Ok(0) => continue,
+                Ok(_) => {}
+                Err(e) => {
+                    self.stats().set_error(&format!("polling the SUB socket failed: {e}"));
+                    return;
+                }
+            }
+            let frames = match socket.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => frames,
+                Err(zmq::Error::EAGAIN) => continue,
+                Err(e) => {
+                    self.stats().set_error(&format!("receiving failed: {e}"));
+                    return;
+                }
+            };
+            self.message(&frames);
+        }
+    }
+
+    fn message(&mut self, frames: &[Vec<u8>]) {
+        let [topic, seq, payload] = frames else {
+            self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        // A SUB subscription matches by prefix; only this exact topic is ours.
+        if topic.as_slice() != self.endpoints().topic.as_bytes() {
+            return;
+        }
+        let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()).map(u64::from_be_bytes) else {
+            self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        match self.cursor.classify(seq) {
+            Next::Apply => {}
+            Next::Duplicate => {
+                self.stats().duplicates.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            Next::Restart => {
+                self.stats().restarts.fetch_add(1, Ordering::Relaxed);
+                if self.warnings.due(Warn::Recovery) {
+                    tracing::warn!(
+                        worker_id = self.sub.shared.worker.worker_id,
+                        dp_rank = self.sub.shared.worker.dp_rank,
+                        seq,
+                        expected = self.cursor.expected,
+                        "the KV-event publisher restarted (its sequence went back); clearing \
+                         this worker's index entries, they are rebuilt from its new events"
+                    );
+                }
+                self.resync();
+                self.cursor = Cursor::default();
+            }
+            Next::Gap { from } => {
+                self.stats().gaps.fetch_add(1, Ordering::Relaxed);
+                self.recover(from, Some(seq));
+                if self.cursor.expected.is_some_and(|e| e > seq) {
+                    // The replay already brought this batch.
+                    return;
+                }
+            }
+        }
+        self.apply(seq, payload);
+    }
+
+    /// Decodes and applies one batch; `seq` becomes the last one applied.
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        self.cursor.expected = Some(seq.wrapping_add(1));
+        let stats = &self.sub.shared.stats;
+        stats.last_seq.store(seq, Ordering::Relaxed);
+        stats.touch();
+        let settings = self.sub.settings.load();
+        if let Err(error) = decode_batch(payload, &settings, &mut self.groups, &mut self.decoded) {
+            stats.decode_errors.fetch_add(1, Ordering::Relaxed);
+            if self.warnings.due(Warn::Decode) {
+                tracing::warn!(
+                    worker_id = self.sub.shared.worker.worker_id,
+                    dp_rank = self.sub.shared.worker.dp_rank,
+                    seq,
+                    "skipped a KV-event batch ({error}); its events are lost, so this \
+                     worker's index entries are cleared and rebuilt from its next events"
+                );
+            }
+            self.resync();
+            return;
+        }
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats.record(&self.decoded);
+        if self.decoded.counts.wrong_block_size > 0 && self.warnings.due(Warn::BlockSize) {
+            tracing::warn!(
+                worker_id = self.sub.shared.worker.worker_id,
+                dp_rank = self.sub.shared.worker.dp_rank,
+                engine_block_size = self.decoded.counts.last_wrong_block_size,
+                router_block_size = settings.block_size,
+                "refused stored KV events: the engine's block size differs from the router's; \
+                 set `router.block_size` to the engine's block size (vLLM --block-size, SGLang \
+                 --page-size), or the engine's to the router's"
+            );
+        }
+        if self.decoded.events.is_empty() {
+            return;
+        }
+        let worker = match self.decoded.dp_rank {
+            Some(rank) => WorkerKey {
+                worker_id: self.sub.shared.worker.worker_id,
+                dp_rank: rank,
+            },
+            None => self.sub.shared.worker,
+        };
+        if !self.keys.contains(&worker) {
+            self.keys.push(worker);
+        }
+        let events: Vec<(WorkerKey, KvEvent)> = self
+            .decoded
+            .events
+            .drain(..)
+            .map(|event| (worker, event))
+            .collect();
+        let Some(results) = self.submit(events) else {
+            // Not queued: lost, as a dropped message would be.
+            self.stats().dropped.fetch_add(1, Ordering::Relaxed);
+            self.recover(seq, None);
+            return;
+        };
+        let mut unknown_parent = false;
+        for result in results {
+            match result {
+                Ok(_) => {}
+                Err(RouterError::KvEvent {
+                    unknown_parent: true,
+                    ..
+                }) => {
+                    stats.unknown_parent.fetch_add(1, Ordering::Relaxed);
+                    unknown_parent = true;
+                }
+                Err(RouterError::UnknownWorker { .. }) => {
+                    stats.unknown_worker.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if unknown_parent
+            && self
+                .last_parent_recovery
+                .is_none_or(|at| at.elapsed() >= PARENT_RECOVERY_EVERY)
+        {
+            self.last_parent_recovery = Some(Instant::now());
+            if self.warnings.due(Warn::Recovery) {
+                tracing::warn!(
+                    worker_id = self.sub.shared.worker.worker_id,
+                    dp_rank = self.sub.shared.worker.dp_rank,
+                    seq,
+                    "a stored KV event chains onto a block this worker never stored: its \
+                     events were lost; rebuilding its index entries"
+                );
+            }
+            // Everything the engine still buffers, onto a clean slate.
+            self.resync();
+            self.recover(0, None);
+        }
+    }
+
+    /// Queues events and waits until they are visible, or `None` if the queue stayed
+    /// full (the router is overloaded: the batch is dropped and recovered later).
+    fn submit(
+        &mut self,
+        events: Vec<(WorkerKey, KvEvent)>,
+    ) -> Option<Vec<Result<ApplyStats, RouterError>>> {
+        let mut events = events;
+        // A full queue is a burst: wait for room a little (1 + 2 + … + 64 ms), then
+        // give the batch up rather than stall the socket behind it.
+        for attempt in 0..8u32 {
+            match self.sub.ingest.submit_batch(events, self.replies.0.clone()) {
+                Ok(()) => return self.replies.1.recv_timeout(Duration::from_secs(30)).ok(),
+                Err((_, back)) => {
+                    events = back;
+                    std::thread::sleep(Duration::from_millis(1 << attempt.min(6)));
+                }
+            }
+        }
+        None
+    }
+
+    /// Clears every worker this source fed (its cache is no longer known).
+    fn resync(&mut self) {
+        self.stats().resyncs.fetch_add(1, Ordering::Relaxed);
+        let events = self.keys.iter().map(|k| (*k, KvEvent::Cleared)).collect();
+        if self.submit(events).is_none() {
+            self.stats().dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Recovers batches from `from` on: through the replay socket if there is one and
+    /// its buffer reaches back that far, else by resynchronising. `live` is the batch
+    /// that revealed the gap, if any.
+    fn recover(&mut self, from: u64, live: Option<u64>) {
+        let Some(replay) = self.endpoints().replay.clone() else {
+            if from != 0 || live.is_some() {
+                self.resync();
+            }
+            return;
+        };
+        self.stats().set_state(SourceState::Replaying);
+        self.stats().replays.fetch_add(1, Ordering::Relaxed);
+        let fetched = self.fetch_replay(&replay, from);
+        self.stats().set_state(SourceState::Live);
+        let batches = match fetched {
+            Ok(batches) => batches,
+            Err(problem) => {
+                self.stats().replay_failures.fetch_add(1, Ordering::Relaxed);
+                if self.warnings.due(Warn::Recovery) {
+                    tracing::warn!(
+                        worker_id = self.sub.shared.worker.worker_id,
+                        dp_rank = self.sub.shared.worker.dp_rank,
+                        replay = %replay,
+                        "KV-event replay failed ({problem}); clearing this worker's index \
+                         entries, they are rebuilt from its next events"
+                    );
+                }
+                self.resync();
+                return;
+            }
+        };
+        let reaches_back = batches.first().is_none_or(|(seq, _)| *seq <= from);
+        if !reaches_back && from != 0 {
+            // The engine no longer buffers the first batch missed.
+            self.stats().replay_short.fetch_add(1, Ordering::Relaxed);
+            self.resync();
+        }
+        self.cursor.replayed_from = batches.first().map(|(seq, _)| *seq);
+        for (seq, payload) in batches {
+            if seq < from {
+                continue;
+            }
+            self.apply(seq, &payload);
+        }
+    }
+
+    /// Asks the replay socket for every batch from `from`: `[b"", seq]` out; replies
+    /// `[b"", topic, seq, payload]` (or `[b"", seq, payload]` from vLLM before 0.26)
+    /// until the end marker (`seq` all ones, in either form).
+    fn fetch_replay(&self, replay: &str, from: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        let dealer = self
+            .sub
+            .context
+            .socket(zmq::DEALER)
+            .map_err(|e| format!("cannot create a DEALER socket: {e}"))?;
+        dealer
+            .set_linger(0)
+            .and_then(|()| dealer.set_ipv6(replay.contains('[')))
+            .map_err(|e| format!("cannot configure the DEALER socket: {e}"))?;
+        dealer
+            .connect(replay)
+            .map_err(|e| format!("cannot connect to {replay}: {e}"))?;
+        dealer
+            .send_multipart([&b""[..], &from.to_be_bytes()[..]], 0)
+            .map_err(|e| format!("cannot send the replay request: {e}"))?;
+        let deadline = Instant::now() + self.sub.options.replay_timeout;
+        let mut batches = Vec::new();
+        loop {
+            if self.stopped() {
+                return Err("the source was stopped".into());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "no end marker within {:?} ({} batches received)",
+                    self.sub.options.replay_timeout,
+                    batches.len()
+                ));
+            }
+            match dealer.poll(zmq::POLLIN, left.min(POLL).as_millis().max(1) as i64) {
+                Ok(0) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(format!("polling the DEALER socket failed: {e}")),
+            }
+            let frames = match dealer.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => frames,
+                Err(zmq::Error::EAGAIN) => continue,
+                Err(e) => return Err(format!("receiving a replay failed: {e}")),
+            };
+            let (seq, payload) = match frames.as_slice() {
+                [empty, _topic, seq, payload] if empty.is_empty() => (seq, payload),
+                [empty, seq, payload] if empty.is_empty() => (seq, payload),
+                _ => {
+                    self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            if seq.as_slice() == END_SEQ {
+                return Ok(batches);
+            }
+            let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()).map(u64::from_be_bytes) else {
+                self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            if batches.len() >= self.sub.options.replay_max_batches {
+                return Err(format!(
+                    "the replay sent more than {} batches",
+                    self.sub.options.replay_max_batches
+                ));
+            }
+            batches.push((seq, payload.clone()));
+        }
+    }
+}
