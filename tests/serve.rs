@@ -3,7 +3,7 @@
 //! the real binary on 127.0.0.1 with an ephemeral port.
 
 use kvhint_e2e::trace::tokens;
-use kvhint_e2e::{action_types, kvhint_bin, plugin_so, private_dir, workspace_root, TempDir};
+use kvhint_e2e::{action_types, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::PermissionsExt;
@@ -12,116 +12,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A running `kvhint serve`, killed on drop.
-struct Server {
-    child: Child,
-    base: String,
-    agent: ureq::Agent,
-    log: PathBuf,
-}
-
-impl Server {
-    fn start(config: &Path, extra: &[&str], log_dir: &Path) -> Server {
-        let log = log_dir.join("serve.log");
-        let mut child = Command::new(kvhint_bin())
-            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-            .arg(config)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let address = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| {
-                panic!(
-                    "serve did not start: {line:?}\n{}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            })
-            .to_string();
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(10)))
-            .build()
-            .new_agent();
-        Server {
-            child,
-            base: format!("http://{address}"),
-            agent,
-            log,
-        }
-    }
-
-    fn address(&self) -> &str {
-        self.base.trim_start_matches("http://")
-    }
-
-    fn get(&self, path: &str) -> (u16, String) {
-        let mut response = self
-            .agent
-            .get(&format!("{}{path}", self.base))
-            .call()
-            .unwrap();
-        let status = response.status().as_u16();
-        (status, response.body_mut().read_to_string().unwrap())
-    }
-
-    fn post_raw(&self, path: &str, content_type: &str, body: &str) -> (u16, Value) {
-        let mut response = self
-            .agent
-            .post(&format!("{}{path}", self.base))
-            .header("content-type", content_type)
-            .send(body)
-            .unwrap();
-        let status = response.status().as_u16();
-        let text = response.body_mut().read_to_string().unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        self.post_raw(path, "application/json", &body.to_string())
-    }
-
-    fn status(&self) -> Value {
-        serde_json::from_str(&self.get("/admin/status").1).unwrap()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until `check` holds, or fails with the server's log.
-    fn wait_for(&self, what: &str, mut check: impl FnMut(&Server) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if check(self) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        panic!(
-            "timed out waiting for {what}\n--- serve log ---\n{}",
-            self.log()
-        );
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn drop_in(path: &Path, bytes: &[u8]) {
     kvhint_e2e::drop_in(path, bytes).unwrap();

@@ -27,7 +27,7 @@
 //! that says where — the subscriber counts it and resynchronises, never panics.
 
 use crate::router::index::{KvEvent, StoredBlock};
-use rmp::decode::{self as mp, MessageLen};
+use rmp::decode as mp;
 use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -100,10 +100,9 @@ pub struct GroupFilter {
     skipped: Vec<i64>,
 }
 
-/// Deepest nesting and longest container a batch may have: bounds the work a hostile
-/// payload can make the skipper do.
-const MAX_DEPTH: usize = 32;
-const MAX_LEN: u32 = 1 << 24;
+/// Most elements reserved up front for one list: a length field is not trusted
+/// further than this before its elements arrive.
+const MAX_LEN: u32 = 1 << 16;
 
 /// Decodes one batch payload into `out` (cleared first).
 pub fn decode_batch(
@@ -366,14 +365,68 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// Skips one value of any shape, returning its bytes.
+    /// Skips one value of any shape, returning its bytes. Iterative, and a container
+    /// cannot promise more values than bytes remain, so hostile input costs at most
+    /// one step per byte.
     fn value(&mut self) -> Result<&'a [u8], DecodeError> {
-        let len = MessageLen::with_limits(MAX_DEPTH, MAX_LEN as usize)
-            .incremental_len(self.rest)
-            .map_err(|_| self.fail("a value is truncated, too deep or too long"))?;
-        let (value, rest) = self.rest.split_at(len);
+        let start = self.rest;
+        let mut pending: usize = 1;
+        while pending > 0 {
+            pending -= 1;
+            let Some((&byte, rest)) = self.rest.split_first() else {
+                return Err(self.fail("a value runs past the end"));
+            };
+            self.rest = rest;
+            let (skip, more) = match Marker::from_u8(byte) {
+                Marker::Null
+                | Marker::True
+                | Marker::False
+                | Marker::FixPos(_)
+                | Marker::FixNeg(_) => (0, 0),
+                Marker::U8 | Marker::I8 => (1, 0),
+                Marker::U16 | Marker::I16 => (2, 0),
+                Marker::U32 | Marker::I32 | Marker::F32 => (4, 0),
+                Marker::U64 | Marker::I64 | Marker::F64 => (8, 0),
+                Marker::FixStr(n) => (usize::from(n), 0),
+                Marker::Str8 | Marker::Bin8 => (self.length(1)?, 0),
+                Marker::Str16 | Marker::Bin16 => (self.length(2)?, 0),
+                Marker::Str32 | Marker::Bin32 => (self.length(4)?, 0),
+                Marker::FixArray(n) => (0, usize::from(n)),
+                Marker::Array16 => (0, self.length(2)?),
+                Marker::Array32 => (0, self.length(4)?),
+                Marker::FixMap(n) => (0, 2 * usize::from(n)),
+                Marker::Map16 => (0, 2 * self.length(2)?),
+                Marker::Map32 => (0, 2 * self.length(4)?),
+                Marker::FixExt1 => (2, 0),
+                Marker::FixExt2 => (3, 0),
+                Marker::FixExt4 => (5, 0),
+                Marker::FixExt8 => (9, 0),
+                Marker::FixExt16 => (17, 0),
+                Marker::Ext8 => (self.length(1)? + 1, 0),
+                Marker::Ext16 => (self.length(2)? + 1, 0),
+                Marker::Ext32 => (self.length(4)? + 1, 0),
+                Marker::Reserved => return Err(self.fail("a reserved byte (0xc1)")),
+            };
+            if skip > self.rest.len() {
+                return Err(self.fail("a value runs past the end"));
+            }
+            self.rest = &self.rest[skip..];
+            pending += more;
+            if pending > self.rest.len() {
+                return Err(self.fail("a container holds more values than bytes remain"));
+            }
+        }
+        Ok(&start[..start.len() - self.rest.len()])
+    }
+
+    /// A big-endian length of `width` bytes.
+    fn length(&mut self, width: usize) -> Result<usize, DecodeError> {
+        if self.rest.len() < width {
+            return Err(self.fail("a length runs past the end"));
+        }
+        let (bytes, rest) = self.rest.split_at(width);
         self.rest = rest;
-        Ok(value)
+        Ok(bytes.iter().fold(0usize, |n, b| (n << 8) | usize::from(*b)))
     }
 
     fn event(

@@ -1,0 +1,360 @@
+//! The engine KV-event decoder on golden bytes made by the engines' own code (vLLM
+//! 0.33.0 and 0.23.0, SGLang 0.5.23: `tests/engines/make_golden.py`), what the decoded
+//! events do to bookings, and random and mutated bytes (no panic, every error an `Err`).
+
+use kvhint::engine_events::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
+use kvhint::router::index::KvEvent;
+use kvhint::router::{BookRequest, Router};
+use kvhint_e2e::{kvcr_snapshot, workspace_root};
+use serde_json::json;
+use std::path::PathBuf;
+
+const ENGINES: [&str; 3] = ["vllm-0.33.0", "vllm-0.23.0", "sglang-0.5.23"];
+
+fn fixture(engine: &str, case: &str) -> Option<Vec<u8>> {
+    let path: PathBuf = workspace_root()
+        .join("tests/fixtures/engine-events")
+        .join(engine)
+        .join(format!("{case}.msgpack"));
+    std::fs::read(path).ok()
+}
+
+fn settings() -> DecodeSettings {
+    DecodeSettings {
+        block_size: 16,
+        media: vec!["GPU".into()],
+    }
+}
+
+fn decode(payload: &[u8]) -> DecodedBatch {
+    let mut out = DecodedBatch::default();
+    decode_batch(payload, &settings(), &mut GroupFilter::default(), &mut out)
+        .unwrap_or_else(|e| panic!("{e}"));
+    out
+}
+
+fn stored_hashes(event: &KvEvent) -> (Option<u64>, Vec<u64>) {
+    match event {
+        KvEvent::Stored {
+            parent_block_hash,
+            blocks,
+            ..
+        } => (
+            *parent_block_hash,
+            blocks.iter().map(|b| b.block_hash).collect(),
+        ),
+        other => panic!("expected a stored event, got {other:?}"),
+    }
+}
+
+/// The same four events — a root store, a continuation, a removal, a clear — in every
+/// engine's encoding, with hashes as the engine wrote them.
+fn assert_chain(engine: &str, case: &str, hashes: [u64; 3]) {
+    let Some(payload) = fixture(engine, case) else {
+        panic!("{engine}/{case}.msgpack is missing");
+    };
+    let batch = decode(&payload);
+    assert_eq!(batch.ts, 1_700_000_000.25, "{engine}/{case}");
+    assert_eq!(batch.dp_rank, Some(0), "{engine}/{case}");
+    assert_eq!(batch.events.len(), 4, "{engine}/{case}: {:?}", batch.events);
+    assert_eq!(
+        stored_hashes(&batch.events[0]),
+        (None, vec![hashes[0], hashes[1]]),
+        "{engine}/{case}"
+    );
+    assert_eq!(
+        stored_hashes(&batch.events[1]),
+        (Some(hashes[1]), vec![hashes[2]]),
+        "{engine}/{case}"
+    );
+    if let KvEvent::Stored { blocks, .. } = &batch.events[0] {
+        assert_eq!(blocks[1].token_ids, (16..32).collect::<Vec<u32>>());
+    }
+    assert_eq!(
+        batch.events[2],
+        KvEvent::Removed {
+            block_hashes: vec![hashes[2]]
+        },
+        "{engine}/{case}"
+    );
+    assert_eq!(batch.events[3], KvEvent::Cleared, "{engine}/{case}");
+    assert_eq!(
+        (
+            batch.counts.stored,
+            batch.counts.removed,
+            batch.counts.cleared
+        ),
+        (2, 1, 1)
+    );
+}
+
+#[test]
+fn unsigned_hashes_above_2_63_decode_exactly_in_both_encodings() {
+    for engine in ENGINES {
+        assert_chain(
+            engine,
+            "u64",
+            [18_446_744_073_709_551_557, 9_223_372_036_854_775_809, 42],
+        );
+        let batch = decode(&fixture(engine, "u64").unwrap());
+        assert!(!batch.hashes.signed && !batch.hashes.digest);
+    }
+}
+
+#[test]
+fn signed_hashes_keep_their_64_bits_and_mark_the_source_signed() {
+    for engine in ENGINES {
+        assert_chain(
+            engine,
+            "i64",
+            [(-3i64) as u64, (-9_223_372_036_854_775_807i64) as u64, 42],
+        );
+        assert!(decode(&fixture(engine, "i64").unwrap()).hashes.signed);
+    }
+}
+
+#[test]
+fn digest_hashes_become_the_integer_vllm_publishes_in_its_default_mode() {
+    // vLLM's integer mode publishes int.from_bytes(digest, "big") & (2^64 - 1): the
+    // digest's last 8 bytes, big-endian.
+    let last8 = |text: &str| -> u64 {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(text.as_bytes());
+        u64::from_be_bytes(digest[24..32].try_into().unwrap())
+    };
+    for engine in ["vllm-0.33.0", "vllm-0.23.0"] {
+        assert_chain(
+            engine,
+            "bytes",
+            [last8("block-0"), last8("block-1"), last8("block-2")],
+        );
+        assert!(decode(&fixture(engine, "bytes").unwrap()).hashes.digest);
+    }
+}
+
+#[test]
+fn lora_and_salt_come_from_each_engines_own_fields() {
+    for engine in ENGINES {
+        let batch = decode(&fixture(engine, "lora-salt").unwrap());
+        let [KvEvent::Stored {
+            lora_name,
+            cache_salt,
+            extra_keys,
+            ..
+        }] = batch.events.as_slice()
+        else {
+            panic!("{engine}: {:?}", batch.events);
+        };
+        assert_eq!(lora_name.as_deref(), Some("adapter-a"), "{engine}");
+        assert_eq!(cache_salt.as_deref(), Some("salt-1"), "{engine}");
+        assert!(
+            extra_keys.is_empty(),
+            "{engine}: the LoRA name and salt are identity, not extra keys"
+        );
+    }
+}
+
+#[test]
+fn multimodal_extra_keys_are_hashed_into_their_block() {
+    for engine in ["vllm-0.33.0", "vllm-0.23.0"] {
+        let batch = decode(&fixture(engine, "multimodal").unwrap());
+        let [KvEvent::Stored {
+            extra_keys,
+            cache_salt,
+            ..
+        }] = batch.events.as_slice()
+        else {
+            panic!("{engine}: {:?}", batch.events);
+        };
+        assert_eq!(extra_keys.len(), 1, "{engine}");
+        assert_eq!(extra_keys[0].0, 0);
+        assert_eq!(cache_salt, &None, "{engine}: an mm pair is not a salt");
+    }
+}
+
+#[test]
+fn only_device_blocks_of_full_attention_groups_count() {
+    for engine in ENGINES {
+        let batch = decode(&fixture(engine, "media-and-groups").unwrap());
+        let stored: Vec<Vec<u64>> = batch
+            .events
+            .iter()
+            .map(|e| stored_hashes(e).1)
+            .collect();
+        assert!(
+            stored.contains(&vec![3003]) || engine.starts_with("sglang"),
+            "{engine}: {stored:?}"
+        );
+        assert!(
+            !stored.iter().flatten().any(|h| *h == 3001),
+            "{engine}: a CPU block is not the device cache"
+        );
+        assert!(
+            !stored.iter().flatten().any(|h| *h == 3002),
+            "{engine}: a sliding-window group is skipped"
+        );
+        assert!(batch.counts.other_medium >= 1, "{engine}");
+    }
+    // With CPU media configured, the CPU block counts too.
+    let mut out = DecodedBatch::default();
+    let settings = DecodeSettings {
+        block_size: 16,
+        media: vec!["GPU".into(), "cpu".into()],
+    };
+    decode_batch(
+        &fixture("vllm-0.33.0", "media-and-groups").unwrap(),
+        &settings,
+        &mut GroupFilter::default(),
+        &mut out,
+    )
+    .unwrap();
+    assert!(out.events.iter().any(|e| stored_hashes(e).1 == vec![3001]));
+}
+
+#[test]
+fn the_batch_rank_field_is_read_or_absent() {
+    for engine in ENGINES {
+        assert_eq!(
+            decode(&fixture(engine, "dp-rank").unwrap()).dp_rank,
+            Some(3),
+            "{engine}"
+        );
+        assert_eq!(
+            decode(&fixture(engine, "dp-rank-none").unwrap()).dp_rank,
+            None,
+            "{engine}"
+        );
+    }
+}
+
+#[test]
+fn a_store_of_another_block_size_is_refused_and_counted() {
+    for engine in ENGINES {
+        let batch = decode(&fixture(engine, "block-size-32").unwrap());
+        assert!(batch.events.is_empty(), "{engine}");
+        assert_eq!(batch.counts.wrong_block_size, 1, "{engine}");
+        assert_eq!(batch.counts.last_wrong_block_size, Some(32));
+    }
+}
+
+/// A prompt under another adapter or salt never matches, and under the same one it
+/// does: the engine's events and `POST /book` seed the hashes alike.
+#[test]
+fn prompts_match_only_blocks_stored_under_the_same_lora_and_salt() {
+    for engine in ENGINES {
+        let (snapshot, _loader, _config) = kvcr_snapshot();
+        let router = Router::new(16);
+        router
+            .register_worker(
+                serde_json::from_value(json!({"worker_id": 1, "role": "decode"})).unwrap(),
+            )
+            .unwrap();
+        let key = kvhint::domain::WorkerKey {
+            worker_id: 1,
+            dp_rank: 0,
+        };
+        let batch = decode(&fixture(engine, "lora-salt").unwrap());
+        for result in router.apply_kv_events(batch.events.into_iter().map(|e| (key, e))) {
+            result.unwrap();
+        }
+        let tokens: Vec<u32> = (100..132).collect();
+        let role = kvhint::router::configured_role(&snapshot, kvhint::domain::Role::Decode)
+            .unwrap();
+        let mut cached = Vec::new();
+        for (i, (lora, salt)) in [
+            (Some("adapter-a"), Some("salt-1")),
+            (None, None),
+            (Some("adapter-a"), None),
+            (None, Some("salt-1")),
+            (Some("adapter-b"), Some("salt-1")),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let id = format!("{engine}-{i}");
+            let booking = router
+                .book(
+                    role,
+                    &BookRequest {
+                        request_id: &id,
+                        role: kvhint::domain::Role::Decode,
+                        token_ids: &tokens,
+                        session_context: None,
+                        lora_name: lora,
+                        cache_salt: salt,
+                    },
+                )
+                .unwrap();
+            cached.push(booking.cached_blocks);
+            router.release(&id).unwrap();
+        }
+        assert_eq!(cached, vec![2, 0, 0, 0, 0], "{engine}");
+    }
+}
+
+/// xorshift64*: deterministic bytes without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+#[test]
+fn random_and_mutated_bytes_never_panic_and_every_failure_is_an_error() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut goldens = Vec::new();
+    for engine in ENGINES {
+        for case in ["u64", "i64", "bytes", "lora-salt", "multimodal", "media-and-groups"] {
+            if let Some(bytes) = fixture(engine, case) {
+                goldens.push(bytes);
+            }
+        }
+    }
+    assert!(goldens.len() >= 15, "the golden fixtures are missing");
+    let mut out = DecodedBatch::default();
+    let (mut ok, mut failed) = (0u32, 0u32);
+    let mut run = |payload: &[u8]| {
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                decode_batch(payload, &settings(), &mut GroupFilter::default(), &mut out)
+            }));
+        match result {
+            Ok(Ok(())) => ok += 1,
+            Ok(Err(error)) => {
+                assert!(error.offset <= payload.len(), "{error}");
+                failed += 1;
+            }
+            Err(_) => panic!("the decoder panicked on {payload:02x?}"),
+        }
+    };
+    for _ in 0..20_000 {
+        let len = (rng.next() % 64) as usize;
+        let bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        run(&bytes);
+    }
+    for _ in 0..20_000 {
+        let golden = &goldens[(rng.next() % goldens.len() as u64) as usize];
+        let mut bytes = golden.clone();
+        match rng.next() % 3 {
+            0 => bytes.truncate((rng.next() % golden.len() as u64) as usize),
+            1 => {
+                for _ in 0..1 + rng.next() % 4 {
+                    let at = (rng.next() % bytes.len() as u64) as usize;
+                    bytes[at] ^= 1 << (rng.next() % 8);
+                }
+            }
+            _ => {
+                let at = (rng.next() % bytes.len() as u64) as usize;
+                bytes[at] = rng.next() as u8;
+            }
+        }
+        run(&bytes);
+    }
+    // Both outcomes must occur, or the mutations test nothing.
+    assert!(ok > 100 && failed > 10_000, "ok {ok}, failed {failed}");
+}
