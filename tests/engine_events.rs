@@ -176,11 +176,7 @@ fn multimodal_extra_keys_are_hashed_into_their_block() {
 fn only_device_blocks_of_full_attention_groups_count() {
     for engine in ENGINES {
         let batch = decode(&fixture(engine, "media-and-groups").unwrap());
-        let stored: Vec<Vec<u64>> = batch
-            .events
-            .iter()
-            .map(|e| stored_hashes(e).1)
-            .collect();
+        let stored: Vec<Vec<u64>> = batch.events.iter().map(|e| stored_hashes(e).1).collect();
         assert!(
             stored.contains(&vec![3003]) || engine.starts_with("sglang"),
             "{engine}: {stored:?}"
@@ -258,8 +254,8 @@ fn prompts_match_only_blocks_stored_under_the_same_lora_and_salt() {
             result.unwrap();
         }
         let tokens: Vec<u32> = (100..132).collect();
-        let role = kvhint::router::configured_role(&snapshot, kvhint::domain::Role::Decode)
-            .unwrap();
+        let role =
+            kvhint::router::configured_role(&snapshot, kvhint::domain::Role::Decode).unwrap();
         let mut cached = Vec::new();
         for (i, (lora, salt)) in [
             (Some("adapter-a"), Some("salt-1")),
@@ -309,7 +305,14 @@ fn random_and_mutated_bytes_never_panic_and_every_failure_is_an_error() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut goldens = Vec::new();
     for engine in ENGINES {
-        for case in ["u64", "i64", "bytes", "lora-salt", "multimodal", "media-and-groups"] {
+        for case in [
+            "u64",
+            "i64",
+            "bytes",
+            "lora-salt",
+            "multimodal",
+            "media-and-groups",
+        ] {
             if let Some(bytes) = fixture(engine, case) {
                 goldens.push(bytes);
             }
@@ -319,10 +322,9 @@ fn random_and_mutated_bytes_never_panic_and_every_failure_is_an_error() {
     let mut out = DecodedBatch::default();
     let (mut ok, mut failed) = (0u32, 0u32);
     let mut run = |payload: &[u8]| {
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                decode_batch(payload, &settings(), &mut GroupFilter::default(), &mut out)
-            }));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            decode_batch(payload, &settings(), &mut GroupFilter::default(), &mut out)
+        }));
         match result {
             Ok(Ok(())) => ok += 1,
             Ok(Err(error)) => {

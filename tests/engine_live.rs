@@ -1,1 +1,435 @@
-//! placeholder
+//! SGLang 0.5.23's own KV-event publisher (`tests/engines/sglang_publisher.py`, which
+//! runs the wheel's `ZmqEventPublisher`) publishing to a running `kvhint serve` on
+//! 127.0.0.1: with the engine binding and kvhint connecting, and the other way round;
+//! a gap recovered through the engine's real replay socket; the resync without one;
+//! and a publisher restart. `.ci/run` installs the wheel (`pip install --no-deps
+//! sglang==0.5.23` and `tests/engines/requirements.txt`); set `KVHINT_PYTHON` to use
+//! another interpreter.
+
+use kvhint_e2e::{private_dir, workspace_root, Server};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BLOCK: u32 = 16;
+
+fn python() -> String {
+    std::env::var("KVHINT_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// A port on 127.0.0.1 outside the ephemeral range, free when asked.
+fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 21_000 + (std::process::id() % 400) as u16 * 20;
+    for _ in 0..2_000 {
+        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 8_000;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 21000 and 29999");
+}
+
+/// The engine's publisher, driven over stdin/stdout.
+struct Publisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Publisher {
+    fn start(args: &[String]) -> Publisher {
+        let script = workspace_root().join("tests/engines/sglang_publisher.py");
+        let mut child = Command::new(python())
+            .arg(&script)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", python()));
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut publisher = Publisher {
+            child,
+            stdin,
+            stdout,
+        };
+        let ready = publisher.line();
+        assert_eq!(
+            ready["ready"], true,
+            "SGLang's publisher did not start: {ready}. Install it: pip install --no-deps \
+             sglang==0.5.23 && pip install -r tests/engines/requirements.txt"
+        );
+        publisher
+    }
+
+    fn line(&mut self) -> Value {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|_| panic!("publisher said {line:?}"))
+    }
+
+    fn command(&mut self, command: Value) -> Value {
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+        let reply = self.line();
+        assert!(reply.get("error").is_none(), "{command} → {reply}");
+        reply
+    }
+
+    fn publish(&mut self, events: Value, drop: bool) -> u64 {
+        let reply = self.command(json!({"op": "publish", "events": events, "drop": drop}));
+        reply["published"].as_u64().unwrap()
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tokens(start: u32, blocks: u32) -> Vec<u32> {
+    (start..start + blocks * BLOCK).collect()
+}
+
+/// SGLang's BlockStored: hashes are its signed 64-bit values.
+fn stored(hashes: &[i64], parent: Option<i64>, tokens: &[u32]) -> Value {
+    json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+           "token_ids": tokens, "block_size": BLOCK, "medium": "GPU"})
+}
+
+struct Fleet {
+    server: Server,
+    _dir: kvhint_e2e::TempDir,
+}
+
+/// `kvhint serve` with a kvcr decode role; workers 1 and 2 have no engine, worker 3's
+/// engine publishes to `source`.
+fn fleet(source: Value) -> Fleet {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "router:\n  mode: kv\n  block_size: {BLOCK}\nworker_selection:\n  decode:\n    type: kvcr\n"
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    for id in [1u64, 2, 3] {
+        let mut body = json!({"worker_id": id, "role": "decode", "runtime_data": {
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.0.{id}:23280")}}});
+        if id == 3 {
+            body["kv_events"] = source.clone();
+        }
+        let (status, reply) = server.post("/workers", &body);
+        assert_eq!(status, 201, "{reply}");
+    }
+    Fleet { server, _dir: dir }
+}
+
+fn book(server: &Server, id: &str, tokens: &[u32]) -> Value {
+    let (status, booking) = server.post(
+        "/book",
+        &json!({"request_id": id, "role": "decode", "token_ids": tokens}),
+    );
+    assert_eq!(status, 200, "{booking}");
+    let (status, _) = server.post("/release", &json!({"request_id": id}));
+    assert_eq!(status, 200);
+    booking
+}
+
+/// Worker 3's cached blocks for `tokens`, as the index sees them (the most any worker
+/// holds, read off a booking's committed copy or its own cached prefix).
+fn held_by_3(server: &Server, id: &str, tokens: &[u32]) -> usize {
+    let booking = book(server, id, tokens);
+    if booking["worker_id"] == 3 {
+        return booking["cached_blocks"].as_u64().unwrap() as usize;
+    }
+    match booking["committed_copy"].as_object() {
+        Some(copy) if copy["source_worker_id"] == 3 => {
+            copy["last_block"].as_u64().unwrap() as usize
+        }
+        _ => 0,
+    }
+}
+
+fn source_status(server: &Server) -> Value {
+    server.status()["kv_event_sources"]
+        .as_array()
+        .and_then(|s| s.first().cloned())
+        .unwrap_or(Value::Null)
+}
+
+/// Publishes probes until the subscription hears one (ZMQ's slow joiner: a SUB
+/// socket misses what is sent before its subscription reaches the publisher).
+fn until_joined(server: &Server, publisher: &mut Publisher) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        publisher.publish(
+            json!([{"type": "BlockRemoved", "block_hashes": [999_999]}]),
+            false,
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        if source_status(server)["batches"].as_u64().unwrap_or(0) > 0 {
+            return;
+        }
+    }
+    panic!(
+        "the subscription never heard the publisher: {}\n{}",
+        source_status(server),
+        server.log()
+    );
+}
+
+fn wait_held(server: &Server, tokens: &[u32], want: usize, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    while Instant::now() < deadline {
+        n += 1;
+        if held_by_3(server, &format!("probe-{what}-{n}"), tokens) == want {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "{what}: worker 3 never held {want} blocks: {}\n{}",
+        source_status(server),
+        server.log()
+    );
+}
+
+/// The first booking after a publish sees its blocks, and the `kv.fetch` names the
+/// engine's own hashes.
+fn blocks_reach_the_next_booking(server: &Server, publisher: &mut Publisher) {
+    until_joined(server, publisher);
+    let prompt = tokens(0, 3);
+    let hashes = [-5_i64, -9_223_372_036_854_775_807, 77];
+    publisher.publish(
+        json!([
+            stored(&hashes[..2], None, &prompt[..32]),
+            stored(&hashes[2..], Some(hashes[1]), &prompt[32..])
+        ]),
+        false,
+    );
+    wait_held(server, &prompt, 3, "published blocks");
+    // kvcr commits a copy from worker 3 to the less-loaded worker while worker 3 is busy.
+    let mut fetch = None;
+    for i in 0..6 {
+        let (status, booking) = server.post(
+            "/book",
+            &json!({"request_id": format!("load-{i}"), "role": "decode", "token_ids": prompt}),
+        );
+        assert_eq!(status, 200, "{booking}");
+        if let Some(actions) = booking["hint"]["actions"].as_array() {
+            if let Some(action) = actions.iter().find(|a| a["action_type"] == "kv.fetch") {
+                fetch = Some(action["payload"].clone());
+            }
+        }
+    }
+    let fetch = fetch.unwrap_or_else(|| panic!("no booking carried a kv.fetch\n{}", server.log()));
+    assert_eq!(fetch["source_control_endpoint"], "tcp://10.0.0.3:23280");
+    let named: Vec<i64> = fetch["block_hashes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            h.as_i64().unwrap_or_else(|| {
+                h.as_u64()
+                    .map(|u| u as i64)
+                    .unwrap_or_else(|| panic!("{h}"))
+            })
+        })
+        .collect();
+    assert_eq!(
+        named, hashes,
+        "the kv.fetch names the engine's hashes bit for bit"
+    );
+    let status = source_status(server);
+    assert_eq!(status["state"], "live", "{status}");
+    assert_eq!(status["hashes"], "signed", "{status}");
+}
+
+#[test]
+fn sglang_binds_kvhint_connects_and_the_next_booking_sees_the_blocks() {
+    let (port, replay) = (free_port(), free_port());
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--replay-endpoint".into(),
+        format!("tcp://127.0.0.1:{replay}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    blocks_reach_the_next_booking(&fleet.server, &mut publisher);
+    let (_, metrics) = fleet.server.get("/metrics");
+    assert!(
+        metrics.contains("kvhint_kv_source_batches_total{worker_id=\"3\",dp_rank=\"0\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("kvhint_kv_source_up{worker_id=\"3\",dp_rank=\"0\"} 1"));
+}
+
+#[test]
+fn kvhint_binds_sglang_connects_and_the_next_booking_sees_the_blocks() {
+    let port = free_port();
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"), "bind": true}));
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--connect".into(),
+    ]);
+    blocks_reach_the_next_booking(&fleet.server, &mut publisher);
+    assert_eq!(source_status(&fleet.server)["mode"], "bind");
+}
+
+#[test]
+fn a_dropped_batch_is_recovered_through_the_engines_replay_socket() {
+    let (port, replay) = (free_port(), free_port());
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--replay-endpoint".into(),
+        format!("tcp://127.0.0.1:{replay}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    let prompt = tokens(1_000, 2);
+    // Block 0 is lost on the wire but buffered for replay; block 1 reveals the gap.
+    publisher.publish(json!([stored(&[101], None, &prompt[..16])]), true);
+    publisher.publish(json!([stored(&[102], Some(101), &prompt[16..])]), false);
+    wait_held(server, &prompt, 2, "replayed blocks");
+    let status = source_status(server);
+    assert!(status["gaps"].as_u64().unwrap() >= 1, "{status}");
+    assert!(
+        status["replays"].as_u64().unwrap() >= 2,
+        "history and the gap: {status}"
+    );
+}
+
+#[test]
+fn without_a_replay_socket_a_gap_resyncs_the_worker_from_new_events() {
+    let port = free_port();
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    let old = tokens(2_000, 1);
+    publisher.publish(json!([stored(&[201], None, &old)]), false);
+    wait_held(server, &old, 1, "the first block");
+    // A lost batch: the router can no longer know worker 3's cache, so it forgets it
+    // (under-crediting, never over-crediting) and keeps what arrives after.
+    publisher.publish(
+        json!([{"type": "BlockRemoved", "block_hashes": [201]}]),
+        true,
+    );
+    let new = tokens(3_000, 1);
+    publisher.publish(json!([stored(&[301], None, &new)]), false);
+    wait_held(server, &new, 1, "the block after the gap");
+    assert_eq!(
+        held_by_3(server, "old", &old),
+        0,
+        "the cleared entries are gone"
+    );
+    let status = source_status(server);
+    assert!(status["gaps"].as_u64().unwrap() >= 1, "{status}");
+    assert!(status["resyncs"].as_u64().unwrap() >= 1, "{status}");
+}
+
+#[test]
+fn a_publisher_restart_clears_the_worker_and_follows_the_new_sequence() {
+    let (port, replay) = (free_port(), free_port());
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--replay-endpoint".into(),
+        format!("tcp://127.0.0.1:{replay}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    for _ in 0..3 {
+        publisher.publish(
+            json!([{"type": "BlockRemoved", "block_hashes": [1]}]),
+            false,
+        );
+    }
+    let before = tokens(4_000, 1);
+    publisher.publish(json!([stored(&[401], None, &before)]), false);
+    wait_held(server, &before, 1, "a block before the restart");
+    publisher.command(json!({"op": "restart"}));
+    until_joined_again(server, &mut publisher);
+    let status = source_status(server);
+    assert!(
+        status["restarts"].as_u64().unwrap() + status["reconnects"].as_u64().unwrap() >= 1,
+        "{status}"
+    );
+    assert_eq!(
+        held_by_3(server, "after-restart", &before),
+        0,
+        "a restarted engine's cache is empty"
+    );
+}
+
+fn until_joined_again(server: &Server, publisher: &mut Publisher) {
+    let before = source_status(server)["batches"].as_u64().unwrap_or(0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        publisher.publish(
+            json!([{"type": "BlockRemoved", "block_hashes": [2]}]),
+            false,
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        if source_status(server)["batches"].as_u64().unwrap_or(0) > before {
+            return;
+        }
+    }
+    panic!(
+        "never heard the restarted publisher: {}",
+        source_status(server)
+    );
+}
+
+#[test]
+fn a_bad_source_refuses_the_registration_and_says_which_field() {
+    let fleet = fleet(json!({"endpoint": "tcp://127.0.0.1:1"}));
+    let (status, body) = fleet.server.post(
+        "/workers",
+        &json!({"worker_id": 9, "role": "decode", "kv_events": {"endpoint": "tcp://*:5557"}}),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("kv_events.endpoint"),
+        "{body}"
+    );
+    let workers = fleet.server.status()["workers"].as_array().unwrap().len();
+    assert_eq!(workers, 3, "the refused worker was not registered");
+}

@@ -3,7 +3,9 @@
 //! the real binary on 127.0.0.1 with an ephemeral port.
 
 use kvhint_e2e::trace::tokens;
-use kvhint_e2e::{action_types, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir};
+use kvhint_e2e::{
+    action_types, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir,
+};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::PermissionsExt;

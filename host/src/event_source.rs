@@ -29,7 +29,6 @@ pub struct KvEventSource {
     pub bind: bool,
 }
 
-
 /// A source's endpoints for one rank, ready for ZMQ.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Endpoints {
@@ -45,7 +44,11 @@ impl fmt::Display for Endpoints {
         write!(
             f,
             "{} {}",
-            if self.bind { "bound at" } else { "connected to" },
+            if self.bind {
+                "bound at"
+            } else {
+                "connected to"
+            },
             self.events
         )
     }
@@ -113,7 +116,9 @@ fn for_rank(field: &'static str, endpoint: &str, rank: u32) -> Result<String, So
     }
     Err(fail(
         field,
-        format!("`{endpoint}` is not a ZMQ endpoint: use tcp://HOST:PORT, ipc://PATH or inproc://NAME"),
+        format!(
+            "`{endpoint}` is not a ZMQ endpoint: use tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+        ),
     ))
 }
 
@@ -204,8 +209,8 @@ mod tests {
 
     #[test]
     fn bad_endpoints_say_which_field_and_what_to_write() {
-        let wildcard = Endpoints::resolve(key(0), &source("tcp://*:5557", None, false))
-            .unwrap_err();
+        let wildcard =
+            Endpoints::resolve(key(0), &source("tcp://*:5557", None, false)).unwrap_err();
         assert_eq!(wildcard.field, "endpoint");
         assert!(wildcard.problem.contains("ENGINE_HOST"), "{wildcard}");
         for (endpoint, words) in [
@@ -217,11 +222,9 @@ mod tests {
             let error = Endpoints::resolve(key(1), &source(endpoint, None, false)).unwrap_err();
             assert!(error.to_string().contains(words), "{endpoint}: {error}");
         }
-        let replay = Endpoints::resolve(
-            key(0),
-            &source("tcp://h:1", Some("tcp://0.0.0.0:2"), false),
-        )
-        .unwrap_err();
+        let replay =
+            Endpoints::resolve(key(0), &source("tcp://h:1", Some("tcp://0.0.0.0:2"), false))
+                .unwrap_err();
         assert_eq!(replay.field, "replay_endpoint");
     }
 }

@@ -8,14 +8,14 @@
 //! own — `panic = "abort"`, and a plugin built against an older plugin-api —
 //! are generated as standalone workspaces under `target/fixture-standalone/`.
 
+use serde_json::Value;
 use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use serde_json::Value;
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
 
@@ -531,8 +531,7 @@ pub mod bench {
 
 /// A running `kvhint serve`, killed on drop.
 pub struct Server {
-    pub
-    child: Child,
+    pub child: Child,
     base: String,
     agent: ureq::Agent,
     log: PathBuf,
@@ -639,4 +638,3 @@ impl Drop for Server {
         let _ = self.child.wait();
     }
 }
-

@@ -84,12 +84,11 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
         match node.as_sequence() {
             Some(items) => {
                 for (i, item) in items.iter().enumerate() {
-                    if let Some(source) = configured(walker, item, &format!("kv_events.sources[{i}]"))
+                    if let Some(source) =
+                        configured(walker, item, &format!("kv_events.sources[{i}]"))
                     {
-                        if let Some(other) = out
-                            .sources
-                            .iter()
-                            .find(|s| s.worker_id == source.worker_id)
+                        if let Some(other) =
+                            out.sources.iter().find(|s| s.worker_id == source.worker_id)
                         {
                             walker.error(
                                 source.at.clone(),
@@ -143,7 +142,9 @@ fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<Configured
     let worker_id = required(walker, "worker_id", "the worker id bookings name it by")
         .and_then(|n| walker.unsigned(n, &join(path, "worker_id"), 0, u64::MAX));
     let dp_size = match map.get_node("dp_size") {
-        Some(n) => walker.unsigned(n, &join(path, "dp_size"), 1, 1024).map(|n| n as u32),
+        Some(n) => walker
+            .unsigned(n, &join(path, "dp_size"), 1, 1024)
+            .map(|n| n as u32),
         None => Some(1),
     };
     let role = required(walker, "role", "aggregated, prefill or decode").and_then(|n| {

@@ -131,10 +131,7 @@ pub fn decode_batch(
         out.dp_rank = rd.optional_u32("the batch's dp_rank")?;
     }
     if !rd.rest.is_empty() {
-        return Err(rd.fail(format!(
-            "{} bytes follow the batch",
-            rd.rest.len()
-        )));
+        return Err(rd.fail(format!("{} bytes follow the batch", rd.rest.len())));
     }
     Ok(())
 }
@@ -264,9 +261,7 @@ impl<'a> Reader<'a> {
 
     fn number(&mut self, what: &str) -> Result<f64, DecodeError> {
         match self.peek() {
-            Some(Marker::F64) => {
-                mp::read_f64(&mut self.rest).map_err(|_| self.expected(what))
-            }
+            Some(Marker::F64) => mp::read_f64(&mut self.rest).map_err(|_| self.expected(what)),
             Some(Marker::F32) => mp::read_f32(&mut self.rest)
                 .map(f64::from)
                 .map_err(|_| self.expected(what)),
@@ -316,8 +311,8 @@ impl<'a> Reader<'a> {
                 Ok(value as u64)
             }
             Some(Marker::Bin8 | Marker::Bin16 | Marker::Bin32) => {
-                let len = mp::read_bin_len(&mut self.rest)
-                    .map_err(|_| self.expected(what))? as usize;
+                let len =
+                    mp::read_bin_len(&mut self.rest).map_err(|_| self.expected(what))? as usize;
                 if len == 0 || self.rest.len() < len {
                     return Err(self.fail(format!(
                         "{what}: a byte-string hash of {len} bytes (empty, or past the end)"
@@ -474,9 +469,7 @@ impl<'a> Reader<'a> {
                 "cache_salt" => fields.cache_salt = self.optional_str("cache_salt")?,
                 "extra_keys" => fields.extra_keys = Some(self.value()?),
                 "group_idx" => fields.group_idx = self.optional_int("group_idx")?,
-                "kv_cache_spec_kind" => {
-                    fields.kind = self.optional_str("kv_cache_spec_kind")?
-                }
+                "kv_cache_spec_kind" => fields.kind = self.optional_str("kv_cache_spec_kind")?,
                 "locality" => fields.locality = self.optional_str("locality")?,
                 _ => {
                     self.value()?;
@@ -577,7 +570,9 @@ fn finish(
             _ => {}
         }
     }
-    if fields.kind.is_some_and(|k| !k.eq_ignore_ascii_case("full_attention"))
+    if fields
+        .kind
+        .is_some_and(|k| !k.eq_ignore_ascii_case("full_attention"))
         || (fields.kind.is_none()
             && fields
                 .group_idx
@@ -623,7 +618,10 @@ fn finish(
     out.events.push(KvEvent::Stored {
         parent_block_hash: fields.parent,
         blocks: stored,
-        lora_name: fields.lora_name.filter(|s| !s.is_empty()).map(str::to_owned),
+        lora_name: fields
+            .lora_name
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned),
         cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
         extra_keys,
     });

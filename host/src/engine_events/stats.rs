@@ -52,6 +52,8 @@ pub const NO_SEQ: u64 = u64::MAX;
 pub struct SourceStats {
     state: AtomicU8,
     pub connects: AtomicU64,
+    /// The publisher's connection dropped and came back (the worker is rebuilt).
+    pub reconnects: AtomicU64,
     pub socket_errors: AtomicU64,
     pub batches: AtomicU64,
     pub stored: AtomicU64,
@@ -93,6 +95,7 @@ impl Default for SourceStats {
         Self {
             state: AtomicU8::new(SourceState::Connecting as u8),
             connects: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
             socket_errors: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             stored: AtomicU64::new(0),

@@ -16,9 +16,9 @@
 //! the ingestion queue refuses is dropped and recovered the same way.
 
 use super::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
-use crate::event_source::Endpoints;
 use super::stats::{SourceState, SourceStats};
 use crate::domain::WorkerKey;
+use crate::event_source::Endpoints;
 use crate::router::index::{ApplyStats, KvEvent};
 use crate::router::ingest::Ingest;
 use crate::router::RouterError;
@@ -34,6 +34,8 @@ const POLL: Duration = Duration::from_millis(50);
 /// Unknown-parent recoveries at most this often per source: a block whose parent fell
 /// out of the replay buffer stays unknown, and must not clear the worker in a loop.
 pub const PARENT_RECOVERY_EVERY: Duration = Duration::from_secs(2);
+/// Names of the sockets' monitors, unique in the process.
+static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Warnings of one kind per source at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -194,7 +196,7 @@ impl Thread<'_> {
         while !self.stopped() {
             self.stats().set_state(SourceState::Connecting);
             let socket = match self.open() {
-                Ok(socket) => socket,
+                Ok(sockets) => sockets,
                 Err(problem) => {
                     self.stats().socket_errors.fetch_add(1, Ordering::Relaxed);
                     self.stats().set_error(&problem);
@@ -224,7 +226,7 @@ impl Thread<'_> {
         }
     }
 
-    fn open(&self) -> Result<zmq::Socket, String> {
+    fn open(&self) -> Result<(zmq::Socket, zmq::Socket), String> {
         let endpoints = self.endpoints();
         let socket = self
             .sub
@@ -254,19 +256,65 @@ impl Thread<'_> {
                 .connect(&endpoints.events)
                 .map_err(|e| format!("cannot connect to {}: {e}", endpoints.events))?;
         }
-        Ok(socket)
+        // The socket's own connection events: a publisher that went away and came back
+        // may be a restarted engine whose first batches were lost before the
+        // subscription rejoined, which its sequence numbers alone cannot show.
+        let address = format!(
+            "inproc://kvhint-monitor-{}",
+            MONITORS.fetch_add(1, Ordering::Relaxed)
+        );
+        let events = zmq::SocketEvent::CONNECTED.to_raw()
+            | zmq::SocketEvent::ACCEPTED.to_raw()
+            | zmq::SocketEvent::DISCONNECTED.to_raw();
+        let monitor = self
+            .sub
+            .context
+            .socket(zmq::PAIR)
+            .map_err(|e| format!("cannot create a monitor socket: {e}"))?;
+        socket
+            .monitor(&address, i32::from(events))
+            .and_then(|()| monitor.connect(&address))
+            .map_err(|e| format!("cannot monitor the SUB socket: {e}"))?;
+        Ok((socket, monitor))
     }
 
     /// Reads batches until stopped or the socket fails.
-    fn receive(&mut self, socket: &zmq::Socket) {
+    fn receive(&mut self, (socket, monitor): &(zmq::Socket, zmq::Socket)) {
+        let mut dropped_peer = false;
         while !self.stopped() {
-            match socket.poll(zmq::POLLIN, POLL.as_millis() as i64) {
+            let mut items = [
+                socket.as_poll_item(zmq::POLLIN),
+                monitor.as_poll_item(zmq::POLLIN),
+            ];
+            match zmq::poll(&mut items, POLL.as_millis() as i64) {
                 Ok(0) => continue,
                 Ok(_) => {}
                 Err(e) => {
-                    self.stats().set_error(&format!("polling the SUB socket failed: {e}"));
+                    self.stats()
+                        .set_error(&format!("polling the SUB socket failed: {e}"));
                     return;
                 }
+            }
+            if items[1].is_readable() {
+                if let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
+                    let event = frames
+                        .first()
+                        .and_then(|f| f.get(..2))
+                        .map(|b| zmq::SocketEvent::from_raw(u16::from_le_bytes([b[0], b[1]])));
+                    match event {
+                        Some(zmq::SocketEvent::DISCONNECTED) => dropped_peer = true,
+                        Some(zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED)
+                            if dropped_peer =>
+                        {
+                            dropped_peer = false;
+                            self.reconnected();
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if !items[0].is_readable() {
+                continue;
             }
             let frames = match socket.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => frames,
@@ -324,6 +372,22 @@ impl Thread<'_> {
             }
         }
         self.apply(seq, payload);
+    }
+
+    /// The publisher came back after its connection dropped. It may be the same
+    /// process (a network blip) or a restarted engine with an empty cache and a new
+    /// sequence whose first batches this socket missed: assume the worse, forget the
+    /// worker's entries and rebuild them from what the engine still buffers.
+    fn reconnected(&mut self) {
+        self.stats().reconnects.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            worker_id = self.sub.shared.worker.worker_id,
+            dp_rank = self.sub.shared.worker.dp_rank,
+            "the KV-event publisher reconnected; rebuilding this worker's index entries"
+        );
+        self.resync();
+        self.cursor = Cursor::default();
+        self.recover(0, None);
     }
 
     /// Decodes and applies one batch; `seq` becomes the last one applied.

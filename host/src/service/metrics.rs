@@ -369,19 +369,72 @@ fn kv_event_sources(out: &mut String, sources: &[crate::engine_events::SourceVie
         )
     };
     type Counter = fn(&SourceStats) -> &AtomicU64;
-    let counters: [(&str, &str, Counter); 12] = [
-        ("kvhint_kv_source_batches_total", "Event batches received and decoded.", |s| &s.batches),
-        ("kvhint_kv_source_blocks_stored_total", "Blocks in stored events that counted.", |s| &s.blocks_stored),
-        ("kvhint_kv_source_decode_errors_total", "Malformed batches skipped (each resynchronises the worker).", |s| &s.decode_errors),
-        ("kvhint_kv_source_frame_errors_total", "Messages without the [topic, seq, payload] frames.", |s| &s.frame_errors),
-        ("kvhint_kv_source_gaps_total", "Sequence gaps seen (missed batches).", |s| &s.gaps),
-        ("kvhint_kv_source_restarts_total", "Publisher restarts seen (sequence back to 0).", |s| &s.restarts),
-        ("kvhint_kv_source_replays_total", "Replay requests made to the engine's replay socket.", |s| &s.replays),
-        ("kvhint_kv_source_replay_failures_total", "Replays that failed or timed out.", |s| &s.replay_failures),
-        ("kvhint_kv_source_resyncs_total", "Times the worker's index entries were cleared to rebuild from new events.", |s| &s.resyncs),
-        ("kvhint_kv_source_dropped_total", "Batches the ingestion queue could not take (recovered as gaps).", |s| &s.dropped),
-        ("kvhint_kv_source_unknown_parent_total", "Stored events chaining onto a block the worker never stored.", |s| &s.unknown_parent),
-        ("kvhint_kv_source_connects_total", "Sockets opened (connect or bind).", |s| &s.connects),
+    let counters: [(&str, &str, Counter); 13] = [
+        (
+            "kvhint_kv_source_reconnects_total",
+            "Times the publisher's connection dropped and came back (the worker is rebuilt).",
+            |s| &s.reconnects,
+        ),
+        (
+            "kvhint_kv_source_batches_total",
+            "Event batches received and decoded.",
+            |s| &s.batches,
+        ),
+        (
+            "kvhint_kv_source_blocks_stored_total",
+            "Blocks in stored events that counted.",
+            |s| &s.blocks_stored,
+        ),
+        (
+            "kvhint_kv_source_decode_errors_total",
+            "Malformed batches skipped (each resynchronises the worker).",
+            |s| &s.decode_errors,
+        ),
+        (
+            "kvhint_kv_source_frame_errors_total",
+            "Messages without the [topic, seq, payload] frames.",
+            |s| &s.frame_errors,
+        ),
+        (
+            "kvhint_kv_source_gaps_total",
+            "Sequence gaps seen (missed batches).",
+            |s| &s.gaps,
+        ),
+        (
+            "kvhint_kv_source_restarts_total",
+            "Publisher restarts seen (sequence back to 0).",
+            |s| &s.restarts,
+        ),
+        (
+            "kvhint_kv_source_replays_total",
+            "Replay requests made to the engine's replay socket.",
+            |s| &s.replays,
+        ),
+        (
+            "kvhint_kv_source_replay_failures_total",
+            "Replays that failed or timed out.",
+            |s| &s.replay_failures,
+        ),
+        (
+            "kvhint_kv_source_resyncs_total",
+            "Times the worker's index entries were cleared to rebuild from new events.",
+            |s| &s.resyncs,
+        ),
+        (
+            "kvhint_kv_source_dropped_total",
+            "Batches the ingestion queue could not take (recovered as gaps).",
+            |s| &s.dropped,
+        ),
+        (
+            "kvhint_kv_source_unknown_parent_total",
+            "Stored events chaining onto a block the worker never stored.",
+            |s| &s.unknown_parent,
+        ),
+        (
+            "kvhint_kv_source_connects_total",
+            "Sockets opened (connect or bind).",
+            |s| &s.connects,
+        ),
     ];
     for (name, help, counter) in counters {
         let samples: Vec<(String, f64)> = sources

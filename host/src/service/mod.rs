@@ -337,6 +337,9 @@ fn kv_event_sources(app: &App) -> Vec<serde_json::Value> {
                 "gaps": stats.gaps.load(Ordering::Relaxed),
                 "replays": stats.replays.load(Ordering::Relaxed),
                 "resyncs": stats.resyncs.load(Ordering::Relaxed),
+                "restarts": stats.restarts.load(Ordering::Relaxed),
+                "reconnects": stats.reconnects.load(Ordering::Relaxed),
+                "decode_errors": stats.decode_errors.load(Ordering::Relaxed),
                 "hashes": if stats.signed_hashes.load(Ordering::Relaxed) {
                     "signed"
                 } else if stats.digest_hashes.load(Ordering::Relaxed) {
@@ -418,15 +421,23 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         return Err(config::ConfigErrors(
             failures
                 .into_iter()
-                .map(|f| config::ConfigError::new(&options.config, None, format!("kv_events.sources: {f}")))
+                .map(|f| {
+                    config::ConfigError::new(
+                        &options.config,
+                        None,
+                        format!("kv_events.sources: {f}"),
+                    )
+                })
                 .collect(),
         ));
     }
     let hook_events = Arc::clone(&engine_events);
     let hook_router = Arc::clone(&router);
-    let _ = reloader.on_reload.set(Box::new(move |config: &config::Config| {
-        hook_events.apply_config(&hook_router, &config.kv_events);
-    }));
+    let _ = reloader
+        .on_reload
+        .set(Box::new(move |config: &config::Config| {
+            hook_events.apply_config(&hook_router, &config.kv_events);
+        }));
     Ok(Arc::new(App {
         plugins_dir: config
             .plugins

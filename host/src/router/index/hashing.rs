@@ -116,9 +116,8 @@ pub fn identity_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> Optio
     if lora_name.is_none() && cache_salt.is_none() {
         return None;
     }
-    let mut bytes = Vec::with_capacity(
-        32 + lora_name.map_or(0, str::len) + cache_salt.map_or(0, str::len),
-    );
+    let mut bytes =
+        Vec::with_capacity(32 + lora_name.map_or(0, str::len) + cache_salt.map_or(0, str::len));
     bytes.extend_from_slice(b"kvhint-identity-v1");
     for part in [lora_name, cache_salt] {
         match part {
