@@ -3,17 +3,15 @@
 //! the real binary on 127.0.0.1 with an ephemeral port.
 
 use kvhint_e2e::trace::tokens;
-use kvhint_e2e::{
-    action_types, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir,
-};
+use kvhint_e2e::{action_types, plugin_so, private_dir, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 fn drop_in(path: &Path, bytes: &[u8]) {
     kvhint_e2e::drop_in(path, bytes).unwrap();
@@ -403,7 +401,7 @@ fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
     let (status, _) = server.get("/healthz");
     assert_eq!(status, 200);
     let mut stderr = String::new();
-    let _ = std::fs::File::open(&server.log).map(|mut f| f.read_to_string(&mut stderr));
+    let _ = std::fs::File::open(&server.log_file).map(|mut f| f.read_to_string(&mut stderr));
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 

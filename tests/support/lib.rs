@@ -532,9 +532,9 @@ pub mod bench {
 /// A running `kvhint serve`, killed on drop.
 pub struct Server {
     pub child: Child,
-    base: String,
-    agent: ureq::Agent,
-    log: PathBuf,
+    pub base: String,
+    pub agent: ureq::Agent,
+    pub log_file: PathBuf,
 }
 
 impl Server {
@@ -571,7 +571,7 @@ impl Server {
             child,
             base: format!("http://{address}"),
             agent,
-            log,
+            log_file: log,
         }
     }
 
@@ -613,7 +613,7 @@ impl Server {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        std::fs::read_to_string(&self.log_file).unwrap_or_default()
     }
 
     /// Waits until `check` holds, or fails with the server's log.

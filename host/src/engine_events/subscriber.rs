@@ -20,7 +20,9 @@ use super::stats::{SourceState, SourceStats};
 use crate::domain::WorkerKey;
 use crate::event_source::Endpoints;
 use crate::router::index::{ApplyStats, KvEvent};
-use crate::router::ingest::Ingest;
+use crate::router::ingest::{BatchReply, Ingest};
+
+type BatchResults = Vec<Result<ApplyStats, RouterError>>;
 use crate::router::RouterError;
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -158,10 +160,7 @@ struct Thread<'a> {
     cursor: Cursor,
     decoded: DecodedBatch,
     groups: GroupFilter,
-    replies: (
-        crossbeam_channel::Sender<Vec<Result<ApplyStats, RouterError>>>,
-        crossbeam_channel::Receiver<Vec<Result<ApplyStats, RouterError>>>,
-    ),
+    replies: (BatchReply, crossbeam_channel::Receiver<BatchResults>),
     /// Every worker key this source has fed (a batch's dp rank may name another).
     keys: Vec<WorkerKey>,
     warnings: Warnings,

@@ -128,6 +128,7 @@ impl Ingest {
             })
     }
 
+    #[allow(clippy::result_large_err)] // the job comes back only when the queue is full
     fn send(&self, job: Job) -> Result<(), (QueueFull, Job)> {
         match self.queue.try_send(job) {
             Ok(()) => Ok(()),

@@ -56,6 +56,9 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// What runs after a successful reload, with the config it loaded.
+pub type ReloadHook = Box<dyn Fn(&config::Config) + Send + Sync>;
+
 pub struct Reloader {
     pub config_path: PathBuf,
     pub mode: Option<RouterMode>,
@@ -69,7 +72,7 @@ pub struct Reloader {
     status: Mutex<ReloadStatus>,
     /// Run with the new config after each successful reload (the engine
     /// subscriptions follow the config's `kv_events` section).
-    pub on_reload: std::sync::OnceLock<Box<dyn Fn(&config::Config) + Send + Sync>>,
+    pub on_reload: std::sync::OnceLock<ReloadHook>,
 }
 
 impl Reloader {
