@@ -324,6 +324,11 @@ impl<'a> Reader<'a> {
                 let tail = &digest[len.saturating_sub(8)..];
                 Ok(tail.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
             }
+            Some(Marker::U64) if self.rest.len() >= 9 => {
+                let value = u64::from_be_bytes(self.rest[1..9].try_into().unwrap_or_default());
+                self.rest = &self.rest[9..];
+                Ok(value)
+            }
             _ => self.int::<u64>(what),
         }
     }
@@ -355,7 +360,28 @@ impl<'a> Reader<'a> {
         out.clear();
         out.reserve(len.min(MAX_LEN) as usize);
         for _ in 0..len {
-            out.push(self.int::<u32>("a token id")?);
+            // Token ids are small non-negative integers: read the three encodings
+            // msgpack gives them directly, and leave the rest to `rmp`.
+            let token = match self.rest {
+                [b @ 0..=0x7f, rest @ ..] => {
+                    self.rest = rest;
+                    u32::from(*b)
+                }
+                [0xcc, b, rest @ ..] => {
+                    self.rest = rest;
+                    u32::from(*b)
+                }
+                [0xcd, a, b, rest @ ..] => {
+                    self.rest = rest;
+                    u32::from(u16::from_be_bytes([*a, *b]))
+                }
+                [0xce, a, b, c, d, rest @ ..] => {
+                    self.rest = rest;
+                    u32::from_be_bytes([*a, *b, *c, *d])
+                }
+                _ => self.int::<u32>("a token id")?,
+            };
+            out.push(token);
         }
         Ok(())
     }

@@ -1,0 +1,288 @@
+//! Engine KV events (DESIGN.md §9): decode + apply throughput on one core from encoded
+//! batches, and the time from a publish to the first booking that sees its blocks.
+//!
+//! Throughput: batches encoded as vLLM ≥ 0.24 and SGLang encode them (tagged maps, u64
+//! hashes; `rmp` here, the same bytes as the golden fixtures' shape), one stored event of
+//! 32 blocks of 16 tokens per batch, chained in sequences of 8 batches over 64 workers,
+//! each batch also removing the blocks stored 256 batches earlier so the index stays
+//! level. One thread decodes (`decode_batch`) and applies (`Router::apply_kv_events`,
+//! which publishes each batch to bookings); blocks/s counts stored blocks.
+//!
+//! Latency: a ZMQ PUB socket on 127.0.0.1 publishes one batch at a time, in the engines'
+//! framing, to an `EngineEvents` subscription (the same code `kvhint serve` runs); the
+//! clock stops when a lookup of the batch's prompt on the router finds the worker
+//! holding it. Median and p99 over the samples.
+//!
+//! `cargo bench -p kvhint-e2e --bench engine_events`. Under `cargo test --benches` it runs
+//! a quick mode whose figures are not measurements.
+
+use kvhint::domain::WorkerKey;
+use kvhint::engine_events::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
+use kvhint::engine_events::subscriber::SubscriberOptions;
+use kvhint::engine_events::{EngineEvents, Origin};
+use kvhint::event_source::KvEventSource;
+use kvhint::router::ingest::Ingest;
+use kvhint::router::Router;
+use kvhint_e2e::bench::{is_bench, median, quantile};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 16;
+const BLOCKS_PER_EVENT: usize = 32;
+const WORKERS: u64 = 64;
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    rmp::encode::write_str(out, s).unwrap();
+}
+
+/// One batch `[ts, [BlockStored, BlockRemoved?], 0]` as the engines encode it.
+fn batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32], removed: &[u64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(hashes.len() * 40 + 128);
+    rmp::encode::write_array_len(&mut out, 3).unwrap();
+    rmp::encode::write_f64(&mut out, 1.7e9).unwrap();
+    rmp::encode::write_array_len(&mut out, if removed.is_empty() { 1 } else { 2 }).unwrap();
+    rmp::encode::write_map_len(&mut out, 7).unwrap();
+    put_str(&mut out, "type");
+    put_str(&mut out, "BlockStored");
+    put_str(&mut out, "block_hashes");
+    rmp::encode::write_array_len(&mut out, hashes.len() as u32).unwrap();
+    for h in hashes {
+        rmp::encode::write_uint(&mut out, *h).unwrap();
+    }
+    put_str(&mut out, "parent_block_hash");
+    match parent {
+        Some(p) => {
+            rmp::encode::write_uint(&mut out, p).unwrap();
+        }
+        None => rmp::encode::write_nil(&mut out).unwrap(),
+    }
+    put_str(&mut out, "token_ids");
+    rmp::encode::write_array_len(&mut out, tokens.len() as u32).unwrap();
+    for t in tokens {
+        rmp::encode::write_uint(&mut out, u64::from(*t)).unwrap();
+    }
+    put_str(&mut out, "block_size");
+    rmp::encode::write_uint(&mut out, BLOCK as u64).unwrap();
+    put_str(&mut out, "lora_id");
+    rmp::encode::write_nil(&mut out).unwrap();
+    put_str(&mut out, "medium");
+    put_str(&mut out, "GPU");
+    if !removed.is_empty() {
+        rmp::encode::write_map_len(&mut out, 3).unwrap();
+        put_str(&mut out, "type");
+        put_str(&mut out, "BlockRemoved");
+        put_str(&mut out, "block_hashes");
+        rmp::encode::write_array_len(&mut out, removed.len() as u32).unwrap();
+        for h in removed {
+            rmp::encode::write_uint(&mut out, *h).unwrap();
+        }
+        put_str(&mut out, "medium");
+        put_str(&mut out, "GPU");
+    }
+    rmp::encode::write_uint(&mut out, 0).unwrap();
+    out
+}
+
+fn router() -> Arc<Router> {
+    let router = Arc::new(Router::new(BLOCK));
+    for id in 0..WORKERS {
+        router
+            .register_worker(
+                serde_json::from_value(serde_json::json!({"worker_id": id, "role": "decode"}))
+                    .unwrap(),
+            )
+            .unwrap();
+    }
+    router
+}
+
+/// The encoded stream: (worker, payload, blocks stored).
+fn stream(batches: usize) -> Vec<(WorkerKey, Vec<u8>)> {
+    let mut out = Vec::with_capacity(batches);
+    let mut stored: Vec<(u64, Vec<u64>)> = Vec::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut parents: Vec<Option<u64>> = vec![None; WORKERS as usize];
+    for i in 0..batches {
+        let worker = (i as u64) % WORKERS;
+        if (i / WORKERS as usize) % 8 == 0 {
+            parents[worker as usize] = None;
+        }
+        let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| next()).collect();
+        let tokens: Vec<u32> = (0..BLOCKS_PER_EVENT * BLOCK)
+            .map(|_| (next() % 150_000) as u32)
+            .collect();
+        let removed = if stored.len() >= 256 {
+            let (w, hashes) = stored.remove(0);
+            if w == worker {
+                hashes
+            } else {
+                stored.insert(0, (w, hashes));
+                Vec::new()
+            }
+        } else {
+            Vec::new()
+        };
+        out.push((
+            WorkerKey {
+                worker_id: worker,
+                dp_rank: 0,
+            },
+            batch(&hashes, parents[worker as usize], &tokens, &removed),
+        ));
+        parents[worker as usize] = hashes.last().copied();
+        stored.push((worker, hashes));
+    }
+    out
+}
+
+fn throughput(batches: usize) {
+    let encoded = stream(batches);
+    let bytes: usize = encoded.iter().map(|(_, b)| b.len()).sum();
+    let settings = DecodeSettings {
+        block_size: BLOCK,
+        media: vec!["GPU".into()],
+    };
+    let mut decoded = DecodedBatch::default();
+    let mut groups = GroupFilter::default();
+    // Decode alone.
+    let started = Instant::now();
+    let mut blocks = 0usize;
+    for (_, payload) in &encoded {
+        decode_batch(payload, &settings, &mut groups, &mut decoded).unwrap();
+        blocks += BLOCKS_PER_EVENT;
+    }
+    let decode_s = started.elapsed().as_secs_f64();
+    // Decode and apply, published to bookings per batch.
+    let router = router();
+    let started = Instant::now();
+    for (worker, payload) in &encoded {
+        decode_batch(payload, &settings, &mut groups, &mut decoded).unwrap();
+        let events = decoded.events.drain(..).map(|e| (*worker, e));
+        for result in router.apply_kv_events(events) {
+            result.unwrap();
+        }
+    }
+    let total_s = started.elapsed().as_secs_f64();
+    println!(
+        "engine_events decode blocks_per_s={:.0} ns_per_block={:.1} mb_per_s={:.0}",
+        blocks as f64 / decode_s,
+        decode_s * 1e9 / blocks as f64,
+        bytes as f64 / decode_s / 1e6
+    );
+    println!(
+        "engine_events decode+apply blocks_per_s={:.0} ns_per_block={:.1} batches={} index_blocks={} (target >= 5000000)",
+        blocks as f64 / total_s,
+        total_s * 1e9 / blocks as f64,
+        encoded.len(),
+        router.index_len()
+    );
+}
+
+fn latency(samples: usize) {
+    let router = router();
+    let (ingest, _thread) = Ingest::start(Arc::clone(&router), 65_536).unwrap();
+    let events = EngineEvents::new(
+        ingest,
+        DecodeSettings {
+            block_size: BLOCK,
+            media: vec!["GPU".into()],
+        },
+        SubscriberOptions::default(),
+    );
+    let context = zmq::Context::new();
+    let publisher = context.socket(zmq::PUB).unwrap();
+    publisher.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let worker = WorkerKey {
+        worker_id: 7,
+        dp_rank: 0,
+    };
+    events
+        .attach(
+            worker,
+            &KvEventSource {
+                endpoint: endpoint.clone(),
+                replay_endpoint: None,
+                topic: String::new(),
+                bind: false,
+            },
+            Origin::Registration,
+        )
+        .unwrap();
+    let mut seq = 0u64;
+    let mut send = |payload: &[u8]| {
+        publisher
+            .send_multipart([&b""[..], &seq.to_be_bytes()[..], payload], 0)
+            .unwrap();
+        seq += 1;
+    };
+    // Join: publish until the subscription hears one (ZMQ's slow joiner).
+    let probe = batch(&[1], None, &[0; BLOCK], &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while router.index_len() == 0 {
+        assert!(Instant::now() < deadline, "the subscription never joined");
+        send(&probe);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut waits = Vec::with_capacity(samples);
+    let mut hashes = Vec::new();
+    let mut matches = kvhint::router::index::Matches::new();
+    for i in 0..samples {
+        let tokens: Vec<u32> = (0..4 * BLOCK as u32)
+            .map(|t| t + 1_000 * i as u32 + 7)
+            .collect();
+        let payload = batch(
+            &[
+                10 + 4 * i as u64,
+                11 + 4 * i as u64,
+                12 + 4 * i as u64,
+                13 + 4 * i as u64,
+            ],
+            None,
+            &tokens,
+            &[],
+        );
+        kvhint::router::index::block_hashes(&tokens, BLOCK, &mut hashes);
+        let started = Instant::now();
+        send(&payload);
+        loop {
+            let held = router.read_index(|index| {
+                index.lookup(&hashes, &mut matches);
+                matches.found().iter().any(|f| f.cached == 4)
+            });
+            if held {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "a batch never arrived"
+            );
+            std::hint::spin_loop();
+        }
+        waits.push(started.elapsed().as_secs_f64() * 1e6);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    println!(
+        "engine_events publish_to_booking p50_us={:.0} p99_us={:.0} max_us={:.0} samples={samples} (target <= 10000)",
+        median(&mut waits),
+        quantile(&mut waits, 0.99),
+        waits.iter().cloned().fold(0.0, f64::max)
+    );
+}
+
+fn main() {
+    if is_bench() {
+        throughput(40_000);
+        latency(500);
+    } else {
+        println!("engine_events quick mode: debug build, figures are not measurements");
+        throughput(200);
+        latency(10);
+    }
+}
