@@ -110,7 +110,7 @@ fn stream(batches: usize) -> Vec<(WorkerKey, Vec<u8>)> {
     let mut parents: Vec<Option<u64>> = vec![None; WORKERS as usize];
     for i in 0..batches {
         let worker = (i as u64) % WORKERS;
-        if (i / WORKERS as usize) % 8 == 0 {
+        if (i / WORKERS as usize).is_multiple_of(8) {
             parents[worker as usize] = None;
         }
         let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT).map(|_| next()).collect();
