@@ -9,9 +9,11 @@
 //!
 //! Payloads arrive from plugins as JSON text, made and checked inside the
 //! plugin by the plugin-api adapter (serde_json, from a `Value`), and are
-//! copied into the envelope as they are: never parsed or encoded again on the
-//! booking path. An action type the router does not know passes through
-//! untouched.
+//! copied into the envelope as they are: not parsed or encoded again on the
+//! booking path, with one exception ([`signed_fetch_hashes`]): a `kv.fetch` from
+//! an engine whose hashes are signed 64-bit integers (SGLang) is rewritten so it
+//! names them as the engine published them, since policies see every engine hash
+//! as a u64. An action type the router does not know passes through untouched.
 
 use kvhint_plugin_api::abi::FfiAction;
 
@@ -24,7 +26,7 @@ pub const MAX_ACTIONS: usize = 32;
 /// checked that the payload is a JSON object it serialized itself; this only
 /// catches the obvious mistakes of a plugin that implements the raw ABI trait
 /// by hand, without reading the payload through. The whole message is
-/// validated once where it leaves the process (`wire::checked_hint`).
+/// validated once, as JSON, when the hint stage returns it (`hints::HintStage::run_booking`).
 pub(crate) fn malformed(action: &FfiAction) -> Option<String> {
     let action_type = action.action_type.as_str();
     if action_type.is_empty() {
@@ -62,6 +64,49 @@ impl std::io::Write for StringWriter<'_> {
 }
 
 /// Writes `text` as a JSON string (serde_json's own escaping).
+/// `message` with the `block_hashes` of each `kv.fetch` whose
+/// `source_control_endpoint` is one of `signed_sources` written as signed 64-bit
+/// integers (the same bits: a value above `i64::MAX` becomes its negative twin), or
+/// `None` if nothing changed.
+pub fn signed_fetch_hashes(
+    message: &serde_json::value::RawValue,
+    signed_sources: &[&str],
+) -> Option<Box<serde_json::value::RawValue>> {
+    let mut value: serde_json::Value = serde_json::from_str(message.get()).ok()?;
+    let mut changed = false;
+    for action in value.get_mut("actions")?.as_array_mut()? {
+        if action.get("action_type").and_then(|t| t.as_str()) != Some("kv.fetch") {
+            continue;
+        }
+        let Some(payload) = action.get_mut("payload") else {
+            continue;
+        };
+        let from_signed = payload
+            .get("source_control_endpoint")
+            .and_then(|e| e.as_str())
+            .is_some_and(|e| signed_sources.contains(&e));
+        if !from_signed {
+            continue;
+        }
+        let Some(hashes) = payload
+            .get_mut("block_hashes")
+            .and_then(|h| h.as_array_mut())
+        else {
+            continue;
+        };
+        for hash in hashes {
+            if let Some(unsigned) = hash.as_u64().filter(|u| *u > i64::MAX as u64) {
+                *hash = serde_json::Value::from(unsigned as i64);
+                changed = true;
+            }
+        }
+    }
+    if !changed {
+        return None;
+    }
+    serde_json::value::to_raw_value(&value).ok()
+}
+
 fn push_json_string(out: &mut String, text: &str) -> std::io::Result<()> {
     serde::Serialize::serialize(text, &mut serde_json::Serializer::new(StringWriter(out)))
         .map_err(std::io::Error::other)
@@ -98,6 +143,31 @@ pub(crate) fn write(message_id: &str, actions: &[&FfiAction]) -> std::io::Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fetches_from_signed_engines_name_their_hashes_signed() {
+        let message = serde_json::value::to_raw_value(&serde_json::json!({
+            "protocol_version": "0.1", "message_id": "r", "actions": [
+                {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+                 "payload": {"source_control_endpoint": "tcp://s:1",
+                             "block_hashes": [18446744073709551611u64, 7]}},
+                {"action_id": "a2", "action_type": "kv.fetch", "action_version": "1.0",
+                 "payload": {"source_control_endpoint": "tcp://u:1",
+                             "block_hashes": [18446744073709551611u64]}}]}))
+        .unwrap();
+        let out = signed_fetch_hashes(&message, &["tcp://s:1"]).unwrap();
+        let out: serde_json::Value = serde_json::from_str(out.get()).unwrap();
+        assert_eq!(
+            out["actions"][0]["payload"]["block_hashes"],
+            serde_json::json!([-5, 7])
+        );
+        assert_eq!(
+            out["actions"][1]["payload"]["block_hashes"],
+            serde_json::json!([18446744073709551611u64]),
+            "an unsigned engine's fetch is left alone"
+        );
+        assert!(signed_fetch_hashes(&message, &["tcp://other:1"]).is_none());
+    }
 
     fn action(t: &str, v: &str, payload: &str) -> FfiAction {
         FfiAction {

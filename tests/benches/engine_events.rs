@@ -188,6 +188,7 @@ fn latency(samples: usize) {
     let router = router();
     let (ingest, _thread) = Ingest::start(Arc::clone(&router), 65_536).unwrap();
     let events = EngineEvents::new(
+        Arc::clone(&router),
         ingest,
         DecodeSettings {
             block_size: BLOCK,

@@ -66,6 +66,7 @@ impl SourceView {
 /// Every engine subscription of one router.
 pub struct EngineEvents {
     context: zmq::Context,
+    router: Arc<Router>,
     ingest: Ingest,
     settings: Arc<ArcSwap<DecodeSettings>>,
     options: SubscriberOptions,
@@ -73,9 +74,15 @@ pub struct EngineEvents {
 }
 
 impl EngineEvents {
-    pub fn new(ingest: Ingest, settings: DecodeSettings, options: SubscriberOptions) -> Self {
+    pub fn new(
+        router: Arc<Router>,
+        ingest: Ingest,
+        settings: DecodeSettings,
+        options: SubscriberOptions,
+    ) -> Self {
         Self {
             context: zmq::Context::new(),
+            router,
             ingest,
             settings: Arc::new(ArcSwap::from_pointee(settings)),
             options,
@@ -116,6 +123,7 @@ impl EngineEvents {
         let subscriber = Subscriber {
             shared: Arc::clone(&shared),
             context: self.context.clone(),
+            router: Arc::clone(&self.router),
             ingest: self.ingest.clone(),
             settings: Arc::clone(&self.settings),
             options: self.options.clone(),

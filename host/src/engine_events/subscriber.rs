@@ -23,7 +23,7 @@ use crate::router::index::{ApplyStats, KvEvent};
 use crate::router::ingest::{BatchReply, Ingest};
 
 type BatchResults = Vec<Result<ApplyStats, RouterError>>;
-use crate::router::RouterError;
+use crate::router::{Router, RouterError};
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -78,6 +78,7 @@ pub struct Shared {
 pub struct Subscriber {
     pub shared: Arc<Shared>,
     pub context: zmq::Context,
+    pub router: Arc<Router>,
     pub ingest: Ingest,
     pub settings: Arc<ArcSwap<DecodeSettings>>,
     pub options: SubscriberOptions,
@@ -147,6 +148,7 @@ impl Subscriber {
             groups: GroupFilter::default(),
             replies: crossbeam_channel::bounded(1),
             keys: vec![self.shared.worker],
+            signed: Vec::new(),
             warnings: Warnings { last: [None; 4] },
             last_parent_recovery: None,
         };
@@ -163,6 +165,8 @@ struct Thread<'a> {
     replies: (BatchReply, crossbeam_channel::Receiver<BatchResults>),
     /// Every worker key this source has fed (a batch's dp rank may name another).
     keys: Vec<WorkerKey>,
+    /// Workers already marked as publishing signed hashes.
+    signed: Vec<WorkerKey>,
     warnings: Warnings,
     last_parent_recovery: Option<Instant>,
 }
@@ -435,6 +439,11 @@ impl Thread<'_> {
         };
         if !self.keys.contains(&worker) {
             self.keys.push(worker);
+        }
+        if self.decoded.hashes.signed && !self.signed.contains(&worker) {
+            // Once per worker: its kv.fetch hashes are written back signed.
+            self.sub.router.mark_signed_hashes(worker);
+            self.signed.push(worker);
         }
         let events: Vec<(WorkerKey, KvEvent)> = self
             .decoded

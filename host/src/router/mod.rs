@@ -180,6 +180,9 @@ pub struct Router {
     /// Serialises registrations (each rewrites the table); bookings never take it.
     registration: parking_lot::Mutex<()>,
     bookings: Bookings,
+    /// Some worker's engine publishes signed hashes: bookings then check whether
+    /// their `kv.fetch` names one (otherwise they skip the check).
+    any_signed: std::sync::atomic::AtomicBool,
 }
 
 impl Router {
@@ -190,6 +193,18 @@ impl Router {
             workers: ArcSwap::from_pointee(WorkerTable::default()),
             registration: parking_lot::Mutex::new(()),
             bookings: Bookings::default(),
+            any_signed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Records that `key`'s engine publishes signed 64-bit hashes (SGLang's), so a
+    /// `kv.fetch` from it names them as the engine spelled them. Unknown workers are
+    /// ignored.
+    pub fn mark_signed_hashes(&self, key: WorkerKey) {
+        use std::sync::atomic::Ordering;
+        if let Some(entry) = self.workers.load().get(key) {
+            entry.signed_hashes.store(true, Ordering::Relaxed);
+            self.any_signed.store(true, Ordering::Relaxed);
         }
     }
 
@@ -208,6 +223,7 @@ impl Router {
                     worker,
                     slot: old.slot,
                     load: Arc::clone(&old.load),
+                    signed_hashes: Arc::clone(&old.signed_hashes),
                 },
                 false,
             ),
@@ -216,6 +232,7 @@ impl Router {
                     slot: self.index.add_worker(worker.key),
                     worker,
                     load: Arc::new(LoadCell::default()),
+                    signed_hashes: Arc::default(),
                 },
                 true,
             ),
@@ -621,6 +638,24 @@ impl Router {
             committed,
         );
         booking.hint = result.hint;
+        if self.any_signed.load(std::sync::atomic::Ordering::Relaxed) {
+            let signed: Vec<&str> = rows()
+                .filter(|(key, _, _)| {
+                    table
+                        .get(*key)
+                        .is_some_and(|e| e.signed_hashes.load(std::sync::atomic::Ordering::Relaxed))
+                })
+                .map(|(_, worker, _)| &*worker.source_control_endpoint)
+                .collect();
+            if !signed.is_empty() {
+                if let Hint::Sent { message, .. } = &mut booking.hint {
+                    if let Some(rewritten) = crate::envelope::signed_fetch_hashes(message, &signed)
+                    {
+                        *message = rewritten;
+                    }
+                }
+            }
+        }
         booking.dropped_actions = result.dropped_actions;
         booking.policy_failures = result.failures;
         if !result.kv_copy_sent {

@@ -11,7 +11,7 @@
 
 use super::index::Slot;
 use crate::domain::{Role, Worker, WorkerKey};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use crate::domain::{RuntimeDataError, WorkerRegistration};
@@ -70,6 +70,9 @@ pub struct WorkerEntry {
     /// Its slot in the KV index.
     pub slot: Slot,
     pub load: Arc<LoadCell>,
+    /// Its engine publishes signed 64-bit hashes (SGLang): a `kv.fetch` naming them
+    /// must write them back signed. Learnt from its events; kept across re-registration.
+    pub signed_hashes: Arc<AtomicBool>,
 }
 
 /// Every registered worker, sorted by key, and per role (candidates in key order, so

@@ -405,6 +405,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let bookings =
         pool::BookingPool::new(threads, BOOKING_QUEUE).map_err(|e| startup("booking", e))?;
     let engine_events = Arc::new(EngineEvents::new(
+        Arc::clone(&router),
         ingest.clone(),
         DecodeSettings {
             block_size: snapshot.block_size,
