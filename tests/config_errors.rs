@@ -225,3 +225,49 @@ fn quoted_numbers_invalid_names_and_null_parameters() {
         "kvhint.yaml:6:21: worker_selection.decode.hints[0].parameters: `parameters` must be a mapping, found nothing (null)",
     );
 }
+
+/// `kv_events:`: each mistake located at the offending key, with what to write.
+#[test]
+fn kv_events_sources_errors_name_the_field_and_what_to_write() {
+    let roles = "worker_selection:\n  decode: kvcr\n";
+    let cases: [(&str, &str); 7] = [
+        (
+            "kv_events:\n  sources:\n    - {worker_id: 1, role: decode, endpoint: \"tcp://*:5557\"}\n",
+            "kvhint.yaml:3:46: kv_events.sources[0].endpoint: `tcp://*:5557` is the engine's bind address; the router connects to the engine, so name the engine's host (tcp://ENGINE_HOST:PORT), or set `bind: true`",
+        ),
+        (
+            "kv_events:\n  sources:\n    - {worker_id: 1, role: decode}\n",
+            "kvhint.yaml:3:8: kv_events.sources[0]: a source needs `endpoint`: where the engine publishes",
+        ),
+        (
+            "kv_events:\n  sources:\n    - {worker_id: 1, role: boss, endpoint: \"tcp://h:1\"}\n",
+            "kvhint.yaml:3:28: kv_events.sources[0].role: unknown role `boss`; expected one of: aggregated, prefill, decode",
+        ),
+        (
+            "kv_events:\n  sources:\n    - {worker_id: 1, role: decode, endpoint: \"tcp://h:65535\", dp_size: 2}\n",
+            "kvhint.yaml:3:46: kv_events.sources[0].endpoint: `tcp://h:65535` plus dp rank 1 is port 65536, past 65535",
+        ),
+        (
+            "kv_events:\n  sources:\n    - {worker_id: 1, role: decode, endpoint: \"tcp://h:1\"}\n    - {worker_id: 1, role: decode, endpoint: \"tcp://h:2\"}\n",
+            "kvhint.yaml:4:8: kv_events.sources[1]: worker_id 1 is listed twice (first at line 3)",
+        ),
+        (
+            "kv_events:\n  media: []\n",
+            "kvhint.yaml:2:10: kv_events.media: `media` is a non-empty list",
+        ),
+        (
+            "kv_events:\n  replay_timout_ms: 5\n",
+            "kvhint.yaml:2:3: kv_events.replay_timout_ms: unknown key `replay_timout_ms` (did you mean `replay_timeout_ms`?)",
+        ),
+    ];
+    for (yaml, expected) in cases {
+        assert_one(&format!("{yaml}{roles}"), expected);
+    }
+    assert!(
+        errors(&format!(
+            "kv_events:\n  media: [GPU, CPU]\n  sources:\n    - {{worker_id: 1, dp_size: 2, role: decode, endpoint: \"tcp://h:5557\", replay_endpoint: \"tcp://h:5600\", bind: false}}\n{roles}"
+        ))
+        .is_empty(),
+        "a correct section passes"
+    );
+}

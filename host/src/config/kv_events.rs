@@ -220,7 +220,7 @@ fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<Configured
             .get_node(key)
             .map(|n| location(&join(path, key), n.span()))
             .unwrap_or(at);
-        walker.error(at, format!("`{key}` {}", error.problem));
+        walker.error(at, error.problem);
         return None;
     }
     Some(ConfiguredSource {
