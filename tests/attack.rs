@@ -77,7 +77,7 @@ fn duplicates(tokens: &[u32], first: u64, count: u64) -> Vec<(WorkerKey, KvEvent
                     parent_block_hash: None,
                     blocks: vec![StoredBlock {
                         block_hash: engine,
-                        token_ids: tokens.to_vec(),
+                        token_ids: tokens.into(),
                     }],
                     lora_name: None,
                     cache_salt: None,
@@ -109,7 +109,7 @@ fn duplicate_engine_hashes_cannot_blow_up_a_maximum_length_booking() {
         .enumerate()
         .map(|(i, tokens)| StoredBlock {
             block_hash: 9_000_000 + i as u64,
-            token_ids: tokens.to_vec(),
+            token_ids: tokens.into(),
         })
         .collect();
     router

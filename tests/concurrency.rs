@@ -223,7 +223,7 @@ fn blocks_of(
     range
         .map(|i| StoredBlock {
             block_hash: engine_hash(w, j, alt, i),
-            token_ids: tokens[i * BLOCK..(i + 1) * BLOCK].to_vec(),
+            token_ids: tokens[i * BLOCK..(i + 1) * BLOCK].into(),
         })
         .collect()
 }

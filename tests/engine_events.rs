@@ -68,7 +68,10 @@ fn assert_chain(engine: &str, case: &str, hashes: [u64; 3]) {
         "{engine}/{case}"
     );
     if let KvEvent::Stored { blocks, .. } = &batch.events[0] {
-        assert_eq!(blocks[1].token_ids, (16..32).collect::<Vec<u32>>());
+        assert_eq!(
+            blocks[1].token_ids.as_slice(),
+            (16..32).collect::<Vec<u32>>()
+        );
     }
     assert_eq!(
         batch.events[2],

@@ -39,7 +39,7 @@ fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
             .enumerate()
             .map(|(i, chunk)| StoredBlock {
                 block_hash: engine_base + i as u64,
-                token_ids: chunk.to_vec(),
+                token_ids: chunk.into(),
             })
             .collect(),
         lora_name: None,

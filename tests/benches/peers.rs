@@ -133,7 +133,7 @@ mod kvhint_side {
                         .zip(&e.engine)
                         .map(|(tokens, &block_hash)| StoredBlock {
                             block_hash,
-                            token_ids: tokens.to_vec(),
+                            token_ids: tokens.into(),
                         })
                         .collect();
                     let event = KvEvent::Stored {

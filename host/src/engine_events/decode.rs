@@ -26,7 +26,7 @@
 //! [`DecodeCounts`]; anything malformed fails the whole batch with a [`DecodeError`]
 //! that says where — the subscriber counts it and resynchronises, never panics.
 
-use crate::router::index::{KvEvent, StoredBlock};
+use crate::router::index::{BlockTokens, KvEvent, StoredBlock};
 use rmp::decode as mp;
 use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
@@ -99,6 +99,22 @@ pub struct DecodedBatch {
 pub struct GroupFilter {
     skipped: Vec<i64>,
 }
+
+/// Bytes after the marker of a token id: 0 for a positive fixint, 1/2/4 for
+/// u8/u16/u32; anything else is [`INVALID`] (read the slow way).
+const INVALID: u8 = 0xff;
+const TOKEN_WIDTH: [u8; 256] = {
+    let mut table = [INVALID; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        table[m] = 0;
+        m += 1;
+    }
+    table[0xcc] = 1;
+    table[0xcd] = 2;
+    table[0xce] = 4;
+    table
+};
 
 /// Most elements reserved up front for one list: a length field is not trusted
 /// further than this before its elements arrive.
@@ -356,33 +372,40 @@ impl<'a> Reader<'a> {
     }
 
     fn tokens(&mut self, out: &mut Vec<u32>) -> Result<(), DecodeError> {
-        let len = self.array_len("token_ids")?;
+        let len = self.array_len("token_ids")? as usize;
         out.clear();
-        out.reserve(len.min(MAX_LEN) as usize);
+        out.reserve(len.min(MAX_LEN as usize));
+        // Token ids are non-negative integers below 2^32, and a vocabulary mixes their
+        // one-, two-, three- and five-byte encodings at random, so a branch per width
+        // would mispredict about every other token: the width comes from a table and
+        // the value from one 4-byte load shifted into place. Other encodings, and the
+        // last few bytes of the payload, take `rmp`'s path.
+        let mut rest = self.rest;
         for _ in 0..len {
-            // Token ids are small non-negative integers: read the three encodings
-            // msgpack gives them directly, and leave the rest to `rmp`.
-            let token = match self.rest {
-                [b @ 0..=0x7f, rest @ ..] => {
-                    self.rest = rest;
-                    u32::from(*b)
+            let width = rest
+                .first()
+                .map_or(INVALID, |m| TOKEN_WIDTH[usize::from(*m)]);
+            let token = match rest.get(..5) {
+                Some(&[marker, a, b, c, d]) if width != INVALID => {
+                    let word = u64::from(u32::from_be_bytes([a, b, c, d]));
+                    let shifted = (word >> (32 - 8 * u32::from(width))) as u32;
+                    rest = &rest[1 + usize::from(width)..];
+                    if width == 0 {
+                        u32::from(marker)
+                    } else {
+                        shifted
+                    }
                 }
-                [0xcc, b, rest @ ..] => {
+                _ => {
                     self.rest = rest;
-                    u32::from(*b)
+                    let token = self.int::<u32>("a token id")?;
+                    rest = self.rest;
+                    token
                 }
-                [0xcd, a, b, rest @ ..] => {
-                    self.rest = rest;
-                    u32::from(u16::from_be_bytes([*a, *b]))
-                }
-                [0xce, a, b, c, d, rest @ ..] => {
-                    self.rest = rest;
-                    u32::from_be_bytes([*a, *b, *c, *d])
-                }
-                _ => self.int::<u32>("a token id")?,
             };
             out.push(token);
         }
+        self.rest = rest;
         Ok(())
     }
 
@@ -638,7 +661,7 @@ fn finish(
         .zip(fields.token_ids.chunks_exact(settings.block_size))
         .map(|(hash, tokens)| StoredBlock {
             block_hash: *hash,
-            token_ids: tokens.to_vec(),
+            token_ids: BlockTokens::from_slice(tokens),
         })
         .collect();
     out.events.push(KvEvent::Stored {

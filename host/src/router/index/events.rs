@@ -48,8 +48,12 @@ pub enum KvEvent {
 #[serde(deny_unknown_fields)]
 pub struct StoredBlock {
     pub block_hash: u64,
-    pub token_ids: Vec<u32>,
+    pub token_ids: BlockTokens,
 }
+
+/// A block's token ids: inline up to 16 (the usual block size), so decoding an engine
+/// batch allocates per event, not per block.
+pub type BlockTokens = smallvec::SmallVec<[u32; 16]>;
 
 /// Why a KV event was refused. A refused event changes nothing in the index.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]

@@ -51,7 +51,7 @@ pub mod lookup;
 pub mod shared;
 
 pub use crate::domain::WorkerKey;
-pub use events::{ApplyStats, KvEvent, KvEventError, StoredBlock};
+pub use events::{ApplyStats, BlockTokens, KvEvent, KvEventError, StoredBlock};
 pub use hashing::{
     block_hashes, chained_hash, chained_hash_with_extra, identity_seed, seeded_block_hashes,
     HASH_SEED,

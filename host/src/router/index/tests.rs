@@ -27,7 +27,7 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
             .zip(engine)
             .map(|(t, &block_hash)| StoredBlock {
                 block_hash,
-                token_ids: t.to_vec(),
+                token_ids: t.into(),
             })
             .collect(),
         lora_name: None,
@@ -418,11 +418,11 @@ fn wrong_token_count_is_refused_and_changes_nothing() {
         blocks: vec![
             StoredBlock {
                 block_hash: 1,
-                token_ids: vec![1, 2, 3, 4],
+                token_ids: vec![1, 2, 3, 4].into(),
             },
             StoredBlock {
                 block_hash: 2,
-                token_ids: vec![5, 6, 7],
+                token_ids: vec![5, 6, 7].into(),
             },
         ],
         lora_name: None,
@@ -681,7 +681,7 @@ fn wire_forms_round_trip() {
                 parent_block_hash: Some(7),
                 blocks: vec![StoredBlock {
                     block_hash: 11,
-                    token_ids: vec![1, 2, 3, 4],
+                    token_ids: vec![1, 2, 3, 4].into(),
                 }],
                 lora_name: None,
                 cache_salt: None,
