@@ -481,3 +481,75 @@ fn config_sources_register_subscribe_and_follow_reloads() {
     publisher.publish(json!([stored(&[501, 502], None, &prompt)]), false);
     wait_held(&server, &prompt, 2, "blocks after the source came back");
 }
+
+/// Data-parallel ranks as SGLang runs them: rank 1's publisher sits at the base port
+/// plus 1 and stamps rank 1 into its batches; the registration for rank 1 names the
+/// engine's base endpoint, and its blocks land on worker 3 rank 1, not rank 0.
+#[test]
+fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
+    let base = free_port();
+    // Keep base + 1 free for the rank-1 publisher.
+    let _ = free_port();
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{base}"),
+        "--bind".into(),
+        "--dp-rank".into(),
+        "1".into(),
+    ]);
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!("router:\n  block_size: {BLOCK}\nworker_selection:\n  decode: kvcr\n"),
+    )
+    .unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    for rank in [0, 1] {
+        let (status, body) = server.post(
+            "/workers",
+            &json!({"worker_id": 3, "dp_rank": rank, "role": "decode",
+                    "kv_events": {"endpoint": format!("tcp://127.0.0.1:{base}")}}),
+        );
+        assert_eq!(status, 201, "{body}");
+    }
+    let sources = server.status()["kv_event_sources"].clone();
+    assert_eq!(
+        sources[1]["endpoint"],
+        format!("tcp://127.0.0.1:{}", base + 1),
+        "{sources}"
+    );
+    let rank1 = |server: &Server| {
+        server.status()["kv_event_sources"][1]["batches"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while rank1(&server) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "rank 1 never heard its publisher"
+        );
+        publisher.publish(
+            json!([{"type": "BlockRemoved", "block_hashes": [9]}]),
+            false,
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let prompt = tokens(6_000, 1);
+    publisher.publish(json!([stored(&[601], None, &prompt)]), false);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let booking = book(&server, &format!("dp-{}", rank1(&server)), &prompt);
+        if booking["cached_blocks"] == 1 {
+            assert_eq!(booking["dp_rank"], 1, "{booking}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 1 never held the block: {booking}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(server.status()["kv_event_sources"][0]["batches"], 0);
+}
