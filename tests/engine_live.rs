@@ -553,3 +553,157 @@ fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
     }
     assert_eq!(server.status()["kv_event_sources"][0]["batches"], 0);
 }
+
+/// A publisher far faster than the router: the socket's high-water mark drops what the
+/// router cannot take, the subscription sees the gaps and resynchronises instead of
+/// queueing without bound, and the first batch after the burst is applied as usual.
+#[test]
+fn a_flood_is_dropped_at_the_socket_and_resynchronised_not_queued() {
+    use kvhint::engine_events::decode::DecodeSettings;
+    use kvhint::engine_events::subscriber::SubscriberOptions;
+    use kvhint::engine_events::{EngineEvents, Origin};
+    use kvhint::event_source::KvEventSource;
+    use kvhint::router::ingest::Ingest;
+    use kvhint::router::Router;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    let router = Arc::new(Router::new(BLOCK as usize));
+    router
+        .register_worker(serde_json::from_value(json!({"worker_id": 1, "role": "decode"})).unwrap())
+        .unwrap();
+    let (ingest, _thread) = Ingest::start(Arc::clone(&router), 16).unwrap();
+    let events = EngineEvents::new(
+        Arc::clone(&router),
+        ingest,
+        DecodeSettings {
+            block_size: BLOCK as usize,
+            media: vec!["GPU".into()],
+        },
+        SubscriberOptions {
+            receive_hwm: 4,
+            ..SubscriberOptions::default()
+        },
+    );
+    let context = zmq::Context::new();
+    let publisher = context.socket(zmq::PUB).unwrap();
+    publisher.set_sndhwm(4).unwrap();
+    let port = free_port();
+    publisher.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let worker = kvhint::domain::WorkerKey {
+        worker_id: 1,
+        dp_rank: 0,
+    };
+    events
+        .attach(
+            worker,
+            &KvEventSource {
+                endpoint: format!("tcp://127.0.0.1:{port}"),
+                replay_endpoint: None,
+                topic: String::new(),
+                bind: false,
+            },
+            Origin::Registration,
+        )
+        .unwrap();
+    // One engine batch: [ts, [BlockStored of `blocks` blocks], 0], msgpack as the
+    // engines write it.
+    let encode = |first_hash: u64, blocks: u64| -> Vec<u8> {
+        let tokens: Vec<u32> = (0..blocks as u32 * BLOCK)
+            .map(|t| t + first_hash as u32)
+            .collect();
+        let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
+        let event = json!({"type": "BlockStored", "block_hashes": hashes,
+                           "parent_block_hash": null, "token_ids": tokens,
+                           "block_size": BLOCK, "medium": "GPU"});
+        let mut out = Vec::new();
+        rmp::encode::write_array_len(&mut out, 3).unwrap();
+        rmp::encode::write_f64(&mut out, 1.7e9).unwrap();
+        rmp::encode::write_array_len(&mut out, 1).unwrap();
+        write_msgpack(&mut out, &event);
+        rmp::encode::write_uint(&mut out, 0).unwrap();
+        out
+    };
+    let sources = events.sources();
+    let stats = sources[0].stats();
+    let mut seq = 0u64;
+    let mut send = |payload: &[u8], wait: bool| {
+        let flags = if wait { 0 } else { zmq::DONTWAIT };
+        let _ = publisher.send_multipart([&b""[..], &seq.to_be_bytes()[..], payload], flags);
+        seq += 1;
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while stats.batches.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "never joined");
+        send(&encode(1, 1), true);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The flood: 20,000 batches of 64 blocks as fast as the socket takes them.
+    let flood = encode(1_000, 64);
+    for _ in 0..20_000 {
+        send(&flood, false);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats.gaps.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "no gap seen after a flood");
+        send(&flood, true);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        stats.resyncs.load(Ordering::Relaxed) >= 1,
+        "a gap without replay resyncs"
+    );
+    // After the flood, a fresh block is applied as usual.
+    let after = encode(900_000, 1);
+    let tokens: Vec<u32> = (0..BLOCK).map(|t| t + 900_000).collect();
+    let mut hashes = Vec::new();
+    kvhint::router::index::block_hashes(&tokens, BLOCK as usize, &mut hashes);
+    let mut matches = kvhint::router::index::Matches::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        send(&after, true);
+        std::thread::sleep(Duration::from_millis(20));
+        let held = router.read_index(|index| {
+            index.lookup(&hashes, &mut matches);
+            !matches.found().is_empty()
+        });
+        if held {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the block after the flood never arrived"
+        );
+    }
+    events.shutdown();
+}
+
+/// Minimal msgpack writer for the JSON values an engine event holds.
+fn write_msgpack(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::Null => rmp::encode::write_nil(out).unwrap(),
+        Value::Bool(b) => rmp::encode::write_bool(out, *b).unwrap(),
+        Value::Number(n) => match n.as_u64() {
+            Some(u) => {
+                rmp::encode::write_uint(out, u).unwrap();
+            }
+            None => {
+                rmp::encode::write_sint(out, n.as_i64().unwrap()).unwrap();
+            }
+        },
+        Value::String(s) => rmp::encode::write_str(out, s).unwrap(),
+        Value::Array(items) => {
+            rmp::encode::write_array_len(out, items.len() as u32).unwrap();
+            for item in items {
+                write_msgpack(out, item);
+            }
+        }
+        Value::Object(map) => {
+            rmp::encode::write_map_len(out, map.len() as u32).unwrap();
+            for (k, v) in map {
+                rmp::encode::write_str(out, k).unwrap();
+                write_msgpack(out, v);
+            }
+        }
+    }
+}
