@@ -707,3 +707,45 @@ fn write_msgpack(out: &mut Vec<u8>, value: &Value) {
         }
     }
 }
+
+/// A stored event chained onto a block the worker never stored (its store was lost
+/// before the router subscribed) is not just refused: the worker is rebuilt from the
+/// engine's replay buffer, so what the engine still buffers stays credited.
+#[test]
+fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
+    let (port, replay) = (free_port(), free_port());
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--replay-endpoint".into(),
+        format!("tcp://127.0.0.1:{replay}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    let kept = tokens(7_000, 1);
+    publisher.publish(json!([stored(&[701], None, &kept)]), false);
+    wait_held(server, &kept, 1, "a root block");
+    let orphan = tokens(8_000, 1);
+    publisher.publish(json!([stored(&[801], Some(123_456), &orphan)]), false);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while source_status(server)["unknown_parent"]
+        .as_u64()
+        .unwrap_or(0)
+        == 0
+    {
+        assert!(Instant::now() < deadline, "{}", source_status(server));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The rebuild clears the worker, then replays: once the second replay (the first
+    // loaded the history at start) has begun, the clear is done, so a block seen from
+    // then on came back from the replay buffer.
+    while source_status(server)["replays"].as_u64().unwrap_or(0) < 2 {
+        assert!(Instant::now() < deadline, "{}", source_status(server));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(source_status(server)["resyncs"].as_u64().unwrap() >= 1);
+    wait_held(server, &kept, 1, "the root block after the rebuild");
+}

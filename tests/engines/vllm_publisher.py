@@ -48,9 +48,11 @@ Protocol: one JSON object per line on stdin, one per line on stdout.
   AllBlocksCleared). Hashes are ints (u64 or i64 range); ``{"bytes_hex": "..."}``
   gives a bytes hash. For BlockStored, ``parent_block_hash``, ``lora_id`` and
   ``lora_name`` default to null and ``medium`` to "GPU"; for BlockRemoved
-  ``medium`` defaults to "GPU". Fields with struct defaults (``extra_keys``,
-  ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``)
-  are omitted from the wire when left at their default, as vLLM does.
+  ``medium`` defaults to "GPU". ``extra_keys``, ``group_idx``,
+  ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` take the
+  structs' defaults (null). The structs say ``omit_defaults=True``, but
+  msgspec does not omit anything from ``array_like`` structs (msgspec issue
+  #720), so every field is on the wire, as from the engine.
   Replies ``{"published": seq}`` once the publisher thread has sent the batch
   on the PUB socket and put it in its replay buffer. With ``"drop": true`` the
   batch goes through the publisher normally (gets a seq, is kept for replay)

@@ -340,6 +340,8 @@ fn kv_event_sources(app: &App) -> Vec<serde_json::Value> {
                 "restarts": stats.restarts.load(Ordering::Relaxed),
                 "reconnects": stats.reconnects.load(Ordering::Relaxed),
                 "decode_errors": stats.decode_errors.load(Ordering::Relaxed),
+                "unknown_parent": stats.unknown_parent.load(Ordering::Relaxed),
+                "dropped": stats.dropped.load(Ordering::Relaxed),
                 "hashes": if stats.signed_hashes.load(Ordering::Relaxed) {
                     "signed"
                 } else if stats.digest_hashes.load(Ordering::Relaxed) {
