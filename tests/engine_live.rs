@@ -265,10 +265,11 @@ fn blocks_reach_the_next_booking(server: &Server, publisher: &mut Publisher) {
     assert_eq!(status["hashes"], "signed", "{status}");
 }
 
-#[test]
-fn sglang_binds_kvhint_connects_and_the_next_booking_sees_the_blocks() {
+/// SGLang's publisher binding 127.0.0.1 with its replay socket, and a fleet whose
+/// worker 3 subscribes to both.
+fn bound_with_replay() -> (Publisher, Fleet) {
     let (port, replay) = (free_port(), free_port());
-    let mut publisher = Publisher::start(&[
+    let publisher = Publisher::start(&[
         "--endpoint".into(),
         format!("tcp://127.0.0.1:{port}"),
         "--replay-endpoint".into(),
@@ -277,6 +278,12 @@ fn sglang_binds_kvhint_connects_and_the_next_booking_sees_the_blocks() {
     ]);
     let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
                              "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    (publisher, fleet)
+}
+
+#[test]
+fn sglang_binds_kvhint_connects_and_the_next_booking_sees_the_blocks() {
+    let (mut publisher, fleet) = bound_with_replay();
     blocks_reach_the_next_booking(&fleet.server, &mut publisher);
     let (_, metrics) = fleet.server.get("/metrics");
     assert!(
@@ -301,16 +308,7 @@ fn kvhint_binds_sglang_connects_and_the_next_booking_sees_the_blocks() {
 
 #[test]
 fn a_dropped_batch_is_recovered_through_the_engines_replay_socket() {
-    let (port, replay) = (free_port(), free_port());
-    let mut publisher = Publisher::start(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--replay-endpoint".into(),
-        format!("tcp://127.0.0.1:{replay}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
-                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    let (mut publisher, fleet) = bound_with_replay();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     let prompt = tokens(1_000, 2);
@@ -361,16 +359,7 @@ fn without_a_replay_socket_a_gap_resyncs_the_worker_from_new_events() {
 
 #[test]
 fn a_publisher_restart_clears_the_worker_and_follows_the_new_sequence() {
-    let (port, replay) = (free_port(), free_port());
-    let mut publisher = Publisher::start(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--replay-endpoint".into(),
-        format!("tcp://127.0.0.1:{replay}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
-                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    let (mut publisher, fleet) = bound_with_replay();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     for _ in 0..3 {
@@ -713,16 +702,7 @@ fn write_msgpack(out: &mut Vec<u8>, value: &Value) {
 /// engine's replay buffer, so what the engine still buffers stays credited.
 #[test]
 fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
-    let (port, replay) = (free_port(), free_port());
-    let mut publisher = Publisher::start(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--replay-endpoint".into(),
-        format!("tcp://127.0.0.1:{replay}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
-                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}")}));
+    let (mut publisher, fleet) = bound_with_replay();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     let kept = tokens(7_000, 1);
