@@ -1,7 +1,8 @@
 //! SGLang 0.5.23's own KV-event publisher (`tests/engines/sglang_publisher.py`, which
 //! runs the wheel's `ZmqEventPublisher`) publishing to a running `kvhint serve` on
 //! 127.0.0.1: with the engine binding and kvhint connecting, and the other way round;
-//! a gap recovered through the engine's real replay socket; the resync without one;
+//! a gap recovered through the engine's real replay socket (SGLang's, whose replies
+//! carry the topic frame, and vLLM 0.23.0's, whose do not); the resync without one;
 //! and a publisher restart. `.ci/run` installs the wheel (`pip install --no-deps
 //! sglang==0.5.23` and `tests/engines/requirements.txt`); set `KVHINT_PYTHON` to use
 //! another interpreter.
@@ -41,8 +42,14 @@ struct Publisher {
 }
 
 impl Publisher {
+    /// SGLang 0.5.23's publisher.
     fn start(args: &[String]) -> Publisher {
-        let script = workspace_root().join("tests/engines/sglang_publisher.py");
+        Self::start_engine("sglang_publisher.py", args)
+    }
+
+    /// `script` in `tests/engines/`: `sglang_publisher.py` or `vllm_publisher.py`.
+    fn start_engine(script: &str, args: &[String]) -> Publisher {
+        let script = workspace_root().join("tests/engines").join(script);
         let mut child = Command::new(python())
             .arg(&script)
             .args(args)
@@ -60,9 +67,12 @@ impl Publisher {
         };
         let ready = publisher.line();
         assert_eq!(
-            ready["ready"], true,
-            "SGLang's publisher did not start: {ready}. Install it: pip install --no-deps \
-             sglang==0.5.23 && pip install -r tests/engines/requirements.txt"
+            ready["ready"],
+            true,
+            "{} did not start: {ready}. Install what it needs: pip install --no-deps \
+             sglang==0.5.23 && pip install -r tests/engines/requirements.txt, and for \
+             vLLM: pip download --no-deps vllm==0.23.0 -d ~/.cache/kvhint/engine-wheels",
+            script.display()
         );
         publisher
     }
@@ -728,4 +738,58 @@ fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
     }
     assert!(source_status(server)["resyncs"].as_u64().unwrap() >= 1);
     wait_held(server, &kept, 1, "the root block after the rebuild");
+}
+
+/// vLLM 0.23.0's own publisher (array-encoded events; replay replies without the topic
+/// frame, as vLLM sent them before 0.26): a dropped batch comes back through its replay
+/// socket, and a `kv.fetch` names its u64 hashes above 2^63 as they are.
+#[test]
+fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
+    let (port, replay) = (free_port(), free_port());
+    // vLLM binds only a wildcard host; its replay socket always binds.
+    let mut publisher = Publisher::start_engine(
+        "vllm_publisher.py",
+        &[
+            "--endpoint".into(),
+            format!("tcp://*:{port}"),
+            "--replay-endpoint".into(),
+            format!("tcp://*:{replay}"),
+            "--topic".into(),
+            "kv".into(),
+        ],
+    );
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
+                             "replay_endpoint": format!("tcp://127.0.0.1:{replay}"),
+                             "topic": "kv"}));
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    let prompt = tokens(9_000, 3);
+    let hashes: [u64; 3] = [18_446_744_073_709_551_557, 9_223_372_036_854_775_809, 5];
+    let store = |hashes: &[u64], parent: Option<u64>, tokens: &[u32]| {
+        json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+               "token_ids": tokens, "block_size": BLOCK, "medium": "GPU"})
+    };
+    publisher.publish(json!([store(&hashes[..2], None, &prompt[..32])]), true);
+    publisher.publish(
+        json!([store(&hashes[2..], Some(hashes[1]), &prompt[32..])]),
+        false,
+    );
+    wait_held(server, &prompt, 3, "vLLM's replayed blocks");
+    let status = source_status(server);
+    assert!(status["gaps"].as_u64().unwrap() >= 1, "{status}");
+    assert_eq!(status["hashes"], "unsigned", "{status}");
+    let mut fetch = None;
+    for i in 0..6 {
+        let (_, booking) = server.post(
+            "/book",
+            &json!({"request_id": format!("vllm-load-{i}"), "role": "decode", "token_ids": prompt}),
+        );
+        if let Some(action) = booking["hint"]["actions"]
+            .as_array()
+            .and_then(|a| a.iter().find(|a| a["action_type"] == "kv.fetch"))
+        {
+            fetch = Some(action["payload"]["block_hashes"].clone());
+        }
+    }
+    assert_eq!(fetch, Some(json!(hashes)), "{}", server.log());
 }

@@ -75,8 +75,9 @@ fn is_wildcard(host: &str) -> bool {
 }
 
 /// `endpoint` for data-parallel rank `rank`: a `tcp://` port plus the rank, an
-/// `ipc://`/`inproc://` path with `_dp{rank}` appended (rank 0 unchanged), as vLLM's and
-/// SGLang's publishers offset theirs.
+/// `inproc://` name with `_dp{rank}` appended (rank 0 unchanged), as vLLM's and
+/// SGLang's publishers offset theirs. Both refuse an `ipc://` endpoint for a rank
+/// above 0, so it is refused here too.
 fn for_rank(field: &'static str, endpoint: &str, rank: u32) -> Result<String, SourceError> {
     let endpoint = endpoint.trim();
     if let Some(address) = endpoint.strip_prefix("tcp://") {
@@ -106,6 +107,15 @@ fn for_rank(field: &'static str, endpoint: &str, rank: u32) -> Result<String, So
             ));
         }
         return Ok(format!("tcp://{host}:{port}"));
+    }
+    if endpoint.starts_with("ipc://") && rank > 0 {
+        return Err(fail(
+            field,
+            format!(
+                "`{endpoint}` cannot serve dp rank {rank}: the engines offset only tcp:// \
+                 ports (and inproc:// names) by rank; use tcp://HOST:PORT"
+            ),
+        ));
     }
     if endpoint.starts_with("ipc://") || endpoint.starts_with("inproc://") {
         return Ok(if rank == 0 {
@@ -201,8 +211,10 @@ mod tests {
         assert_eq!(e.replay.as_deref(), Some("tcp://10.0.0.7:5602"));
         let e = Endpoints::resolve(key(0), &source("ipc:///tmp/kv", None, false)).unwrap();
         assert_eq!(e.events, "ipc:///tmp/kv");
-        let e = Endpoints::resolve(key(1), &source("ipc:///tmp/kv", None, false)).unwrap();
-        assert_eq!(e.events, "ipc:///tmp/kv_dp1");
+        let e = Endpoints::resolve(key(1), &source("inproc://kv", None, false)).unwrap();
+        assert_eq!(e.events, "inproc://kv_dp1");
+        let ipc = Endpoints::resolve(key(1), &source("ipc:///tmp/kv", None, false)).unwrap_err();
+        assert!(ipc.problem.contains("dp rank 1"), "{ipc}");
         let e = Endpoints::resolve(key(1), &source("tcp://*:6000", None, true)).unwrap();
         assert_eq!(e.events, "tcp://*:6001");
     }

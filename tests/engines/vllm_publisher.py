@@ -91,6 +91,7 @@ from typing import Any
 
 import zmq
 
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_golden  # noqa: E402  (engine-wheel module loader)
 
