@@ -345,7 +345,10 @@ impl Thread<'_> {
             return;
         };
         match self.cursor.classify(seq) {
-            Next::Apply => {}
+            // The socket delivers in order: once the next new batch arrives, the live
+            // copies of replayed batches are behind it, and a lower sequence from now
+            // on can only be a restarted publisher.
+            Next::Apply => self.cursor.replayed_from = None,
             Next::Duplicate => {
                 self.stats().duplicates.fetch_add(1, Ordering::Relaxed);
                 return;
@@ -639,5 +642,40 @@ impl Thread<'_> {
             }
             batches.push((seq, payload.clone()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(next: Next) -> &'static str {
+        match next {
+            Next::Apply => "apply",
+            Next::Gap { .. } => "gap",
+            Next::Duplicate => "duplicate",
+            Next::Restart => "restart",
+        }
+    }
+
+    #[test]
+    fn sequences_classify_as_next_gap_duplicate_or_restart() {
+        let mut cursor = Cursor::default();
+        assert_eq!(kind(cursor.classify(17)), "apply", "the first batch heard");
+        cursor.expected = Some(18);
+        assert_eq!(kind(cursor.classify(18)), "apply");
+        assert!(matches!(cursor.classify(21), Next::Gap { from: 18 }));
+        assert_eq!(
+            kind(cursor.classify(5)),
+            "restart",
+            "back, with no replay behind"
+        );
+        assert_eq!(kind(cursor.classify(0)), "restart");
+        // Right after a replay of 10.., live copies of 10..18 are duplicates, but 0 is
+        // a restart.
+        cursor.replayed_from = Some(10);
+        assert_eq!(kind(cursor.classify(12)), "duplicate");
+        assert_eq!(kind(cursor.classify(9)), "restart");
+        assert_eq!(kind(cursor.classify(0)), "restart");
     }
 }
