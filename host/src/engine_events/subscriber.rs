@@ -218,7 +218,8 @@ impl Thread<'_> {
             };
             backoff = first;
             self.stats().connects.fetch_add(1, Ordering::Relaxed);
-            self.stats().set_state(SourceState::Live);
+            // Live once the publisher's connection is up (the socket monitor says so)
+            // or a batch arrives; until then, still connecting.
             // The replay buffer is the only history an engine keeps: load it once, so
             // a router started after the engine knows what the engine cached lately.
             if !replayed_history && self.endpoints().replay.is_some() {
@@ -305,12 +306,16 @@ impl Thread<'_> {
                         .and_then(|f| f.get(..2))
                         .map(|b| zmq::SocketEvent::from_raw(u16::from_le_bytes([b[0], b[1]])));
                     match event {
-                        Some(zmq::SocketEvent::DISCONNECTED) => dropped_peer = true,
-                        Some(zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED)
-                            if dropped_peer =>
-                        {
-                            dropped_peer = false;
-                            self.reconnected();
+                        Some(zmq::SocketEvent::DISCONNECTED) => {
+                            dropped_peer = true;
+                            self.stats().set_state(SourceState::Connecting);
+                        }
+                        Some(zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED) => {
+                            self.stats().set_state(SourceState::Live);
+                            if dropped_peer {
+                                dropped_peer = false;
+                                self.reconnected();
+                            }
                         }
                         _ => {}
                     }
@@ -332,6 +337,9 @@ impl Thread<'_> {
     }
 
     fn message(&mut self, frames: &[Vec<u8>]) {
+        if self.stats().state() != SourceState::Live {
+            self.stats().set_state(SourceState::Live);
+        }
         let [topic, seq, payload] = frames else {
             self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
             return;
@@ -540,10 +548,11 @@ impl Thread<'_> {
             }
             return;
         };
+        let before = self.stats().state();
         self.stats().set_state(SourceState::Replaying);
         self.stats().replays.fetch_add(1, Ordering::Relaxed);
         let fetched = self.fetch_replay(&replay, from);
-        self.stats().set_state(SourceState::Live);
+        self.stats().set_state(before);
         let batches = match fetched {
             Ok(batches) => batches,
             Err(problem) => {
