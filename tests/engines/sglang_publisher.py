@@ -48,26 +48,25 @@ Protocol: one JSON object per line on stdin, one per line on stdout.
 * ``{"op": "quit"}``: shut down, print ``{"bye": true}``, exit 0.
 
 Any error prints ``{"error": "..."}`` and the loop goes on.
+
+The command loop, the send tap and the protocol replies are in
+``publisher_driver.py`` (shared with ``vllm_publisher.py``); this file holds
+what is SGLang's.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import importlib.util
-import json
-import logging
 import os
 import sys
-import threading
 import time
-import traceback
 import types
 from typing import Any
 
-import zmq
-
-SEND_TIMEOUT = 10.0
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import publisher_driver  # noqa: E402  (command loop and send tap shared with vllm_publisher.py)
 
 
 def _stub(name: str, **attrs: Any) -> types.ModuleType:
@@ -114,91 +113,27 @@ def load_sglang_kv_events() -> types.ModuleType:
     )
 
 
-kv = load_sglang_kv_events()
+kv: Any = None  # sglang.srt.disaggregation.kv_events, set in main()
 
 
-def out(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-class PubTap:
-    """Stands in for the publisher's PUB socket: records each send (so the
-    caller can wait for it) and can swallow the next one (a message lost on
-    the wire)."""
-
-    def __init__(self, sock: zmq.Socket) -> None:
-        self._sock = sock
-        self._cond = threading.Condition()
-        self.last_seq = -1
-        self.drop_next = False
-
-    def send_multipart(self, frames, *args, **kwargs):
-        seq = int.from_bytes(frames[1], "big")
-        with self._cond:
-            drop = self.drop_next
-            self.drop_next = False
-        if not drop:
-            self._sock.send_multipart(frames, *args, **kwargs)
-        with self._cond:
-            self.last_seq = seq
-            self._cond.notify_all()
-
-    def wait_sent(self, after: int, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self.last_seq <= after:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("publisher thread did not send the batch")
-                self._cond.wait(left)
-            return self.last_seq
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-class Runner:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.pub: Any = None
-        self.tap: PubTap | None = None
-
-    def start(self) -> dict:
+class SglangRunner(publisher_driver.Runner):
+    def make_publisher(self) -> Any:
         a = self.args
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                self.pub = kv.ZmqEventPublisher(
-                    attn_dp_rank=a.dp_rank,
-                    endpoint=a.endpoint,
-                    replay_endpoint=a.replay_endpoint,
-                    buffer_steps=a.buffer_steps,
-                    topic=a.topic,
-                    bind=a.bind,
-                )
-                break
-            except zmq.ZMQError as e:
-                # A just-closed socket may hold the port for a moment.
-                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self.tap = PubTap(self.pub._pub)
-        self.pub._pub = self.tap  # the thread looks self._pub up on every send
-        return {"endpoint": self.pub._endpoint, "replay_endpoint": self.pub._replay_endpoint}
+        return kv.ZmqEventPublisher(
+            attn_dp_rank=a.dp_rank,
+            endpoint=a.endpoint,
+            replay_endpoint=a.replay_endpoint,
+            buffer_steps=a.buffer_steps,
+            topic=a.topic,
+            bind=a.bind,
+        )
 
-    def stop(self) -> None:
-        if self.pub is None:
-            return
-        pub, self.pub = self.pub, None
+    def shutdown(self, pub: Any) -> None:
         pub.shutdown()
         atexit.unregister(pub.shutdown)  # SGLang registers it; don't run it twice at exit
 
     def build_event(self, d: dict) -> Any:
-        d = dict(d)
-        typ = d.pop("type", None)
-        if typ not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            raise ValueError(f"unknown event type {typ!r}")
+        typ, d = publisher_driver.split_event(d)
         if "medium" in d and isinstance(d["medium"], str):
             try:
                 d["medium"] = kv.StorageMedium(d["medium"])
@@ -212,72 +147,20 @@ class Runner:
                                   for t in d["token_ids"]]
         return getattr(kv, typ)(**d)
 
-    def publish(self, msg: dict) -> dict:
-        if self.pub is None or self.tap is None:
-            raise RuntimeError("publisher is not running")
-        events = [self.build_event(e) for e in msg.get("events", [])]
-        batch = kv.KVEventBatch(ts=time.time(), events=events)  # attn_dp_rank filled by publish()
-        drop = bool(msg.get("drop", False))
-        before = self.tap.last_seq
-        with self.tap._cond:
-            self.tap.drop_next = drop
-        self.pub.publish(batch)
-        seq = self.tap.wait_sent(before, SEND_TIMEOUT)
-        # The thread appends to the replay buffer right after the send.
-        deadline = time.monotonic() + SEND_TIMEOUT
-        while not (self.pub._buffer and self.pub._buffer[-1][0] >= seq):
-            if time.monotonic() > deadline:
-                raise TimeoutError("batch did not reach the replay buffer")
-            time.sleep(0.0005)
-        reply: dict = {"published": seq}
-        if drop:
-            reply["dropped"] = True
-        return reply
+    def build_batch(self, events: list[dict]) -> Any:
+        events = [self.build_event(e) for e in events]
+        return kv.KVEventBatch(ts=time.time(), events=events)  # attn_dp_rank filled by publish()
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="SGLang 0.5.23 ZmqEventPublisher for live tests")
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--replay-endpoint", default=None)
-    ap.add_argument("--topic", default="")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--bind", dest="bind", action="store_const", const=True)
-    g.add_argument("--connect", dest="bind", action="store_const", const=False)
-    ap.add_argument("--buffer-steps", type=int, default=10_000)
-    ap.add_argument("--dp-rank", type=int, default=0)
+    ap = publisher_driver.arg_parser("SGLang 0.5.23 ZmqEventPublisher for live tests")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    runner = Runner(args)
-    try:
-        out({"ready": True, **runner.start()})
-    except Exception as e:
-        out({"error": f"start failed: {e!r}"})
-        return 1
+    def load() -> None:
+        global kv
+        kv = load_sglang_kv_events()
 
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "publish":
-                out(runner.publish(msg))
-            elif op == "restart":
-                runner.stop()
-                out({"restarted": True, **runner.start()})
-            elif op == "quit":
-                runner.stop()
-                out({"bye": True})
-                return 0
-            else:
-                out({"error": f"unknown op {op!r}"})
-        except Exception as e:
-            traceback.print_exc(file=sys.stderr)
-            out({"error": f"{type(e).__name__}: {e}"})
-    runner.stop()  # stdin closed
-    return 0
+    return publisher_driver.serve(SglangRunner(args), load)
 
 
 if __name__ == "__main__":

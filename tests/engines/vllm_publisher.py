@@ -61,7 +61,9 @@ Protocol: one JSON object per line on stdin, one per line on stdout.
   same endpoints (seq restarts at 0, empty replay buffer).
 * ``{"op": "quit"}``: shut down, print ``{"bye": true}``, exit 0.
 
-Any error prints ``{"error": "..."}`` and the loop goes on.
+Any error prints ``{"error": "..."}`` and the loop goes on. The command
+loop, the send tap and the protocol replies are in ``publisher_driver.py``
+(shared with ``sglang_publisher.py``); this file holds what is vLLM's.
 
 Replay, as vLLM 0.23 serves it (``_service_replay``): the ROUTER accepts a
 request only if it arrives as exactly 3 frames ``[identity, b"", start]``, so
@@ -77,26 +79,19 @@ publisher answers a replay request within ~0-100 ms.
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
-import logging
 import os
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from typing import Any
-
-import zmq
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_golden  # noqa: E402  (engine-wheel module loader)
+import publisher_driver  # noqa: E402  (command loop and send tap shared with sglang_publisher.py)
 
 VERSION = "0.23.0"
-SEND_TIMEOUT = 10.0
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kvhint", "engine-wheels")
 
 
@@ -159,60 +154,14 @@ def load(wheel: str) -> Any:
 kv: Any = None  # the wheel's vllm.distributed.kv_events, set in main()
 
 
-def out(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-class PubTap:
-    """Stands in for the publisher's PUB socket: records each send (so the
-    caller can wait for it) and can swallow the next one (a message lost on
-    the wire)."""
-
-    def __init__(self, sock: zmq.Socket) -> None:
-        self._sock = sock
-        self._cond = threading.Condition()
-        self.last_seq = -1
-        self.drop_next = False
-
-    def send_multipart(self, frames, *args, **kwargs):
-        seq = int.from_bytes(frames[1], "big")
-        with self._cond:
-            drop = self.drop_next
-            self.drop_next = False
-        if not drop:
-            self._sock.send_multipart(frames, *args, **kwargs)
-        with self._cond:
-            self.last_seq = seq
-            self._cond.notify_all()
-
-    def wait_sent(self, after: int, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self.last_seq <= after:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("publisher thread did not send the batch")
-                self._cond.wait(left)
-            return self.last_seq
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
 def _hash(v: Any) -> Any:
     if isinstance(v, dict) and set(v) == {"bytes_hex"}:
         return bytes.fromhex(v["bytes_hex"])
     return v
 
 
-class Runner:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.pub: Any = None
-        self.tap: PubTap | None = None
-
-    def start(self) -> dict:
+class VllmRunner(publisher_driver.Runner):
+    def check_start(self) -> dict:
         a = self.args
         endpoint = kv.ZmqEventPublisher.offset_endpoint_port(a.endpoint, a.dp_rank)
         binds = vllm_binds(endpoint)
@@ -222,39 +171,20 @@ class Runner:
                 f"(it binds only endpoints containing '*' or '::', ipc:// and inproc://; "
                 f"it has no bind option), but --{'bind' if a.bind else 'connect'} was given"
             )
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                self.pub = kv.ZmqEventPublisher(
-                    data_parallel_rank=a.dp_rank,
-                    endpoint=a.endpoint,
-                    replay_endpoint=a.replay_endpoint,
-                    buffer_steps=a.buffer_steps,
-                    topic=a.topic,
-                )
-                break
-            except zmq.ZMQError as e:
-                # A just-closed socket may hold the port for a moment. (A failed
-                # constructor leaves its sockets to the garbage collector.)
-                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self.tap = PubTap(self.pub._pub)
-        self.pub._pub = self.tap  # the thread looks self._pub up on every send
-        return {"endpoint": self.pub._endpoint, "replay_endpoint": self.pub._replay_endpoint,
-                "bind": binds}
+        return {"bind": binds}
 
-    def stop(self) -> None:
-        if self.pub is None:
-            return
-        pub, self.pub = self.pub, None
-        pub.shutdown()
+    def make_publisher(self) -> Any:
+        a = self.args
+        return kv.ZmqEventPublisher(
+            data_parallel_rank=a.dp_rank,
+            endpoint=a.endpoint,
+            replay_endpoint=a.replay_endpoint,
+            buffer_steps=a.buffer_steps,
+            topic=a.topic,
+        )
 
     def build_event(self, d: dict) -> Any:
-        d = dict(d)
-        typ = d.pop("type", None)
-        if typ not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            raise ValueError(f"unknown event type {typ!r}")
+        typ, d = publisher_driver.split_event(d)
         if "block_hashes" in d:
             d["block_hashes"] = [_hash(h) for h in d["block_hashes"]]
         if typ == "BlockStored":
@@ -269,80 +199,27 @@ class Runner:
             d.setdefault("medium", kv.MEDIUM_GPU)
         return getattr(kv, typ)(**d)
 
-    def publish(self, msg: dict) -> dict:
-        if self.pub is None or self.tap is None:
-            raise RuntimeError("publisher is not running")
-        events = [self.build_event(e) for e in msg.get("events", [])]
-        batch = kv.KVEventBatch(ts=time.time(), events=events)  # rank filled by publish()
-        drop = bool(msg.get("drop", False))
-        before = self.tap.last_seq
-        with self.tap._cond:
-            self.tap.drop_next = drop
-        self.pub.publish(batch)
-        seq = self.tap.wait_sent(before, SEND_TIMEOUT)
-        # The thread appends to the replay buffer right after the send.
-        deadline = time.monotonic() + SEND_TIMEOUT
-        while not (self.pub._buffer and self.pub._buffer[-1][0] >= seq):
-            if time.monotonic() > deadline:
-                raise TimeoutError("batch did not reach the replay buffer")
-            time.sleep(0.0005)
-        reply: dict = {"published": seq}
-        if drop:
-            reply["dropped"] = True
-        return reply
+    def build_batch(self, events: list[dict]) -> Any:
+        events = [self.build_event(e) for e in events]
+        return kv.KVEventBatch(ts=time.time(), events=events)  # rank filled by publish()
 
 
 def main() -> int:
-    global kv
-    ap = argparse.ArgumentParser(description="vLLM 0.23.0 ZmqEventPublisher for live tests")
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--replay-endpoint", default=None)
-    ap.add_argument("--topic", default="")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--bind", dest="bind", action="store_const", const=True,
-                   help="assert that vLLM's rule binds the endpoint")
-    g.add_argument("--connect", dest="bind", action="store_const", const=False,
-                   help="assert that vLLM's rule connects the endpoint")
-    ap.add_argument("--buffer-steps", type=int, default=10_000)
-    ap.add_argument("--dp-rank", type=int, default=0)
+    ap = publisher_driver.arg_parser(
+        "vLLM 0.23.0 ZmqEventPublisher for live tests",
+        bind_help="assert that vLLM's rule binds the endpoint",
+        connect_help="assert that vLLM's rule connects the endpoint",
+    )
     ap.add_argument("--wheel", default=None,
                     help="vllm 0.23.0 wheel (default: $KVHINT_VLLM_WHEEL, then "
                          "~/.cache/kvhint/engine-wheels, downloading it there if missing)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    runner = Runner(args)
-    try:
+    def load_kv() -> None:
+        global kv
         kv = load(find_wheel(args.wheel))
-        out({"ready": True, **runner.start()})
-    except Exception as e:
-        traceback.print_exc(file=sys.stderr)
-        out({"error": f"start failed: {e!r}"})
-        return 1
 
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            msg = json.loads(line)
-            op = msg.get("op")
-            if op == "publish":
-                out(runner.publish(msg))
-            elif op == "restart":
-                runner.stop()
-                out({"restarted": True, **runner.start()})
-            elif op == "quit":
-                runner.stop()
-                out({"bye": True})
-                return 0
-            else:
-                out({"error": f"unknown op {op!r}"})
-        except Exception as e:
-            traceback.print_exc(file=sys.stderr)
-            out({"error": f"{type(e).__name__}: {e}"})
-    runner.stop()  # stdin closed
-    return 0
+    return publisher_driver.serve(VllmRunner(args), load_kv)
 
 
 if __name__ == "__main__":
