@@ -363,3 +363,122 @@ fn random_and_mutated_bytes_never_panic_and_every_failure_is_an_error() {
     // Both outcomes must occur, or the mutations test nothing.
     assert!(ok > 100 && failed > 10_000, "ok {ok}, failed {failed}");
 }
+
+/// Minimal msgpack for the JSON shapes an engine event has; `{"bytes": [..]}` is a
+/// byte string.
+fn msgpack(out: &mut Vec<u8>, value: &serde_json::Value) {
+    use serde_json::Value;
+    match value {
+        Value::Null => rmp::encode::write_nil(out).unwrap(),
+        Value::Bool(b) => rmp::encode::write_bool(out, *b).unwrap(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => {
+                rmp::encode::write_uint(out, u).unwrap();
+            }
+            (None, Some(i)) => {
+                rmp::encode::write_sint(out, i).unwrap();
+            }
+            _ => rmp::encode::write_f64(out, n.as_f64().unwrap()).unwrap(),
+        },
+        Value::String(s) => rmp::encode::write_str(out, s).unwrap(),
+        Value::Array(items) => {
+            rmp::encode::write_array_len(out, items.len() as u32).unwrap();
+            for item in items {
+                msgpack(out, item);
+            }
+        }
+        Value::Object(map) if map.len() == 1 && map.contains_key("bytes") => {
+            let bytes: Vec<u8> = map["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect();
+            rmp::encode::write_bin(out, &bytes).unwrap();
+        }
+        Value::Object(map) => {
+            rmp::encode::write_map_len(out, map.len() as u32).unwrap();
+            for (k, v) in map {
+                rmp::encode::write_str(out, k).unwrap();
+                msgpack(out, v);
+            }
+        }
+    }
+}
+
+fn batch_of(events: serde_json::Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    msgpack(&mut out, &json!([1.7e9, events, 0]));
+    out
+}
+
+#[test]
+fn sglang_eagle_bigram_tokens_decode_to_their_first_token() {
+    let pairs: Vec<serde_json::Value> = (0..16u32).map(|t| json!([t, t + 1])).collect();
+    let batch = decode(&batch_of(
+        json!([{"type": "BlockStored", "block_hashes": [-1],
+        "parent_block_hash": null, "token_ids": pairs, "block_size": 16, "lora_id": null}]),
+    ));
+    let [KvEvent::Stored { blocks, .. }] = batch.events.as_slice() else {
+        panic!("{:?}", batch.events);
+    };
+    assert_eq!(
+        blocks[0].token_ids.as_slice(),
+        (0..16).collect::<Vec<u32>>()
+    );
+}
+
+#[test]
+fn a_contradictory_event_is_refused_alone_and_skipped_events_do_not_set_the_hash_form() {
+    let batch = decode(&batch_of(json!([
+        // 2 hashes, 1 block of tokens: refused, counted.
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": null,
+         "token_ids": (0..16).collect::<Vec<u32>>(), "block_size": 16},
+        // vLLM's offloading placeholder: no tokens, block size 0.
+        {"type": "BlockStored", "block_hashes": [{"bytes": vec![7; 32]}], "parent_block_hash": null,
+         "token_ids": [], "block_size": 0, "medium": "CPU"},
+        // A CPU block with a digest hash: skipped, and says nothing of the device's hashes.
+        {"type": "BlockStored", "block_hashes": [{"bytes": vec![9; 32]}], "parent_block_hash": null,
+         "token_ids": (0..16).collect::<Vec<u32>>(), "block_size": 16, "medium": "CPU"},
+        {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": null,
+         "token_ids": (0..16).collect::<Vec<u32>>(), "block_size": 16, "medium": "GPU"}
+    ])));
+    assert_eq!(batch.events.len(), 1, "{:?}", batch.events);
+    assert_eq!(stored_hashes(&batch.events[0]).1, vec![3]);
+    assert_eq!(batch.counts.malformed, 1);
+    assert!(
+        batch
+            .counts
+            .last_malformed
+            .as_deref()
+            .unwrap()
+            .contains("2 block hashes but 16 token ids"),
+        "{:?}",
+        batch.counts.last_malformed
+    );
+    assert_eq!(
+        batch.counts.other_medium, 2,
+        "the placeholder is a CPU event too"
+    );
+    assert!(
+        !batch.hashes.digest,
+        "only counted events set the hash form"
+    );
+    let mut settings = settings();
+    settings.media.push("CPU".into());
+    let mut out = DecodedBatch::default();
+    decode_batch(
+        &batch_of(
+            json!([{"type": "BlockStored", "block_hashes": [{"bytes": vec![7; 32]}],
+            "parent_block_hash": null, "token_ids": [], "block_size": 0, "medium": "CPU"}]),
+        ),
+        &settings,
+        &mut GroupFilter::default(),
+        &mut out,
+    )
+    .unwrap();
+    assert_eq!(
+        (out.counts.placeholder, out.counts.wrong_block_size),
+        (1, 0)
+    );
+}

@@ -63,7 +63,6 @@ impl std::io::Write for StringWriter<'_> {
     }
 }
 
-/// Writes `text` as a JSON string (serde_json's own escaping).
 /// `message` with the `block_hashes` of each `kv.fetch` whose
 /// `source_control_endpoint` is one of `signed_sources` written as signed 64-bit
 /// integers (the same bits: a value above `i64::MAX` becomes its negative twin), or
@@ -107,6 +106,7 @@ pub fn signed_fetch_hashes(
     serde_json::value::to_raw_value(&value).ok()
 }
 
+/// Writes `text` as a JSON string (serde_json's own escaping).
 fn push_json_string(out: &mut String, text: &str) -> std::io::Result<()> {
     serde::Serialize::serialize(text, &mut serde_json::Serializer::new(StringWriter(out)))
         .map_err(std::io::Error::other)

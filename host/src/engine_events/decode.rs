@@ -72,6 +72,14 @@ pub struct DecodeCounts {
     pub wrong_block_size: u64,
     /// The block size of the last such store, for the log line.
     pub last_wrong_block_size: Option<u64>,
+    /// Stores without tokens (vLLM's offloading placeholders: `block_size` 0, no
+    /// token ids): nothing to match, skipped.
+    pub placeholder: u64,
+    /// Events whose fields contradict each other (refused; the rest of the batch
+    /// counts).
+    pub malformed: u64,
+    /// What was wrong with the last of those, for the log line.
+    pub last_malformed: Option<String>,
 }
 
 /// How the engine spelled its hashes, seen so far on one source.
@@ -115,6 +123,9 @@ const TOKEN_WIDTH: [u8; 256] = {
     table[0xce] = 4;
     table
 };
+
+/// Groups a hybrid model may have that are not full attention, remembered at most.
+const MAX_GROUPS: usize = 64;
 
 /// Most elements reserved up front for one list: a length field is not trusted
 /// further than this before its elements arrive.
@@ -398,7 +409,16 @@ impl<'a> Reader<'a> {
                 }
                 _ => {
                     self.rest = rest;
-                    let token = self.int::<u32>("a token id")?;
+                    let token = if self.peek() == Some(Marker::FixArray(2)) {
+                        // SGLang under EAGLE publishes each token as a bigram (the
+                        // token, the next one): the first is the token.
+                        self.rest = &self.rest[1..];
+                        let token = self.int::<u32>("a token id")?;
+                        self.value()?;
+                        token
+                    } else {
+                        self.int::<u32>("a token id")?
+                    };
                     rest = self.rest;
                     token
                 }
@@ -480,20 +500,29 @@ impl<'a> Reader<'a> {
         out: &mut DecodedBatch,
     ) -> Result<(), DecodeError> {
         let mut fields = Fields::default();
+        let mut forms = HashForms::default();
         let kind = match self.peek() {
             Some(Marker::FixMap(_) | Marker::Map16 | Marker::Map32) => {
-                self.tagged_map(&mut fields, &mut out.hashes)?
+                self.tagged_map(&mut fields, &mut forms)?
             }
             Some(Marker::FixArray(_) | Marker::Array16 | Marker::Array32) => {
-                self.tagged_array(&mut fields, &mut out.hashes)?
+                self.tagged_array(&mut fields, &mut forms)?
             }
             _ => return Err(self.expected("an event (a map with \"type\", or a tagged array)")),
         };
-        let at = self.offset();
-        finish(kind, fields, settings, groups, out).map_err(|problem| DecodeError {
-            offset: at,
-            problem,
-        })
+        let events = out.events.len();
+        if let Err(problem) = finish(kind, fields, settings, groups, out) {
+            // The batch's framing held, so only this event is refused.
+            out.counts.malformed += 1;
+            out.counts.last_malformed = Some(problem);
+        }
+        // Only events that count say how the engine spells its hashes (vLLM's CPU
+        // offloading publishes digests even in its integer mode).
+        if out.events.len() > events {
+            out.hashes.signed |= forms.signed;
+            out.hashes.digest |= forms.digest;
+        }
+        Ok(())
     }
 
     fn tagged_map(
@@ -615,7 +644,7 @@ fn finish(
             Some(at) if full => {
                 groups.skipped.swap_remove(at);
             }
-            None if !full => groups.skipped.push(group),
+            None if !full && groups.skipped.len() < MAX_GROUPS => groups.skipped.push(group),
             _ => {}
         }
     }
@@ -635,6 +664,10 @@ fn finish(
         return Ok(());
     }
     let blocks = fields.block_hashes.len();
+    if fields.token_ids.is_empty() && fields.block_size == Some(0) {
+        counts.placeholder += 1;
+        return Ok(());
+    }
     let block_size = fields.block_size.unwrap_or(settings.block_size as u64);
     if block_size != settings.block_size as u64 {
         counts.wrong_block_size += 1;

@@ -17,7 +17,7 @@ use crate::config::KvEventsConfig;
 use crate::domain::{WorkerKey, WorkerRegistration};
 use crate::event_source::{Endpoints, KvEventSource, SourceError};
 use crate::router::ingest::Ingest;
-use crate::router::Router;
+use crate::router::{Router, RouterError};
 use arc_swap::ArcSwap;
 use decode::DecodeSettings;
 use parking_lot::Mutex;
@@ -63,14 +63,38 @@ impl SourceView {
     }
 }
 
+/// Why a subscription could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// The source itself is unusable: the caller's to fix.
+    #[error("{0}")]
+    Source(#[from] SourceError),
+    /// The router could not start a thread for it: the host's problem.
+    #[error("could not start a KV-event subscriber thread: {0}; the router is short of threads or memory")]
+    Spawn(std::io::Error),
+}
+
+/// Why a worker's registration (with its source) was refused; nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    #[error(transparent)]
+    Attach(#[from] AttachError),
+    #[error(transparent)]
+    Router(#[from] RouterError),
+}
+
 /// Every engine subscription of one router.
 pub struct EngineEvents {
     context: zmq::Context,
     router: Arc<Router>,
     ingest: Ingest,
     settings: Arc<ArcSwap<DecodeSettings>>,
-    options: SubscriberOptions,
+    /// For subscriptions started from now on (a reload may change them).
+    options: ArcSwap<SubscriberOptions>,
     sources: Mutex<BTreeMap<WorkerKey, Running>>,
+    /// Held across a worker's registration and its subscription's start (or stop),
+    /// so concurrent registrations, deregistrations and reloads leave the two agreeing.
+    membership: Mutex<()>,
 }
 
 impl EngineEvents {
@@ -85,9 +109,63 @@ impl EngineEvents {
             router,
             ingest,
             settings: Arc::new(ArcSwap::from_pointee(settings)),
-            options,
+            options: ArcSwap::from_pointee(options),
             sources: Mutex::new(BTreeMap::new()),
+            membership: Mutex::new(()),
         }
+    }
+
+    /// Registers a worker and starts, keeps or stops its subscription to match its
+    /// `kv_events`, as one step: a bad source refuses the registration before anything
+    /// changes, and a subscription that cannot start undoes a new registration.
+    /// Returns whether the worker is new.
+    pub fn register(
+        &self,
+        router: &Router,
+        registration: WorkerRegistration,
+        origin: Origin,
+    ) -> Result<bool, MembershipError> {
+        let _membership = self.membership.lock();
+        self.register_locked(router, registration, origin)
+    }
+
+    fn register_locked(
+        &self,
+        router: &Router,
+        registration: WorkerRegistration,
+        origin: Origin,
+    ) -> Result<bool, MembershipError> {
+        let key = WorkerKey {
+            worker_id: registration.worker_id,
+            dp_rank: registration.dp_rank,
+        };
+        let source = registration.kv_events.clone();
+        if let Some(source) = &source {
+            Endpoints::resolve(key.dp_rank, source).map_err(AttachError::from)?;
+        }
+        let added = router.register_worker(registration)?;
+        match &source {
+            Some(source) => {
+                if let Err(error) = self.attach(key, source, origin) {
+                    if added {
+                        let _ = router.deregister_worker(key);
+                    }
+                    return Err(error.into());
+                }
+            }
+            None => {
+                self.detach(key);
+            }
+        }
+        Ok(added)
+    }
+
+    /// Deregisters a worker and stops its subscription, as one step.
+    pub fn deregister(&self, router: &Router, key: WorkerKey) -> Result<(), RouterError> {
+        let _membership = self.membership.lock();
+        router.deregister_worker(key)?;
+        self.detach(key);
+        Ok(())
     }
 
     /// Which media count, and the block size (a reload may change the media).
@@ -102,7 +180,7 @@ impl EngineEvents {
         worker: WorkerKey,
         source: &KvEventSource,
         origin: Origin,
-    ) -> Result<(), SourceError> {
+    ) -> Result<(), AttachError> {
         let endpoints = Endpoints::resolve(worker.dp_rank, source)?;
         let mut sources = self.sources.lock();
         if let Some(running) = sources.get_mut(&worker) {
@@ -126,15 +204,12 @@ impl EngineEvents {
             router: Arc::clone(&self.router),
             ingest: self.ingest.clone(),
             settings: Arc::clone(&self.settings),
-            options: self.options.clone(),
+            options: SubscriberOptions::clone(&self.options.load()),
         };
         std::thread::Builder::new()
             .name(format!("kvhint-kv-{}-{}", worker.worker_id, worker.dp_rank))
             .spawn(move || subscriber.run())
-            .map_err(|e| SourceError {
-                field: "endpoint",
-                problem: format!("could not start its subscriber thread: {e}"),
-            })?;
+            .map_err(AttachError::Spawn)?;
         tracing::info!(
             worker_id = worker.worker_id,
             dp_rank = worker.dp_rank,
@@ -203,14 +278,22 @@ impl Drop for EngineEvents {
 }
 
 impl EngineEvents {
-    /// Follows the config's `kv_events` section: the media setting, and its sources —
+    /// Follows the config's `kv_events` section: the media setting (at once, for every
+    /// source), the socket and replay settings (for subscriptions started from now on),
+    /// and its sources —
     /// each listed worker registered (every rank) and subscribed, a worker no longer
     /// listed deregistered. Returns what failed, already logged.
     pub fn apply_config(&self, router: &Router, config: &KvEventsConfig) -> Vec<String> {
+        let _membership = self.membership.lock();
         self.set_settings(DecodeSettings {
             block_size: router.block_size(),
             media: config.media.clone(),
         });
+        self.options.store(Arc::new(SubscriberOptions {
+            receive_hwm: i32::try_from(config.receive_hwm).unwrap_or(i32::MAX),
+            replay_timeout: std::time::Duration::from_millis(config.replay_timeout_ms),
+            ..SubscriberOptions::clone(&self.options.load())
+        }));
         let mut failures = Vec::new();
         let mut wanted = Vec::new();
         for configured in &config.sources {
@@ -227,13 +310,9 @@ impl EngineEvents {
                     runtime_data: configured.runtime_data.clone(),
                     kv_events: Some(configured.source.clone()),
                 };
-                let result = router
-                    .register_worker(registration)
-                    .map_err(|e| e.to_string())
-                    .and_then(|_| {
-                        self.attach(worker, &configured.source, Origin::Config)
-                            .map_err(|e| e.to_string())
-                    });
+                let result = self
+                    .register_locked(router, registration, Origin::Config)
+                    .map_err(|e| e.to_string());
                 if let Err(problem) = result {
                     tracing::error!(
                         worker_id = worker.worker_id,
@@ -242,8 +321,8 @@ impl EngineEvents {
                         "kv_events.sources: {problem}"
                     );
                     failures.push(format!(
-                        "worker {} rank {dp_rank}: {problem}",
-                        worker.worker_id
+                        "line {}: worker {} rank {dp_rank}: {problem}",
+                        configured.at.line, worker.worker_id
                     ));
                 }
             }

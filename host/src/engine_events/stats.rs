@@ -64,8 +64,13 @@ pub struct SourceStats {
     pub other_medium: AtomicU64,
     pub other_group: AtomicU64,
     pub wrong_block_size: AtomicU64,
+    pub placeholder: AtomicU64,
+    /// Events refused because their fields contradict each other.
+    pub malformed_events: AtomicU64,
     pub decode_errors: AtomicU64,
     pub frame_errors: AtomicU64,
+    /// Batches on another topic (a SUB subscription matches topics by prefix).
+    pub other_topic: AtomicU64,
     pub gaps: AtomicU64,
     pub duplicates: AtomicU64,
     pub restarts: AtomicU64,
@@ -106,8 +111,11 @@ impl Default for SourceStats {
             other_medium: AtomicU64::new(0),
             other_group: AtomicU64::new(0),
             wrong_block_size: AtomicU64::new(0),
+            placeholder: AtomicU64::new(0),
+            malformed_events: AtomicU64::new(0),
             decode_errors: AtomicU64::new(0),
             frame_errors: AtomicU64::new(0),
+            other_topic: AtomicU64::new(0),
             gaps: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
@@ -177,6 +185,8 @@ impl SourceStats {
         add(&self.other_medium, c.other_medium);
         add(&self.other_group, c.other_group);
         add(&self.wrong_block_size, c.wrong_block_size);
+        add(&self.placeholder, c.placeholder);
+        add(&self.malformed_events, c.malformed);
         let blocks: usize = batch
             .events
             .iter()

@@ -9,7 +9,10 @@
 //! 0), the worker's index entries are cleared and rebuilt from the events that follow:
 //! the router then under-credits that worker for a while, never credits blocks it lost.
 //! A stored event whose parent the worker never stored means the same loss and takes
-//! the same recovery, at most once per [`PARENT_RECOVERY_EVERY`].
+//! the same recovery, once per loss: blocks whose parents are older than anything the
+//! engine still buffers stay unknown (refused, counted) until the engine stores them
+//! again, rather than clearing the worker in a loop. Recoveries run one at a time,
+//! never nested, with a backoff between rounds when the router is overloaded.
 //!
 //! Between the socket and the index nothing grows without bound: the socket's receive
 //! high-water mark drops what a stalled router cannot take (seen as a gap), and a batch
@@ -20,9 +23,7 @@ use super::stats::{SourceState, SourceStats};
 use crate::domain::WorkerKey;
 use crate::event_source::Endpoints;
 use crate::router::index::{ApplyStats, KvEvent};
-use crate::router::ingest::{BatchReply, Ingest};
-
-type BatchResults = Vec<Result<ApplyStats, RouterError>>;
+use crate::router::ingest::Ingest;
 use crate::router::{Router, RouterError};
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,9 +34,14 @@ use std::time::{Duration, Instant};
 const END_SEQ: [u8; 8] = [0xff; 8];
 /// How long the thread blocks in one poll: the bound on noticing a stop.
 const POLL: Duration = Duration::from_millis(50);
-/// Unknown-parent recoveries at most this often per source: a block whose parent fell
-/// out of the replay buffer stays unknown, and must not clear the worker in a loop.
-pub const PARENT_RECOVERY_EVERY: Duration = Duration::from_secs(2);
+/// Rounds of one recovery (each a replay whose batches could not all be queued) before
+/// it settles for a clear.
+const MAX_RECOVERY_ROUNDS: u32 = 6;
+/// How long a queued batch may take to be applied before it counts as lost.
+const SUBMIT_WAIT: Duration = Duration::from_secs(30);
+/// Largest message a socket accepts (a batch or a replayed one): bounds what one
+/// message from a publisher can make the router allocate.
+const MAX_MESSAGE_BYTES: i64 = 64 << 20;
 /// Names of the sockets' monitors, unique in the process.
 static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Warnings of one kind per source at most this often.
@@ -94,6 +100,31 @@ struct Cursor {
     replayed_from: Option<u64>,
 }
 
+/// What applying one batch came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Applied {
+    Ok,
+    /// The ingestion queue could not take it (or the source stopped).
+    Lost,
+    /// It could not be decoded.
+    Malformed,
+    /// A stored event chained onto a block the worker does not hold.
+    UnknownParent,
+}
+
+/// How to get back in step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Recovery {
+    /// Batches from `from` on were missed: replay them, or clear if that fails.
+    Gap { from: u64 },
+    /// The worker's state is unknown: clear it, then replay everything buffered.
+    Rebuild,
+    /// The state is unknown and a replay cannot help: clear it.
+    Clear,
+    /// At start: load whatever the engine buffers, clearing nothing.
+    History,
+}
+
 enum Next {
     Apply,
     Gap { from: u64 },
@@ -107,16 +138,17 @@ impl Cursor {
             None => Next::Apply,
             Some(expected) if seq == expected => Next::Apply,
             Some(expected) if seq > expected => Next::Gap { from: expected },
-            Some(_) if self.replayed_from.is_some_and(|from| seq >= from) && seq != 0 => {
-                Next::Duplicate
-            }
+            // Right after a replay, the socket still delivers the live copies of what
+            // it replayed (batch 0 included: a real restart shows in the socket's
+            // reconnect, or in a sequence below the replay's first).
+            Some(_) if self.replayed_from.is_some_and(|from| seq >= from) => Next::Duplicate,
             Some(_) => Next::Restart,
         }
     }
 }
 
 struct Warnings {
-    last: [Option<Instant>; 4],
+    last: [Option<Instant>; 6],
 }
 
 #[derive(Clone, Copy)]
@@ -125,6 +157,8 @@ enum Warn {
     BlockSize = 1,
     Socket = 2,
     Recovery = 3,
+    Topic = 4,
+    Rank = 5,
 }
 
 impl Warnings {
@@ -146,11 +180,11 @@ impl Subscriber {
             cursor: Cursor::default(),
             decoded: DecodedBatch::default(),
             groups: GroupFilter::default(),
-            replies: crossbeam_channel::bounded(1),
             keys: vec![self.shared.worker],
             signed: Vec::new(),
-            warnings: Warnings { last: [None; 4] },
-            last_parent_recovery: None,
+            warnings: Warnings { last: [None; 6] },
+            pending_clear: false,
+            parent_rebuilt: false,
         };
         thread.run();
         self.shared.stats.set_state(SourceState::Stopped);
@@ -162,13 +196,16 @@ struct Thread<'a> {
     cursor: Cursor,
     decoded: DecodedBatch,
     groups: GroupFilter,
-    replies: (BatchReply, crossbeam_channel::Receiver<BatchResults>),
-    /// Every worker key this source has fed (a batch's dp rank may name another).
+    /// Every worker key this source has fed (its own, and registered sibling ranks a
+    /// batch's dp rank named).
     keys: Vec<WorkerKey>,
     /// Workers already marked as publishing signed hashes.
     signed: Vec<WorkerKey>,
     warnings: Warnings,
-    last_parent_recovery: Option<Instant>,
+    /// A clear the ingestion queue could not take yet: it goes before the next batch.
+    pending_clear: bool,
+    /// An unknown parent already rebuilt the worker since the last loss.
+    parent_rebuilt: bool,
 }
 
 impl Thread<'_> {
@@ -224,7 +261,7 @@ impl Thread<'_> {
             // a router started after the engine knows what the engine cached lately.
             if !replayed_history && self.endpoints().replay.is_some() {
                 replayed_history = true;
-                self.recover(0, None);
+                self.recover(Recovery::History);
             }
             self.receive(&socket);
         }
@@ -239,6 +276,7 @@ impl Thread<'_> {
             .map_err(|e| format!("cannot create a SUB socket: {e}"))?;
         let setup = || -> Result<(), zmq::Error> {
             socket.set_linger(0)?;
+            socket.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
             socket.set_rcvhwm(self.sub.options.receive_hwm)?;
             socket.set_reconnect_ivl(self.sub.options.backoff.0.as_millis() as i32)?;
             socket.set_reconnect_ivl_max(self.sub.options.backoff.1.as_millis() as i32)?;
@@ -346,6 +384,16 @@ impl Thread<'_> {
         };
         // A SUB subscription matches by prefix; only this exact topic is ours.
         if topic.as_slice() != self.endpoints().topic.as_bytes() {
+            self.stats().other_topic.fetch_add(1, Ordering::Relaxed);
+            if self.warnings.due(Warn::Topic) {
+                tracing::warn!(
+                    worker_id = self.sub.shared.worker.worker_id,
+                    dp_rank = self.sub.shared.worker.dp_rank,
+                    "ignored a KV-event batch on topic {:?}; this source expects {:?}: set                      the source's `topic` to the engine's",
+                    String::from_utf8_lossy(topic),
+                    self.endpoints().topic
+                );
+            }
             return;
         }
         let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()).map(u64::from_be_bytes) else {
@@ -373,19 +421,47 @@ impl Thread<'_> {
                          this worker's index entries, they are rebuilt from its new events"
                     );
                 }
-                self.resync();
                 self.cursor = Cursor::default();
+                self.recover(Recovery::Rebuild);
             }
             Next::Gap { from } => {
                 self.stats().gaps.fetch_add(1, Ordering::Relaxed);
-                self.recover(from, Some(seq));
-                if self.cursor.expected.is_some_and(|e| e > seq) {
-                    // The replay already brought this batch.
-                    return;
-                }
+                self.recover(Recovery::Gap { from });
             }
         }
-        self.apply(seq, payload);
+        if self.cursor.expected.is_some_and(|e| e > seq) {
+            // A replay already brought this batch.
+            return;
+        }
+        let outcome = self.apply(seq, payload);
+        self.after(seq, outcome);
+    }
+
+    /// What a live batch's outcome asks for.
+    fn after(&mut self, seq: u64, outcome: Applied) {
+        match outcome {
+            Applied::Ok => {}
+            // Not queued: lost, as a dropped message would be; the replay may have it.
+            Applied::Lost => self.recover(Recovery::Gap { from: seq }),
+            // A replay would bring the same bytes: the worker's state is unknown.
+            Applied::Malformed => self.recover(Recovery::Clear),
+            Applied::UnknownParent if !self.parent_rebuilt => {
+                if self.warnings.due(Warn::Recovery) {
+                    tracing::warn!(
+                        worker_id = self.sub.shared.worker.worker_id,
+                        dp_rank = self.sub.shared.worker.dp_rank,
+                        seq,
+                        "a stored KV event chains onto a block this worker never stored: \
+                         its events were lost; rebuilding its index entries"
+                    );
+                }
+                self.recover(Recovery::Rebuild);
+                // Blocks whose parents are older than anything the engine still has
+                // stay unknown: rebuild once per loss, not on every orphan.
+                self.parent_rebuilt = true;
+            }
+            Applied::UnknownParent => {}
+        }
     }
 
     /// The publisher came back after its connection dropped. It may be the same
@@ -399,13 +475,31 @@ impl Thread<'_> {
             dp_rank = self.sub.shared.worker.dp_rank,
             "the KV-event publisher reconnected; rebuilding this worker's index entries"
         );
-        self.resync();
         self.cursor = Cursor::default();
-        self.recover(0, None);
+        self.recover(Recovery::Rebuild);
     }
 
-    /// Decodes and applies one batch; `seq` becomes the last one applied.
-    fn apply(&mut self, seq: u64, payload: &[u8]) {
+    /// The worker key a batch's events belong to: its own rank field names a sibling
+    /// rank only if that rank is registered (anything else is counted and dropped, so
+    /// a publisher cannot make this source track keys without bound).
+    fn key_for(&self, dp_rank: Option<u32>) -> Option<WorkerKey> {
+        let own = self.sub.shared.worker;
+        match dp_rank {
+            None => Some(own),
+            Some(rank) if rank == own.dp_rank => Some(own),
+            Some(rank) => {
+                let key = WorkerKey {
+                    worker_id: own.worker_id,
+                    dp_rank: rank,
+                };
+                self.sub.router.has_worker(key).then_some(key)
+            }
+        }
+    }
+
+    /// Decodes and applies one batch; `seq` becomes the last one applied. Never
+    /// recovers by itself: the caller decides from the outcome.
+    fn apply(&mut self, seq: u64, payload: &[u8]) -> Applied {
         self.cursor.expected = Some(seq.wrapping_add(1));
         let stats = &self.sub.shared.stats;
         stats.last_seq.store(seq, Ordering::Relaxed);
@@ -422,8 +516,7 @@ impl Thread<'_> {
                      worker's index entries are cleared and rebuilt from its next events"
                 );
             }
-            self.resync();
-            return;
+            return Applied::Malformed;
         }
         stats.batches.fetch_add(1, Ordering::Relaxed);
         stats.record(&self.decoded);
@@ -438,22 +531,41 @@ impl Thread<'_> {
                  --page-size), or the engine's to the router's"
             );
         }
-        if self.decoded.events.is_empty() {
-            return;
+        if let Some(problem) = &self.decoded.counts.last_malformed {
+            if self.warnings.due(Warn::Decode) {
+                tracing::warn!(
+                    worker_id = self.sub.shared.worker.worker_id,
+                    dp_rank = self.sub.shared.worker.dp_rank,
+                    seq,
+                    "refused a KV event: {problem}"
+                );
+            }
         }
-        let worker = match self.decoded.dp_rank {
-            Some(rank) => WorkerKey {
-                worker_id: self.sub.shared.worker.worker_id,
-                dp_rank: rank,
-            },
-            None => self.sub.shared.worker,
+        if self.decoded.events.is_empty() {
+            return Applied::Ok;
+        }
+        let Some(worker) = self.key_for(self.decoded.dp_rank) else {
+            stats.unknown_worker.fetch_add(1, Ordering::Relaxed);
+            if self.warnings.due(Warn::Rank) {
+                tracing::warn!(
+                    worker_id = self.sub.shared.worker.worker_id,
+                    dp_rank = self.sub.shared.worker.dp_rank,
+                    batch_dp_rank = self.decoded.dp_rank,
+                    "dropped a KV-event batch whose dp_rank names a rank of this worker that \
+                     is not registered; register that rank (or give each rank its own source)"
+                );
+            }
+            self.decoded.events.clear();
+            return Applied::Ok;
         };
         if !self.keys.contains(&worker) {
             self.keys.push(worker);
         }
-        if self.decoded.hashes.signed && !self.signed.contains(&worker) {
+        if self.decoded.hashes.signed
+            && !self.signed.contains(&worker)
+            && self.sub.router.mark_signed_hashes(worker)
+        {
             // Once per worker: its kv.fetch hashes are written back signed.
-            self.sub.router.mark_signed_hashes(worker);
             self.signed.push(worker);
         }
         let events: Vec<(WorkerKey, KvEvent)> = self
@@ -463,12 +575,10 @@ impl Thread<'_> {
             .map(|event| (worker, event))
             .collect();
         let Some(results) = self.submit(events) else {
-            // Not queued: lost, as a dropped message would be.
             self.stats().dropped.fetch_add(1, Ordering::Relaxed);
-            self.recover(seq, None);
-            return;
+            return Applied::Lost;
         };
-        let mut unknown_parent = false;
+        let mut outcome = Applied::Ok;
         for result in results {
             match result {
                 Ok(_) => {}
@@ -477,7 +587,7 @@ impl Thread<'_> {
                     ..
                 }) => {
                     stats.unknown_parent.fetch_add(1, Ordering::Relaxed);
-                    unknown_parent = true;
+                    outcome = Applied::UnknownParent;
                 }
                 Err(RouterError::UnknownWorker { .. }) => {
                     stats.unknown_worker.fetch_add(1, Ordering::Relaxed);
@@ -487,39 +597,53 @@ impl Thread<'_> {
                 }
             }
         }
-        if unknown_parent
-            && self
-                .last_parent_recovery
-                .is_none_or(|at| at.elapsed() >= PARENT_RECOVERY_EVERY)
-        {
-            self.last_parent_recovery = Some(Instant::now());
-            if self.warnings.due(Warn::Recovery) {
-                tracing::warn!(
-                    worker_id = self.sub.shared.worker.worker_id,
-                    dp_rank = self.sub.shared.worker.dp_rank,
-                    seq,
-                    "a stored KV event chains onto a block this worker never stored: its \
-                     events were lost; rebuilding its index entries"
-                );
-            }
-            // Everything the engine still buffers, onto a clean slate.
-            self.resync();
-            self.recover(0, None);
-        }
+        outcome
     }
 
     /// Queues events and waits until they are visible, or `None` if the queue stayed
-    /// full (the router is overloaded: the batch is dropped and recovered later).
+    /// full (the router is overloaded: the batch is dropped and recovered later) or the
+    /// source was stopped. A clear that could not be queued before goes first.
     fn submit(
         &mut self,
-        events: Vec<(WorkerKey, KvEvent)>,
+        mut events: Vec<(WorkerKey, KvEvent)>,
     ) -> Option<Vec<Result<ApplyStats, RouterError>>> {
-        let mut events = events;
+        let clears = if self.pending_clear {
+            let clears: Vec<_> = self.keys.iter().map(|k| (*k, KvEvent::Cleared)).collect();
+            let n = clears.len();
+            events.splice(0..0, clears);
+            n
+        } else {
+            0
+        };
+        // A fresh reply channel per batch: a reply that comes too late cannot be
+        // taken for the next batch's.
+        let (reply, results) = crossbeam_channel::bounded(1);
         // A full queue is a burst: wait for room a little (1 + 2 + … + 64 ms), then
         // give the batch up rather than stall the socket behind it.
         for attempt in 0..8u32 {
-            match self.sub.ingest.submit_batch(events, self.replies.0.clone()) {
-                Ok(()) => return self.replies.1.recv_timeout(Duration::from_secs(30)).ok(),
+            if self.stopped() {
+                return None;
+            }
+            match self.sub.ingest.submit_batch(events, reply.clone()) {
+                Ok(()) => {
+                    self.pending_clear = false;
+                    let mut waited = Duration::ZERO;
+                    while waited < SUBMIT_WAIT {
+                        match results.recv_timeout(POLL) {
+                            Ok(mut results) => {
+                                results.drain(..clears.min(results.len()));
+                                return Some(results);
+                            }
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                                waited += POLL;
+                            }
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                                return None;
+                            }
+                        }
+                    }
+                    return None;
+                }
                 Err((_, back)) => {
                     events = back;
                     std::thread::sleep(Duration::from_millis(1 << attempt.min(6)));
@@ -529,24 +653,60 @@ impl Thread<'_> {
         None
     }
 
-    /// Clears every worker this source fed (its cache is no longer known).
+    /// Clears every worker this source fed (its cache is no longer known). A clear the
+    /// queue cannot take now goes in front of the next batch queued.
     fn resync(&mut self) {
         self.stats().resyncs.fetch_add(1, Ordering::Relaxed);
-        let events = self.keys.iter().map(|k| (*k, KvEvent::Cleared)).collect();
-        if self.submit(events).is_none() {
-            self.stats().dropped.fetch_add(1, Ordering::Relaxed);
+        self.pending_clear = true;
+        let _ = self.submit(Vec::new());
+    }
+
+    /// Runs `first` and whatever recovery it leads to, one at a time (never nested),
+    /// backing off between rounds so a router that stays overloaded is not flooded
+    /// with replays; after [`MAX_RECOVERY_ROUNDS`] it settles for a clear.
+    fn recover(&mut self, first: Recovery) {
+        if !matches!(first, Recovery::History) {
+            // A new loss: an orphan after it may rebuild once more.
+            self.parent_rebuilt = false;
+        }
+        let mut next = Some(first);
+        let mut round = 0u32;
+        while let Some(recovery) = next.take() {
+            if self.stopped() {
+                return;
+            }
+            round += 1;
+            if round > MAX_RECOVERY_ROUNDS {
+                self.resync();
+                return;
+            }
+            if round > 1 {
+                self.pause(Duration::from_millis(10 << round.min(8)));
+            }
+            next = self.recover_once(recovery);
         }
     }
 
-    /// Recovers batches from `from` on: through the replay socket if there is one and
-    /// its buffer reaches back that far, else by resynchronising. `live` is the batch
-    /// that revealed the gap, if any.
-    fn recover(&mut self, from: u64, live: Option<u64>) {
+    /// One recovery; returns the next one it calls for (a replayed batch that could
+    /// not be queued).
+    fn recover_once(&mut self, recovery: Recovery) -> Option<Recovery> {
+        let from = match recovery {
+            Recovery::Clear => {
+                self.resync();
+                return None;
+            }
+            Recovery::Rebuild => {
+                self.resync();
+                0
+            }
+            Recovery::History => 0,
+            Recovery::Gap { from } => from,
+        };
         let Some(replay) = self.endpoints().replay.clone() else {
-            if from != 0 || live.is_some() {
+            if let Recovery::Gap { .. } = recovery {
                 self.resync();
             }
-            return;
+            return None;
         };
         let before = self.stats().state();
         self.stats().set_state(SourceState::Replaying);
@@ -566,23 +726,41 @@ impl Thread<'_> {
                          entries, they are rebuilt from its next events"
                     );
                 }
-                self.resync();
-                return;
+                if !matches!(recovery, Recovery::Rebuild | Recovery::History) {
+                    self.resync();
+                }
+                return None;
             }
         };
-        let reaches_back = batches.first().is_none_or(|(seq, _)| *seq <= from);
-        if !reaches_back && from != 0 {
-            // The engine no longer buffers the first batch missed.
-            self.stats().replay_short.fetch_add(1, Ordering::Relaxed);
-            self.resync();
+        if let Recovery::Gap { from } = recovery {
+            // An empty answer, or one that starts after the first batch missed: the
+            // engine no longer has it.
+            if batches.first().is_none_or(|(seq, _)| *seq > from) {
+                self.stats().replay_short.fetch_add(1, Ordering::Relaxed);
+                self.resync();
+            }
         }
         self.cursor.replayed_from = batches.first().map(|(seq, _)| *seq);
+        let mut orphans = false;
         for (seq, payload) in batches {
+            if self.stopped() {
+                return None;
+            }
             if seq < from {
                 continue;
             }
-            self.apply(seq, &payload);
+            match self.apply(seq, &payload) {
+                Applied::Ok => {}
+                Applied::UnknownParent => orphans = true,
+                Applied::Malformed => self.pending_clear = true,
+                Applied::Lost => return Some(Recovery::Gap { from: seq }),
+            }
         }
+        if orphans || matches!(recovery, Recovery::Rebuild) {
+            // What the buffer could not rebuild stays unknown until stored again.
+            self.parent_rebuilt = true;
+        }
+        None
     }
 
     /// Asks the replay socket for every batch from `from`: `[b"", seq]` out; replies
@@ -596,6 +774,7 @@ impl Thread<'_> {
             .map_err(|e| format!("cannot create a DEALER socket: {e}"))?;
         dealer
             .set_linger(0)
+            .and_then(|()| dealer.set_maxmsgsize(MAX_MESSAGE_BYTES))
             .and_then(|()| dealer.set_ipv6(replay.contains('[')))
             .map_err(|e| format!("cannot configure the DEALER socket: {e}"))?;
         dealer
@@ -680,11 +859,17 @@ mod tests {
             "back, with no replay behind"
         );
         assert_eq!(kind(cursor.classify(0)), "restart");
-        // Right after a replay of 10.., live copies of 10..18 are duplicates, but 0 is
-        // a restart.
+        // Right after a replay of 10.., live copies of 10..18 are duplicates; below the
+        // replay's first batch is a restart.
         cursor.replayed_from = Some(10);
         assert_eq!(kind(cursor.classify(12)), "duplicate");
         assert_eq!(kind(cursor.classify(9)), "restart");
         assert_eq!(kind(cursor.classify(0)), "restart");
+        cursor.replayed_from = Some(0);
+        assert_eq!(
+            kind(cursor.classify(0)),
+            "duplicate",
+            "a replay from 0 overlaps 0"
+        );
     }
 }

@@ -198,14 +198,23 @@ impl Router {
     }
 
     /// Records that `key`'s engine publishes signed 64-bit hashes (SGLang's), so a
-    /// `kv.fetch` from it names them as the engine spelled them. Unknown workers are
-    /// ignored.
-    pub fn mark_signed_hashes(&self, key: WorkerKey) {
+    /// `kv.fetch` from it names them as the engine spelled them. False (and nothing
+    /// recorded) for a worker that is not registered.
+    pub fn mark_signed_hashes(&self, key: WorkerKey) -> bool {
         use std::sync::atomic::Ordering;
-        if let Some(entry) = self.workers.load().get(key) {
-            entry.signed_hashes.store(true, Ordering::Relaxed);
-            self.any_signed.store(true, Ordering::Relaxed);
+        match self.workers.load().get(key) {
+            Some(entry) => {
+                entry.signed_hashes.store(true, Ordering::Relaxed);
+                self.any_signed.store(true, Ordering::Relaxed);
+                true
+            }
+            None => false,
         }
+    }
+
+    /// Whether `key` is registered.
+    pub fn has_worker(&self, key: WorkerKey) -> bool {
+        self.workers.load().get(key).is_some()
     }
 
     pub fn block_size(&self) -> usize {

@@ -369,7 +369,22 @@ fn kv_event_sources(out: &mut String, sources: &[crate::engine_events::SourceVie
         )
     };
     type Counter = fn(&SourceStats) -> &AtomicU64;
-    let counters: [(&str, &str, Counter); 13] = [
+    let counters: [(&str, &str, Counter); 16] = [
+        (
+            "kvhint_kv_source_other_topic_total",
+            "Batches on another topic than the source's (ignored).",
+            |s| &s.other_topic,
+        ),
+        (
+            "kvhint_kv_source_duplicates_total",
+            "Live batches a replay had already applied.",
+            |s| &s.duplicates,
+        ),
+        (
+            "kvhint_kv_source_socket_errors_total",
+            "Failed attempts to create, bind or connect the socket.",
+            |s| &s.socket_errors,
+        ),
         (
             "kvhint_kv_source_reconnects_total",
             "Times the publisher's connection dropped and came back (the worker is rebuilt).",
@@ -459,6 +474,10 @@ fn kv_event_sources(out: &mut String, sources: &[crate::engine_events::SourceVie
             ("other_medium", &stats.other_medium),
             ("other_group", &stats.other_group),
             ("wrong_block_size", &stats.wrong_block_size),
+            ("placeholder", &stats.placeholder),
+            ("malformed", &stats.malformed_events),
+            ("unknown_worker", &stats.unknown_worker),
+            ("refused", &stats.refused),
         ] {
             events.push((
                 format!("{{{},type=\"{kind}\"}}", labels(s)),
@@ -470,7 +489,7 @@ fn kv_event_sources(out: &mut String, sources: &[crate::engine_events::SourceVie
         out,
         "kvhint_kv_source_events_total",
         "counter",
-        "Events by type: applied (stored, removed, cleared) or skipped (unknown_type, other_medium, other_group, wrong_block_size).",
+        "Events by type: applied (stored, removed, cleared) or skipped (unknown_type, other_medium, other_group, wrong_block_size, placeholder, malformed; unknown_worker and refused by the index).",
         &events,
     );
     let gauge = |f: &dyn Fn(&SourceStats) -> f64| -> Vec<(String, f64)> {

@@ -16,8 +16,7 @@ mod watch;
 use crate::config::{self, RouterMode};
 use crate::engine_events::decode::DecodeSettings;
 use crate::engine_events::subscriber::SubscriberOptions;
-use crate::engine_events::{EngineEvents, Origin};
-use crate::event_source::Endpoints;
+use crate::engine_events::{AttachError, EngineEvents, MembershipError, Origin};
 use crate::loader::Loader;
 use crate::router::ingest::Ingest;
 use crate::router::workers::WorkerRegistration;
@@ -115,26 +114,10 @@ async fn register_worker(
 ) -> Result<Response, ApiError> {
     let JsonBody(registration) = body.map_err(|e| counted(&app, e))?;
     let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
-    let key = crate::domain::WorkerKey { worker_id, dp_rank };
-    // A bad source refuses the registration before anything changes.
-    if let Some(source) = &registration.kv_events {
-        Endpoints::resolve(dp_rank, source)
-            .map_err(|e| counted(&app, ApiError::bad_request(e.to_string())))?;
-    }
-    let source = registration.kv_events.clone();
     let new = app
-        .router
-        .register_worker(registration)
-        .map_err(|e| counted(&app, e))?;
-    match &source {
-        Some(source) => app
-            .engine_events
-            .attach(key, source, Origin::Registration)
-            .map_err(|e| counted(&app, ApiError::bad_request(e.to_string())))?,
-        None => {
-            app.engine_events.detach(key);
-        }
-    }
+        .engine_events
+        .register(&app.router, registration, Origin::Registration)
+        .map_err(|e| counted(&app, membership_error(e)))?;
     let status = if new {
         StatusCode::CREATED
     } else {
@@ -151,6 +134,18 @@ struct RankQuery {
     dp_rank: u32,
 }
 
+/// A refused registration: the caller's source (400), the router's verdict, or a
+/// thread the host could not start (500).
+fn membership_error(error: MembershipError) -> ApiError {
+    match error {
+        MembershipError::Router(e) => e.into(),
+        MembershipError::Attach(AttachError::Source(e)) => ApiError::bad_request(e.to_string()),
+        MembershipError::Attach(e @ AttachError::Spawn(_)) => {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+        }
+    }
+}
+
 async fn deregister_worker(
     State(app): State<Arc<App>>,
     worker_id: Result<UrlPath<u64>, axum::extract::rejection::PathRejection>,
@@ -165,10 +160,9 @@ async fn deregister_worker(
     let Query(RankQuery { dp_rank }) =
         query.map_err(|e| counted(&app, ApiError::bad_request(e.body_text())))?;
     let key = crate::domain::WorkerKey { worker_id, dp_rank };
-    app.router
-        .deregister_worker(key)
+    app.engine_events
+        .deregister(&app.router, key)
         .map_err(|e| counted(&app, e))?;
-    app.engine_events.detach(key);
     Ok(Json(
         json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
     ))
