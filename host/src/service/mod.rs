@@ -433,7 +433,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let _ = reloader
         .on_reload
         .set(Box::new(move |config: &config::Config| {
-            hook_events.apply_config(&hook_router, &config.kv_events);
+            hook_events.apply_config(&hook_router, &config.kv_events)
         }));
     Ok(Arc::new(App {
         plugins_dir: config

@@ -47,6 +47,10 @@ pub struct ReloadStatus {
     pub last_ok_trigger: Option<Trigger>,
     /// The most recent failure, kept until the next successful reload.
     pub last_error: Option<ReloadFailure>,
+    /// What the last successful reload could not apply to the engine subscriptions
+    /// (a `kv_events.sources` entry whose worker or subscription failed); the rest of
+    /// the reload stands.
+    pub kv_source_errors: Vec<String>,
 }
 
 fn now_ms() -> u64 {
@@ -57,7 +61,7 @@ fn now_ms() -> u64 {
 }
 
 /// What runs after a successful reload, with the config it loaded.
-pub type ReloadHook = Box<dyn Fn(&config::Config) + Send + Sync>;
+pub type ReloadHook = Box<dyn Fn(&config::Config) -> Vec<String> + Send + Sync>;
 
 pub struct Reloader {
     pub config_path: PathBuf,
@@ -146,14 +150,16 @@ impl Reloader {
                 let generation = snapshot.generation;
                 self.generation.store(generation, Ordering::Relaxed);
                 current.store(Arc::new(snapshot));
-                if let Some(hook) = self.on_reload.get() {
-                    hook(&config);
-                }
+                let kv_source_errors = match self.on_reload.get() {
+                    Some(hook) => hook(&config),
+                    None => Vec::new(),
+                };
                 let mut status = self.status.lock();
                 status.ok += 1;
                 status.last_ok_unix_ms = Some(now_ms());
                 status.last_ok_trigger = Some(trigger);
                 status.last_error = None;
+                status.kv_source_errors = kv_source_errors;
                 tracing::info!(generation, ?trigger, "reloaded");
                 Ok(generation)
             }
