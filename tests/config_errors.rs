@@ -211,6 +211,30 @@ fn check_prints_every_error_and_exits_1() {
 }
 
 #[test]
+fn check_lists_the_configured_engine_sources() {
+    let fixture = config_file(
+        "kv_events:\n  sources:\n    - {worker_id: 7, dp_size: 2, role: decode, endpoint: \"tcp://10.0.0.7:5557\", replay_endpoint: \"tcp://10.0.0.7:5600\"}\nworker_selection:\n  decode: kvcr\n",
+    );
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--config"])
+        .arg(&fixture.path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("kv_events: media GPU, 1 source"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "worker 7 (decode, 2 ranks): connect tcp://10.0.0.7:5557, replay tcp://10.0.0.7:5600"
+        ),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn quoted_numbers_invalid_names_and_null_parameters() {
     assert_one(
         "router:\n  block_size: \"16\"\nworker_selection: {decode: kvcr}\n",

@@ -237,7 +237,7 @@ fn report_errors(errors: &ConfigErrors) -> ExitCode {
 }
 
 fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
-    let (_config, _loader, snapshot) = match load_snapshot(file, mode) {
+    let (config, _loader, snapshot) = match load_snapshot(file, mode) {
         Ok(loaded) => loaded,
         Err(errors) => return Ok(report_errors(&errors)),
     };
@@ -289,6 +289,40 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
                 policy.type_name,
                 policy.origin,
                 policy.commitments
+            );
+        }
+    }
+    let kv_events = &config.kv_events;
+    if !kv_events.sources.is_empty() {
+        println!(
+            "kv_events: media {}, {} source{}",
+            kv_events.media.join(", "),
+            kv_events.sources.len(),
+            if kv_events.sources.len() == 1 {
+                ""
+            } else {
+                "s"
+            }
+        );
+        for source in &kv_events.sources {
+            println!(
+                "  worker {} ({}, {} rank{}): {} {}{}",
+                source.worker_id,
+                source.role,
+                source.dp_size,
+                if source.dp_size == 1 { "" } else { "s" },
+                if source.source.bind {
+                    "bind"
+                } else {
+                    "connect"
+                },
+                source.source.endpoint,
+                source
+                    .source
+                    .replay_endpoint
+                    .as_deref()
+                    .map(|r| format!(", replay {r}"))
+                    .unwrap_or_default()
             );
         }
     }
