@@ -73,16 +73,13 @@ fn duplicates(tokens: &[u32], first: u64, count: u64) -> Vec<(WorkerKey, KvEvent
         .map(|engine| {
             (
                 key(1),
-                KvEvent::Stored {
-                    parent_block_hash: None,
-                    blocks: vec![StoredBlock {
+                KvEvent::stored(
+                    None,
+                    vec![StoredBlock {
                         block_hash: engine,
                         token_ids: tokens.into(),
                     }],
-                    lora_name: None,
-                    cache_salt: None,
-                    extra_keys: Vec::new(),
-                },
+                ),
             )
         })
         .collect()
@@ -113,16 +110,7 @@ fn duplicate_engine_hashes_cannot_blow_up_a_maximum_length_booking() {
         })
         .collect();
     router
-        .apply_kv_event(
-            key(2),
-            KvEvent::Stored {
-                parent_block_hash: None,
-                blocks: honest,
-                lora_name: None,
-                cache_salt: None,
-                extra_keys: Vec::new(),
-            },
-        )
+        .apply_kv_event(key(2), KvEvent::stored(None, honest))
         .expect("stores");
 
     let mut hashes = Vec::new();

@@ -258,13 +258,10 @@ impl EventGen {
             if !alt && a <= h {
                 self.held.insert((w, j), h.max(b));
             }
-            KvEvent::Stored {
-                parent_block_hash: (a > 0).then(|| engine_hash(w, j, false, a - 1)),
-                blocks: blocks_of(tokens, j, w, alt, a..b.max(a)),
-                lora_name: None,
-                cache_salt: None,
-                extra_keys: Vec::new(),
-            }
+            KvEvent::stored(
+                (a > 0).then(|| engine_hash(w, j, false, a - 1)),
+                blocks_of(tokens, j, w, alt, a..b.max(a)),
+            )
         } else if roll < 80 {
             // Evict the tail; now and then also a second copy's name and a hash never
             // stored (a missing removal).
@@ -292,24 +289,15 @@ impl EventGen {
             KvEvent::Cleared
         } else if roll < 97 {
             // Refused: the parent was never stored under this name.
-            KvEvent::Stored {
-                parent_block_hash: Some(engine_hash(w, j, false, PROMPT_BLOCKS + 1)),
-                blocks: blocks_of(tokens, j, w, false, 0..1),
-                lora_name: None,
-                cache_salt: None,
-                extra_keys: Vec::new(),
-            }
+            KvEvent::stored(
+                Some(engine_hash(w, j, false, PROMPT_BLOCKS + 1)),
+                blocks_of(tokens, j, w, false, 0..1),
+            )
         } else {
             // Refused: a block of the wrong size (atomically: the first block is fine).
             let mut blocks = blocks_of(tokens, j, w, false, 0..2);
             blocks[1].token_ids.pop();
-            KvEvent::Stored {
-                parent_block_hash: None,
-                blocks,
-                lora_name: None,
-                cache_salt: None,
-                extra_keys: Vec::new(),
-            }
+            KvEvent::stored(None, blocks)
         };
         (key(w), event)
     }
@@ -655,13 +643,7 @@ fn deregistering_a_worker_drops_its_bookings_and_cache() {
     let prompts: Vec<Vec<u32>> = (0..PROMPTS).map(prompt).collect();
     for id in 0..4u64 {
         let j = id as usize;
-        let event = KvEvent::Stored {
-            parent_block_hash: None,
-            blocks: blocks_of(&prompts[j], j, id, false, 0..PROMPT_BLOCKS),
-            lora_name: None,
-            cache_salt: None,
-            extra_keys: Vec::new(),
-        };
+        let event = KvEvent::stored(None, blocks_of(&prompts[j], j, id, false, 0..PROMPT_BLOCKS));
         router.apply_kv_event(key(id), event).unwrap();
     }
     let bookings = book_open(&router, role, &prompts, "r", 40);
@@ -855,13 +837,7 @@ fn deregistration_racing_events_leaves_no_stale_cache() {
                             let j = (n + i) % PROMPTS;
                             (
                                 w,
-                                KvEvent::Stored {
-                                    parent_block_hash: None,
-                                    blocks: blocks_of(&prompts[j], j, 1, false, 0..1),
-                                    lora_name: None,
-                                    cache_salt: None,
-                                    extra_keys: Vec::new(),
-                                },
+                                KvEvent::stored(None, blocks_of(&prompts[j], j, 1, false, 0..1)),
                             )
                         })
                         .collect();
@@ -930,13 +906,7 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
         })
         .collect();
     for &(w, j, held) in &holders {
-        let event = KvEvent::Stored {
-            parent_block_hash: None,
-            blocks: blocks_of(&prompts[j], j, w, false, 0..held),
-            lora_name: None,
-            cache_salt: None,
-            extra_keys: Vec::new(),
-        };
+        let event = KvEvent::stored(None, blocks_of(&prompts[j], j, w, false, 0..held));
         router.apply_kv_event(key(w), event).unwrap();
     }
     let book = |i: usize| {
@@ -985,13 +955,10 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
                 router
                     .apply_kv_event(
                         key(w),
-                        KvEvent::Stored {
-                            parent_block_hash: Some(engine_hash(w, j, false, 0)),
-                            blocks: blocks_of(&prompts[j], j, w, false, 1..held),
-                            lora_name: None,
-                            cache_salt: None,
-                            extra_keys: Vec::new(),
-                        },
+                        KvEvent::stored(
+                            Some(engine_hash(w, j, false, 0)),
+                            blocks_of(&prompts[j], j, w, false, 1..held),
+                        ),
                     )
                     .unwrap();
             }

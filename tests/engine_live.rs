@@ -549,128 +549,233 @@ fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
     assert_eq!(server.status()["kv_event_sources"][0]["batches"], 0);
 }
 
+/// A subscription run in this process (the code `serve` runs) against a Rust ZMQ PUB
+/// socket speaking the engines' framing: for what no engine will send on purpose.
+struct InProcess {
+    router: std::sync::Arc<kvhint::router::Router>,
+    events: kvhint::engine_events::EngineEvents,
+    publisher: zmq::Socket,
+    seq: u64,
+    _context: zmq::Context,
+}
+
+impl InProcess {
+    /// Worker 1 (decode) subscribed to a PUB bound on a free loopback port.
+    fn new(receive_hwm: i32) -> InProcess {
+        use kvhint::engine_events::decode::DecodeSettings;
+        use kvhint::engine_events::subscriber::SubscriberOptions;
+        use kvhint::engine_events::EngineEvents;
+        use kvhint::router::ingest::Ingest;
+        use kvhint::router::Router;
+        use std::sync::Arc;
+
+        let router = Arc::new(Router::new(BLOCK as usize));
+        router
+            .register_worker(
+                serde_json::from_value(json!({"worker_id": 1, "role": "decode"})).unwrap(),
+            )
+            .unwrap();
+        let (ingest, _thread) = Ingest::start(Arc::clone(&router), 16).unwrap();
+        let events = EngineEvents::new(
+            Arc::clone(&router),
+            ingest,
+            DecodeSettings {
+                block_size: BLOCK as usize,
+                media: vec!["GPU".into()],
+            },
+            SubscriberOptions {
+                receive_hwm,
+                ..SubscriberOptions::default()
+            },
+        );
+        let context = zmq::Context::new();
+        let publisher = context.socket(zmq::PUB).unwrap();
+        publisher.set_sndhwm(receive_hwm).unwrap();
+        let port = free_port();
+        publisher.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        let this = InProcess {
+            router,
+            events,
+            publisher,
+            seq: 0,
+            _context: context,
+        };
+        this.attach(&format!("tcp://127.0.0.1:{port}"), false);
+        this
+    }
+
+    fn attach(&self, endpoint: &str, bind: bool) {
+        self.events
+            .attach(
+                worker_1(),
+                &kvhint::event_source::KvEventSource {
+                    endpoint: endpoint.into(),
+                    replay_endpoint: None,
+                    topic: String::new(),
+                    bind,
+                },
+                kvhint::engine_events::Origin::Registration,
+            )
+            .unwrap();
+    }
+
+    fn stat(&self, counter: fn(&kvhint::engine_events::stats::SourceStats) -> u64) -> u64 {
+        counter(self.events.sources()[0].stats())
+    }
+
+    /// Sends `[topic "", seq, payload]` with the next sequence number.
+    fn send(&mut self, payload: &[u8], wait: bool) {
+        let flags = if wait { 0 } else { zmq::DONTWAIT };
+        let _ = self
+            .publisher
+            .send_multipart([&b""[..], &self.seq.to_be_bytes()[..], payload], flags);
+        self.seq += 1;
+    }
+
+    /// Publishes probes until the subscription has applied one.
+    fn join(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.stat(|s| s.batches.load(std::sync::atomic::Ordering::Relaxed)) == 0 {
+            assert!(Instant::now() < deadline, "never joined");
+            self.send(&stored_batch(1, 1), true);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Publishes a one-block batch until the index holds it.
+    fn until_held(&mut self, first_hash: u64) {
+        let tokens: Vec<u32> = (0..BLOCK).map(|t| t + first_hash as u32).collect();
+        let mut hashes = Vec::new();
+        kvhint::router::index::block_hashes(&tokens, BLOCK as usize, &mut hashes);
+        let mut matches = kvhint::router::index::Matches::new();
+        let payload = stored_batch(first_hash, 1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.send(&payload, true);
+            std::thread::sleep(Duration::from_millis(20));
+            let held = self.router.read_index(|index| {
+                index.lookup(&hashes, &mut matches);
+                !matches.found().is_empty()
+            });
+            if held {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "block {first_hash} never arrived"
+            );
+        }
+    }
+}
+
+fn worker_1() -> kvhint::domain::WorkerKey {
+    kvhint::domain::WorkerKey {
+        worker_id: 1,
+        dp_rank: 0,
+    }
+}
+
+/// One engine batch: `[ts, [BlockStored of `blocks` blocks], 0]`, msgpack as the
+/// engines write it.
+fn stored_batch(first_hash: u64, blocks: u64) -> Vec<u8> {
+    let tokens: Vec<u32> = (0..blocks as u32 * BLOCK)
+        .map(|t| t + first_hash as u32)
+        .collect();
+    let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
+    let event = json!({"type": "BlockStored", "block_hashes": hashes,
+                       "parent_block_hash": null, "token_ids": tokens,
+                       "block_size": BLOCK, "medium": "GPU"});
+    let mut out = Vec::new();
+    rmp::encode::write_array_len(&mut out, 3).unwrap();
+    rmp::encode::write_f64(&mut out, 1.7e9).unwrap();
+    rmp::encode::write_array_len(&mut out, 1).unwrap();
+    write_msgpack(&mut out, &event);
+    rmp::encode::write_uint(&mut out, 0).unwrap();
+    out
+}
+
 /// A publisher far faster than the router: the socket's high-water mark drops what the
 /// router cannot take, the subscription sees the gaps and resynchronises instead of
 /// queueing without bound, and the first batch after the burst is applied as usual.
 #[test]
 fn a_flood_is_dropped_at_the_socket_and_resynchronised_not_queued() {
-    use kvhint::engine_events::decode::DecodeSettings;
-    use kvhint::engine_events::subscriber::SubscriberOptions;
-    use kvhint::engine_events::{EngineEvents, Origin};
-    use kvhint::event_source::KvEventSource;
-    use kvhint::router::ingest::Ingest;
-    use kvhint::router::Router;
     use std::sync::atomic::Ordering;
-    use std::sync::Arc;
-
-    let router = Arc::new(Router::new(BLOCK as usize));
-    router
-        .register_worker(serde_json::from_value(json!({"worker_id": 1, "role": "decode"})).unwrap())
-        .unwrap();
-    let (ingest, _thread) = Ingest::start(Arc::clone(&router), 16).unwrap();
-    let events = EngineEvents::new(
-        Arc::clone(&router),
-        ingest,
-        DecodeSettings {
-            block_size: BLOCK as usize,
-            media: vec!["GPU".into()],
-        },
-        SubscriberOptions {
-            receive_hwm: 4,
-            ..SubscriberOptions::default()
-        },
-    );
-    let context = zmq::Context::new();
-    let publisher = context.socket(zmq::PUB).unwrap();
-    publisher.set_sndhwm(4).unwrap();
-    let port = free_port();
-    publisher.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
-    let worker = kvhint::domain::WorkerKey {
-        worker_id: 1,
-        dp_rank: 0,
-    };
-    events
-        .attach(
-            worker,
-            &KvEventSource {
-                endpoint: format!("tcp://127.0.0.1:{port}"),
-                replay_endpoint: None,
-                topic: String::new(),
-                bind: false,
-            },
-            Origin::Registration,
-        )
-        .unwrap();
-    // One engine batch: [ts, [BlockStored of `blocks` blocks], 0], msgpack as the
-    // engines write it.
-    let encode = |first_hash: u64, blocks: u64| -> Vec<u8> {
-        let tokens: Vec<u32> = (0..blocks as u32 * BLOCK)
-            .map(|t| t + first_hash as u32)
-            .collect();
-        let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
-        let event = json!({"type": "BlockStored", "block_hashes": hashes,
-                           "parent_block_hash": null, "token_ids": tokens,
-                           "block_size": BLOCK, "medium": "GPU"});
-        let mut out = Vec::new();
-        rmp::encode::write_array_len(&mut out, 3).unwrap();
-        rmp::encode::write_f64(&mut out, 1.7e9).unwrap();
-        rmp::encode::write_array_len(&mut out, 1).unwrap();
-        write_msgpack(&mut out, &event);
-        rmp::encode::write_uint(&mut out, 0).unwrap();
-        out
-    };
-    let sources = events.sources();
-    let stats = sources[0].stats();
-    let mut seq = 0u64;
-    let mut send = |payload: &[u8], wait: bool| {
-        let flags = if wait { 0 } else { zmq::DONTWAIT };
-        let _ = publisher.send_multipart([&b""[..], &seq.to_be_bytes()[..], payload], flags);
-        seq += 1;
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while stats.batches.load(Ordering::Relaxed) == 0 {
-        assert!(Instant::now() < deadline, "never joined");
-        send(&encode(1, 1), true);
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut source = InProcess::new(4);
+    source.join();
     // The flood: 20,000 batches of 64 blocks as fast as the socket takes them.
-    let flood = encode(1_000, 64);
+    let flood = stored_batch(1_000, 64);
     for _ in 0..20_000 {
-        send(&flood, false);
+        source.send(&flood, false);
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while stats.gaps.load(Ordering::Relaxed) == 0 {
+    while source.stat(|s| s.gaps.load(Ordering::Relaxed)) == 0 {
         assert!(Instant::now() < deadline, "no gap seen after a flood");
-        send(&flood, true);
+        source.send(&flood, true);
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(
-        stats.resyncs.load(Ordering::Relaxed) >= 1,
+        source.stat(|s| s.resyncs.load(Ordering::Relaxed)) >= 1,
         "a gap without replay resyncs"
     );
     // After the flood, a fresh block is applied as usual.
-    let after = encode(900_000, 1);
-    let tokens: Vec<u32> = (0..BLOCK).map(|t| t + 900_000).collect();
-    let mut hashes = Vec::new();
-    kvhint::router::index::block_hashes(&tokens, BLOCK as usize, &mut hashes);
-    let mut matches = kvhint::router::index::Matches::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        send(&after, true);
+    source.until_held(900_000);
+    source.events.shutdown();
+}
+
+/// Messages no engine sends — the wrong number of frames, a sequence number that is
+/// not 8 bytes, a payload that is not msgpack — are counted and skipped; the bad batch
+/// resyncs the worker (its events are lost), and the next good one is applied.
+#[test]
+fn malformed_frames_and_batches_are_counted_and_skipped_never_fatal() {
+    use std::sync::atomic::Ordering;
+    let mut source = InProcess::new(1_000);
+    source.join();
+    source
+        .publisher
+        .send_multipart([&b""[..], &b"only two frames"[..]], 0)
+        .unwrap();
+    source
+        .publisher
+        .send_multipart([&b""[..], &[1u8, 2, 3][..], &b"payload"[..]], 0)
+        .unwrap();
+    source.send(&[0xc1, 0xff, 0x00, 0x93], true);
+    source.send(&[0x93, 0xcb], true);
+    source.until_held(500_000);
+    assert_eq!(source.stat(|s| s.frame_errors.load(Ordering::Relaxed)), 2);
+    assert_eq!(source.stat(|s| s.decode_errors.load(Ordering::Relaxed)), 2);
+    assert!(source.stat(|s| s.resyncs.load(Ordering::Relaxed)) >= 2);
+    source.events.shutdown();
+}
+
+/// A source that must bind an address already in use keeps retrying with backoff,
+/// says why in its status, and binds once the address frees.
+#[test]
+fn a_bind_address_in_use_is_retried_until_it_frees() {
+    use std::sync::atomic::Ordering;
+    let source = InProcess::new(1_000);
+    source.events.detach(worker_1());
+    let port = free_port();
+    let squatter = TcpListener::bind(("127.0.0.1", port)).unwrap();
+    source.attach(&format!("tcp://127.0.0.1:{port}"), true);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while source.stat(|s| s.socket_errors.load(Ordering::Relaxed)) < 2 {
+        assert!(Instant::now() < deadline, "the bind was not retried");
         std::thread::sleep(Duration::from_millis(20));
-        let held = router.read_index(|index| {
-            index.lookup(&hashes, &mut matches);
-            !matches.found().is_empty()
-        });
-        if held {
-            break;
-        }
+    }
+    let view = &source.events.sources()[0];
+    let error = view.stats().last_error().unwrap_or_default();
+    assert!(error.contains("cannot bind tcp://127.0.0.1"), "{error}");
+    assert_eq!(source.stat(|s| s.connects.load(Ordering::Relaxed)), 0);
+    drop(squatter);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while source.stat(|s| s.connects.load(Ordering::Relaxed)) == 0 {
         assert!(
             Instant::now() < deadline,
-            "the block after the flood never arrived"
+            "never bound after the port freed"
         );
+        std::thread::sleep(Duration::from_millis(20));
     }
-    events.shutdown();
+    source.events.shutdown();
 }
 
 /// Minimal msgpack writer for the JSON values an engine event holds.
@@ -788,4 +893,36 @@ fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
         }
     }
     assert_eq!(fetch, Some(json!(hashes)), "{}", server.log());
+}
+
+/// An engine whose block size is not the router's: its stores are refused and
+/// counted, and the log says which setting to change.
+#[test]
+fn a_store_of_another_block_size_is_refused_and_the_log_names_the_setting() {
+    let port = free_port();
+    let mut publisher = Publisher::start(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    let tokens: Vec<u32> = (0..32).collect();
+    publisher.publish(
+        json!([{"type": "BlockStored", "block_hashes": [32], "parent_block_hash": null,
+                "token_ids": tokens, "block_size": 32, "medium": "GPU"}]),
+        false,
+    );
+    server.wait_for("the wrong block size counted", |server| {
+        let (_, metrics) = server.get("/metrics");
+        metrics.contains(
+            "kvhint_kv_source_events_total{worker_id=\"3\",dp_rank=\"0\",type=\"wrong_block_size\"} 1",
+        )
+    });
+    server.wait_for("the log line", |server| {
+        let log = server.log();
+        log.contains("router_block_size=16") && log.contains("set `router.block_size`")
+    });
+    assert_eq!(held_by_3(server, "bs", &tokens), 0);
 }

@@ -64,12 +64,12 @@ impl std::io::Write for StringWriter<'_> {
 }
 
 /// `message` with the `block_hashes` of each `kv.fetch` whose
-/// `source_control_endpoint` is one of `signed_sources` written as signed 64-bit
+/// `source_control_endpoint` names a signed source (`is_signed`) written as signed 64-bit
 /// integers (the same bits: a value above `i64::MAX` becomes its negative twin), or
 /// `None` if nothing changed.
 pub fn signed_fetch_hashes(
     message: &serde_json::value::RawValue,
-    signed_sources: &[&str],
+    is_signed: impl Fn(&str) -> bool,
 ) -> Option<Box<serde_json::value::RawValue>> {
     let mut value: serde_json::Value = serde_json::from_str(message.get()).ok()?;
     let mut changed = false;
@@ -83,7 +83,7 @@ pub fn signed_fetch_hashes(
         let from_signed = payload
             .get("source_control_endpoint")
             .and_then(|e| e.as_str())
-            .is_some_and(|e| signed_sources.contains(&e));
+            .is_some_and(&is_signed);
         if !from_signed {
             continue;
         }
@@ -155,7 +155,7 @@ mod tests {
                  "payload": {"source_control_endpoint": "tcp://u:1",
                              "block_hashes": [18446744073709551611u64]}}]}))
         .unwrap();
-        let out = signed_fetch_hashes(&message, &["tcp://s:1"]).unwrap();
+        let out = signed_fetch_hashes(&message, |e| e == "tcp://s:1").unwrap();
         let out: serde_json::Value = serde_json::from_str(out.get()).unwrap();
         assert_eq!(
             out["actions"][0]["payload"]["block_hashes"],
@@ -166,7 +166,7 @@ mod tests {
             serde_json::json!([18446744073709551611u64]),
             "an unsigned engine's fetch is left alone"
         );
-        assert!(signed_fetch_hashes(&message, &["tcp://other:1"]).is_none());
+        assert!(signed_fetch_hashes(&message, |e| e == "tcp://other:1").is_none());
     }
 
     fn action(t: &str, v: &str, payload: &str) -> FfiAction {

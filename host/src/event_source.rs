@@ -187,10 +187,6 @@ impl Endpoints {
 mod tests {
     use super::*;
 
-    fn key(dp_rank: u32) -> u32 {
-        dp_rank
-    }
-
     fn source(endpoint: &str, replay: Option<&str>, bind: bool) -> KvEventSource {
         KvEventSource {
             endpoint: endpoint.into(),
@@ -203,26 +199,25 @@ mod tests {
     #[test]
     fn ranks_offset_ports_and_paths_as_the_engines_do() {
         let e = Endpoints::resolve(
-            key(2),
+            2,
             &source("tcp://10.0.0.7:5557", Some("tcp://10.0.0.7:5600"), false),
         )
         .unwrap();
         assert_eq!(e.events, "tcp://10.0.0.7:5559");
         assert_eq!(e.replay.as_deref(), Some("tcp://10.0.0.7:5602"));
-        let e = Endpoints::resolve(key(0), &source("ipc:///tmp/kv", None, false)).unwrap();
+        let e = Endpoints::resolve(0, &source("ipc:///tmp/kv", None, false)).unwrap();
         assert_eq!(e.events, "ipc:///tmp/kv");
-        let e = Endpoints::resolve(key(1), &source("inproc://kv", None, false)).unwrap();
+        let e = Endpoints::resolve(1, &source("inproc://kv", None, false)).unwrap();
         assert_eq!(e.events, "inproc://kv_dp1");
-        let ipc = Endpoints::resolve(key(1), &source("ipc:///tmp/kv", None, false)).unwrap_err();
+        let ipc = Endpoints::resolve(1, &source("ipc:///tmp/kv", None, false)).unwrap_err();
         assert!(ipc.problem.contains("dp rank 1"), "{ipc}");
-        let e = Endpoints::resolve(key(1), &source("tcp://*:6000", None, true)).unwrap();
+        let e = Endpoints::resolve(1, &source("tcp://*:6000", None, true)).unwrap();
         assert_eq!(e.events, "tcp://*:6001");
     }
 
     #[test]
     fn bad_endpoints_say_which_field_and_what_to_write() {
-        let wildcard =
-            Endpoints::resolve(key(0), &source("tcp://*:5557", None, false)).unwrap_err();
+        let wildcard = Endpoints::resolve(0, &source("tcp://*:5557", None, false)).unwrap_err();
         assert_eq!(wildcard.field, "endpoint");
         assert!(wildcard.problem.contains("ENGINE_HOST"), "{wildcard}");
         for (endpoint, words) in [
@@ -231,12 +226,11 @@ mod tests {
             ("tcp://x:port", "not a port number"),
             ("tcp://x:65535", "past 65535"),
         ] {
-            let error = Endpoints::resolve(key(1), &source(endpoint, None, false)).unwrap_err();
+            let error = Endpoints::resolve(1, &source(endpoint, None, false)).unwrap_err();
             assert!(error.to_string().contains(words), "{endpoint}: {error}");
         }
-        let replay =
-            Endpoints::resolve(key(0), &source("tcp://h:1", Some("tcp://0.0.0.0:2"), false))
-                .unwrap_err();
+        let replay = Endpoints::resolve(0, &source("tcp://h:1", Some("tcp://0.0.0.0:2"), false))
+            .unwrap_err();
         assert_eq!(replay.field, "replay_endpoint");
     }
 }

@@ -31,9 +31,9 @@ fn registration(id: u64) -> WorkerRegistration {
 
 /// `blocks` leading blocks of `prompt`, stored by one worker in one event.
 fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
-    KvEvent::Stored {
-        parent_block_hash: None,
-        blocks: prompt
+    KvEvent::stored(
+        None,
+        prompt
             .chunks_exact(BLOCK)
             .take(blocks)
             .enumerate()
@@ -42,10 +42,7 @@ fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
                 token_ids: chunk.into(),
             })
             .collect(),
-        lora_name: None,
-        cache_salt: None,
-        extra_keys: Vec::new(),
-    }
+    )
 }
 
 fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {

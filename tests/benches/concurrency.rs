@@ -77,9 +77,9 @@ fn prompt(j: usize) -> Vec<u32> {
 
 /// `blocks` leading blocks of `prompt`, stored by one worker in one event.
 fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
-    KvEvent::Stored {
-        parent_block_hash: None,
-        blocks: prompt
+    KvEvent::stored(
+        None,
+        prompt
             .chunks_exact(BLOCK)
             .take(blocks)
             .enumerate()
@@ -88,10 +88,7 @@ fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
                 token_ids: chunk.into(),
             })
             .collect(),
-        lora_name: None,
-        cache_salt: None,
-        extra_keys: Vec::new(),
-    }
+    )
 }
 
 /// 64 workers; for prompt `j`, workers `j`, `j + 16`, `j + 32`, `j + 48` hold ¼, ½, ¾
@@ -288,16 +285,7 @@ fn event_stream(router: &Router, stop: &AtomicBool) -> Stream {
                 })
                 .collect();
             names.push((k, blocks.iter().map(|b| b.block_hash).collect::<Vec<_>>()));
-            batch.push((
-                k,
-                KvEvent::Stored {
-                    parent_block_hash: None,
-                    blocks,
-                    lora_name: None,
-                    cache_salt: None,
-                    extra_keys: Vec::new(),
-                },
-            ));
+            batch.push((k, KvEvent::stored(None, blocks)));
         }
         kept.push_back(names);
         if kept.len() > KEEP_BATCHES {

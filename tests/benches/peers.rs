@@ -136,13 +136,7 @@ mod kvhint_side {
                             token_ids: tokens.into(),
                         })
                         .collect();
-                    let event = KvEvent::Stored {
-                        parent_block_hash: e.parent,
-                        blocks,
-                        lora_name: None,
-                        cache_salt: None,
-                        extra_keys: Vec::new(),
-                    };
+                    let event = KvEvent::stored(e.parent, blocks);
                     (key(e.worker), event)
                 })
                 .collect()

@@ -54,12 +54,12 @@ pub struct SourceView {
     pub worker: WorkerKey,
     pub origin: Origin,
     pub endpoints: Endpoints,
-    pub stats: Arc<Shared>,
+    shared: Arc<Shared>,
 }
 
 impl SourceView {
     pub fn stats(&self) -> &SourceStats {
-        &self.stats.stats
+        &self.shared.stats
     }
 }
 
@@ -258,7 +258,7 @@ impl EngineEvents {
                 worker: *worker,
                 origin: running.origin,
                 endpoints: running.shared.endpoints.clone(),
-                stats: Arc::clone(&running.shared),
+                shared: Arc::clone(&running.shared),
             })
             .collect()
     }

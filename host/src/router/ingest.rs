@@ -55,7 +55,7 @@ pub struct IngestStats {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the KV-event queue is full ({capacity} events waiting); the event was not applied — retry after a short wait")]
+#[error("the KV-event queue is full ({capacity} entries waiting); the event was not applied — retry after a short wait")]
 pub struct QueueFull {
     pub capacity: usize,
 }
@@ -69,7 +69,8 @@ pub struct Ingest {
 }
 
 impl Ingest {
-    /// Starts the ingestion thread for `router`, with a queue of `capacity` events.
+    /// Starts the ingestion thread for `router`, with a queue of `capacity` entries (an
+    /// API event, or an engine batch).
     pub fn start(router: Arc<Router>, capacity: usize) -> std::io::Result<(Self, JoinHandle<()>)> {
         let (queue, jobs) = crossbeam_channel::bounded(capacity.max(1));
         let stats = Arc::new(IngestStats::default());

@@ -647,18 +647,23 @@ impl Router {
             committed,
         );
         booking.hint = result.hint;
-        if self.any_signed.load(std::sync::atomic::Ordering::Relaxed) {
-            let signed: Vec<&str> = rows()
-                .filter(|(key, _, _)| {
+        // Only where some engine publishes signed hashes, and only for a message that
+        // went out: no allocation on any other booking.
+        if let Hint::Sent { message, .. } = &mut booking.hint {
+            if self.any_signed.load(std::sync::atomic::Ordering::Relaxed) {
+                let signed = |key: WorkerKey| {
                     table
-                        .get(*key)
+                        .get(key)
                         .is_some_and(|e| e.signed_hashes.load(std::sync::atomic::Ordering::Relaxed))
-                })
-                .map(|(_, worker, _)| &*worker.source_control_endpoint)
-                .collect();
-            if !signed.is_empty() {
-                if let Hint::Sent { message, .. } = &mut booking.hint {
-                    if let Some(rewritten) = crate::envelope::signed_fetch_hashes(message, &signed)
+                };
+                if rows().any(|(key, _, _)| signed(key)) {
+                    let from_signed = |endpoint: &str| {
+                        rows().any(|(key, worker, _)| {
+                            &*worker.source_control_endpoint == endpoint && signed(key)
+                        })
+                    };
+                    if let Some(rewritten) =
+                        crate::envelope::signed_fetch_hashes(message, from_signed)
                     {
                         *message = rewritten;
                     }

@@ -66,7 +66,7 @@ pub struct ServeOptions {
     pub booking_threads: Option<usize>,
 }
 
-/// KV events waiting for the ingestion thread at most.
+/// Entries (an API event, or an engine batch) waiting for the ingestion thread at most.
 const INGEST_QUEUE: usize = 65_536;
 /// Bookings waiting for a booking thread at most.
 const BOOKING_QUEUE: usize = 4_096;

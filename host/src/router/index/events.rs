@@ -43,6 +43,20 @@ pub enum KvEvent {
     Cleared,
 }
 
+impl KvEvent {
+    /// A `stored` event with no LoRA adapter, cache salt or extra keys: the plain
+    /// token blocks most callers (the HTTP endpoint's tests, benches) store.
+    pub fn stored(parent_block_hash: Option<u64>, blocks: Vec<StoredBlock>) -> Self {
+        Self::Stored {
+            parent_block_hash,
+            blocks,
+            lora_name: None,
+            cache_salt: None,
+            extra_keys: Vec::new(),
+        }
+    }
+}
+
 /// One block of a [`KvEvent::Stored`]: its engine hash and exactly `block_size` token ids.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -5,7 +5,7 @@
 //! ([`block_hashes`]) and for the blocks a `stored` event reports: an xxh3 of each block's
 //! tokens, chained by a cheap mix with the hash before it.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// Seed of every router block hash. Fixed so that hashes agree across router restarts
 /// and between the router and any tool that recomputes them.
@@ -116,20 +116,20 @@ pub fn identity_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> Optio
     if lora_name.is_none() && cache_salt.is_none() {
         return None;
     }
-    let mut bytes =
-        Vec::with_capacity(32 + lora_name.map_or(0, str::len) + cache_salt.map_or(0, str::len));
-    bytes.extend_from_slice(b"kvhint-identity-v1");
+    // Streamed, so a booking with an identity allocates nothing for it.
+    let mut hasher = Xxh3::with_seed(HASH_SEED);
+    hasher.update(b"kvhint-identity-v1");
     for part in [lora_name, cache_salt] {
         match part {
-            None => bytes.push(0),
+            None => hasher.update(&[0]),
             Some(text) => {
-                bytes.push(1);
-                bytes.extend_from_slice(&(text.len() as u64).to_le_bytes());
-                bytes.extend_from_slice(text.as_bytes());
+                hasher.update(&[1]);
+                hasher.update(&(text.len() as u64).to_le_bytes());
+                hasher.update(text.as_bytes());
             }
         }
     }
-    Some(xxh3_64_with_seed(&bytes, HASH_SEED))
+    Some(hasher.digest())
 }
 
 #[cfg(test)]
@@ -185,6 +185,10 @@ mod tests {
         );
         let seed = identity_seed(Some("a"), None);
         assert_eq!(lora[0], chained_hash(seed, &tokens[..16]));
+        // The documented definition, spelled out in one buffer.
+        let mut bytes = b"kvhint-identity-v1".to_vec();
+        bytes.extend_from_slice(&[1, 1, 0, 0, 0, 0, 0, 0, 0, b'a', 0]);
+        assert_eq!(seed, Some(xxh3_64_with_seed(&bytes, HASH_SEED)));
         assert_ne!(
             chained_hash_with_extra(None, &tokens[..16], 5),
             chained_hash(None, &tokens[..16])

@@ -20,9 +20,9 @@ fn hashes(tokens: &[u32]) -> Vec<u64> {
 /// A `stored` event for `tokens` (whole blocks) with engine hashes `engine`.
 fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
     assert_eq!(tokens.len(), engine.len() * BS);
-    KvEvent::Stored {
-        parent_block_hash: parent,
-        blocks: tokens
+    KvEvent::stored(
+        parent,
+        tokens
             .chunks(BS)
             .zip(engine)
             .map(|(t, &block_hash)| StoredBlock {
@@ -30,10 +30,7 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
                 token_ids: t.into(),
             })
             .collect(),
-        lora_name: None,
-        cache_salt: None,
-        extra_keys: Vec::new(),
-    }
+    )
 }
 
 fn prompt(blocks: usize) -> Vec<u32> {
@@ -413,9 +410,9 @@ fn unknown_parent_is_refused_and_changes_nothing() {
 #[test]
 fn wrong_token_count_is_refused_and_changes_nothing() {
     let mut index = KvIndex::new(BS);
-    let event = KvEvent::Stored {
-        parent_block_hash: None,
-        blocks: vec![
+    let event = KvEvent::stored(
+        None,
+        vec![
             StoredBlock {
                 block_hash: 1,
                 token_ids: vec![1, 2, 3, 4].into(),
@@ -425,10 +422,7 @@ fn wrong_token_count_is_refused_and_changes_nothing() {
                 token_ids: vec![5, 6, 7].into(),
             },
         ],
-        lora_name: None,
-        cache_salt: None,
-        extra_keys: Vec::new(),
-    };
+    );
     let err = index.apply(w(1, 0), &event).unwrap_err();
     assert_eq!(
         err,
@@ -677,26 +671,17 @@ fn wire_forms_round_trip() {
     let forms = [
         (
             r#"{"stored":{"parent_block_hash":7,"blocks":[{"block_hash":11,"token_ids":[1,2,3,4]}]}}"#,
-            KvEvent::Stored {
-                parent_block_hash: Some(7),
-                blocks: vec![StoredBlock {
+            KvEvent::stored(
+                Some(7),
+                vec![StoredBlock {
                     block_hash: 11,
                     token_ids: vec![1, 2, 3, 4].into(),
                 }],
-                lora_name: None,
-                cache_salt: None,
-                extra_keys: Vec::new(),
-            },
+            ),
         ),
         (
             r#"{"stored":{"parent_block_hash":null,"blocks":[]}}"#,
-            KvEvent::Stored {
-                parent_block_hash: None,
-                blocks: vec![],
-                lora_name: None,
-                cache_salt: None,
-                extra_keys: Vec::new(),
-            },
+            KvEvent::stored(None, vec![]),
         ),
         (
             r#"{"removed":{"block_hashes":[11,22,18446744073709551615]}}"#,
