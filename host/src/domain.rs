@@ -204,3 +204,25 @@ impl Worker {
         })
     }
 }
+
+/// What one booking may ask of the router (from `router:`, per snapshot): each
+/// bound keeps a single caller from growing the router's memory without limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BookingLimits {
+    /// `router.max_prompt_tokens`: longer prompts are refused before any work.
+    pub max_prompt_tokens: usize,
+    /// `router.max_request_id_bytes`: an open booking keeps its id.
+    pub max_request_id_bytes: usize,
+    /// `router.max_open_bookings`: bookings held open at once, over all workers.
+    pub max_open_bookings: usize,
+}
+
+impl Default for BookingLimits {
+    fn default() -> Self {
+        Self {
+            max_prompt_tokens: 262_144,
+            max_request_id_bytes: 256,
+            max_open_bookings: 100_000,
+        }
+    }
+}

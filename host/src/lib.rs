@@ -15,6 +15,7 @@ pub mod envelope;
 pub mod event_source;
 pub mod hints;
 pub mod loader;
+pub mod logging;
 pub mod plugin_log;
 pub mod registry;
 pub mod replay;

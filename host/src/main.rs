@@ -50,6 +50,26 @@ enum Command {
         /// `block_in_place` (less hand-off, but a thread per slow booking).
         #[arg(long, value_parser = clap::value_parser!(u16).range(0..=1024))]
         booking_threads: Option<u16>,
+        /// Serve a non-loopback --listen address although the config has no
+        /// `auth` (refused otherwise): anyone who reaches the port can then
+        /// register workers, book and reload.
+        #[arg(long)]
+        allow_unauthenticated: bool,
+        /// Time a client has, from a request's first byte, to send its whole
+        /// head (request line and headers).
+        #[arg(long, default_value_t = 10_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+        header_timeout_ms: u64,
+        /// Time a client has to send a request's whole body.
+        #[arg(long, default_value_t = 30_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+        body_timeout_ms: u64,
+        /// Time a connection may sit idle between requests (and a response may
+        /// wait for the client to read it) before it is closed.
+        #[arg(long, default_value_t = 60_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
+        idle_timeout_ms: u64,
+        /// Connections served at once; more wait to be accepted. Lowered to
+        /// what the open-files limit (`ulimit -n`) allows.
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+        max_connections: u32,
     },
     /// Load the plugins, validate the config, construct every policy, and print
     /// each role's resolved selection and hint policies. Exit 1 with every
@@ -100,14 +120,7 @@ fn default_log_level() -> &'static str {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVHINT_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_log_level())),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    kvhint::logging::init(default_log_level());
     // Plugin authors need the router's plugin-api version to follow the
     // compatibility rule, so `--version` says it.
     let version: &'static str = Box::leak(
@@ -141,6 +154,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             watch_config,
             max_body_bytes,
             booking_threads,
+            allow_unauthenticated,
+            header_timeout_ms,
+            body_timeout_ms,
+            idle_timeout_ms,
+            max_connections,
         } => serve(kvhint::service::ServeOptions {
             config,
             mode: router_mode,
@@ -148,6 +166,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             watch_config,
             max_body_bytes,
             booking_threads: booking_threads.map(usize::from),
+            connections: kvhint::service::listener::ConnectionLimits {
+                header_timeout: std::time::Duration::from_millis(header_timeout_ms),
+                body_timeout: std::time::Duration::from_millis(body_timeout_ms),
+                idle_timeout: std::time::Duration::from_millis(idle_timeout_ms),
+                max_connections: max_connections as usize,
+            },
+            allow_unauthenticated,
         }),
         Command::Check {
             config,

@@ -17,9 +17,11 @@
 //!   one hint policy that declares `Commitments::KV_COPY`.
 
 use crate::catalog;
+use crate::config::auth::Tokens;
 use crate::config::{
     Config, ConfigError, ConfigErrors, HintItem, Location, Role, RoleConfig, RouterMode,
 };
+use crate::domain::BookingLimits;
 use crate::hints::{HintLimits, HintPolicyInstance, HintStage, PolicyStatsRegistry};
 use crate::loader::Loader;
 use crate::registry::{ConstructedPolicy, Registry, RegistryError};
@@ -58,8 +60,8 @@ pub struct RoleRuntime {
     pub on_kv_path: bool,
     pub hints: HintStage,
     pub hints_from: HintsFrom,
-    /// `router.max_prompt_tokens`: longer prompts are refused before any work.
-    pub max_prompt_tokens: usize,
+    /// What one booking may ask (`router.max_prompt_tokens` and the like).
+    pub limits: BookingLimits,
 }
 
 impl RoleRuntime {
@@ -85,7 +87,11 @@ pub struct Snapshot {
     pub config_file: PathBuf,
     pub mode: RouterMode,
     pub block_size: usize,
-    pub max_prompt_tokens: usize,
+    pub limits: BookingLimits,
+    /// `router.booking_ttl` in seconds (0: bookings never expire).
+    pub booking_ttl_s: u64,
+    /// The API's tokens, read from `auth`'s files; `None` without `auth`.
+    pub tokens: Option<Arc<Tokens>>,
     pub roles: Vec<RoleRuntime>,
     pub registry: Registry,
     pub plugins: Vec<PluginSummary>,
@@ -216,6 +222,16 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
             );
         }
     }
+    let tokens = match &config.auth {
+        Some(auth) => match Tokens::load(&config.file, auth) {
+            Ok(tokens) => Some(Arc::new(tokens)),
+            Err(errors) => {
+                builder.errors.extend(errors);
+                None
+            }
+        },
+        None => None,
+    };
     let (registry, plugins) = load_plugins(&mut builder, options.loader);
     let selections = SelectionRegistry::with_builtins();
     let limits = HintLimits {
@@ -232,7 +248,7 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         limits,
         env,
         policy_stats: options.policy_stats,
-        max_prompt_tokens: config.router.max_prompt_tokens,
+        booking_limits: config.router.limits,
     };
     let mut roles = Vec::new();
     for role in &config.worker_selection {
@@ -248,7 +264,9 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         config_file: config.file.clone(),
         mode,
         block_size: config.router.block_size,
-        max_prompt_tokens: config.router.max_prompt_tokens,
+        limits: config.router.limits,
+        booking_ttl_s: config.router.booking_ttl_s,
+        tokens,
         roles,
         registry,
         plugins,
@@ -324,7 +342,7 @@ struct RoleContext<'a> {
     limits: HintLimits,
     env: SelectionEnv,
     policy_stats: Option<&'a PolicyStatsRegistry>,
-    max_prompt_tokens: usize,
+    booking_limits: BookingLimits,
 }
 
 fn build_role(
@@ -339,7 +357,7 @@ fn build_role(
         limits,
         env,
         policy_stats,
-        max_prompt_tokens,
+        booking_limits,
     } = *context;
     let selection_type = &role.selection.type_name;
     let selection =
@@ -436,7 +454,7 @@ fn build_role(
         on_kv_path,
         hints: HintStage::new(instances, limits),
         hints_from,
-        max_prompt_tokens,
+        limits: booking_limits,
     })
 }
 

@@ -7,9 +7,11 @@
 //! checked when a snapshot is built from the config (see `snapshot`), and
 //! reported against the locations kept here.
 
+pub mod auth;
 mod kv_events;
 mod yaml;
 
+pub use auth::AuthConfig;
 pub use kv_events::{ConfiguredSource, KvEventsConfig};
 use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
@@ -198,9 +200,12 @@ pub struct RouterConfig {
     pub quarantine_after_panics: u64,
     /// Seed of the `random` selection policy, for reproducible replays.
     pub seed: u64,
-    /// Longest prompt a booking accepts, in tokens: bounds the memory one
-    /// request can make the KV-index lookup use.
-    pub max_prompt_tokens: usize,
+    /// `max_prompt_tokens`, `max_request_id_bytes`, `max_open_bookings`: what
+    /// one booking may ask of the router.
+    pub limits: crate::domain::BookingLimits,
+    /// Seconds after which a booking never released is released by the router
+    /// (0: never), so a client that crashed cannot hold load for good.
+    pub booking_ttl_s: u64,
 }
 
 impl Default for RouterConfig {
@@ -210,7 +215,8 @@ impl Default for RouterConfig {
             block_size: 16,
             quarantine_after_panics: 3,
             seed: 0,
-            max_prompt_tokens: 262_144,
+            limits: crate::domain::BookingLimits::default(),
+            booking_ttl_s: 600,
         }
     }
 }
@@ -222,6 +228,8 @@ pub struct Config {
     pub plugins: PluginsConfig,
     pub router: RouterConfig,
     pub kv_events: KvEventsConfig,
+    /// `auth:`, if the API asks callers for tokens.
+    pub auth: Option<AuthConfig>,
     pub worker_selection: Vec<RoleConfig>,
 }
 
@@ -282,13 +290,14 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         plugins: PluginsConfig::default(),
         router: RouterConfig::default(),
         kv_events: KvEventsConfig::default(),
+        auth: None,
         worker_selection: Vec::new(),
     };
     if let Some(map) = walker.mapping(&root, "") {
         walker.known_keys(
             map,
             "",
-            &["plugins", "router", "kv_events", "worker_selection"],
+            &["plugins", "router", "kv_events", "auth", "worker_selection"],
         );
         if let Some(node) = map.get_node("plugins") {
             config.plugins = plugins(&mut walker, node, base);
@@ -298,6 +307,9 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         }
         if let Some(node) = map.get_node("kv_events") {
             config.kv_events = kv_events::kv_events(&mut walker, node);
+        }
+        if let Some(node) = map.get_node("auth") {
+            config.auth = auth::auth(&mut walker, node, base);
         }
         match map.get_node("worker_selection") {
             Some(node) => config.worker_selection = worker_selection(&mut walker, node),
@@ -466,6 +478,48 @@ fn plugins(walker: &mut Walker, node: &Node, base: &Path) -> PluginsConfig {
     out
 }
 
+/// A duration in whole seconds: a number (seconds) or a number with a unit
+/// (`90s`, `10m`, `2h`); at most `max` seconds.
+fn duration_s(walker: &mut Walker, node: &Node, path: &str, max: u64) -> Option<u64> {
+    let expected = "a duration: whole seconds (`600`) or a number with a unit (`90s`, `10m`, `2h`); 0 turns it off";
+    let Node::Scalar(scalar) = node else {
+        walker.error(node_location(path, node), format!("expected {expected}"));
+        return None;
+    };
+    let text = scalar.as_str().trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => text.split_at(i),
+        None => (text, "s"),
+    };
+    let scale = match unit.trim() {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => 0,
+    };
+    match digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+    {
+        Some(seconds) if scale > 0 && seconds <= max => Some(seconds),
+        Some(_) if scale > 0 => {
+            walker.error(
+                location(path, scalar.span()),
+                format!("`{text}` is longer than the most this accepts, {max} seconds"),
+            );
+            None
+        }
+        _ => {
+            walker.error(
+                location(path, scalar.span()),
+                format!("expected {expected}, found `{text}`"),
+            );
+            None
+        }
+    }
+}
+
 fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
     let mut out = RouterConfig::default();
     let Some(map) = walker.mapping(node, "router") else {
@@ -480,6 +534,9 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
             "quarantine_after_panics",
             "seed",
             "max_prompt_tokens",
+            "max_request_id_bytes",
+            "max_open_bookings",
+            "booking_ttl",
         ],
     );
     if let Some(node) = map.get_node("mode") {
@@ -508,7 +565,22 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
     }
     if let Some(node) = map.get_node("max_prompt_tokens") {
         if let Some(n) = walker.unsigned(node, "router.max_prompt_tokens", 1, 1 << 24) {
-            out.max_prompt_tokens = n as usize;
+            out.limits.max_prompt_tokens = n as usize;
+        }
+    }
+    if let Some(node) = map.get_node("max_request_id_bytes") {
+        if let Some(n) = walker.unsigned(node, "router.max_request_id_bytes", 1, 1 << 16) {
+            out.limits.max_request_id_bytes = n as usize;
+        }
+    }
+    if let Some(node) = map.get_node("max_open_bookings") {
+        if let Some(n) = walker.unsigned(node, "router.max_open_bookings", 1, 1 << 26) {
+            out.limits.max_open_bookings = n as usize;
+        }
+    }
+    if let Some(node) = map.get_node("booking_ttl") {
+        if let Some(seconds) = duration_s(walker, node, "router.booking_ttl", 365 * 24 * 3600) {
+            out.booking_ttl_s = seconds;
         }
     }
     if let Some(node) = map.get_node("seed") {

@@ -55,7 +55,7 @@ pub enum RouterError {
         /// were lost, which an engine subscription recovers from.
         unknown_parent: bool,
     },
-    #[error("unknown request {0:?}: it was never booked or is already released")]
+    #[error("unknown request {0:?}: it was never booked, is already released, or expired (router.booking_ttl)")]
     UnknownRequest(String),
     #[error("request {0:?} is already booked; release it first or use a new request id")]
     DuplicateRequest(String),
@@ -67,6 +67,10 @@ pub enum RouterError {
     EmptyPrompt,
     #[error("the prompt has {tokens} tokens; this router accepts at most {max} (router.max_prompt_tokens)")]
     PromptTooLong { tokens: usize, max: usize },
+    #[error("the request id is {bytes} bytes; this router accepts at most {max} (router.max_request_id_bytes): use a shorter id, such as a UUID")]
+    RequestIdTooLong { bytes: usize, max: usize },
+    #[error("{open} bookings are open, the most this router holds (router.max_open_bookings): release finished requests, or raise the limit")]
+    TooManyOpenBookings { open: usize },
 }
 
 /// The role `request` asks for in `snapshot`, or why it cannot be booked.
@@ -367,6 +371,17 @@ impl Router {
         self.bookings.len()
     }
 
+    /// Releases the bookings open longer than `ttl` (`router.booking_ttl`); returns
+    /// how many.
+    pub fn expire_bookings(&self, ttl: std::time::Duration) -> usize {
+        self.bookings.expire(ttl)
+    }
+
+    /// Bookings [`Self::expire_bookings`] released since start.
+    pub fn expired_bookings(&self) -> u64 {
+        self.bookings.expired()
+    }
+
     /// Books a request on `role`'s policies (from the snapshot the caller loaded).
     pub fn book(
         &self,
@@ -376,10 +391,17 @@ impl Router {
         if request.token_ids.is_empty() {
             return Err(RouterError::EmptyPrompt);
         }
-        if request.token_ids.len() > role.max_prompt_tokens {
+        let limits = &role.limits;
+        if request.token_ids.len() > limits.max_prompt_tokens {
             return Err(RouterError::PromptTooLong {
                 tokens: request.token_ids.len(),
-                max: role.max_prompt_tokens,
+                max: limits.max_prompt_tokens,
+            });
+        }
+        if request.request_id.len() > limits.max_request_id_bytes {
+            return Err(RouterError::RequestIdTooLong {
+                bytes: request.request_id.len(),
+                max: limits.max_request_id_bytes,
             });
         }
         SCRATCH.with(|scratch| {
@@ -543,12 +565,20 @@ impl Router {
                 worker: booked.worker.key,
                 load,
                 cell: Arc::clone(&booked.load),
+                booked_at: std::time::Instant::now(),
             },
+            role.limits.max_open_bookings,
         );
-        if !reserved {
-            return Err(RouterError::DuplicateRequest(
-                request.request_id.to_string(),
-            ));
+        match reserved {
+            Ok(()) => {}
+            Err(bookings::Refused::Duplicate) => {
+                return Err(RouterError::DuplicateRequest(
+                    request.request_id.to_string(),
+                ))
+            }
+            Err(bookings::Refused::Full { open }) => {
+                return Err(RouterError::TooManyOpenBookings { open })
+            }
         }
         Ok(Plan {
             booked,

@@ -50,6 +50,12 @@ impl From<RouterError> for ApiError {
                 (StatusCode::UNPROCESSABLE_ENTITY, "prompt_too_long")
             }
             RouterError::NoWorkers(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_workers"),
+            RouterError::RequestIdTooLong { .. } => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "request_id_too_long")
+            }
+            RouterError::TooManyOpenBookings { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "too_many_open_bookings")
+            }
         };
         Self::new(status, code, error.to_string())
     }

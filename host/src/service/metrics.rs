@@ -46,6 +46,10 @@ pub struct Metrics {
     /// API errors by error code.
     errors_by_code: RwLock<HashMap<&'static str, AtomicU64>>,
     pub kv_events: AtomicU64,
+    connections_open: AtomicU64,
+    connections_total: AtomicU64,
+    /// Connections closed by a deadline, by phase (`listener::Phase`).
+    connection_timeouts: [AtomicU64; 4],
 }
 
 fn bump<K: std::hash::Hash + Eq + Clone>(map: &RwLock<HashMap<K, AtomicU64>>, key: &K, by: u64) {
@@ -123,6 +127,19 @@ impl Metrics {
         bump(&self.errors_by_code, &code, 1);
     }
 
+    pub fn connection_opened(&self) {
+        self.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.connections_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_timed_out(&self, phase: super::listener::Phase) {
+        self.connection_timeouts[phase as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The Prometheus text exposition of everything the service counts.
     pub fn render(&self, app: &super::App) -> String {
         let mut out = String::new();
@@ -138,6 +155,53 @@ impl Metrics {
                 })
                 .collect()
         };
+        family(
+            out,
+            "kvhint_connections_open",
+            "gauge",
+            "HTTP connections open now (at most --max-connections).",
+            &[(
+                String::new(),
+                self.connections_open.load(Ordering::Relaxed) as f64,
+            )],
+        );
+        family(
+            out,
+            "kvhint_connections_total",
+            "counter",
+            "HTTP connections accepted.",
+            &[(
+                String::new(),
+                self.connections_total.load(Ordering::Relaxed) as f64,
+            )],
+        );
+        let timeouts: Vec<(String, f64)> = super::listener::Phase::NAMES
+            .iter()
+            .zip(&self.connection_timeouts)
+            // The handling phase has no deadline of its own: a body read past
+            // its deadline is the API error `body_timeout`.
+            .filter(|(_, n)| !std::ptr::eq(*n, &self.connection_timeouts[2]))
+            .map(|(phase, n)| {
+                (
+                    format!("{{phase=\"{phase}\"}}"),
+                    n.load(Ordering::Relaxed) as f64,
+                )
+            })
+            .collect();
+        family(
+            out,
+            "kvhint_connection_timeouts_total",
+            "counter",
+            "HTTP connections closed because the peer ran over a deadline, by phase.",
+            &timeouts,
+        );
+        family(
+            out,
+            "kvhint_bookings_expired_total",
+            "counter",
+            "Bookings released by the router after router.booking_ttl without a release.",
+            &[(String::new(), app.router.expired_bookings() as f64)],
+        );
         family(
             out,
             "kvhint_bookings_total",

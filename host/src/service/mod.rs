@@ -6,8 +6,10 @@
 //! Handlers are thin: decode, call the router, encode; every failure maps to
 //! the one error shape in [`error`].
 
+pub mod auth;
 mod body;
 pub mod error;
+pub mod listener;
 pub mod metrics;
 pub mod pool;
 pub mod reload;
@@ -23,8 +25,9 @@ use crate::router::workers::WorkerRegistration;
 use crate::router::{configured_role, Router};
 use crate::snapshot::Snapshot;
 use crate::wire::{BookBody, BookingView, KvEventBody, ReleaseBody};
+use anyhow::Context;
 use arc_swap::ArcSwap;
-use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, State};
+use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -50,9 +53,11 @@ pub struct App {
     pub bookings: pool::BookingPool,
     pub snapshot: ArcSwap<Snapshot>,
     pub reloader: Reloader,
-    pub metrics: metrics::Metrics,
+    pub metrics: Arc<metrics::Metrics>,
     /// Subscriptions to engines' KV-event publishers.
     pub engine_events: Arc<EngineEvents>,
+    /// Where the router listens, for the guards of an unauthenticated router.
+    pub exposure: auth::Exposure,
 }
 
 #[derive(Debug, Clone)]
@@ -64,6 +69,10 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// Booking threads; the machine's parallelism if `None`.
     pub booking_threads: Option<usize>,
+    /// Deadlines and the connection cap.
+    pub connections: listener::ConnectionLimits,
+    /// Serve a non-loopback address without `auth` (warned about).
+    pub allow_unauthenticated: bool,
 }
 
 /// Entries (an API event, or an engine batch) waiting for the ingestion thread at most.
@@ -71,18 +80,33 @@ const INGEST_QUEUE: usize = 65_536;
 /// Bookings waiting for a booking thread at most.
 const BOOKING_QUEUE: usize = 4_096;
 
-/// The API's routes over `app`.
+/// The API's routes over `app`, each group behind the guard of its caller class
+/// (see [`auth`]).
 pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
-    axum::Router::new()
-        .route("/workers", post(register_worker))
+    use crate::config::auth::Caller;
+    let guarded = |routes: axum::Router<Arc<App>>, caller: Option<Caller>| {
+        routes.route_layer(axum::middleware::from_fn_with_state(
+            (Arc::clone(&app), caller),
+            auth::guard,
+        ))
+    };
+    let admin = axum::Router::new()
         .route("/workers/{worker_id}", delete(deregister_worker))
-        .route("/kv_events", post(kv_event))
-        .route("/book", post(book))
-        .route("/release", post(release))
-        .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
         .route("/admin/status", get(status))
-        .route("/admin/reload", post(admin_reload))
+        .route("/admin/reload", post(admin_reload));
+    let worker = axum::Router::new()
+        .route("/workers", post(register_worker))
+        .route("/kv_events", post(kv_event));
+    let client = axum::Router::new()
+        .route("/book", post(book))
+        .route("/release", post(release));
+    let open = axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics));
+    let routes = guarded(admin, Some(Caller::Admin))
+        .merge(guarded(worker, Some(Caller::Worker)))
+        .merge(guarded(client, Some(Caller::Client)))
+        .merge(guarded(open, None))
         .fallback(|| async {
             ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -97,8 +121,8 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
                 "this endpoint does not take that method; see the README's API section",
             )
         })
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .with_state(app)
+        .with_state(app);
+    body::limit_layers(routes, max_body_bytes)
 }
 
 /// Counts the error, then returns it.
@@ -302,6 +326,9 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "reloads": app.reloader.status(),
         "workers": workers,
         "open_bookings": app.router.open_bookings(),
+        "expired_bookings": app.router.expired_bookings(),
+        "booking_ttl_s": snapshot.booking_ttl_s,
+        "auth": snapshot.tokens.is_some(),
         "kv_event_sources": kv_event_sources(&app),
     }))
 }
@@ -446,9 +473,64 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         bookings,
         snapshot: ArcSwap::from_pointee(snapshot),
         reloader,
-        metrics: metrics::Metrics::default(),
+        metrics: Arc::new(metrics::Metrics::default()),
         engine_events,
+        exposure: auth::Exposure {
+            loopback: options.listen.ip().is_loopback(),
+        },
     }))
+}
+
+/// Refuses to expose an unauthenticated router beyond loopback unless asked to.
+fn check_exposure(options: &ServeOptions, app: &App) -> anyhow::Result<()> {
+    if options.listen.ip().is_loopback() {
+        return Ok(());
+    }
+    if app.snapshot.load().tokens.is_some() {
+        // Exposed with tokens: a reload may not take them away.
+        app.reloader.require_auth();
+        return Ok(());
+    }
+    if !options.allow_unauthenticated {
+        anyhow::bail!(
+            "--listen {} is not a loopback address, and the config has no `auth`: anyone who reaches the port could register workers, book and reload. Configure `auth` (see the README's \"Authentication\"), or pass --allow-unauthenticated on a network only trusted callers reach",
+            options.listen
+        );
+    }
+    tracing::warn!(
+        listen = %options.listen,
+        "serving without authentication on a non-loopback address (--allow-unauthenticated): anyone who reaches the port controls this router"
+    );
+    Ok(())
+}
+
+/// Releases bookings older than the current snapshot's `router.booking_ttl`, for
+/// as long as the router runs.
+async fn expire_bookings(app: Arc<App>) {
+    loop {
+        let ttl = std::time::Duration::from_secs(app.snapshot.load().booking_ttl_s);
+        // A quarter of the TTL between sweeps: a booking is released at most 25%
+        // late, and a sweep (one pass over each shard) runs rarely.
+        let period = (ttl / 4).clamp(
+            std::time::Duration::from_millis(250),
+            std::time::Duration::from_secs(60),
+        );
+        tokio::time::sleep(period).await;
+        if ttl.is_zero() {
+            continue;
+        }
+        let router = Arc::clone(&app.router);
+        let expired = tokio::task::spawn_blocking(move || router.expire_bookings(ttl))
+            .await
+            .unwrap_or(0);
+        if expired > 0 {
+            tracing::warn!(
+                expired,
+                ttl_s = ttl.as_secs(),
+                "released bookings that were never released (router.booking_ttl)"
+            );
+        }
+    }
 }
 
 /// Runs the service until SIGINT or SIGTERM. Prints `listening on ADDR` once
@@ -460,6 +542,7 @@ pub async fn serve(
     app: Arc<App>,
     mut hangups: tokio::signal::unix::Signal,
 ) -> anyhow::Result<()> {
+    check_exposure(&options, &app)?;
     let config_file = if options.watch_config {
         options.config.canonicalize().ok()
     } else {
@@ -467,10 +550,19 @@ pub async fn serve(
     };
     let _watches = watch::start(Arc::clone(&app), app.plugins_dir.clone(), config_file)?;
 
-    let listener = tokio::net::TcpListener::bind(options.listen).await?;
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", options.listen))?;
     let address = listener.local_addr()?;
+    let connections = options.connections.capped_by_file_limit();
     println!("listening on {address}");
-    tracing::info!(%address, generation = app.snapshot.load().generation, "kvhint serving");
+    tracing::info!(
+        %address,
+        generation = app.snapshot.load().generation,
+        auth = app.snapshot.load().tokens.is_some(),
+        max_connections = connections.max_connections,
+        "kvhint serving"
+    );
 
     let hup_app = Arc::clone(&app);
     tokio::spawn(async move {
@@ -482,9 +574,15 @@ pub async fn serve(
             .await;
         }
     });
+    let sweeper = tokio::spawn(expire_bookings(Arc::clone(&app)));
 
-    axum::serve(listener, routes(app, options.max_body_bytes))
-        .with_graceful_shutdown(async {
+    let metrics = Arc::clone(&app.metrics);
+    listener::serve(
+        listener,
+        routes(app, options.max_body_bytes),
+        connections,
+        metrics,
+        async {
             use tokio::signal::unix::{signal, SignalKind};
             let mut term = match signal(SignalKind::terminate()) {
                 Ok(term) => term,
@@ -495,7 +593,10 @@ pub async fn serve(
                 _ = term.recv() => {}
             }
             tracing::info!("shutting down");
-        })
-        .await?;
+        },
+        std::time::Duration::from_secs(10),
+    )
+    .await;
+    sweeper.abort();
     Ok(())
 }

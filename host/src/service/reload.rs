@@ -77,6 +77,9 @@ pub struct Reloader {
     /// Run with the new config after each successful reload (the engine
     /// subscriptions follow the config's `kv_events` section).
     pub on_reload: std::sync::OnceLock<ReloadHook>,
+    /// The router listens beyond loopback with `auth`: a config without it is
+    /// refused, so an edit cannot open the router to the network.
+    auth_required: std::sync::atomic::AtomicBool,
 }
 
 impl Reloader {
@@ -91,7 +94,13 @@ impl Reloader {
             running: Mutex::new(()),
             status: Mutex::new(ReloadStatus::default()),
             on_reload: std::sync::OnceLock::new(),
+            auth_required: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// From now on, refuse a config without `auth` (see `auth_required`).
+    pub fn require_auth(&self) {
+        self.auth_required.store(true, Ordering::Relaxed);
     }
 
     pub fn status(&self) -> ReloadStatus {
@@ -104,6 +113,13 @@ impl Reloader {
         fixed: Option<&FixedSettings>,
     ) -> Result<(Snapshot, config::Config), ConfigErrors> {
         let config = config::load(&self.config_path)?;
+        if config.auth.is_none() && self.auth_required.load(Ordering::Relaxed) {
+            return Err(ConfigErrors(vec![config::ConfigError::new(
+                &self.config_path,
+                None,
+                "the config no longer has `auth`, but this router listens on a non-loopback address with it: removing `auth` needs a restart (with --allow-unauthenticated, if that is really meant)",
+            )]));
+        }
         let snapshot = snapshot::build(
             &config,
             &BuildOptions {

@@ -1,0 +1,348 @@
+//! The listener: HTTP/1.1 connections, each bounded in how long its peer may
+//! take, and at most `max_connections` of them at once.
+//!
+//! `axum::serve` keeps a connection for as long as its peer likes: half a header,
+//! a byte every few seconds, or nothing at all after a response, and a few hundred
+//! such peers hold every file descriptor. So connections are served here, with
+//! hyper directly, and each one's socket goes through [`Deadlines`], which knows
+//! which phase the connection is in and closes it when that phase runs over:
+//!
+//! - **idle**: between connecting (or the last response) and the first byte of a
+//!   request — `idle_timeout`;
+//! - **head**: from a request's first byte until its head is complete —
+//!   `header_timeout`, for the whole head, so a drip of bytes does not extend it;
+//! - **handling**: the handler runs; it reads the body under `body_timeout` (see
+//!   `body.rs`), and the phase has no deadline of its own;
+//! - **writing**: a response the peer does not read is given up after
+//!   `idle_timeout` without progress.
+//!
+//! Over the cap, the listener stops accepting: new connections wait in the
+//! kernel's backlog until one closes, which the deadlines make sure happens.
+
+use super::metrics::Metrics;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Sleep;
+
+/// How long a peer may take, and how many peers at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 1024,
+        }
+    }
+}
+
+impl ConnectionLimits {
+    /// File descriptors kept back from connections: the plugins, the cache, the
+    /// watch, engine sockets and log files need some too.
+    const RESERVED_FDS: u64 = 64;
+
+    /// These limits with the cap lowered to what the process's file-descriptor
+    /// limit (`ulimit -n`) allows, and a warning if it had to be.
+    pub fn capped_by_file_limit(self) -> Self {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the struct it is given and nothing else.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+            return self;
+        }
+        let allowed = limit.rlim_cur.saturating_sub(Self::RESERVED_FDS).max(1);
+        if (self.max_connections as u64) <= allowed {
+            return self;
+        }
+        tracing::warn!(
+            max_connections = self.max_connections,
+            open_files_limit = limit.rlim_cur,
+            now = allowed,
+            "--max-connections is more than the open-files limit allows; lowered (raise `ulimit -n` for more)"
+        );
+        Self {
+            max_connections: allowed as usize,
+            ..self
+        }
+    }
+}
+
+/// The deadline a handler's body read is under (a request extension).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyDeadline(pub Duration);
+
+/// Why a connection was closed by its deadline, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Idle = 0,
+    Head = 1,
+    Handling = 2,
+    Writing = 3,
+}
+
+impl Phase {
+    pub const NAMES: [&'static str; 4] = ["idle", "header", "body", "write"];
+}
+
+/// A connection's phase, shared by its socket wrapper and its service.
+struct Clock {
+    start: Instant,
+    phase: AtomicU8,
+    /// When the phase began, in ns since `start`.
+    since_ns: AtomicU64,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            phase: AtomicU8::new(Phase::Idle as u8),
+            since_ns: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn enter(&self, phase: Phase) {
+        self.since_ns.store(self.now_ns(), Ordering::Relaxed);
+        self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    fn phase(&self) -> u8 {
+        self.phase.load(Ordering::Acquire)
+    }
+
+    fn since(&self) -> Instant {
+        self.start + Duration::from_nanos(self.since_ns.load(Ordering::Relaxed))
+    }
+}
+
+/// A socket whose reads and writes fail with `TimedOut` once its connection's
+/// phase has run over (see the module docs).
+struct Deadlines {
+    inner: TcpStream,
+    clock: Arc<Clock>,
+    limits: ConnectionLimits,
+    sleep: Pin<Box<Sleep>>,
+    /// When writes stopped making progress, if they have.
+    write_stalled: Option<Instant>,
+    metrics: Arc<Metrics>,
+    timed_out: bool,
+}
+
+impl Deadlines {
+    /// Pending, or `TimedOut` if `deadline` has passed; arms the timer to wake
+    /// this task at `deadline` otherwise.
+    fn wait_until(
+        &mut self,
+        cx: &mut Context<'_>,
+        deadline: Instant,
+        phase: Phase,
+    ) -> Poll<io::Result<()>> {
+        if Instant::now() >= deadline {
+            return self.time_out(phase);
+        }
+        let deadline = tokio::time::Instant::from_std(deadline);
+        if self.sleep.deadline() != deadline {
+            self.sleep.as_mut().reset(deadline);
+        }
+        match self.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => self.time_out(phase),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn time_out(&mut self, phase: Phase) -> Poll<io::Result<()>> {
+        if !self.timed_out {
+            self.timed_out = true;
+            self.metrics.connection_timed_out(phase);
+        }
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the peer took too long ({} phase)",
+                Phase::NAMES[phase as usize]
+            ),
+        )))
+    }
+}
+
+impl AsyncRead for Deadlines {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before && this.clock.phase() == Phase::Idle as u8 {
+                    this.clock.enter(Phase::Head);
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => {
+                let since = this.clock.since();
+                let (deadline, phase) = match this.clock.phase() {
+                    p if p == Phase::Idle as u8 => (since + this.limits.idle_timeout, Phase::Idle),
+                    p if p == Phase::Head as u8 => {
+                        (since + this.limits.header_timeout, Phase::Head)
+                    }
+                    // The handler bounds its own body read.
+                    _ => return Poll::Pending,
+                };
+                this.wait_until(cx, deadline, phase)
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Deadlines {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_write(cx, data) {
+            Poll::Pending => {
+                let stalled = *this.write_stalled.get_or_insert_with(Instant::now);
+                match this.wait_until(cx, stalled + this.limits.idle_timeout, Phase::Writing) {
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    _ => Poll::Pending,
+                }
+            }
+            ready => {
+                this.write_stalled = None;
+                ready
+            }
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then lets open
+/// connections finish their requests (for up to `drain`).
+pub async fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    limits: ConnectionLimits,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()>,
+    drain: Duration,
+) {
+    use hyper_util::rt::TokioIo;
+    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut accept_errors_logged = Instant::now() - Duration::from_secs(60);
+    loop {
+        let permit = tokio::select! {
+            permit = Arc::clone(&permits).acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, most likely: wait for some to free
+                    // rather than spin, and say so at most every few seconds.
+                    if accept_errors_logged.elapsed() > Duration::from_secs(5) {
+                        tracing::warn!(error = %e, "cannot accept a connection; retrying");
+                        accept_errors_logged = Instant::now();
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let clock = Arc::new(Clock::new());
+        let io = Deadlines {
+            inner: stream,
+            clock: Arc::clone(&clock),
+            limits,
+            sleep: Box::pin(tokio::time::sleep(limits.idle_timeout)),
+            write_stalled: None,
+            metrics: Arc::clone(&metrics),
+            timed_out: false,
+        };
+        let router = router.clone();
+        let service = hyper::service::service_fn(move |mut request: hyper::Request<_>| {
+            clock.enter(Phase::Handling);
+            request
+                .extensions_mut()
+                .insert(BodyDeadline(limits.body_timeout));
+            let response = tower_oneshot(router.clone(), request);
+            let clock = Arc::clone(&clock);
+            async move {
+                let response = response.await;
+                clock.enter(Phase::Idle);
+                response
+            }
+        });
+        let connection = hyper::server::conn::http1::Builder::new()
+            .keep_alive(true)
+            .serve_connection(TokioIo::new(io), service);
+        let connection = graceful.watch(connection);
+        let metrics = Arc::clone(&metrics);
+        metrics.connection_opened();
+        tokio::spawn(async move {
+            // A connection's errors (a reset, a timeout, a malformed head) are the
+            // peer's; hyper has answered what it could.
+            let _ = connection.await;
+            metrics.connection_closed();
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(drain) => {
+            tracing::warn!(?drain, "connections still open at shutdown were cut");
+        }
+    }
+}
+
+/// Calls axum's router as a tower service, once.
+fn tower_oneshot(
+    router: axum::Router,
+    request: hyper::Request<hyper::body::Incoming>,
+) -> impl Future<Output = Result<axum::response::Response, std::convert::Infallible>> {
+    use tower_service::Service;
+    let mut router = router;
+    let request = request.map(axum::body::Body::new);
+    router.call(request)
+}
