@@ -100,10 +100,10 @@ fn readme_curl_session_runs_as_documented() {
     let block_start = session.find("```console\n").unwrap() + "```console\n".len();
     let block = &session[block_start..session[block_start..].find("```").unwrap() + block_start];
 
-    // The README's session starts the router on the example config at
+    // The README's session starts the router on the example service config at
     // 127.0.0.1:8080; here it gets a free port instead.
     let root = kvhint_e2e::examples_copy();
-    let server = Server::start(&root.path().join("examples/kvhint.yaml"), &[], root.path());
+    let server = Server::start(&root.path().join("examples/serve.yaml"), &[], root.path());
     let mut steps: Vec<(String, Vec<String>)> = Vec::new();
     for line in block.lines() {
         if let Some(command) = line.strip_prefix("$ ") {
@@ -123,9 +123,15 @@ fn readme_curl_session_runs_as_documented() {
     );
     for (command, expected) in curls {
         let command = command.replace("127.0.0.1:8080", server.address());
+        // The shell the README's preamble left: the tokens in ADMIN, WORKER, CLIENT.
         let output = Command::new("sh")
             .arg("-c")
             .arg(&command)
+            .envs(
+                kvhint_e2e::EXAMPLE_TOKENS
+                    .iter()
+                    .map(|(who, token)| (who.to_uppercase(), *token)),
+            )
             .current_dir(root.path())
             .output()
             .unwrap();

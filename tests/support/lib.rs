@@ -85,16 +85,32 @@ fn build_artifacts(release: bool) -> PathBuf {
     e2e_target_dir().join(if release { "release" } else { "debug" })
 }
 
+/// The tokens [`examples_copy`] writes into `examples/tokens/`, by caller class.
+pub const EXAMPLE_TOKENS: [(&str, &str); 3] = [
+    ("admin", "0b7f4e2a9c1d8e3f5a6b7c8d9e0f1a2b"),
+    ("worker", "5d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a"),
+    ("client", "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d"),
+];
+
 /// A copy of `examples/` laid out as in the repository, with the example
 /// plugin where the example config expects a `cargo build` to leave it
 /// (`../target/debug/libharness_prefetch.so`), so the example files are used
-/// verbatim.
+/// verbatim, and the token files `examples/serve.yaml` reads.
 pub fn examples_copy() -> TempDir {
     let root = private_dir();
     copy_tree(
         &workspace_root().join("examples"),
         &root.path().join("examples"),
     );
+    // The README's step before serving `examples/serve.yaml`: a private token
+    // file per caller class.
+    let tokens = root.path().join("examples/tokens");
+    std::fs::create_dir_all(&tokens).unwrap();
+    for (who, token) in EXAMPLE_TOKENS {
+        let file = tokens.join(format!("{who}.token"));
+        std::fs::write(&file, format!("{token}\n")).unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let debug = root.path().join("target/debug");
     std::fs::create_dir_all(&debug).unwrap();
     std::fs::copy(

@@ -11,7 +11,7 @@
 //! digest to digest in constant time, so neither a token's bytes nor its length
 //! can be learnt from how long a refusal takes.
 
-use super::yaml::{location, Walker};
+use super::yaml::{location, node_location, Walker};
 use super::{ConfigError, Location};
 use marked_yaml::Node;
 use sha2::{Digest, Sha256};
@@ -112,7 +112,7 @@ pub(super) fn auth(walker: &mut Walker, node: &Node, base: &Path) -> Option<Auth
         }),
         None => {
             walker.error(
-                location("auth", map.span()),
+                node_location("auth", node),
                 "`auth` needs `admin_token_file`: the token that may reload, read status and deregister workers (it is also taken wherever a worker or client token is)",
             );
             None
@@ -213,7 +213,13 @@ fn read_token_file(path: &Path) -> Result<Vec<(usize, String)>, String> {
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
-        .map_err(|e| format!("cannot read the token file: {e}"))?;
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => format!(
+                "there is no such token file; make one with `(umask 077; openssl rand -hex 32 > {})`",
+                path.display()
+            ),
+            _ => format!("cannot read the token file: {e}"),
+        })?;
     let meta = file
         .metadata()
         .map_err(|e| format!("cannot read the token file: {e}"))?;

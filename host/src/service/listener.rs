@@ -107,6 +107,10 @@ struct Clock {
     phase: AtomicU8,
     /// When the phase began, in ns since `start`.
     since_ns: AtomicU64,
+    /// The connection task, if a read found nothing while a handler ran: hyper
+    /// will not read again until woken, and the idle deadline must be armed
+    /// once the handler is done.
+    reader: parking_lot::Mutex<Option<std::task::Waker>>,
 }
 
 impl Clock {
@@ -115,6 +119,7 @@ impl Clock {
             start: Instant::now(),
             phase: AtomicU8::new(Phase::Idle as u8),
             since_ns: AtomicU64::new(0),
+            reader: parking_lot::Mutex::new(None),
         }
     }
 
@@ -125,6 +130,14 @@ impl Clock {
     fn enter(&self, phase: Phase) {
         self.since_ns.store(self.now_ns(), Ordering::Relaxed);
         self.phase.store(phase as u8, Ordering::Release);
+    }
+
+    /// The handler is done: the connection is idle until its next request.
+    fn handled(&self) {
+        self.enter(Phase::Idle);
+        if let Some(reader) = self.reader.lock().take() {
+            reader.wake();
+        }
     }
 
     fn phase(&self) -> u8 {
@@ -209,8 +222,12 @@ impl AsyncRead for Deadlines {
                     p if p == Phase::Head as u8 => {
                         (since + this.limits.header_timeout, Phase::Head)
                     }
-                    // The handler bounds its own body read.
-                    _ => return Poll::Pending,
+                    // The handler bounds its own body read; once it is done,
+                    // `handled` wakes this read to arm the idle deadline.
+                    _ => {
+                        *this.clock.reader.lock() = Some(cx.waker().clone());
+                        return Poll::Pending;
+                    }
                 };
                 this.wait_until(cx, deadline, phase)
             }
@@ -309,7 +326,7 @@ pub async fn serve(
             let clock = Arc::clone(&clock);
             async move {
                 let response = response.await;
-                clock.enter(Phase::Idle);
+                clock.handled();
                 response
             }
         });

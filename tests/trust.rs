@@ -1,0 +1,841 @@
+//! The trust boundary of `kvhint serve`, attacked as the issue's attacker did:
+//! callers without tokens, pages of other sites, rebound host names, slow and
+//! idle connections, oversized ids and bodies, bookings never released, and
+//! request ids that try to forge log lines. Each test runs the real binary on
+//! 127.0.0.1 and bounds every wait.
+
+use kvhint_e2e::{kvhint_bin, private_dir, Server, TempDir};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ADMIN: &str = "admin-7d1f0c2b9a8e4f6d5c3b";
+const WORKER: &str = "worker-3e5a7c9b1d2f4e6a8c0b";
+const CLIENT: &str = "client-9b8a7c6d5e4f3a2b1c0d";
+
+const ROLES: &str = "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n";
+
+/// A private directory with `config.yaml` (`yaml` + a decode role), and the
+/// three token files when `auth` is wanted.
+fn setup(yaml: &str, auth: bool) -> (TempDir, PathBuf) {
+    let dir = private_dir();
+    let mut text = String::from(yaml);
+    if auth {
+        for (name, token) in [("admin", ADMIN), ("worker", WORKER), ("client", CLIENT)] {
+            write_token(&dir.path().join(format!("{name}.token")), token);
+        }
+        text.push_str("auth:\n  admin_token_file: admin.token\n  worker_token_file: worker.token\n  client_token_file: client.token\n");
+    }
+    text.push_str(ROLES);
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, text).unwrap();
+    (dir, config)
+}
+
+fn write_token(path: &Path, text: &str) {
+    std::fs::write(path, format!("{text}\n")).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// One request with optional bearer token and extra headers: (status, body,
+/// `WWW-Authenticate`).
+fn call(
+    server: &Server,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> (u16, Value, Option<String>) {
+    let url = format!("{}{path}", server.base);
+    let mut request = ureq::http::Request::builder().method(method).uri(&url);
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let mut response = match body {
+        Some(body) => server
+            .agent
+            .run(
+                request
+                    .header("content-type", "application/json")
+                    .body(body.to_string())
+                    .unwrap(),
+            )
+            .unwrap(),
+        None => server.agent.run(request.body(()).unwrap()).unwrap(),
+    };
+    let status = response.status().as_u16();
+    let challenge = response
+        .headers()
+        .get("www-authenticate")
+        .map(|v| v.to_str().unwrap_or("").to_string());
+    let text = response.body_mut().read_to_string().unwrap_or_default();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        challenge,
+    )
+}
+
+fn worker_body(id: u64) -> Value {
+    json!({"worker_id": id, "role": "decode", "runtime_data": {}})
+}
+
+fn book_body(id: &str) -> Value {
+    json!({"request_id": id, "role": "decode", "token_ids": [1, 2, 3, 4]})
+}
+
+fn metric(server: &Server, line_start: &str) -> f64 {
+    let (_, text) = server.get("/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {line_start} in\n{text}"))
+}
+
+fn status_with(server: &Server, token: &str) -> Value {
+    call(server, "GET", "/admin/status", Some(token), &[], None).1
+}
+
+#[test]
+fn without_a_token_no_caller_can_register_book_deregister_or_reload() {
+    let (dir, config) = setup("", true);
+    let server = Server::start(&config, &[], dir.path());
+    let attempts: [(&str, &str, Option<Value>); 6] = [
+        ("POST", "/workers", Some(worker_body(66))),
+        (
+            "POST",
+            "/kv_events",
+            Some(json!({"worker_id": 66, "event": "cleared"})),
+        ),
+        ("POST", "/book", Some(book_body("r"))),
+        ("POST", "/release", Some(json!({"request_id": "r"}))),
+        ("DELETE", "/workers/1", None),
+        ("POST", "/admin/reload", None),
+    ];
+    for (method, path, body) in &attempts {
+        for token in [None, Some("not-a-token-of-this-router")] {
+            let (status, body, challenge) = call(&server, method, path, token, &[], body.as_ref());
+            assert_eq!(status, 401, "{method} {path} with {token:?}: {body}");
+            assert_eq!(body["error"], "unauthorized", "{body}");
+            assert!(
+                body["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("Authorization: Bearer"),
+                "{body}"
+            );
+            assert_eq!(challenge.as_deref(), Some("Bearer realm=\"kvhint\""));
+        }
+    }
+    // Nothing changed: no worker, no reload, no booking.
+    let status = status_with(&server, ADMIN);
+    assert_eq!(status["workers"], json!([]), "{status}");
+    assert_eq!(status["generation"], 1, "{status}");
+    assert_eq!(status["reloads"]["ok"], 0, "{status}");
+    assert_eq!(status["auth"], true, "{status}");
+    // Health and metrics stay open, for probes and scrapers.
+    assert_eq!(server.get("/healthz").0, 200);
+    assert!(metric(&server, "kvhint_api_errors_total{error=\"unauthorized\"}") >= 12.0);
+}
+
+#[test]
+fn each_caller_class_is_admitted_where_it_belongs_and_the_admin_everywhere() {
+    let (dir, config) = setup("", true);
+    let server = Server::start(&config, &[], dir.path());
+    // A client token cannot register a rogue worker or act as an admin.
+    for (method, path, body) in [
+        ("POST", "/workers", Some(worker_body(66))),
+        ("DELETE", "/workers/1", None),
+        ("POST", "/admin/reload", None),
+        ("GET", "/admin/status", None),
+    ] {
+        let (status, body, _) = call(&server, method, path, Some(CLIENT), &[], body.as_ref());
+        assert_eq!(status, 401, "client token on {method} {path}: {body}");
+    }
+    // A worker token cannot book, deregister or reload.
+    for (method, path, body) in [
+        ("POST", "/book", Some(book_body("w"))),
+        ("DELETE", "/workers/1", None),
+        ("POST", "/admin/reload", None),
+    ] {
+        let (status, body, _) = call(&server, method, path, Some(WORKER), &[], body.as_ref());
+        assert_eq!(status, 401, "worker token on {method} {path}: {body}");
+    }
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/workers",
+        Some(WORKER),
+        &[],
+        Some(&worker_body(1)),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/book",
+        Some(CLIENT),
+        &[],
+        Some(&book_body("c1")),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/release",
+        Some(CLIENT),
+        &[],
+        Some(&json!({"request_id": "c1"})),
+    );
+    assert_eq!(status, 200, "{body}");
+    // The scheme is case-insensitive, as RFC 9110 says.
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/book",
+        None,
+        &[("authorization", &format!("bearer {CLIENT}"))],
+        Some(&book_body("c2")),
+    );
+    assert_eq!(status, 200, "{body}");
+    // The admin token works everywhere.
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/workers",
+        Some(ADMIN),
+        &[],
+        Some(&worker_body(2)),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
+    assert_eq!(status, 200, "{body}");
+    let (status, body, _) = call(&server, "DELETE", "/workers/2", Some(ADMIN), &[], None);
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
+fn token_files_are_read_again_on_reload_and_tokens_never_reach_the_log() {
+    let (dir, config) = setup("", true);
+    let server = Server::start(&config, &[], dir.path());
+    let (status, _, _) = call(
+        &server,
+        "POST",
+        "/workers",
+        Some(WORKER),
+        &[],
+        Some(&worker_body(1)),
+    );
+    assert_eq!(status, 201);
+    // Rotate the client token: the new one in, the old one out, then reload.
+    let rotated = "client-rotated-5f4e3d2c1b0a9";
+    write_token(&dir.path().join("client.token"), rotated);
+    let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
+    assert_eq!(status, 200, "{body}");
+    let (status, _, _) = call(
+        &server,
+        "POST",
+        "/book",
+        Some(CLIENT),
+        &[],
+        Some(&book_body("old")),
+    );
+    assert_eq!(
+        status, 401,
+        "the old client token is refused after the reload"
+    );
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/book",
+        Some(rotated),
+        &[],
+        Some(&book_body("new")),
+    );
+    assert_eq!(status, 200, "{body}");
+    // A token file made readable by others fails the reload, and the tokens
+    // in force stay in force.
+    std::fs::set_permissions(
+        dir.path().join("client.token"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
+    assert_eq!(status, 422, "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("client.token") && detail.contains("chmod 600"),
+        "{detail}"
+    );
+    assert!(detail.contains("auth.client_token_file"), "{detail}");
+    let (status, _, _) = call(
+        &server,
+        "POST",
+        "/book",
+        Some(rotated),
+        &[],
+        Some(&book_body("still")),
+    );
+    assert_eq!(status, 200);
+    let log = server.log();
+    for token in [ADMIN, WORKER, CLIENT, rotated] {
+        assert!(!log.contains(token), "a token reached the log:\n{log}");
+        assert!(!detail.contains(token));
+    }
+    // And there is no way to pass one on the command line, where `ps` shows it.
+    let help = Command::new(kvhint_bin())
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).to_lowercase();
+    assert!(
+        !help.contains("--token") && !help.contains("--admin-token"),
+        "{help}"
+    );
+}
+
+/// Starts `kvhint serve` with `args`, returning its exit status and output if it
+/// exits within a few seconds, or `None` (and the child) if it is serving.
+fn start_raw(
+    config: &Path,
+    args: &[&str],
+) -> (
+    Option<std::process::ExitStatus>,
+    String,
+    std::process::Child,
+) {
+    let mut child = Command::new(kvhint_bin())
+        .arg("serve")
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let _ = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    if line.starts_with("listening on ") {
+        return (None, line, child);
+    }
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    (Some(status), err, child)
+}
+
+#[test]
+fn a_non_loopback_listen_without_auth_refuses_to_start_unless_allowed_and_then_warns() {
+    let (_dir, config) = setup("", false);
+    let (status, err, _) = start_raw(&config, &["--listen", "0.0.0.0:0"]);
+    let status = status.expect("serve must not start");
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("0.0.0.0:0")
+            && err.contains("auth")
+            && err.contains("--allow-unauthenticated"),
+        "{err}"
+    );
+
+    let (status, line, mut child) = start_raw(
+        &config,
+        &["--listen", "0.0.0.0:0", "--allow-unauthenticated"],
+    );
+    assert!(status.is_none(), "serve started: {line}");
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    assert!(err.contains("serving without authentication"), "{err}");
+
+    // With auth, a non-loopback address needs no flag.
+    let (dir, config) = setup("", true);
+    let (status, line, mut child) = start_raw(&config, &["--listen", "0.0.0.0:0"]);
+    assert!(status.is_none(), "serve started with auth: {line}");
+    // And a reload may not take auth away while exposed.
+    let address = line
+        .trim()
+        .trim_start_matches("listening on ")
+        .replace("0.0.0.0", "127.0.0.1");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let without_auth: String = text
+        .lines()
+        .filter(|l| !l.starts_with("auth:") && !l.contains("_token_file"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&config, without_auth).unwrap();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .new_agent();
+    let mut response = agent
+        .post(&format!("http://{address}/admin/reload"))
+        .header("authorization", format!("Bearer {ADMIN}"))
+        .send_empty()
+        .unwrap();
+    let body = response.body_mut().read_to_string().unwrap();
+    assert_eq!(response.status().as_u16(), 422, "{body}");
+    assert!(body.contains("no longer has `auth`"), "{body}");
+    let _ = child.kill();
+    let _ = child.wait();
+    drop(dir);
+}
+
+#[test]
+fn without_auth_a_rebound_host_name_is_refused() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, &[], dir.path());
+    let port = server.address().rsplit(':').next().unwrap().to_string();
+    let rebound = format!("attacker.example:{port}");
+    let (status, body, _) = call(
+        &server,
+        "GET",
+        "/admin/status",
+        None,
+        &[("host", &rebound)],
+        None,
+    );
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(body["error"], "forbidden_host", "{body}");
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/workers",
+        None,
+        &[("host", &rebound)],
+        Some(&worker_body(66)),
+    );
+    assert_eq!(status, 403, "{body}");
+    // Loopback names are fine.
+    for host in [format!("localhost:{port}"), format!("127.0.0.1:{port}")] {
+        let (status, body, _) = call(&server, "GET", "/healthz", None, &[("host", &host)], None);
+        assert_eq!(status, 200, "{host}: {body}");
+    }
+    assert_eq!(server.status()["workers"], json!([]));
+}
+
+#[test]
+fn without_auth_a_cross_site_form_post_is_refused() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, &[], dir.path());
+    // What a page on another site submits: a simple form post, no preflight.
+    let mut response = server
+        .agent
+        .post(&format!("{}/workers", server.base))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("origin", "https://attacker.example")
+        .send(worker_body(66).to_string())
+        .unwrap();
+    let body = response.body_mut().read_to_string().unwrap();
+    assert_eq!(response.status().as_u16(), 403, "{body}");
+    assert!(body.contains("cross_origin_refused"), "{body}");
+    let (status, body, _) = call(
+        &server,
+        "POST",
+        "/admin/reload",
+        None,
+        &[("origin", "null")],
+        None,
+    );
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(server.status()["workers"], json!([]));
+    assert_eq!(server.status()["reloads"]["ok"], 0);
+    // The same post from the operator's shell (no Origin) works.
+    let (status, body) = server.post_raw(
+        "/workers",
+        "application/x-www-form-urlencoded",
+        &worker_body(1).to_string(),
+    );
+    assert_eq!(status, 201, "{body}");
+}
+
+/// Reads until the server closes the connection (or `limit` passes); returns
+/// what it sent and whether it closed.
+fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> (String, bool) {
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), true),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), false)
+}
+
+const FAST: &[&str] = &[
+    "--header-timeout-ms",
+    "400",
+    "--body-timeout-ms",
+    "400",
+    "--idle-timeout-ms",
+    "600",
+];
+
+#[test]
+fn a_half_sent_header_is_closed_after_the_header_timeout() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, FAST, dir.path());
+    let mut stream = TcpStream::connect(server.address()).unwrap();
+    stream
+        .write_all(b"POST /book HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
+        .unwrap();
+    let (_, closed) = read_until_closed(&mut stream, Duration::from_secs(15));
+    assert!(closed, "a half-sent head is not kept forever");
+    assert!(
+        metric(
+            &server,
+            "kvhint_connection_timeouts_total{phase=\"header\"}"
+        ) >= 1.0
+    );
+}
+
+#[test]
+fn a_header_dripped_a_byte_at_a_time_is_closed_before_it_completes() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, FAST, dir.path());
+    let mut stream = TcpStream::connect(server.address()).unwrap();
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: {}\r\n\r\n",
+        "a".repeat(200)
+    );
+    let mut sent = 0;
+    let mut closed = false;
+    // A byte every 50 ms keeps every read busy, but the head as a whole has 400 ms.
+    for byte in head.as_bytes() {
+        if stream.write_all(std::slice::from_ref(byte)).is_err() {
+            closed = true;
+            break;
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if !closed {
+        closed = read_until_closed(&mut stream, Duration::from_secs(2)).1;
+    }
+    assert!(
+        closed && sent < head.len(),
+        "closed after {sent} of {} bytes",
+        head.len()
+    );
+}
+
+#[test]
+fn a_half_sent_body_gets_408_after_the_body_timeout() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, FAST, dir.path());
+    let mut stream = TcpStream::connect(server.address()).unwrap();
+    stream
+        .write_all(b"POST /book HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"request_id\"")
+        .unwrap();
+    let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(15));
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_timeout"), "{answer}");
+}
+
+#[test]
+fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, FAST, dir.path());
+    let mut stream = TcpStream::connect(server.address()).unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .unwrap();
+    let (answer, closed) = read_until_closed(&mut stream, Duration::from_secs(15));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(closed, "an idle keep-alive connection is closed");
+    assert!(metric(&server, "kvhint_connection_timeouts_total{phase=\"idle\"}") >= 1.0);
+}
+
+#[test]
+fn slow_connections_beyond_the_file_limit_do_not_lock_new_clients_out() {
+    // The attack: 256 file descriptors, 300 connections that each send half a
+    // head. Before, every new client was locked out for good.
+    let (dir, config) = setup("", false);
+    let log = dir.path().join("serve.log");
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 256 && exec \"$0\" \"$@\"")
+        .arg(kvhint_bin())
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .args(FAST)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let address = line.trim().trim_start_matches("listening on ").to_string();
+    assert!(
+        !address.is_empty(),
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let mut slow = Vec::new();
+    for _ in 0..300 {
+        if let Ok(mut stream) = TcpStream::connect(&address) {
+            let _ = stream.write_all(b"POST /book HTTP/1.1\r\nHost: 127.0.0.1\r\n");
+            slow.push(stream);
+        }
+    }
+    // A new client is served once the deadlines have cleared the slow ones.
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .build()
+        .new_agent();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut served = false;
+    while Instant::now() < deadline && !served {
+        served = agent
+            .get(&format!("http://{address}/healthz"))
+            .call()
+            .is_ok_and(|r| r.status().as_u16() == 200);
+    }
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(served, "a new client was locked out\n{log_text}");
+    assert!(
+        log_text.contains("lowered"),
+        "the cap was lowered to the file limit:\n{log_text}"
+    );
+}
+
+#[test]
+fn json_media_types_are_parsed_not_prefix_matched() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, &[], dir.path());
+    let (status, body) =
+        server.post_raw("/workers", "APPLICATION/JSON", &worker_body(1).to_string());
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = server.post_raw(
+        "/workers",
+        "application/json; charset=UTF-8",
+        &worker_body(2).to_string(),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = server.post_raw(
+        "/workers",
+        "application/jsonfoo",
+        &worker_body(3).to_string(),
+    );
+    assert_eq!(status, 415, "{body}");
+    assert_eq!(body["error"], "unsupported_media_type");
+    assert_eq!(server.status()["workers"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn expect_100_continue_with_an_oversized_body_gets_413_at_once() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, &["--max-body-bytes", "1024"], dir.path());
+    let mut stream = TcpStream::connect(server.address()).unwrap();
+    stream
+        .write_all(b"POST /book HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1073741824\r\nExpect: 100-continue\r\n\r\n")
+        .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut first = [0u8; 12];
+    stream.read_exact(&mut first).unwrap();
+    assert_eq!(
+        &first,
+        b"HTTP/1.1 413",
+        "{}",
+        String::from_utf8_lossy(&first)
+    );
+}
+
+#[test]
+fn a_request_id_over_the_cap_is_refused_before_it_is_kept() {
+    let (dir, config) = setup("router: {max_request_id_bytes: 64}\n", false);
+    let server = Server::start(&config, &[], dir.path());
+    assert_eq!(server.post("/workers", &worker_body(1)).0, 201);
+    let (status, body) = server.post("/book", &book_body(&"x".repeat(65)));
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"], "request_id_too_long", "{body}");
+    assert!(body["detail"]
+        .as_str()
+        .unwrap()
+        .contains("router.max_request_id_bytes"));
+    assert_eq!(server.status()["open_bookings"], 0);
+    let (status, body) = server.post("/book", &book_body(&"x".repeat(64)));
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
+fn open_bookings_are_capped_and_a_release_makes_room() {
+    let (dir, config) = setup("router: {max_open_bookings: 3}\n", false);
+    let server = Server::start(&config, &[], dir.path());
+    assert_eq!(server.post("/workers", &worker_body(1)).0, 201);
+    for i in 0..3 {
+        assert_eq!(server.post("/book", &book_body(&format!("r{i}"))).0, 200);
+    }
+    let (status, body) = server.post("/book", &book_body("r3"));
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"], "too_many_open_bookings", "{body}");
+    assert_eq!(server.status()["open_bookings"], 3);
+    assert_eq!(server.post("/release", &json!({"request_id": "r0"})).0, 200);
+    assert_eq!(server.post("/book", &book_body("r3")).0, 200);
+}
+
+#[test]
+fn bookings_never_released_expire_after_the_ttl_and_give_their_load_back() {
+    let (dir, config) = setup("router: {booking_ttl: 1s}\n", false);
+    let server = Server::start(&config, &[], dir.path());
+    assert_eq!(server.post("/workers", &worker_body(1)).0, 201);
+    assert_eq!(server.post("/book", &book_body("crashed-client")).0, 200);
+    let status = server.status();
+    assert_eq!(status["booking_ttl_s"], 1, "{status}");
+    assert_eq!(
+        status["workers"][0]["load"]["active_requests"], 1,
+        "{status}"
+    );
+    server.wait_for("the booking to expire", |s| {
+        s.status()["open_bookings"] == 0
+    });
+    let status = server.status();
+    assert_eq!(status["expired_bookings"], 1, "{status}");
+    assert_eq!(
+        status["workers"][0]["load"]["active_requests"], 0,
+        "{status}"
+    );
+    assert_eq!(status["workers"][0]["load"]["active_blocks"], 0, "{status}");
+    assert_eq!(metric(&server, "kvhint_bookings_expired_total"), 1.0);
+    let (status, body) = server.post("/release", &json!({"request_id": "crashed-client"}));
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("router.booking_ttl"),
+        "{body}"
+    );
+    assert!(server.log().contains("router.booking_ttl"));
+}
+
+#[test]
+fn a_request_id_with_a_newline_cannot_forge_a_log_line() {
+    let fixture = kvhint_e2e::config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\n  cache_dir: ./cache\nrouter: {block_size: 4}\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: logs}]\n",
+    );
+    let forged = "2026-12-01T00:00:00.000000Z ERROR kvhint: reload failed; FORGED";
+    let records = [
+        kvhint_e2e::trace::worker(1, 0, "decode", true, "decode"),
+        kvhint_e2e::trace::request(
+            &format!("req\n{forged}\r\u{1b}[2K"),
+            "decode",
+            &kvhint_e2e::trace::tokens(1, 8),
+        ),
+    ];
+    let trace_path = fixture.dir.path().join("trace.jsonl");
+    let text: String = records.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(&trace_path, text).unwrap();
+    let output = Command::new(kvhint_bin())
+        .args(["replay", "--config"])
+        .arg(&fixture.path)
+        .arg("--trace")
+        .arg(&trace_path)
+        .env("KVHINT_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("fixture log line"),
+        "the plugin logged:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("req\\n2026-12-01"),
+        "the newline is escaped:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains('\u{1b}') || !stderr.contains("\u{1b}[2K"),
+        "no terminal escape passes:\n{stderr:?}"
+    );
+    for line in stderr.lines() {
+        assert!(
+            !line.starts_with("2026-12-01T00:00:00.000000Z"),
+            "a forged line:\n{stderr}"
+        );
+    }
+}
+
+fn check(config: &Path) -> (bool, String) {
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--config"])
+        .arg(config)
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn auth_and_limit_mistakes_are_located_and_check_reads_the_token_files() {
+    let (dir, config) = setup("", true);
+    let file = config.display().to_string();
+    assert!(check(&config).0, "{}", check(&config).1);
+    // An unsafe token file fails `check` as it would fail `serve`, at its key.
+    std::fs::set_permissions(
+        dir.path().join("worker.token"),
+        std::fs::Permissions::from_mode(0o640),
+    )
+    .unwrap();
+    let (ok, err) = check(&config);
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("{file}:3:22: auth.worker_token_file: ")),
+        "{err}"
+    );
+    assert!(
+        err.contains("worker.token: may be read by other users (mode 0640); run `chmod 600"),
+        "{err}"
+    );
+    std::fs::remove_file(dir.path().join("worker.token")).unwrap();
+    let (_, err) = check(&config);
+    assert!(
+        err.contains(
+            "there is no such token file; make one with `(umask 077; openssl rand -hex 32 >"
+        ),
+        "{err}"
+    );
+
+    let cases = [
+        ("auth:\n  worker_token_file: w.token\n", "2:3: auth: `auth` needs `admin_token_file`"),
+        ("auth:\n  admin_token_fil: a.token\n", "auth.admin_token_fil: unknown key `admin_token_fil` (did you mean `admin_token_file`?)"),
+        ("router:\n  booking_ttl: 10d\n", "2:16: router.booking_ttl: expected a duration: whole seconds (`600`) or a number with a unit (`90s`, `10m`, `2h`); 0 turns it off, found `10d`"),
+        ("router:\n  booking_ttl: 9000h\n", "router.booking_ttl: `9000h` is longer than the most this accepts"),
+        ("router:\n  max_request_id_bytes: 0\n", "router.max_request_id_bytes: expected a whole number from 1 to 65536, found `0`"),
+        ("router:\n  max_open_bookings: lots\n", "router.max_open_bookings: expected a whole number from 1 to 67108864, found `lots`"),
+    ];
+    for (yaml, expected) in cases {
+        let (dir, config) = setup(yaml, false);
+        let (ok, err) = check(&config);
+        assert!(!ok, "{yaml}");
+        assert!(err.contains(expected), "{yaml}\n{err}");
+        drop(dir);
+    }
+}
