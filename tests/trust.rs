@@ -150,76 +150,92 @@ fn without_a_token_no_caller_can_register_book_deregister_or_reload() {
 fn each_caller_class_is_admitted_where_it_belongs_and_the_admin_everywhere() {
     let (dir, config) = setup("", true);
     let server = Server::start(&config, &[], dir.path());
-    // A client token cannot register a rogue worker or act as an admin.
-    for (method, path, body) in [
-        ("POST", "/workers", Some(worker_body(66))),
-        ("DELETE", "/workers/1", None),
-        ("POST", "/admin/reload", None),
-        ("GET", "/admin/status", None),
-    ] {
-        let (status, body, _) = call(&server, method, path, Some(CLIENT), &[], body.as_ref());
-        assert_eq!(status, 401, "client token on {method} {path}: {body}");
+    let bearer_lower = format!("bearer {CLIENT}");
+    // In order: refusals first (nothing they try may change anything), then
+    // each class where it belongs, then the admin everywhere.
+    let steps: Vec<(
+        &str,
+        &str,
+        Option<&str>,
+        Vec<(&str, &str)>,
+        Option<Value>,
+        u16,
+    )> = vec![
+        // A client token cannot register a rogue worker or act as an admin.
+        (
+            "POST",
+            "/workers",
+            Some(CLIENT),
+            vec![],
+            Some(worker_body(66)),
+            401,
+        ),
+        ("DELETE", "/workers/1", Some(CLIENT), vec![], None, 401),
+        ("POST", "/admin/reload", Some(CLIENT), vec![], None, 401),
+        ("GET", "/admin/status", Some(CLIENT), vec![], None, 401),
+        // A worker token cannot book, deregister or reload.
+        (
+            "POST",
+            "/book",
+            Some(WORKER),
+            vec![],
+            Some(book_body("w")),
+            401,
+        ),
+        ("DELETE", "/workers/1", Some(WORKER), vec![], None, 401),
+        ("POST", "/admin/reload", Some(WORKER), vec![], None, 401),
+        (
+            "POST",
+            "/workers",
+            Some(WORKER),
+            vec![],
+            Some(worker_body(1)),
+            201,
+        ),
+        (
+            "POST",
+            "/book",
+            Some(CLIENT),
+            vec![],
+            Some(book_body("c1")),
+            200,
+        ),
+        (
+            "POST",
+            "/release",
+            Some(CLIENT),
+            vec![],
+            Some(json!({"request_id": "c1"})),
+            200,
+        ),
+        // The scheme is case-insensitive, as RFC 9110 says.
+        (
+            "POST",
+            "/book",
+            None,
+            vec![("authorization", bearer_lower.as_str())],
+            Some(book_body("c2")),
+            200,
+        ),
+        // The admin token works everywhere.
+        (
+            "POST",
+            "/workers",
+            Some(ADMIN),
+            vec![],
+            Some(worker_body(2)),
+            201,
+        ),
+        ("POST", "/admin/reload", Some(ADMIN), vec![], None, 200),
+        ("DELETE", "/workers/2", Some(ADMIN), vec![], None, 200),
+    ];
+    for (method, path, token, headers, body, expected) in &steps {
+        let (status, answer, _) = call(&server, method, path, *token, headers, body.as_ref());
+        assert_eq!(
+            status, *expected,
+            "{method} {path} with {token:?}: {answer}"
+        );
     }
-    // A worker token cannot book, deregister or reload.
-    for (method, path, body) in [
-        ("POST", "/book", Some(book_body("w"))),
-        ("DELETE", "/workers/1", None),
-        ("POST", "/admin/reload", None),
-    ] {
-        let (status, body, _) = call(&server, method, path, Some(WORKER), &[], body.as_ref());
-        assert_eq!(status, 401, "worker token on {method} {path}: {body}");
-    }
-    let (status, body, _) = call(
-        &server,
-        "POST",
-        "/workers",
-        Some(WORKER),
-        &[],
-        Some(&worker_body(1)),
-    );
-    assert_eq!(status, 201, "{body}");
-    let (status, body, _) = call(
-        &server,
-        "POST",
-        "/book",
-        Some(CLIENT),
-        &[],
-        Some(&book_body("c1")),
-    );
-    assert_eq!(status, 200, "{body}");
-    let (status, body, _) = call(
-        &server,
-        "POST",
-        "/release",
-        Some(CLIENT),
-        &[],
-        Some(&json!({"request_id": "c1"})),
-    );
-    assert_eq!(status, 200, "{body}");
-    // The scheme is case-insensitive, as RFC 9110 says.
-    let (status, body, _) = call(
-        &server,
-        "POST",
-        "/book",
-        None,
-        &[("authorization", &format!("bearer {CLIENT}"))],
-        Some(&book_body("c2")),
-    );
-    assert_eq!(status, 200, "{body}");
-    // The admin token works everywhere.
-    let (status, body, _) = call(
-        &server,
-        "POST",
-        "/workers",
-        Some(ADMIN),
-        &[],
-        Some(&worker_body(2)),
-    );
-    assert_eq!(status, 201, "{body}");
-    let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
-    assert_eq!(status, 200, "{body}");
-    let (status, body, _) = call(&server, "DELETE", "/workers/2", Some(ADMIN), &[], None);
-    assert_eq!(status, 200, "{body}");
 }
 
 #[test]
@@ -570,56 +586,34 @@ fn slow_connections_beyond_the_file_limit_do_not_lock_new_clients_out() {
     // The attack: 256 file descriptors, 300 connections that each send half a
     // head. Before, every new client was locked out for good.
     let (dir, config) = setup("", false);
-    let log = dir.path().join("serve.log");
-    let mut child = Command::new("sh")
+    let mut shell = Command::new("sh");
+    shell
         .arg("-c")
         .arg("ulimit -n 256 && exec \"$0\" \"$@\"")
-        .arg(kvhint_bin())
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&config)
-        .args(FAST)
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let address = line.trim().trim_start_matches("listening on ").to_string();
-    assert!(
-        !address.is_empty(),
-        "{}",
-        std::fs::read_to_string(&log).unwrap_or_default()
-    );
+        .arg(kvhint_bin());
+    let server = Server::start_command(shell, &config, FAST, dir.path());
     let mut slow = Vec::new();
     for _ in 0..300 {
-        if let Ok(mut stream) = TcpStream::connect(&address) {
+        if let Ok(mut stream) = TcpStream::connect(server.address()) {
             let _ = stream.write_all(b"POST /book HTTP/1.1\r\nHost: 127.0.0.1\r\n");
             slow.push(stream);
         }
     }
     // A new client is served once the deadlines have cleared the slow ones.
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .new_agent();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut served = false;
     while Instant::now() < deadline && !served {
-        served = agent
-            .get(&format!("http://{address}/healthz"))
+        served = server
+            .agent
+            .get(format!("{}/healthz", server.base))
             .call()
             .is_ok_and(|r| r.status().as_u16() == 200);
     }
-    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
-    let _ = child.kill();
-    let _ = child.wait();
-    assert!(served, "a new client was locked out\n{log_text}");
+    assert!(served, "a new client was locked out\n{}", server.log());
     assert!(
-        log_text.contains("lowered"),
-        "the cap was lowered to the file limit:\n{log_text}"
+        server.log().contains("lowered"),
+        "the cap was lowered to the file limit:\n{}",
+        server.log()
     );
 }
 

@@ -555,8 +555,19 @@ pub struct Server {
 
 impl Server {
     pub fn start(config: &Path, extra: &[&str], log_dir: &Path) -> Server {
+        Self::start_command(Command::new(kvhint_bin()), config, extra, log_dir)
+    }
+
+    /// Like [`Self::start`], with `command` as the program that runs `kvhint`
+    /// (a shell that sets a limit first, say), given `serve …` as arguments.
+    pub fn start_command(
+        mut command: Command,
+        config: &Path,
+        extra: &[&str],
+        log_dir: &Path,
+    ) -> Server {
         let log = log_dir.join("serve.log");
-        let mut child = Command::new(kvhint_bin())
+        let mut child = command
             .args(["serve", "--listen", "127.0.0.1:0", "--config"])
             .arg(config)
             .args(extra)
