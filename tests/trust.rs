@@ -146,6 +146,16 @@ fn without_a_token_no_caller_can_register_book_deregister_or_reload() {
     assert!(metric(&server, "kvhint_api_errors_total{error=\"unauthorized\"}") >= 12.0);
 }
 
+/// A request and the status it must get: method, path, token, extra headers, body.
+type Step<'a> = (
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    Vec<(&'a str, &'a str)>,
+    Option<Value>,
+    u16,
+);
+
 #[test]
 fn each_caller_class_is_admitted_where_it_belongs_and_the_admin_everywhere() {
     let (dir, config) = setup("", true);
@@ -153,14 +163,7 @@ fn each_caller_class_is_admitted_where_it_belongs_and_the_admin_everywhere() {
     let bearer_lower = format!("bearer {CLIENT}");
     // In order: refusals first (nothing they try may change anything), then
     // each class where it belongs, then the admin everywhere.
-    let steps: Vec<(
-        &str,
-        &str,
-        Option<&str>,
-        Vec<(&str, &str)>,
-        Option<Value>,
-        u16,
-    )> = vec![
+    let steps: Vec<Step> = vec![
         // A client token cannot register a rogue worker or act as an admin.
         (
             "POST",
