@@ -36,6 +36,7 @@
 //! | `LOADGEN_SECONDS` | 5 | measured seconds per mode in section 1 (after a 1 s warm-up) |
 //! | `LOADGEN_TRIALS` | 10 | hot-add trials (section 2) |
 //! | `LOADGEN_RELOADS` | 100 | `POST /admin/reload` calls under load (section 3) |
+//! | `LOADGEN_KVHINT` | (the artefacts' `kvhint`) | the `kvhint` binary to serve, e.g. an earlier build for a before/after |
 //! | `LOADGEN_BOOKING_THREADS` | (the server's default) | `kvhint serve --booking-threads` (0: bookings under `block_in_place` on the HTTP runtime) |
 //!
 //! **Quick mode**: run without `--bench` (as `cargo test --benches` does), it
@@ -335,8 +336,13 @@ impl Site {
     }
 
     fn start(&self, artefacts: &Path, watch_config: bool) -> Result<Server, String> {
+        // `LOADGEN_KVHINT` serves another build (an earlier commit's, say) with
+        // the same artefacts, workload and client, for a before/after.
+        let binary = std::env::var_os("LOADGEN_KVHINT")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| artefacts.join("kvhint"));
         Server::start(
-            &artefacts.join("kvhint"),
+            &binary,
             &self.config(),
             watch_config,
             self.logs.path().join("serve.log"),
