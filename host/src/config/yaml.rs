@@ -235,6 +235,55 @@ pub(crate) fn to_json(node: &Node) -> serde_json::Value {
     }
 }
 
+/// The text without a leading UTF-8 byte-order mark. Editors on Windows write
+/// one, and yaml-rust would read it as part of the first key (an "unknown key
+/// `\u{feff}worker_selection`"). Lines and columns are counted after it, as
+/// editors show them.
+pub(crate) fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
+}
+
+/// What follows the first YAML document, if anything does: a second document
+/// (after `---`, or after `...`), or text the parser cannot read. marked-yaml
+/// reads the first document only and would silently ignore the rest, so a
+/// `block_size: 0` after a `---` would pass `check` unseen.
+pub(crate) enum Trailing {
+    /// A second document starts at this line and column (1-based).
+    Document(usize, usize),
+    /// The text after the first document is not YAML.
+    Invalid(usize, usize, String),
+}
+
+/// Looks past the first document. Call it once the first document has parsed.
+pub(crate) fn trailing(text: &str) -> Option<Trailing> {
+    use yaml_rust2::parser::{Event, MarkedEventReceiver, Parser};
+    use yaml_rust2::scanner::Marker;
+    #[derive(Default)]
+    struct Documents {
+        starts: Vec<Marker>,
+    }
+    impl MarkedEventReceiver for Documents {
+        fn on_event(&mut self, event: Event, mark: Marker) {
+            if event == Event::DocumentStart {
+                self.starts.push(mark);
+            }
+        }
+    }
+    let mut documents = Documents::default();
+    let result = Parser::new_from_str(text).load(&mut documents, true);
+    if let Some(second) = documents.starts.get(1) {
+        return Some(Trailing::Document(second.line(), second.col() + 1));
+    }
+    match result {
+        Ok(()) => None,
+        Err(e) => Some(Trailing::Invalid(
+            e.marker().line(),
+            e.marker().col() + 1,
+            e.info().to_string(),
+        )),
+    }
+}
+
 /// Rust parses `inf` and `NaN` as floats; YAML does not.
 fn looks_numeric(text: &str) -> bool {
     text.bytes()

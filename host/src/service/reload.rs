@@ -32,6 +32,32 @@ pub enum Trigger {
     Admin,
 }
 
+impl Trigger {
+    /// The name `/admin/status` shows, and the log uses (`trigger=sighup`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Startup => "startup",
+            Trigger::PluginsWatch => "plugins_watch",
+            Trigger::ConfigWatch => "config_watch",
+            Trigger::Sighup => "sighup",
+            Trigger::Admin => "admin",
+        }
+    }
+}
+
+impl std::fmt::Display for Trigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How long a reload waits for the one before it to finish. Reading the config
+/// never blocks (it must be a regular file, opened with `O_NONBLOCK`), so a
+/// reload takes as long as its plugin checks and loads; one that waited longer
+/// than this for another fails, logged and counted, instead of queueing behind
+/// it for ever.
+pub const RELOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[derive(Debug, Clone, Serialize)]
 pub struct ReloadFailure {
     pub trigger: Trigger,
@@ -143,7 +169,17 @@ impl Reloader {
         current: &ArcSwap<Snapshot>,
         trigger: Trigger,
     ) -> Result<u64, ConfigErrors> {
-        let _running = self.running.lock();
+        let Some(_running) = self.running.try_lock_for(RELOAD_WAIT) else {
+            let errors = ConfigErrors(vec![config::ConfigError::new(
+                &self.config_path,
+                None,
+                format!(
+                    "this reload was not run: the one before it has been running for over {} s; the previous snapshot keeps serving; see the log for what that reload is loading, and reload again once it ends",
+                    RELOAD_WAIT.as_secs()
+                ),
+            )]);
+            return Err(self.failed(trigger, errors));
+        };
         let fixed = self.fixed();
         match self.build(fixed.as_ref()) {
             Ok((snapshot, config)) => {
@@ -160,22 +196,26 @@ impl Reloader {
                 status.last_ok_trigger = Some(trigger);
                 status.last_error = None;
                 status.kv_source_errors = kv_source_errors;
-                tracing::info!(generation, ?trigger, "reloaded");
+                tracing::info!(generation, %trigger, "reloaded");
                 Ok(generation)
             }
-            Err(errors) => {
-                for error in &errors.0 {
-                    tracing::error!(?trigger, %error, "reload failed; the previous snapshot keeps serving");
-                }
-                let mut status = self.status.lock();
-                status.failed += 1;
-                status.last_error = Some(ReloadFailure {
-                    trigger,
-                    at_unix_ms: now_ms(),
-                    errors: errors.0.iter().map(|e| e.to_string()).collect(),
-                });
-                Err(errors)
-            }
+            Err(errors) => Err(self.failed(trigger, errors)),
         }
+    }
+
+    /// Logs, counts and keeps a failed reload's errors (in file order).
+    fn failed(&self, trigger: Trigger, mut errors: ConfigErrors) -> ConfigErrors {
+        errors.sort_in_file_order();
+        for error in &errors.0 {
+            tracing::error!(%trigger, %error, "reload failed; the previous snapshot keeps serving");
+        }
+        let mut status = self.status.lock();
+        status.failed += 1;
+        status.last_error = Some(ReloadFailure {
+            trigger,
+            at_unix_ms: now_ms(),
+            errors: errors.0.iter().map(|e| e.to_string()).collect(),
+        });
+        errors
     }
 }
