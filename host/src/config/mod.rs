@@ -350,7 +350,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
     let text = yaml::strip_bom(text);
     let root = match marked_yaml::parse_yaml_with_options(0, text, options) {
         Ok(root) => root,
-        Err(e) => return (None, vec![yaml_error(file, &e)]),
+        Err(e) => return (None, vec![yaml_error(file, text, &e)]),
     };
     let mut walker = Walker::new(file);
     // marked-yaml reads only the first document: anything after it is refused,
@@ -400,11 +400,16 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         }
     }
     let mut errors = ConfigErrors(walker.errors);
+    for at in errors.0.iter_mut().filter_map(|e| e.at.as_mut()) {
+        if at.line > 0 {
+            (at.line, at.column) = yaml::within_text(text, at.line, at.column);
+        }
+    }
     errors.sort_in_file_order();
     (Some(config), errors.0)
 }
 
-fn yaml_error(file: &Path, error: &marked_yaml::LoadError) -> ConfigError {
+fn yaml_error(file: &Path, text: &str, error: &marked_yaml::LoadError) -> ConfigError {
     use marked_yaml::LoadError as E;
     let (marker, message) = match error {
         E::TopLevelMustBeMapping(m) => (Some(*m), "the file must be a YAML mapping".to_string()),
@@ -421,15 +426,32 @@ fn yaml_error(file: &Path, error: &marked_yaml::LoadError) -> ConfigError {
                 format!("duplicate key `{}`{previous}", inner.key.as_str()),
             )
         }
-        E::ScanError(m, e) => (Some(*m), format!("invalid YAML: {e}")),
-        other => (None, format!("invalid YAML: {other}")),
+        // The position is the message's prefix; yaml-rust's own rendering of it
+        // would repeat it (and count past the end of the text).
+        E::ScanError(m, e) => (Some(*m), format!("invalid YAML: {}", e.info())),
+        E::TopLevelMustBeSequence(m) => (Some(*m), "the file must be a YAML mapping".to_string()),
+        E::UnexpectedAnchor(m) => (
+            Some(*m),
+            "YAML anchors and aliases (`&name`, `*name`) are not supported in a config; write the value out in full".to_string(),
+        ),
+        E::UnexpectedTag(m) => (
+            Some(*m),
+            "YAML tags (`!name`, `!!type`) are not supported in a config; remove the tag (quote a value to make it a string)".to_string(),
+        ),
+        E::MappingKeyMustBeScalar(m) => (
+            Some(*m),
+            "a mapping key must be a plain value, not a list or mapping; write the key as text".to_string(),
+        ),
     };
     ConfigError::new(
         file,
-        marker.map(|m| Location {
-            path: String::new(),
-            line: m.line(),
-            column: m.column(),
+        marker.map(|m| {
+            let (line, column) = yaml::within_text(text, m.line(), m.column());
+            Location {
+                path: String::new(),
+                line,
+                column,
+            }
         }),
         message,
     )

@@ -243,6 +243,20 @@ pub(crate) fn strip_bom(text: &str) -> &str {
     text.strip_prefix('\u{feff}').unwrap_or(text)
 }
 
+/// A parser position clamped to the text. At the end of a text without a final
+/// line break the scanner reports the start of a line that does not exist; an
+/// editor shows that place as the end of the last line.
+pub(crate) fn within_text(text: &str, line: usize, column: usize) -> (usize, usize) {
+    // YAML breaks lines at `\n`, `\r\n` and a lone `\r`.
+    let normalized = text.replace("\r\n", "\n").replace('\r', "\n");
+    let lines = normalized.matches('\n').count() + 1;
+    if line <= lines {
+        return (line, column.max(1));
+    }
+    let last = normalized.rsplit('\n').next().unwrap_or_default();
+    (lines, last.chars().count() + 1)
+}
+
 /// What follows the first YAML document, if anything does: a second document
 /// (after `---`, or after `...`), or text the parser cannot read. marked-yaml
 /// reads the first document only and would silently ignore the rest, so a
@@ -272,15 +286,15 @@ pub(crate) fn trailing(text: &str) -> Option<Trailing> {
     let mut documents = Documents::default();
     let result = Parser::new_from_str(text).load(&mut documents, true);
     if let Some(second) = documents.starts.get(1) {
-        return Some(Trailing::Document(second.line(), second.col() + 1));
+        let (line, column) = within_text(text, second.line(), second.col() + 1);
+        return Some(Trailing::Document(line, column));
     }
     match result {
         Ok(()) => None,
-        Err(e) => Some(Trailing::Invalid(
-            e.marker().line(),
-            e.marker().col() + 1,
-            e.info().to_string(),
-        )),
+        Err(e) => {
+            let (line, column) = within_text(text, e.marker().line(), e.marker().col() + 1);
+            Some(Trailing::Invalid(line, column, e.info().to_string()))
+        }
     }
 }
 
