@@ -40,7 +40,7 @@ fn runner() -> TestRunner {
 fn mutated(seed: String, tokens: &'static [&'static str]) -> impl Strategy<Value = String> {
     let chars: Vec<char> = seed.chars().collect();
     let n = chars.len().max(1);
-    proptest::collection::vec((0..4u8, 0..n, 0..n, 0..tokens.len(), any::<char>()), 0..8).prop_map(
+    proptest::collection::vec((0..4u8, 0..n, 0..n, 0..tokens.len(), any::<char>()), 0..5).prop_map(
         move |edits| {
             let mut text = chars.clone();
             for (kind, a, b, token, ch) in edits {
@@ -274,6 +274,8 @@ fn api_seeds() -> Vec<(&'static str, String)> {
 
 struct Api {
     app: Arc<kvhint::service::App>,
+    /// Answers by status, to show the cases reached the handlers.
+    statuses: std::cell::RefCell<std::collections::BTreeMap<u16, u64>>,
     runtime: tokio::runtime::Runtime,
     _dir: TempDir,
 }
@@ -303,6 +305,7 @@ impl Api {
             .unwrap();
         let api = Api {
             app,
+            statuses: Default::default(),
             runtime,
             _dir: dir,
         };
@@ -336,6 +339,7 @@ impl Api {
                     .expect("the API answers within 30 s")
                     .expect("infallible");
             let status = response.status().as_u16();
+            *self.statuses.borrow_mut().entry(status).or_default() += 1;
             let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
                 .await
                 .expect("a body under 1 MiB");
@@ -430,6 +434,37 @@ fn fuzz_the_api_request_bodies_through_the_handlers() {
             .prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
     });
+    // Documented bodies with one field (at the top or one level down) replaced
+    // by an arbitrary value, or removed: valid JSON, mostly wrong types.
+    let field_seeds = api_seeds();
+    let replaced_fields = (
+        0..field_seeds.len(),
+        any::<prop::sample::Index>(),
+        any::<prop::sample::Index>(),
+        proptest::option::of(values.clone()),
+    )
+        .prop_map(move |(i, outer, inner, value)| {
+            let (endpoint, seed) = &field_seeds[i];
+            let mut body: Value = serde_json::from_str(seed).expect("a JSON seed");
+            let mut target = &mut body;
+            for pick in [outer, inner] {
+                let Some(map) = target.as_object_mut() else {
+                    break;
+                };
+                let keys: Vec<String> = map.keys().cloned().collect();
+                let key = keys[pick.index(keys.len())].clone();
+                if map[&key].is_object() && pick.index(2) == 0 {
+                    target = map.get_mut(&key).expect("the key just listed");
+                    continue;
+                }
+                match value {
+                    Some(value) => map.insert(key, value),
+                    None => map.remove(&key),
+                };
+                break;
+            }
+            (*endpoint, body.to_string().into_bytes())
+        });
     let random_bodies = (
         proptest::sample::select(endpoints),
         prop_oneof![
@@ -437,7 +472,7 @@ fn fuzz_the_api_request_bodies_through_the_handlers() {
             values.prop_map(|v| v.to_string().into_bytes()),
         ],
     );
-    let strategy = prop_oneof![mutated_bodies, random_bodies];
+    let strategy = prop_oneof![2 => mutated_bodies, 2 => replaced_fields, 1 => random_bodies];
     runner()
         .run(&strategy, |(endpoint, body)| {
             api_case(&api, "POST", endpoint, body)
@@ -455,6 +490,14 @@ fn fuzz_the_api_request_bodies_through_the_handlers() {
             )
         })
         .unwrap_or_else(|e| panic!("{e}"));
+    // The cases reached the handlers: some were accepted, some refused.
+    let statuses = api.statuses.borrow().clone();
+    eprintln!("answers by status: {statuses:?}");
+    assert!(
+        statuses.keys().any(|s| (200..300).contains(s))
+            && statuses.keys().any(|s| (400..500).contains(s) && *s != 400),
+        "{statuses:?}"
+    );
     // The service still books afterwards.
     let (status, answer) = api.call(
         "POST",

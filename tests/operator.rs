@@ -464,12 +464,19 @@ fn options(subcommand: &[&str]) -> Vec<(String, String)> {
         let is_flag =
             trimmed.starts_with("--") || trimmed.starts_with("-h, ") || trimmed.starts_with("-V, ");
         if is_flag && line.len() - trimmed.len() <= 6 {
-            let flag = trimmed
-                .split_whitespace()
-                .find(|w| w.starts_with("--"))
-                .unwrap_or(trimmed)
-                .to_string();
-            options.push((flag, String::new()));
+            // `  -h, --help  Print help` or `      --config <FILE>  Text`: the
+            // text may follow on the same line (short layout) or below.
+            let words: Vec<&str> = trimmed.split_whitespace().collect();
+            let at = words.iter().position(|w| w.starts_with("--")).unwrap_or(0);
+            let mut rest = at + 1;
+            if words.get(rest).is_some_and(|w| w.starts_with('<')) {
+                rest += 1;
+            }
+            let mut description = words[rest.min(words.len())..].join(" ");
+            if !description.is_empty() {
+                description.push('\n');
+            }
+            options.push((words[at].to_string(), description));
         } else if let Some((_, description)) = options.last_mut() {
             description.push_str(trimmed);
             description.push('\n');
@@ -480,6 +487,12 @@ fn options(subcommand: &[&str]) -> Vec<(String, String)> {
 
 #[test]
 fn every_flag_has_help_text_and_values() {
+    let top = options(&[]);
+    assert_eq!(
+        top.iter().map(|(f, _)| f.as_str()).collect::<Vec<_>>(),
+        ["--help", "--version"]
+    );
+    assert!(top.iter().all(|(_, d)| !d.trim().is_empty()), "{top:?}");
     for subcommand in ["serve", "check", "replay", "plugins"] {
         let options = options(&[subcommand]);
         assert!(options.len() >= 2, "{subcommand}: {options:?}");
@@ -488,7 +501,7 @@ fn every_flag_has_help_text_and_values() {
                 !description.trim().is_empty(),
                 "`kvhint {subcommand} --help`: {flag} has no text"
             );
-            if flag == "--help" {
+            if flag == "--help" || flag == "--version" {
                 continue;
             }
             assert!(
