@@ -261,6 +261,7 @@ pub(crate) fn within_text(text: &str, line: usize, column: usize) -> (usize, usi
 /// (after `---`, or after `...`), or text the parser cannot read. marked-yaml
 /// reads the first document only and would silently ignore the rest, so a
 /// `block_size: 0` after a `---` would pass `check` unseen.
+#[derive(Debug)]
 pub(crate) enum Trailing {
     /// A second document starts at this line and column (1-based).
     Document(usize, usize),
@@ -320,6 +321,34 @@ mod tests {
             to_json(&node),
             serde_json::json!({"a": 1, "b": "1", "c": true, "d": 1.5, "e": null, "f": "inf", "g": ["x", 2]})
         );
+    }
+
+    #[test]
+    fn a_bom_is_stripped_and_only_a_leading_one() {
+        assert_eq!(strip_bom("\u{feff}a: 1"), "a: 1");
+        assert_eq!(strip_bom("a: \u{feff}"), "a: \u{feff}");
+    }
+
+    #[test]
+    fn what_follows_the_first_document_is_found() {
+        assert!(trailing("a: 1\n").is_none());
+        assert!(trailing("---\na: 1\n...\n").is_none());
+        let found = trailing("a: 1\n---\nb: 2\n");
+        assert!(matches!(found, Some(Trailing::Document(2, 1))), "{found:?}");
+        let found = trailing("a: 1\n...\nb: 2\n");
+        assert!(matches!(found, Some(Trailing::Document(3, _))), "{found:?}");
+        assert!(matches!(
+            trailing("a: 1\n...\n[x\n"),
+            Some(Trailing::Document(3, _) | Trailing::Invalid(3 | 4, _, _))
+        ));
+    }
+
+    #[test]
+    fn positions_past_the_end_are_clamped_to_the_last_line() {
+        assert_eq!(within_text("a: 1\nb: [", 3, 1), (2, 5));
+        assert_eq!(within_text("a: 1\n", 2, 1), (2, 1));
+        assert_eq!(within_text("a\rb", 2, 2), (2, 2));
+        assert_eq!(within_text("a\rb", 3, 1), (2, 2));
     }
 
     #[test]

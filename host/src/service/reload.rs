@@ -219,3 +219,24 @@ impl Reloader {
         errors
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Trigger;
+
+    #[test]
+    fn the_log_and_the_status_name_a_trigger_alike() {
+        for trigger in [
+            Trigger::Startup,
+            Trigger::PluginsWatch,
+            Trigger::ConfigWatch,
+            Trigger::Sighup,
+            Trigger::Admin,
+        ] {
+            assert_eq!(
+                serde_json::to_value(trigger).ok(),
+                Some(serde_json::Value::from(trigger.to_string()))
+            );
+        }
+    }
+}
