@@ -24,6 +24,7 @@ use super::reload::Trigger;
 use super::App;
 use crate::loader::is_plugin_file_name;
 use crossbeam_channel::{Receiver, Sender};
+use notify::event::ModifyKind;
 use notify::{EventKind, RecursiveMode};
 use notify_debouncer_full::{new_debouncer, DebounceEventResult, Debouncer, RecommendedCache};
 use parking_lot::Mutex;
@@ -94,8 +95,12 @@ pub fn start(
         // from its parent, or its own watch ending): the keeper re-arms.
         let directory_changed = plugins.as_deref().is_some_and(|dir| {
             events.iter().any(|event| {
-                !matches!(event.kind, EventKind::Access(_))
-                    && event.paths.iter().any(|path| path == dir)
+                matches!(
+                    event.kind,
+                    EventKind::Create(_)
+                        | EventKind::Remove(_)
+                        | EventKind::Modify(ModifyKind::Name(_))
+                ) && event.paths.iter().any(|path| path == dir)
             })
         });
         if directory_changed {
@@ -195,6 +200,8 @@ fn keep(
         if now == armed && !nudge {
             continue;
         }
+        // Nudges already queued are answered by this re-arm and reload.
+        while nudged.try_recv().is_ok() {}
         let mut watcher = debouncer.lock();
         let _ = watcher.unwatch(&dir);
         let result = watcher.watch(&dir, RecursiveMode::NonRecursive);
