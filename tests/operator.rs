@@ -628,3 +628,68 @@ fn the_readme_error_format_line_matches_what_check_prints() {
     );
     assert_eq!(stderr.lines().nth(1), Some("1 error found"));
 }
+
+#[test]
+fn the_quick_bench_mode_judges_no_target() {
+    use kvhint_e2e::bench::verdict;
+    for met in [true, false] {
+        let quick = verdict(true, met);
+        assert!(
+            !quick.contains("met") || quick.contains("not judged"),
+            "{quick}"
+        );
+        assert!(quick.contains("not measurements"), "{quick}");
+    }
+    assert_eq!(verdict(false, true), "met");
+    assert_eq!(verdict(false, false), "NOT met");
+    // The benchmark that judged a target in quick mode uses it.
+    let loadgen =
+        std::fs::read_to_string(workspace_root().join("tests/benches/loadgen.rs")).unwrap();
+    assert!(
+        !loadgen.contains("\"NOT met\""),
+        "loadgen judges on its own"
+    );
+    assert!(loadgen.contains("bench::verdict(settings.quick"));
+}
+
+#[test]
+fn no_crate_declares_serde_yaml() {
+    // The config is parsed with marked-yaml; serde_yaml is only a dependency
+    // of a benchmark peer (dynamo-kv-router), never one of ours.
+    let root = workspace_root();
+    let mut manifests = vec![root.join("Cargo.toml")];
+    for dir in [
+        "host",
+        "plugin-api",
+        "tests",
+        "plugins/kv-fetch",
+        "plugins/harness-prefetch",
+    ] {
+        manifests.push(root.join(dir).join("Cargo.toml"));
+    }
+    for manifest in manifests {
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.trim_start().starts_with("serde_yaml")),
+            "{} declares serde_yaml",
+            manifest.display()
+        );
+    }
+}
+
+#[test]
+fn the_readme_documents_disk_use_and_test_duration() {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let set_up = &readme[readme.find("## Set up").unwrap()..readme.find("## Commands").unwrap()];
+    assert!(
+        set_up.contains(" GB") && set_up.contains("of disk"),
+        "{set_up}"
+    );
+    assert!(set_up.contains("minutes"), "{set_up}");
+    assert!(
+        set_up.contains("[kvhint-e2e]"),
+        "the harness's progress lines: {set_up}"
+    );
+}
