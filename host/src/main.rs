@@ -78,8 +78,7 @@ enum Command {
     /// each role's resolved selection and hint policies. Exit 1 with every
     /// error found.
     Check {
-        /// The YAML config file, a regular file (required). Nothing is written
-        /// anywhere but a temporary directory.
+        /// The YAML config file, a regular file (required).
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
         /// The router mode to check under, overriding the config's

@@ -124,19 +124,24 @@ pub fn start(
             .reload(&callback_app.snapshot, trigger);
     })?;
     let debouncer = Arc::new(Mutex::new(debouncer));
-    let mut watched: Vec<&Path> = Vec::new();
+    let config_dir = config_file.as_deref().and_then(Path::parent);
+    if let Some(dir) = config_dir {
+        debouncer.lock().watch(dir, RecursiveMode::NonRecursive)?;
+    }
     if let Some(dir) = &plugins_dir {
         debouncer.lock().watch(dir, RecursiveMode::NonRecursive)?;
-        if let Some(parent) = dir.parent() {
-            watched.push(parent);
+        // The parent only speeds up noticing a recreated directory (the keeper
+        // polls anyway), so a parent that cannot be watched is no failure.
+        if let Some(parent) = dir.parent().filter(|p| Some(*p) != config_dir) {
+            if let Err(e) = debouncer.lock().watch(parent, RecursiveMode::NonRecursive) {
+                tracing::warn!(
+                    directory = %parent.display(),
+                    error = %e,
+                    "cannot watch the plugins directory's parent; a recreated plugins directory is noticed by polling, within {} s",
+                    POLL.as_secs()
+                );
+            }
         }
-    }
-    if let Some(dir) = config_file.as_deref().and_then(Path::parent) {
-        watched.push(dir);
-    }
-    watched.dedup();
-    for dir in watched {
-        debouncer.lock().watch(dir, RecursiveMode::NonRecursive)?;
     }
     let keeper = match plugins_dir {
         Some(dir) => {
