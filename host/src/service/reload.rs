@@ -99,6 +99,8 @@ pub struct Reloader {
     fixed: Mutex<Option<FixedSettings>>,
     /// Held for the whole of a reload: one at a time.
     running: Mutex<()>,
+    /// How long a reload waits for `running` ([`RELOAD_WAIT`]).
+    wait: std::time::Duration,
     status: Mutex<ReloadStatus>,
     /// Run with the new config after each successful reload (the engine
     /// subscriptions follow the config's `kv_events` section).
@@ -115,6 +117,7 @@ impl Reloader {
             generation: AtomicU64::new(0),
             fixed: Mutex::new(None),
             running: Mutex::new(()),
+            wait: RELOAD_WAIT,
             status: Mutex::new(ReloadStatus::default()),
             on_reload: std::sync::OnceLock::new(),
         }
@@ -169,13 +172,13 @@ impl Reloader {
         current: &ArcSwap<Snapshot>,
         trigger: Trigger,
     ) -> Result<u64, ConfigErrors> {
-        let Some(_running) = self.running.try_lock_for(RELOAD_WAIT) else {
+        let Some(_running) = self.running.try_lock_for(self.wait) else {
             let errors = ConfigErrors(vec![config::ConfigError::new(
                 &self.config_path,
                 None,
                 format!(
                     "this reload was not run: the one before it has been running for over {} s; the previous snapshot keeps serving; see the log for what that reload is loading, and reload again once it ends",
-                    RELOAD_WAIT.as_secs()
+                    self.wait.as_secs_f64()
                 ),
             )]);
             return Err(self.failed(trigger, errors));
@@ -222,7 +225,38 @@ impl Reloader {
 
 #[cfg(test)]
 mod tests {
-    use super::Trigger;
+    use super::*;
+
+    #[test]
+    fn a_reload_waits_for_the_one_before_it_only_so_long() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let file = dir.path().join("kvhint.yaml");
+        std::fs::write(&file, "worker_selection:\n  decode: kvcr\n").expect("the config");
+        let loader = Loader::new(&crate::loader::LoaderOptions {
+            cache_dir: dir.path().join("cache"),
+            max_libraries: 4,
+        })
+        .expect("a loader");
+        let mut reloader = Reloader::new(&file, None, loader);
+        let (snapshot, _) = reloader.initial().expect("the first snapshot");
+        let current = ArcSwap::from_pointee(snapshot);
+        reloader.wait = std::time::Duration::from_millis(50);
+        // A reload that never ends holds the lock.
+        let held = reloader.running.lock();
+        let errors = reloader
+            .reload(&current, Trigger::Admin)
+            .expect_err("refused while another runs");
+        drop(held);
+        assert!(
+            errors.0[0].message.contains("this reload was not run"),
+            "{errors}"
+        );
+        let status = reloader.status();
+        assert_eq!(status.failed, 1);
+        assert_eq!(status.last_error.map(|e| e.trigger), Some(Trigger::Admin));
+        // Once it ends, reloads run again.
+        assert_eq!(reloader.reload(&current, Trigger::Admin).ok(), Some(2));
+    }
 
     #[test]
     fn the_log_and_the_status_name_a_trigger_alike() {
