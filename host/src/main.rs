@@ -272,8 +272,8 @@ fn serve(options: kvhint::service::ServeOptions) -> anyhow::Result<ExitCode> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
-        // First, before loading anything: until a handler exists, SIGHUP's
-        // default action would end the process.
+        // First, before loading anything: SIGHUP has been ignored since
+        // `main` began; from here on a hangup reloads.
         let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("cannot listen for SIGHUP")?;
         // Start-up validates exactly as `check` does, and refuses to serve a
