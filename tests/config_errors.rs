@@ -295,3 +295,56 @@ fn kv_events_sources_errors_name_the_field_and_what_to_write() {
         "a correct section passes"
     );
 }
+
+/// Found by `tests/fuzz.rs`: YAML features a config does not take are refused
+/// at their position (the parser marks the node an anchor or tag is on),
+/// saying what to write instead.
+#[test]
+fn anchors_tags_and_complex_keys_are_refused_at_their_position() {
+    assert_one(
+        "worker_selection:\n  decode: &sel kvcr\n",
+        "kvhint.yaml:2:16: YAML anchors and aliases (`&name`, `*name`) are not supported in a config; write the value out in full",
+    );
+    assert_one(
+        "worker_selection:\n  decode: !policy kvcr\n",
+        "kvhint.yaml:2:19: YAML tags (`!name`, `!!type`) are not supported in a config; remove the tag",
+    );
+    assert_one(
+        "worker_selection:\n  ? [decode]\n  : kvcr\n",
+        "kvhint.yaml:2:5: a mapping key must be a plain value, not a list or mapping",
+    );
+}
+
+/// Found by `tests/fuzz.rs`: an error at the end of a file without a final
+/// line break points at the end of its last line, not at a line past it.
+#[test]
+fn an_error_at_the_end_of_a_file_points_inside_it() {
+    assert_one(
+        "worker_selection:\n  decode: [kvcr",
+        "kvhint.yaml:2:16: invalid YAML",
+    );
+}
+
+/// Issue 11: a second YAML document is refused, not silently ignored, and a
+/// byte-order mark is not part of the first key.
+#[test]
+fn a_second_document_is_an_error_and_a_bom_is_not_part_of_a_key() {
+    assert_one(
+        "worker_selection:\n  decode: kvcr\n---\nrouter:\n  block_size: 0\n",
+        "kvhint.yaml:3:1: a second YAML document starts here",
+    );
+    assert!(errors("\u{feff}worker_selection:\n  decode: kvcr\n").is_empty());
+}
+
+/// Errors from parsing and from the rule checks, in file order.
+#[test]
+fn parse_and_rule_errors_are_sorted_in_file_order() {
+    let found = errors(
+        "worker_selection:\n  decode:\n    type: kv-cr\n  decoder: kvcr\nrouter:\n  mode: fastest\n",
+    );
+    // `config::load` stops before the rule checks; the parse errors alone are
+    // already in file order (the walker visits `router` first).
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].starts_with("kvhint.yaml:4:3:"), "{found:?}");
+    assert!(found[1].starts_with("kvhint.yaml:6:9:"), "{found:?}");
+}

@@ -1,8 +1,35 @@
-//! Everything in `examples/` works as the README says.
+//! Everything in `examples/` works as the README says, under every router mode
+//! it claims: each example config says which in a `# modes: …` comment line.
 
 use kvhint_e2e::{examples_copy, kvhint_bin};
 use serde_json::Value;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// Every example config with the router modes its `# modes:` line claims.
+fn example_configs(root: &Path) -> Vec<(PathBuf, Vec<String>)> {
+    let mut configs = Vec::new();
+    for entry in std::fs::read_dir(root.join("examples")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let modes: Vec<String> = text
+            .lines()
+            .find_map(|l| l.strip_prefix("# modes:"))
+            .map(|m| m.split(',').map(|s| s.trim().to_string()).collect())
+            .unwrap_or_default();
+        assert!(
+            !modes.is_empty(),
+            "{} has no `# modes: …` line saying which router modes it is for",
+            path.display()
+        );
+        configs.push((path, modes));
+    }
+    configs.sort();
+    configs
+}
 
 #[test]
 fn every_example_config_passes_check() {
@@ -27,6 +54,83 @@ fn every_example_config_passes_check() {
         checked += 1;
     }
     assert!(checked >= 1, "no example configs found");
+}
+
+#[test]
+fn every_example_passes_check_and_replays_the_trace_under_every_mode_it_claims() {
+    let root = examples_copy();
+    for (config, modes) in example_configs(root.path()) {
+        for mode in modes {
+            for command in ["check", "replay"] {
+                let mut run = Command::new(kvhint_bin());
+                run.current_dir(root.path())
+                    .args([command, "--router-mode", &mode, "--config"])
+                    .arg(&config);
+                if command == "replay" {
+                    run.args(["--trace", "examples/trace.jsonl"]);
+                }
+                let output = run.output().unwrap();
+                let stdout = String::from_utf8_lossy(&output.stdout);
+                assert!(
+                    output.status.success(),
+                    "`kvhint {command} --router-mode {mode}` with {} fails:\n{stdout}{}",
+                    config.display(),
+                    String::from_utf8_lossy(&output.stderr)
+                );
+                if command == "check" {
+                    assert!(
+                        stdout.contains(&format!("(router mode {mode},")),
+                        "{stdout}"
+                    );
+                } else {
+                    let summary: Value =
+                        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
+                    assert_eq!(summary["summary"]["errors"], 0, "{stdout}");
+                    assert_eq!(summary["summary"]["bookings"], 6, "{stdout}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_router_mode_has_an_example() {
+    let root = examples_copy();
+    let claimed: Vec<String> = example_configs(root.path())
+        .into_iter()
+        .flat_map(|(_, modes)| modes)
+        .collect();
+    for mode in kvhint::config::RouterMode::NAMES {
+        assert!(
+            claimed.iter().any(|m| m == mode),
+            "no example config claims `--router-mode {mode}` (claimed: {claimed:?})"
+        );
+    }
+}
+
+#[test]
+fn the_round_robin_example_books_without_hints() {
+    let root = examples_copy();
+    let output = Command::new(kvhint_bin())
+        .current_dir(root.path())
+        .args([
+            "replay",
+            "--config",
+            "examples/kvhint-round-robin.yaml",
+            "--trace",
+            "examples/trace.jsonl",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let summary = &lines.last().unwrap()["summary"];
+    assert_eq!(summary["hints"], 0, "{stdout}");
+    assert_eq!(summary["committed_copies"], 0, "{stdout}");
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The `kvhint` command line.
 
 use anyhow::Context;
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use kvhint::catalog::{self, PluginFile};
 use kvhint::config::{self, Config, ConfigError, ConfigErrors, RouterMode};
 use kvhint::loader::{Loader, LoaderOptions};
@@ -21,9 +21,27 @@ struct Cli {
     command: Command,
 }
 
-fn parse_mode(text: &str) -> Result<RouterMode, String> {
-    RouterMode::parse(text)
-        .ok_or_else(|| format!("expected one of: {}", RouterMode::NAMES.join(", ")))
+/// `--router-mode`: the router modes, each described in `--help`.
+#[derive(Clone, Copy, ValueEnum)]
+enum Mode {
+    /// KV-aware selection; the roles' hint policies run.
+    Kv,
+    /// Each role's workers in turn. Not KV-aware: no hints run, and a role
+    /// that lists `hints` is refused.
+    RoundRobin,
+    /// A uniformly random worker, seeded by `router.seed`. Not KV-aware: no
+    /// hints run, and a role that lists `hints` is refused.
+    Random,
+}
+
+impl From<Mode> for RouterMode {
+    fn from(mode: Mode) -> Self {
+        match mode {
+            Mode::Kv => RouterMode::Kv,
+            Mode::RoundRobin => RouterMode::RoundRobin,
+            Mode::Random => RouterMode::Random,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -31,80 +49,97 @@ enum Command {
     /// Run the router: the HTTP JSON API, reloading on plugin-directory
     /// changes, SIGHUP and POST /admin/reload.
     Serve {
-        #[arg(long)]
+        /// The YAML config file, a regular file (required). See the README's
+        /// configuration reference.
+        #[arg(long, value_name = "FILE")]
         config: PathBuf,
-        #[arg(long, value_parser = parse_mode)]
-        router_mode: Option<RouterMode>,
-        /// Address to listen on; loopback unless you say otherwise.
-        #[arg(long, default_value = "127.0.0.1:8080")]
+        /// The router mode, overriding the config's `router.mode` [default:
+        /// the config's `router.mode`, else kv].
+        #[arg(long, value_name = "MODE")]
+        router_mode: Option<Mode>,
+        /// Address (IP:PORT) to listen on; loopback unless you say otherwise.
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
-        /// Also reload when the config file changes.
+        /// Also reload when the config file changes [default: off: the plugins
+        /// directory, SIGHUP and POST /admin/reload reload].
         #[arg(long)]
         watch_config: bool,
-        /// Largest request body accepted.
-        #[arg(long, default_value_t = 8 << 20)]
+        /// Largest request body accepted, in bytes.
+        #[arg(long, value_name = "BYTES", default_value_t = 8 << 20)]
         max_body_bytes: usize,
-        /// Threads that run bookings (selection and hint policies), off the
+        /// Threads (0 to 1024) that run bookings (selection and hint policies), off the
         /// HTTP runtime's threads [default: the machine's cores]. 0 runs each
         /// booking on the runtime thread that received it, under
         /// `block_in_place` (less hand-off, but a thread per slow booking).
-        #[arg(long, value_parser = clap::value_parser!(u16).range(0..=1024))]
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(0..=1024))]
         booking_threads: Option<u16>,
         /// Serve a non-loopback --listen address although the config has no
         /// `auth` (refused otherwise): anyone who reaches the port can then
-        /// register workers, book and reload.
+        /// register workers, book and reload [default: off].
         #[arg(long)]
         allow_unauthenticated: bool,
-        /// Time a client has, from a request's first byte, to send its whole
-        /// head (request line and headers).
+        /// Milliseconds a client has, from a request's first byte, to send its
+        /// whole head (request line and headers); then the connection is closed.
         #[arg(long, default_value_t = 10_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
         header_timeout_ms: u64,
-        /// Time a client has to send a request's whole body.
+        /// Milliseconds a client has to send a request's whole body; then the
+        /// request gets 408 `body_timeout`.
         #[arg(long, default_value_t = 30_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
         body_timeout_ms: u64,
-        /// Time a connection may sit idle between requests (and a response may
-        /// wait for the client to read it) before it is closed.
+        /// Milliseconds a connection may sit idle between requests (or a
+        /// response wait for the client to read it) before it is closed.
         #[arg(long, default_value_t = 60_000, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..))]
         idle_timeout_ms: u64,
         /// Connections served at once; more wait to be accepted. Lowered to
         /// what the open-files limit (`ulimit -n`) allows.
-        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+        #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
         max_connections: u32,
     },
     /// Load the plugins, validate the config, construct every policy, and print
     /// each role's resolved selection and hint policies. Exit 1 with every
     /// error found.
     Check {
-        #[arg(long)]
+        /// The YAML config file, a regular file (required).
+        #[arg(long, value_name = "FILE")]
         config: PathBuf,
-        /// Overrides `router.mode`.
-        #[arg(long, value_parser = parse_mode)]
-        router_mode: Option<RouterMode>,
+        /// The router mode to check under, overriding the config's
+        /// `router.mode` [default: the config's `router.mode`, else kv].
+        #[arg(long, value_name = "MODE")]
+        router_mode: Option<Mode>,
     },
     /// Book a JSONL trace offline: each booking with its hint as JSONL, then a
     /// summary line. Exit 1 if any line failed.
     Replay {
-        #[arg(long)]
+        /// The YAML config file, a regular file (required).
+        #[arg(long, value_name = "FILE")]
         config: PathBuf,
-        #[arg(long)]
+        /// The JSONL trace to book (required): one record per line, a worker,
+        /// a KV event, a request or a release; see the README's trace format.
+        #[arg(long, value_name = "FILE")]
         trace: PathBuf,
-        #[arg(long, value_parser = parse_mode)]
-        router_mode: Option<RouterMode>,
+        /// The router mode to book under, overriding the config's
+        /// `router.mode` [default: the config's `router.mode`, else kv].
+        #[arg(long, value_name = "MODE")]
+        router_mode: Option<Mode>,
     },
     /// List each plugin file: its name, version, ABI, hint types with their
     /// commitments and default hosts — or why it was refused. Exit 1 if any was.
     Plugins {
-        /// Take the plugin sources (and cache directory) from this config.
-        #[arg(long)]
+        /// Take the plugin sources (and cache directory) from this config
+        /// [default: none; give it, --plugins-dir or --file].
+        #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
-        /// A plugins directory (every `lib*.so` in it).
-        #[arg(long)]
+        /// A plugins directory: every `lib*.so` in it [default: the config's
+        /// `plugins.directory`, if --config is given].
+        #[arg(long, value_name = "DIR")]
         plugins_dir: Option<PathBuf>,
-        /// A plugin file (repeatable).
-        #[arg(long = "file")]
+        /// A plugin file; repeat for more [default: none].
+        #[arg(long = "file", value_name = "FILE")]
         files: Vec<PathBuf>,
-        /// Where private copies of plugins are kept.
-        #[arg(long)]
+        /// Where private copies of plugins are kept [default: the config's
+        /// `plugins.cache_dir`, else `$XDG_CACHE_HOME/kvhint/plugins`, else
+        /// `~/.cache/kvhint/plugins`].
+        #[arg(long, value_name = "DIR")]
         cache_dir: Option<PathBuf>,
     },
 }
@@ -119,7 +154,25 @@ fn default_log_level() -> &'static str {
     }
 }
 
+/// Sets what a SIGHUP does until a handler exists: ignored, or the default
+/// (the process ends).
+fn ignore_hangups(ignore: bool) {
+    let action = if ignore { libc::SIG_IGN } else { libc::SIG_DFL };
+    // SAFETY: setting a signal's disposition to SIG_IGN or SIG_DFL installs no
+    // code and touches no memory of this process.
+    unsafe {
+        libc::signal(libc::SIGHUP, action);
+    }
+}
+
 fn main() -> ExitCode {
+    // First of all: SIGHUP's default action ends the process, and `serve`'s
+    // handler exists only once the async runtime runs. A hangup before then
+    // arrives before the config is first read, so start-up's own read already
+    // sees whatever the operator changed: it is ignored, not queued. tokio's
+    // handler replaces this disposition; the other commands get the default
+    // back once their arguments are parsed.
+    ignore_hangups(true);
     kvhint::logging::init(default_log_level());
     // Plugin authors need the router's plugin-api version to follow the
     // compatibility rule, so `--version` says it.
@@ -136,6 +189,9 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    if !matches!(cli.command, Command::Serve { .. }) {
+        ignore_hangups(false);
+    }
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -161,7 +217,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             max_connections,
         } => serve(kvhint::service::ServeOptions {
             config,
-            mode: router_mode,
+            mode: router_mode.map(RouterMode::from),
             listen,
             watch_config,
             max_body_bytes,
@@ -177,12 +233,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Check {
             config,
             router_mode,
-        } => check(&config, router_mode),
+        } => check(&config, router_mode.map(RouterMode::from)),
         Command::Replay {
             config,
             trace,
             router_mode,
-        } => replay(&config, &trace, router_mode),
+        } => replay(&config, &trace, router_mode.map(RouterMode::from)),
         Command::Plugins {
             config,
             plugins_dir,
@@ -203,15 +259,20 @@ fn load_snapshot(
     file: &Path,
     mode: Option<RouterMode>,
 ) -> Result<(Config, Loader, Snapshot), ConfigErrors> {
-    let (config, mut errors) = config::load_lenient(file);
+    let (config, errors) = config::load_lenient(file);
     let Some(config) = config else {
         return Err(ConfigErrors(errors));
+    };
+    let mut errors = ConfigErrors(errors);
+    let failed = |mut errors: ConfigErrors| {
+        errors.sort_in_file_order();
+        Err(errors)
     };
     let loader = match loader_for(&config) {
         Ok(loader) => loader,
         Err(e) => {
-            errors.push(e);
-            return Err(ConfigErrors(errors));
+            errors.0.push(e);
+            return failed(errors);
         }
     };
     let options = BuildOptions {
@@ -222,11 +283,11 @@ fn load_snapshot(
         policy_stats: None,
     };
     match snapshot::build(&config, &options) {
-        Ok(snapshot) if errors.is_empty() => Ok((config, loader, snapshot)),
-        Ok(_) => Err(ConfigErrors(errors)),
+        Ok(snapshot) if errors.0.is_empty() => Ok((config, loader, snapshot)),
+        Ok(_) => failed(errors),
         Err(more) => {
-            errors.extend(more.0);
-            Err(ConfigErrors(errors))
+            errors.0.extend(more.0);
+            failed(errors)
         }
     }
 }
@@ -237,8 +298,8 @@ fn serve(options: kvhint::service::ServeOptions) -> anyhow::Result<ExitCode> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
-        // First, before loading anything: until a handler exists, SIGHUP's
-        // default action would end the process.
+        // First, before loading anything: SIGHUP has been ignored since
+        // `main` began; from here on a hangup reloads.
         let hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
             .context("cannot listen for SIGHUP")?;
         // Start-up validates exactly as `check` does, and refuses to serve a
@@ -252,7 +313,11 @@ fn serve(options: kvhint::service::ServeOptions) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// Prints every error, in file order, as `error: FILE:LINE:COLUMN: YAML.PATH:
+/// MESSAGE` (the README's format), then how many there were.
 fn report_errors(errors: &ConfigErrors) -> ExitCode {
+    let mut errors = errors.clone();
+    errors.sort_in_file_order();
     for error in &errors.0 {
         eprintln!("error: {error}");
     }
@@ -302,11 +367,16 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
         let from = match role.hints_from {
             snapshot::HintsFrom::Listed => "listed",
             snapshot::HintsFrom::Defaults => "defaults for its selection policy",
-            snapshot::HintsFrom::ExplicitlyNone => "hints: [] — none run",
-            snapshot::HintsFrom::NotKvPath => "none: not on the KV path",
+            snapshot::HintsFrom::ExplicitlyNone => "`hints: []`",
+            snapshot::HintsFrom::NotKvPath => "not on the KV path",
         };
-        println!("  hints ({from}):");
-        for (i, policy) in role.hints.policies().iter().enumerate() {
+        let policies = role.hints.policies();
+        if policies.is_empty() {
+            println!("  hints ({from}): none");
+        } else {
+            println!("  hints ({from}):");
+        }
+        for (i, policy) in policies.iter().enumerate() {
             println!(
                 "    {}. {} (type {}, {}, commitments {})",
                 i + 1,

@@ -72,17 +72,36 @@ pub fn replay(
     err: &mut dyn Write,
 ) -> std::io::Result<ReplaySummary> {
     let mut summary = ReplaySummary::default();
-    for (number, line) in trace.lines().enumerate() {
-        let line = line?;
-        if line.trim().is_empty() || line.trim_start().starts_with('#') {
+    // Lines are read as bytes: a line that is not UTF-8 is a bad line, reported
+    // and skipped like any other, not the end of the replay.
+    let mut trace = trace;
+    let mut bytes = Vec::new();
+    for number in 0usize.. {
+        bytes.clear();
+        if trace.read_until(b'\n', &mut bytes)? == 0 {
+            break;
+        }
+        let text = std::str::from_utf8(&bytes);
+        let line = text.unwrap_or_default().trim_end_matches(['\n', '\r']);
+        if text.is_ok() && (line.trim().is_empty() || line.trim_start().starts_with('#')) {
             continue;
         }
         summary.records += 1;
         let mut fail = |message: String| -> std::io::Result<()> {
             summary.errors += 1;
+            // One error, one line: a message quoting the input (serde names an
+            // unknown `type` as written) could carry a line break.
+            let message = message.replace('\n', "\\n").replace('\r', "\\r");
             writeln!(err, "{}:{}: {message}", name.display(), number + 1)
         };
-        let record: TraceRecord = match serde_json::from_str(&line) {
+        if let Err(e) = text {
+            fail(format!(
+                "not UTF-8 text (an invalid byte at column {}); a trace is JSON lines in UTF-8",
+                e.valid_up_to() + 1
+            ))?;
+            continue;
+        }
+        let record: TraceRecord = match serde_json::from_str(line) {
             Ok(record) => record,
             Err(e) => {
                 fail(format!("not a trace record: {e}"))?;

@@ -50,15 +50,77 @@ fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
+/// How often the harness says it is still building when cargo prints nothing.
+const HEARTBEAT: Duration = Duration::from_secs(20);
+
+/// Writes a progress line straight to the process's stderr: libtest captures
+/// `eprintln!` of passing tests, and a CI log should not sit silent for the
+/// minutes a first build of the fixtures takes.
+fn progress(line: &str) {
+    use std::io::Write;
+    let mut stderr = std::io::stderr().lock();
+    let _ = writeln!(stderr, "[kvhint-e2e] {line}");
+}
+
+/// Runs a cargo build, passing cargo's own progress lines (`Compiling …`) through
+/// to stderr as they come, with a heartbeat (elapsed time) while cargo is quiet,
+/// and a line when it ends.
 fn run(mut command: Command, what: &str) {
-    let output = command
-        .output()
+    let started = Instant::now();
+    progress(&format!(
+        "building {what} with cargo (a first build takes minutes; later runs reuse it)"
+    ));
+    let mut child = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap_or_else(|e| panic!("cannot run cargo to build {what}: {e}"));
-    assert!(
-        output.status.success(),
-        "building {what} failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stderr = child.stderr.take().expect("piped stderr");
+    let (lines, received) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = String::new();
+    loop {
+        match received.recv_timeout(HEARTBEAT) {
+            Ok(line) => {
+                let trimmed = line.trim_start();
+                if [
+                    "Compiling",
+                    "Finished",
+                    "Downloaded",
+                    "error",
+                    "warning: unused",
+                ]
+                .iter()
+                .any(|p| trimmed.starts_with(p))
+                {
+                    progress(&format!("{:>4}s {trimmed}", started.elapsed().as_secs()));
+                }
+                log.push_str(&line);
+                log.push('\n');
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => progress(&format!(
+                "{:>4}s still building {what}…",
+                started.elapsed().as_secs()
+            )),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let _ = reader.join();
+    let status = child
+        .wait()
+        .unwrap_or_else(|e| panic!("cannot wait for cargo building {what}: {e}"));
+    assert!(status.success(), "building {what} failed:\n{log}");
+    progress(&format!(
+        "built {what} in {} s",
+        started.elapsed().as_secs()
+    ));
 }
 
 /// Where the harness builds. Not the workspace's own target directory: a build
@@ -500,6 +562,17 @@ pub mod bench {
     /// quick test (`cargo test --benches`).
     pub fn is_bench() -> bool {
         std::env::args().any(|a| a == "--bench")
+    }
+
+    /// The verdict on a target: `met` or `NOT met` for a benchmark run, and for
+    /// a quick run (`cargo test --benches`, debug build, a few iterations) a
+    /// plain statement that its figures are not measurements.
+    pub fn verdict(quick: bool, met: bool) -> &'static str {
+        match (quick, met) {
+            (true, _) => "not judged: a quick debug-build run, whose figures are not measurements; run `cargo bench` to measure",
+            (false, true) => "met",
+            (false, false) => "NOT met",
+        }
     }
 
     /// Median of `samples` (sorted in place).

@@ -101,6 +101,26 @@ impl fmt::Display for ConfigErrors {
 
 impl std::error::Error for ConfigErrors {}
 
+impl ConfigErrors {
+    /// Sorts the errors in file order: by file, then line, then column. Errors
+    /// without a position in the file (a plugin file that cannot be read, say)
+    /// come after the located ones of their file, in the order they were found.
+    /// Parsing walks the sections in a fixed order and the rule checks run after
+    /// it, so the order they are found in is not the file's.
+    pub fn sort_in_file_order(&mut self) {
+        self.0.sort_by(|a, b| {
+            let key = |e: &ConfigError| {
+                let (line, column) = match &e.at {
+                    Some(at) if at.line > 0 => (at.line, at.column),
+                    _ => (usize::MAX, usize::MAX),
+                };
+                (e.file.clone(), line, column)
+            };
+            key(a).cmp(&key(b))
+        });
+    }
+}
+
 pub use crate::domain::{Role, RouterMode};
 
 /// A `parameters` mapping with where it and each of its keys are.
@@ -249,17 +269,73 @@ pub fn load(file: &Path) -> Result<Config, ConfigErrors> {
 
 /// Reads and parses as much of a config file as it can (see [`parse_lenient`]).
 pub fn load_lenient(file: &Path) -> (Option<Config>, Vec<ConfigError>) {
-    match std::fs::read_to_string(file) {
+    match read_config(file) {
         Ok(text) => parse_lenient(file, &text),
-        Err(e) => (
-            None,
-            vec![ConfigError::new(
-                file,
-                None,
-                format!("cannot read the config file: {e}"),
-            )],
-        ),
+        Err(message) => (None, vec![ConfigError::new(file, None, message)]),
     }
+}
+
+/// The largest config file read. A config is a few kilobytes; the cap bounds
+/// what a wrong `--config` path can make start-up or a reload read.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// Reads the config file, which must be a regular file. It is opened without
+/// blocking (`O_NONBLOCK`) and checked on the open descriptor before anything is
+/// read: a FIFO would otherwise block `check`, start-up and, under the reload
+/// lock, every later reload, until something wrote to it. For a regular file
+/// `O_NONBLOCK` changes nothing, so no read here ever waits on another process.
+fn read_config(file: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let what_to_do = "point --config at a regular YAML file";
+    let handle = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(file)
+        .map_err(|e| format!("cannot open the config file: {e}; {what_to_do}"))?;
+    let metadata = handle
+        .metadata()
+        .map_err(|e| format!("cannot read the config file: {e}; {what_to_do}"))?;
+    let kind = metadata.file_type();
+    if !kind.is_file() {
+        let is = if kind.is_fifo() {
+            "a FIFO (named pipe)"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else {
+            "not a regular file"
+        };
+        return Err(format!(
+            "the config file is {is}, not a regular file; kvhint reads its config only from a regular file (a pipe or a device could block start-up and every reload): {what_to_do}, e.g. write the YAML to a file and pass that"
+        ));
+    }
+    if metadata.len() > MAX_CONFIG_BYTES {
+        return Err(format!(
+            "the config file is {} bytes, more than the {MAX_CONFIG_BYTES} a config may have; {what_to_do}",
+            metadata.len()
+        ));
+    }
+    let mut bytes = Vec::new();
+    handle
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read the config file: {e}; {what_to_do}"))?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(format!(
+            "the config file grew past the {MAX_CONFIG_BYTES} bytes a config may have while it was read; {what_to_do}"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
+        format!(
+            "the config file is not UTF-8 text (an invalid byte on line {line}); save it as UTF-8"
+        )
+    })
 }
 
 /// Parses config text; `file` is for messages and for resolving relative paths.
@@ -279,11 +355,27 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
     let options = LoaderOptions::default()
         .error_on_duplicate_keys(true)
         .prevent_coercion(true);
+    let text = yaml::strip_bom(text);
     let root = match marked_yaml::parse_yaml_with_options(0, text, options) {
         Ok(root) => root,
-        Err(e) => return (None, vec![yaml_error(file, &e)]),
+        Err(e) => return (None, vec![yaml_error(file, text, &e)]),
     };
     let mut walker = Walker::new(file);
+    // marked-yaml reads only the first document: anything after it is refused,
+    // not ignored.
+    match yaml::trailing(text) {
+        None => {}
+        Some(yaml::Trailing::Document(line, column)) => walker.errors.push(ConfigError::new(
+            file,
+            Some(Location { path: String::new(), line, column }),
+            "a second YAML document starts here (after a `---` or `...` line); a config is one document: remove that line and merge what follows into the document above, or delete what follows",
+        )),
+        Some(yaml::Trailing::Invalid(line, column, why)) => walker.errors.push(ConfigError::new(
+            file,
+            Some(Location { path: String::new(), line, column }),
+            format!("invalid YAML after the first document: {why}; a config is one document: delete what follows it"),
+        )),
+    }
     let base = file.parent().unwrap_or(Path::new("."));
     let mut config = Config {
         file: file.to_path_buf(),
@@ -319,10 +411,17 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
             ),
         }
     }
-    (Some(config), walker.errors)
+    let mut errors = ConfigErrors(walker.errors);
+    for at in errors.0.iter_mut().filter_map(|e| e.at.as_mut()) {
+        if at.line > 0 {
+            (at.line, at.column) = yaml::within_text(text, at.line, at.column);
+        }
+    }
+    errors.sort_in_file_order();
+    (Some(config), errors.0)
 }
 
-fn yaml_error(file: &Path, error: &marked_yaml::LoadError) -> ConfigError {
+fn yaml_error(file: &Path, text: &str, error: &marked_yaml::LoadError) -> ConfigError {
     use marked_yaml::LoadError as E;
     let (marker, message) = match error {
         E::TopLevelMustBeMapping(m) => (Some(*m), "the file must be a YAML mapping".to_string()),
@@ -339,15 +438,32 @@ fn yaml_error(file: &Path, error: &marked_yaml::LoadError) -> ConfigError {
                 format!("duplicate key `{}`{previous}", inner.key.as_str()),
             )
         }
-        E::ScanError(m, e) => (Some(*m), format!("invalid YAML: {e}")),
-        other => (None, format!("invalid YAML: {other}")),
+        // The position is the message's prefix; yaml-rust's own rendering of it
+        // would repeat it (and count past the end of the text).
+        E::ScanError(m, e) => (Some(*m), format!("invalid YAML: {}", e.info())),
+        E::TopLevelMustBeSequence(m) => (Some(*m), "the file must be a YAML mapping".to_string()),
+        E::UnexpectedAnchor(m) => (
+            Some(*m),
+            "YAML anchors and aliases (`&name`, `*name`) are not supported in a config; write the value out in full".to_string(),
+        ),
+        E::UnexpectedTag(m) => (
+            Some(*m),
+            "YAML tags (`!name`, `!!type`) are not supported in a config; remove the tag (quote a value to make it a string)".to_string(),
+        ),
+        E::MappingKeyMustBeScalar(m) => (
+            Some(*m),
+            "a mapping key must be a plain value, not a list or mapping; write the key as text".to_string(),
+        ),
     };
     ConfigError::new(
         file,
-        marker.map(|m| Location {
-            path: String::new(),
-            line: m.line(),
-            column: m.column(),
+        marker.map(|m| {
+            let (line, column) = yaml::within_text(text, m.line(), m.column());
+            Location {
+                path: String::new(),
+                line,
+                column,
+            }
         }),
         message,
     )

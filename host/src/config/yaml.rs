@@ -235,6 +235,70 @@ pub(crate) fn to_json(node: &Node) -> serde_json::Value {
     }
 }
 
+/// The text without a leading UTF-8 byte-order mark. Editors on Windows write
+/// one, and yaml-rust would read it as part of the first key (an "unknown key
+/// `\u{feff}worker_selection`"). Lines and columns are counted after it, as
+/// editors show them.
+pub(crate) fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
+}
+
+/// A parser position clamped to the text. At the end of a text without a final
+/// line break the scanner reports the start of a line that does not exist; an
+/// editor shows that place as the end of the last line.
+pub(crate) fn within_text(text: &str, line: usize, column: usize) -> (usize, usize) {
+    // YAML breaks lines at `\n`, `\r\n` and a lone `\r`.
+    let normalized = text.replace("\r\n", "\n").replace('\r', "\n");
+    let lines = normalized.matches('\n').count() + 1;
+    if line <= lines {
+        return (line, column.max(1));
+    }
+    let last = normalized.rsplit('\n').next().unwrap_or_default();
+    (lines, last.chars().count() + 1)
+}
+
+/// What follows the first YAML document, if anything does: a second document
+/// (after `---`, or after `...`), or text the parser cannot read. marked-yaml
+/// reads the first document only and would silently ignore the rest, so a
+/// `block_size: 0` after a `---` would pass `check` unseen.
+#[derive(Debug)]
+pub(crate) enum Trailing {
+    /// A second document starts at this line and column (1-based).
+    Document(usize, usize),
+    /// The text after the first document is not YAML.
+    Invalid(usize, usize, String),
+}
+
+/// Looks past the first document. Call it once the first document has parsed.
+pub(crate) fn trailing(text: &str) -> Option<Trailing> {
+    use yaml_rust2::parser::{Event, MarkedEventReceiver, Parser};
+    use yaml_rust2::scanner::Marker;
+    #[derive(Default)]
+    struct Documents {
+        starts: Vec<Marker>,
+    }
+    impl MarkedEventReceiver for Documents {
+        fn on_event(&mut self, event: Event, mark: Marker) {
+            if event == Event::DocumentStart {
+                self.starts.push(mark);
+            }
+        }
+    }
+    let mut documents = Documents::default();
+    let result = Parser::new_from_str(text).load(&mut documents, true);
+    if let Some(second) = documents.starts.get(1) {
+        let (line, column) = within_text(text, second.line(), second.col() + 1);
+        return Some(Trailing::Document(line, column));
+    }
+    match result {
+        Ok(()) => None,
+        Err(e) => {
+            let (line, column) = within_text(text, e.marker().line(), e.marker().col() + 1);
+            Some(Trailing::Invalid(line, column, e.info().to_string()))
+        }
+    }
+}
+
 /// Rust parses `inf` and `NaN` as floats; YAML does not.
 fn looks_numeric(text: &str) -> bool {
     text.bytes()
@@ -257,6 +321,34 @@ mod tests {
             to_json(&node),
             serde_json::json!({"a": 1, "b": "1", "c": true, "d": 1.5, "e": null, "f": "inf", "g": ["x", 2]})
         );
+    }
+
+    #[test]
+    fn a_bom_is_stripped_and_only_a_leading_one() {
+        assert_eq!(strip_bom("\u{feff}a: 1"), "a: 1");
+        assert_eq!(strip_bom("a: \u{feff}"), "a: \u{feff}");
+    }
+
+    #[test]
+    fn what_follows_the_first_document_is_found() {
+        assert!(trailing("a: 1\n").is_none());
+        assert!(trailing("---\na: 1\n...\n").is_none());
+        let found = trailing("a: 1\n---\nb: 2\n");
+        assert!(matches!(found, Some(Trailing::Document(2, 1))), "{found:?}");
+        let found = trailing("a: 1\n...\nb: 2\n");
+        assert!(matches!(found, Some(Trailing::Document(3, _))), "{found:?}");
+        assert!(matches!(
+            trailing("a: 1\n...\n[x\n"),
+            Some(Trailing::Document(3, _) | Trailing::Invalid(3 | 4, _, _))
+        ));
+    }
+
+    #[test]
+    fn positions_past_the_end_are_clamped_to_the_last_line() {
+        assert_eq!(within_text("a: 1\nb: [", 3, 1), (2, 5));
+        assert_eq!(within_text("a: 1\n", 2, 1), (2, 1));
+        assert_eq!(within_text("a\rb", 2, 2), (2, 2));
+        assert_eq!(within_text("a\rb", 3, 1), (2, 2));
     }
 
     #[test]

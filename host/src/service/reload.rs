@@ -32,6 +32,32 @@ pub enum Trigger {
     Admin,
 }
 
+impl Trigger {
+    /// The name `/admin/status` shows, and the log uses (`trigger=sighup`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Startup => "startup",
+            Trigger::PluginsWatch => "plugins_watch",
+            Trigger::ConfigWatch => "config_watch",
+            Trigger::Sighup => "sighup",
+            Trigger::Admin => "admin",
+        }
+    }
+}
+
+impl std::fmt::Display for Trigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How long a reload waits for the one before it to finish. Reading the config
+/// never blocks (it must be a regular file, opened with `O_NONBLOCK`), so a
+/// reload takes as long as its plugin checks and loads; one that waited longer
+/// than this for another fails, logged and counted, instead of queueing behind
+/// it for ever.
+pub const RELOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[derive(Debug, Clone, Serialize)]
 pub struct ReloadFailure {
     pub trigger: Trigger,
@@ -73,6 +99,8 @@ pub struct Reloader {
     fixed: Mutex<Option<FixedSettings>>,
     /// Held for the whole of a reload: one at a time.
     running: Mutex<()>,
+    /// How long a reload waits for `running` ([`RELOAD_WAIT`]).
+    wait: std::time::Duration,
     status: Mutex<ReloadStatus>,
     /// Run with the new config after each successful reload (the engine
     /// subscriptions follow the config's `kv_events` section).
@@ -92,6 +120,7 @@ impl Reloader {
             generation: AtomicU64::new(0),
             fixed: Mutex::new(None),
             running: Mutex::new(()),
+            wait: RELOAD_WAIT,
             status: Mutex::new(ReloadStatus::default()),
             on_reload: std::sync::OnceLock::new(),
             auth_required: std::sync::atomic::AtomicBool::new(false),
@@ -159,7 +188,17 @@ impl Reloader {
         current: &ArcSwap<Snapshot>,
         trigger: Trigger,
     ) -> Result<u64, ConfigErrors> {
-        let _running = self.running.lock();
+        let Some(_running) = self.running.try_lock_for(self.wait) else {
+            let errors = ConfigErrors(vec![config::ConfigError::new(
+                &self.config_path,
+                None,
+                format!(
+                    "this reload was not run: the one before it has been running for over {} s; the previous snapshot keeps serving; see the log for what that reload is loading, and reload again once it ends",
+                    self.wait.as_secs_f64()
+                ),
+            )]);
+            return Err(self.failed(trigger, errors));
+        };
         let fixed = self.fixed();
         match self.build(fixed.as_ref()) {
             Ok((snapshot, config)) => {
@@ -176,22 +215,78 @@ impl Reloader {
                 status.last_ok_trigger = Some(trigger);
                 status.last_error = None;
                 status.kv_source_errors = kv_source_errors;
-                tracing::info!(generation, ?trigger, "reloaded");
+                tracing::info!(generation, %trigger, "reloaded");
                 Ok(generation)
             }
-            Err(errors) => {
-                for error in &errors.0 {
-                    tracing::error!(?trigger, %error, "reload failed; the previous snapshot keeps serving");
-                }
-                let mut status = self.status.lock();
-                status.failed += 1;
-                status.last_error = Some(ReloadFailure {
-                    trigger,
-                    at_unix_ms: now_ms(),
-                    errors: errors.0.iter().map(|e| e.to_string()).collect(),
-                });
-                Err(errors)
-            }
+            Err(errors) => Err(self.failed(trigger, errors)),
+        }
+    }
+
+    /// Logs, counts and keeps a failed reload's errors (in file order).
+    fn failed(&self, trigger: Trigger, mut errors: ConfigErrors) -> ConfigErrors {
+        errors.sort_in_file_order();
+        for error in &errors.0 {
+            tracing::error!(%trigger, %error, "reload failed; the previous snapshot keeps serving");
+        }
+        let mut status = self.status.lock();
+        status.failed += 1;
+        status.last_error = Some(ReloadFailure {
+            trigger,
+            at_unix_ms: now_ms(),
+            errors: errors.0.iter().map(|e| e.to_string()).collect(),
+        });
+        errors
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reload_waits_for_the_one_before_it_only_so_long() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let file = dir.path().join("kvhint.yaml");
+        std::fs::write(&file, "worker_selection:\n  decode: kvcr\n").expect("the config");
+        let loader = Loader::new(&crate::loader::LoaderOptions {
+            cache_dir: dir.path().join("cache"),
+            max_libraries: 4,
+        })
+        .expect("a loader");
+        let mut reloader = Reloader::new(&file, None, loader);
+        let (snapshot, _) = reloader.initial().expect("the first snapshot");
+        let current = ArcSwap::from_pointee(snapshot);
+        reloader.wait = std::time::Duration::from_millis(50);
+        // A reload that never ends holds the lock.
+        let held = reloader.running.lock();
+        let errors = reloader
+            .reload(&current, Trigger::Admin)
+            .expect_err("refused while another runs");
+        drop(held);
+        assert!(
+            errors.0[0].message.contains("this reload was not run"),
+            "{errors}"
+        );
+        let status = reloader.status();
+        assert_eq!(status.failed, 1);
+        assert_eq!(status.last_error.map(|e| e.trigger), Some(Trigger::Admin));
+        // Once it ends, reloads run again.
+        assert_eq!(reloader.reload(&current, Trigger::Admin).ok(), Some(2));
+    }
+
+    #[test]
+    fn the_log_and_the_status_name_a_trigger_alike() {
+        for trigger in [
+            Trigger::Startup,
+            Trigger::PluginsWatch,
+            Trigger::ConfigWatch,
+            Trigger::Sighup,
+            Trigger::Admin,
+        ] {
+            assert_eq!(
+                serde_json::to_value(trigger).ok(),
+                Some(serde_json::Value::from(trigger.to_string()))
+            );
         }
     }
 }
