@@ -31,6 +31,7 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "fixture-versioned-v1",
     "fixture-versioned-v2",
     "fixture-raw-abi",
+    "fixture-ctor-abort",
 ];
 
 pub fn workspace_root() -> PathBuf {
@@ -274,6 +275,8 @@ pub fn registry_of(
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: private.path().join("cache"),
         max_libraries: 64,
+        probe: kvhint::loader::ProbeMode::Reexec(kvhint_bin()),
+        ..Default::default()
     })
     .unwrap();
     let mut registry = kvhint::registry::Registry::new();
@@ -289,6 +292,8 @@ pub fn loader() -> (kvhint::loader::Loader, TempDir) {
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: cache.path().join("cache"),
         max_libraries: 64,
+        probe: kvhint::loader::ProbeMode::Reexec(kvhint_bin()),
+        ..Default::default()
     })
     .unwrap();
     (loader, cache)
@@ -328,6 +333,8 @@ pub fn snapshot_of(
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: fixture.dir.path().join("cache"),
         max_libraries: 64,
+        probe: kvhint::loader::ProbeMode::Reexec(kvhint_bin()),
+        ..Default::default()
     })
     .unwrap();
     let snapshot = kvhint::snapshot::build(
