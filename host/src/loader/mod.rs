@@ -403,6 +403,7 @@ impl Loader {
             .map_err(fail)?;
         // A library whose initialisation kills or hangs the process kills or
         // hangs the probe instead.
+        let probe_started = std::time::Instant::now();
         if let Some(probed) = probe::run(&self.probe, &cached_path, self.probe_timeout) {
             if let Err(kind) = probed {
                 if !matches!(kind, LoadErrorKind::ProbeTimeout { .. }) {
@@ -414,6 +415,7 @@ impl Loader {
                 return Err(fail(kind));
             }
         }
+        let probe_ms = probe_started.elapsed().as_secs_f64() * 1e3;
         dlopen(&cached_path).map_err(fail)?;
         // From here the library is mapped for good, whatever the checks say.
         let opened = read_root_module(&cached_path);
@@ -427,6 +429,7 @@ impl Loader {
             version = %info.version,
             file = %path.display(),
             sha256 = %sha256,
+            probe_ms = format!("{probe_ms:.1}"),
             "loaded plugin"
         );
         Ok(LoadedPlugin {

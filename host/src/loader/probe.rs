@@ -238,15 +238,7 @@ pub fn run(
             }
         }
     };
-    let started = Instant::now();
-    let result = run_child(&program, file, timeout);
-    tracing::debug!(
-        file = %file.display(),
-        probe_ms = started.elapsed().as_secs_f64() * 1e3,
-        ok = result.is_ok(),
-        "probed plugin"
-    );
-    Some(result)
+    Some(run_child(&program, file, timeout))
 }
 
 fn run_child(
