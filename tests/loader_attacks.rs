@@ -162,7 +162,10 @@ fn a_100_gib_sparse_file_is_refused_by_its_size_without_being_read() {
     // Renamed into a plugins directory, through the real binary: refused, exit 1.
     let output = plugins_command(dir.path(), &dir.path().join("cache"));
     let all = assert_refused(&output);
-    assert!(all.contains("refused: ") && all.contains("107374182400 bytes"), "{all}");
+    assert!(
+        all.contains("refused: ") && all.contains("107374182400 bytes"),
+        "{all}"
+    );
 }
 
 #[test]
@@ -487,7 +490,9 @@ fn an_existing_1777_cache_dir_keeps_its_mode_and_is_refused() {
     assert!(
         all.contains(&format!("the plugin cache {}", shared.display()))
             && all.contains("(mode 1777")
-            && all.contains("point `plugins.cache_dir` at a directory only the router's user can write"),
+            && all.contains(
+                "point `plugins.cache_dir` at a directory only the router's user can write"
+            ),
         "{all}"
     );
     assert_eq!(mode_of(&shared), 0o1777, "check changed its mode");
@@ -499,7 +504,11 @@ fn an_existing_1777_cache_dir_keeps_its_mode_and_is_refused() {
     let all = assert_refused(&output);
     assert!(all.contains("(mode 1777"), "{all}");
     assert_eq!(mode_of(&shared), 0o1777, "serve changed its mode");
-    assert_eq!(std::fs::read_dir(&shared).unwrap().count(), 0, "wrote into it");
+    assert_eq!(
+        std::fs::read_dir(&shared).unwrap().count(),
+        0,
+        "wrote into it"
+    );
 }
 
 #[test]
@@ -520,7 +529,10 @@ fn a_cache_dir_under_a_world_writable_parent_is_refused() {
             }));
         let all = assert_refused(&output);
         assert!(
-            all.contains(&format!("{} is writable by group or others (mode 0777", open.display())),
+            all.contains(&format!(
+                "{} is writable by group or others (mode 0777",
+                open.display()
+            )),
             "{command}: {all}"
         );
     }
@@ -541,10 +553,7 @@ fn check_writes_nothing_outside_a_temporary_directory() {
     mkdir(&tmp, 0o700);
     // One config names a cache directory tree that does not exist, the other
     // none (the default under $HOME).
-    let named = config_in(
-        top.path(),
-        "  directory: plugins\n  cache_dir: a/b/c\n",
-    );
+    let named = config_in(top.path(), "  directory: plugins\n  cache_dir: a/b/c\n");
     let default = top.path().join("default.yaml");
     std::fs::write(
         &default,

@@ -65,7 +65,9 @@ pub fn check_file(file: &std::fs::File, len: u64) -> Result<(), ElfError> {
 }
 
 fn check_data<'data, R: ReadRef<'data>>(data: R, len: u64) -> Result<(), ElfError> {
-    let first = data.read_bytes_at(0, (HEADER_BYTES as u64).min(len)).unwrap_or(&[]);
+    let first = data
+        .read_bytes_at(0, (HEADER_BYTES as u64).min(len))
+        .unwrap_or(&[]);
     check_header(first)?;
     let header = elf::FileHeader64::<Endianness>::parse(data)
         .map_err(|e| ElfError::Corrupt(e.to_string()))?;

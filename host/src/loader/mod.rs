@@ -404,16 +404,14 @@ impl Loader {
         // A library whose initialisation kills or hangs the process kills or
         // hangs the probe instead.
         let probe_started = std::time::Instant::now();
-        if let Some(probed) = probe::run(&self.probe, &cached_path, self.probe_timeout) {
-            if let Err(kind) = probed {
-                if !matches!(kind, LoadErrorKind::ProbeTimeout { .. }) {
-                    self.refused_by_probe
-                        .lock()
-                        .insert(sha256.clone(), kind.clone());
-                }
-                self.prune();
-                return Err(fail(kind));
+        if let Some(Err(kind)) = probe::run(&self.probe, &cached_path, self.probe_timeout) {
+            if !matches!(kind, LoadErrorKind::ProbeTimeout { .. }) {
+                self.refused_by_probe
+                    .lock()
+                    .insert(sha256.clone(), kind.clone());
             }
+            self.prune();
+            return Err(fail(kind));
         }
         let probe_ms = probe_started.elapsed().as_secs_f64() * 1e3;
         dlopen(&cached_path).map_err(fail)?;

@@ -241,11 +241,7 @@ pub fn run(
     Some(run_child(&program, file, timeout))
 }
 
-fn run_child(
-    program: &Path,
-    file: &Path,
-    timeout: Duration,
-) -> Result<PluginInfo, LoadErrorKind> {
+fn run_child(program: &Path, file: &Path, timeout: Duration) -> Result<PluginInfo, LoadErrorKind> {
     let failed = |what: String| LoadErrorKind::ProbeFailed { what };
     let mut child = Command::new(program)
         .arg(SUBCOMMAND)
@@ -369,8 +365,15 @@ mod tests {
         let program = dir.path().join("hangs");
         std::fs::write(&program, "#!/bin/sh\nexec sleep 600\n").unwrap();
         std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let err = run_child(&program, Path::new("/nonexistent.so"), Duration::from_millis(300))
-            .unwrap_err();
-        assert!(matches!(err, LoadErrorKind::ProbeTimeout { ms: 300 }), "{err}");
+        let err = run_child(
+            &program,
+            Path::new("/nonexistent.so"),
+            Duration::from_millis(300),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, LoadErrorKind::ProbeTimeout { ms: 300 }),
+            "{err}"
+        );
     }
 }

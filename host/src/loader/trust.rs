@@ -80,7 +80,7 @@ fn check_metadata(
         });
     }
     let mode = meta.mode() & 0o7777;
-    let root_sticky = meta.uid() == 0 && mode & libc::S_ISVTX as u32 != 0;
+    let root_sticky = meta.uid() == 0 && mode & libc::S_ISVTX != 0;
     if mode & 0o022 != 0 && !(role == Role::Ancestor && meta.is_dir() && root_sticky) {
         return Err(TrustError::Writable {
             what,
@@ -103,7 +103,11 @@ fn unreadable(path: &Path, e: std::io::Error) -> TrustError {
 /// every directory it passes through (`/` included) as an ancestor. Returns the
 /// resolved path, which is not a symlink (it may not exist, if `missing_ok`:
 /// then the rest of the path is appended unresolved, as it would be created).
-fn resolve_checked(path: &Path, what: &'static str, missing_ok: bool) -> Result<PathBuf, TrustError> {
+fn resolve_checked(
+    path: &Path,
+    what: &'static str,
+    missing_ok: bool,
+) -> Result<PathBuf, TrustError> {
     let absolute = if path.is_absolute() {
         path.to_path_buf()
     } else {
