@@ -662,3 +662,108 @@ fn plugins_honours_cache_dir_with_config() {
     assert!(!setup.cache().exists(), "used the config's cache_dir");
     assert_eq!(mode_of(&wanted), 0o700);
 }
+
+/// Not a check: the probe's cost in hot-add latency, printed. Each trial drops
+/// in a *new* build (the hot-add fixture with a unique tail appended, so its
+/// sha256 differs and the loader must copy, probe and open it), then waits for
+/// `/admin/status` to list it. With `KVHINT_BEFORE=<a kvhint binary>`, the
+/// same trials run against that binary too, interleaved, for an A/B in one
+/// run. Release artefacts.
+///
+/// ```sh
+/// KVHINT_BEFORE=/path/to/old/kvhint cargo test -p kvhint-e2e --test loader_attacks -- --ignored --nocapture hot_add_cost
+/// ```
+#[test]
+#[ignore = "a measurement, run by hand (see BENCHMARKS.md)"]
+fn hot_add_cost_of_a_new_build_per_trial() {
+    use std::io::{BufRead, BufReader};
+    let release = kvhint_e2e::release_dir();
+    let mut binaries = vec![("after", release.join("kvhint"))];
+    if let Some(before) = std::env::var_os("KVHINT_BEFORE") {
+        binaries.push(("before", PathBuf::from(before)));
+    }
+    let trials: usize = std::env::var("HOT_ADD_TRIALS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(10);
+    let hot_add = std::fs::read(release.join("libfixture_hot_add.so")).unwrap();
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .new_agent();
+    struct Running(std::process::Child);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut servers = Vec::new();
+    for (name, binary) in &binaries {
+        let dir = private_dir();
+        mkdir(&dir.path().join("plugins"), 0o700);
+        std::fs::copy(
+            release.join("libharness_prefetch.so"),
+            dir.path().join("plugins/libharness_prefetch.so"),
+        )
+        .unwrap();
+        chmod(&dir.path().join("plugins/libharness_prefetch.so"), 0o644);
+        let config = config_in(dir.path(), "  directory: plugins\n  cache_dir: cache\n");
+        let mut child = Command::new(binary)
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.path().join("serve.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let base = format!(
+            "http://{}",
+            line.trim().strip_prefix("listening on ").unwrap()
+        );
+        servers.push((*name, Running(child), base, dir, Vec::<f64>::new()));
+    }
+    let status = |base: &str| -> serde_json::Value {
+        let mut response = agent.get(&format!("{base}/admin/status")).call().unwrap();
+        serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap()
+    };
+    let has_it = |status: &serde_json::Value| {
+        status["plugins"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["name"] == "fixture-hot-add"))
+    };
+    for trial in 0..trials {
+        for (_, _, base, dir, samples) in servers.iter_mut() {
+            let plugins = dir.path().join("plugins");
+            let mut build = hot_add.clone();
+            build.extend_from_slice(format!("trial {trial} {}", samples.len()).as_bytes());
+            let tmp = plugins.join(".libfixture_hot_add.so.tmp");
+            std::fs::write(&tmp, &build).unwrap();
+            chmod(&tmp, 0o644);
+            let t0 = Instant::now();
+            std::fs::rename(&tmp, plugins.join("libfixture_hot_add.so")).unwrap();
+            while !has_it(&status(base)) {
+                assert!(t0.elapsed() < Duration::from_secs(20), "never loaded");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            samples.push(t0.elapsed().as_secs_f64() * 1e3);
+            std::fs::remove_file(plugins.join("libfixture_hot_add.so")).unwrap();
+            while has_it(&status(base)) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+    for (name, _, _, _, samples) in servers.iter_mut() {
+        let median = kvhint_e2e::bench::median(samples);
+        println!(
+            "{name}: rename of a new build → listed in /admin/status: median {median:.1} ms, min {:.1}, max {:.1} ({} trials): {samples:.1?}",
+            samples[0],
+            samples[samples.len() - 1],
+            samples.len()
+        );
+    }
+}

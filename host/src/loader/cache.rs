@@ -226,7 +226,7 @@ impl PluginCache {
                 let path = entry.path();
                 let name = entry.file_name();
                 let name = name.to_string_lossy();
-                let is_copy = name.ends_with(".so") && !name.starts_with('.');
+                let is_copy = is_copy_name(&name);
                 let is_partial = name.starts_with(".incoming-");
                 let is_file = entry.file_type().is_ok_and(|t| t.is_file());
                 if is_file && (is_partial || (is_copy && !keep.contains(&path))) {
@@ -297,6 +297,24 @@ impl PluginCache {
     }
 }
 
+/// Whether a file name is one [`PluginCache::store`] gives (`<stem>-<16 hex
+/// digits>.so`): the clean-up removes nothing else, whatever directory it is
+/// pointed at.
+fn is_copy_name(name: &str) -> bool {
+    let Some((stem, prefix)) = name
+        .strip_suffix(".so")
+        .and_then(|base| base.rsplit_once('-'))
+    else {
+        return false;
+    };
+    !stem.is_empty()
+        && !stem.starts_with('.')
+        && prefix.len() == 16
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// Reads `source` to its end (at most `limit` bytes, else an error), hashing;
 /// writes what it reads to `sink` when given. Returns the length and the hex
 /// sha256.
@@ -326,4 +344,43 @@ pub fn copy_hashing(
     }
     sink.flush()?;
     Ok((len, super::hex(&hasher.finalize())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_caches_own_names_are_cleaned_up() {
+        assert!(is_copy_name("libkv_fetch-0123456789abcdef.so"));
+        assert!(is_copy_name("my-plugin-0123456789abcdef.so"));
+        assert!(!is_copy_name("libkv_fetch.so"));
+        assert!(!is_copy_name("libssl-3.so"));
+        assert!(!is_copy_name("libkv_fetch-0123456789ABCDEF.so"));
+        assert!(!is_copy_name(".x-0123456789abcdef.so"));
+    }
+
+    #[test]
+    fn an_existing_directory_keeps_its_mode() {
+        let top = tempfile::tempdir().unwrap();
+        let open = top.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        for mode in [CacheMode::Persistent, CacheMode::Temporary] {
+            assert!(PluginCache::open(&open, mode).is_err());
+            let meta = std::fs::metadata(&open).unwrap();
+            assert_eq!(meta.mode() & 0o7777, 0o1777);
+        }
+        // Created: only the missing directories, each 0700.
+        let deep = top.path().join("a/b");
+        std::fs::set_permissions(top.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        PluginCache::open(&deep, CacheMode::Persistent).unwrap();
+        for dir in [top.path().join("a"), deep.clone()] {
+            assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o7777, 0o700);
+        }
+        assert_eq!(
+            std::fs::metadata(top.path()).unwrap().mode() & 0o7777,
+            0o755
+        );
+    }
 }
