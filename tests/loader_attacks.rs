@@ -202,6 +202,24 @@ fn a_2_gib_non_elf_file_is_refused_from_its_first_bytes() {
 }
 
 #[test]
+fn a_fifo_named_as_a_plugin_is_refused_without_blocking() {
+    let dir = private_dir();
+    let fifo = dir.path().join("libfifo.so");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    chmod(&fifo, 0o644);
+    // No writer ever opens it: a blocking open or read would hang here.
+    let output = run(Command::new(kvhint_bin())
+        .args(["plugins", "--file"])
+        .arg(&fifo));
+    let all = assert_refused(&output);
+    assert!(
+        all.contains("libfifo.so") && all.contains("it is not a regular file"),
+        "{all}"
+    );
+}
+
+#[test]
 fn max_file_bytes_is_a_located_setting_and_is_honoured() {
     let fixture = config_file(
         "plugins:\n  max_file_bytes: 10\nworker_selection:\n  decode: dynamo-default-cost-fn\n",

@@ -196,8 +196,9 @@ pub struct Loader {
     /// was refused after dlopen (it stays mapped either way, and is not opened
     /// again), and the private copy it was opened from.
     mapped: Mutex<HashMap<String, (Opened, PathBuf)>>,
-    /// Libraries the probe refused, by content hash, so a reload does not probe
-    /// them again (a timeout is not remembered: it may pass another time).
+    /// Libraries the probe refused for good, by content hash, so a reload does
+    /// not probe them again (see [`probe::is_lasting`]: a timeout or a missing
+    /// dependency is tried again).
     refused_by_probe: Mutex<HashMap<String, LoadErrorKind>>,
     /// Held for a whole load: loads run one at a time.
     loading: Mutex<()>,
@@ -405,7 +406,7 @@ impl Loader {
         // hangs the probe instead.
         let probe_started = std::time::Instant::now();
         if let Some(Err(kind)) = probe::run(&self.probe, &cached_path, self.probe_timeout) {
-            if !matches!(kind, LoadErrorKind::ProbeTimeout { .. }) {
+            if probe::is_lasting(&kind) {
                 self.refused_by_probe
                     .lock()
                     .insert(sha256.clone(), kind.clone());

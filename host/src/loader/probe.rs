@@ -151,12 +151,39 @@ impl Answer {
 /// The child's side: opens `file` as the router would and returns the answer
 /// line to print. Only reached through the hidden subcommand.
 pub fn child(file: &Path) -> String {
+    // A library that crashes here is expected to: leave no core file behind
+    // (`check` and `plugins` write nothing), whatever the shell's `ulimit -c`.
+    // SAFETY: plain system calls on this process, with valid arguments.
+    unsafe {
+        let none = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::setrlimit(libc::RLIMIT_CORE, &none);
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    }
     let opened = super::dlopen(file)
         .and_then(|()| super::read_root_module(file))
         .map(|(_, info)| info);
     let answer = serde_json::to_string(&Answer::of(&opened))
         .unwrap_or_else(|e| format!("{{\"result\":\"other\",\"detail\":\"{e}\"}}"));
     format!("{MARKER}{answer}")
+}
+
+/// Whether a refusal by the probe follows from the file's content alone, so
+/// the same build need not be probed again. A failure to start the probe, a
+/// timeout, a kill from outside (SIGKILL: the OOM killer) or a dynamic-linker
+/// error (a dependency may be installed meanwhile) is tried again next time.
+pub(crate) fn is_lasting(kind: &LoadErrorKind) -> bool {
+    match kind {
+        LoadErrorKind::ProbeCrashed { signal, .. } => !signal.starts_with("SIGKILL"),
+        LoadErrorKind::NoRootModule(_)
+        | LoadErrorKind::IncompatibleApi { .. }
+        | LoadErrorKind::AbiMismatch(_)
+        | LoadErrorKind::AbiVersion { .. }
+        | LoadErrorKind::PanicAbort => true,
+        _ => false,
+    }
 }
 
 /// The name of a signal, as `kill -l` gives it.
