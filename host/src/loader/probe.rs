@@ -288,7 +288,9 @@ fn run_child(program: &Path, file: &Path, timeout: Duration) -> Result<PluginInf
     let stdout = child.stdout.take().map(|p| drain(p, 64 << 10));
     let stderr = child.stderr.take().map(|p| drain(p, 16 << 10));
     let deadline = Instant::now() + timeout;
-    let mut pause = Duration::from_micros(200);
+    // Polled, so the child is reaped by this thread alone (a kill can never
+    // hit a recycled pid); at most 1 ms late, and a probe takes a few ms.
+    let mut pause = Duration::from_micros(100);
     let status = loop {
         match child.try_wait() {
             Ok(Some(status)) => break Some(status),
@@ -299,7 +301,7 @@ fn run_child(program: &Path, file: &Path, timeout: Duration) -> Result<PluginInf
             }
             Ok(None) => {
                 std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(10));
+                pause = (pause * 2).min(Duration::from_millis(1));
             }
             Err(e) => {
                 let _ = child.kill();
