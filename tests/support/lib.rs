@@ -275,7 +275,7 @@ pub fn registry_of(
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: private.path().join("cache"),
         max_libraries: 64,
-        probe: kvhint::loader::ProbeMode::Reexec(kvhint_bin()),
+        probe: probe_beside(dir),
         ..Default::default()
     })
     .unwrap();
@@ -286,13 +286,20 @@ pub fn registry_of(
     (registry, loader, private)
 }
 
+/// The probe the harness's loaders run: the `kvhint` binary built beside the
+/// plugins they load (it is one of the artefacts), named without building
+/// anything, so a loader that never loads a plugin never builds.
+fn probe_beside(dir: &Path) -> kvhint::loader::ProbeMode {
+    kvhint::loader::ProbeMode::Reexec(dir.join("kvhint"))
+}
+
 /// A loader with its own private cache.
 pub fn loader() -> (kvhint::loader::Loader, TempDir) {
     let cache = private_dir();
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: cache.path().join("cache"),
         max_libraries: 64,
-        probe: kvhint::loader::ProbeMode::Reexec(kvhint_bin()),
+        probe: probe_beside(&e2e_target_dir().join("debug")),
         ..Default::default()
     })
     .unwrap();
@@ -333,7 +340,7 @@ pub fn snapshot_of(
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: fixture.dir.path().join("cache"),
         max_libraries: 64,
-        probe: kvhint::loader::ProbeMode::Reexec(kvhint_bin()),
+        probe: probe_beside(&e2e_target_dir().join("debug")),
         ..Default::default()
     })
     .unwrap();
