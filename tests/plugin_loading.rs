@@ -369,6 +369,10 @@ fn libraries_refused_after_dlopen_stay_counted_and_count_against_the_cap() {
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: cache.path().join("cache"),
         max_libraries: 1,
+        // Refused *after* dlopen needs the library opened in this process: with
+        // the probe, the probe refuses it and it is never mapped here.
+        probe: kvhint::loader::ProbeMode::Off,
+        ..Default::default()
     })
     .unwrap();
     let refused = dir.path().join("libfixture_panic_abort.so");

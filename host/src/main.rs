@@ -136,12 +136,17 @@ enum Command {
         /// A plugin file; repeat for more [default: none].
         #[arg(long = "file", value_name = "FILE")]
         files: Vec<PathBuf>,
-        /// Where private copies of plugins are kept [default: the config's
-        /// `plugins.cache_dir`, else `$XDG_CACHE_HOME/kvhint/plugins`, else
-        /// `~/.cache/kvhint/plugins`].
+        /// Where private copies of plugins are kept, overriding the config's
+        /// `plugins.cache_dir` [default: a temporary directory removed on
+        /// exit, so nothing else is written].
         #[arg(long, value_name = "DIR")]
         cache_dir: Option<PathBuf>,
     },
+    /// Internal: open one private plugin copy in this child process and print
+    /// what it is, so a library that crashes on load kills this process and
+    /// not the router (the router runs it before opening any library).
+    #[command(name = "__probe-plugin", hide = true)]
+    ProbePlugin { file: PathBuf },
 }
 
 /// `serve` is a daemon whose reloads an operator wants to see; the other
@@ -245,13 +250,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             files,
             cache_dir,
         } => plugins(config, plugins_dir, files, cache_dir),
+        Command::ProbePlugin { file } => {
+            println!("{}", kvhint::loader::probe::child(&file));
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
-/// The loader for a config: its cache directory and library cap.
+/// The loader for a config: its cache directory and library cap. The offline
+/// commands check the configured cache directory but keep their copies in a
+/// temporary one, removed on exit: they write nothing else.
 fn loader_for(config: &Config) -> Result<Loader, ConfigError> {
-    Loader::new(&kvhint::loader::LoaderOptions::from_config(&config.plugins))
-        .map_err(|e| ConfigError::new(&config.file, None, e))
+    let options = LoaderOptions {
+        cache_mode: kvhint::loader::CacheMode::Temporary,
+        ..LoaderOptions::from_config(&config.plugins)
+    };
+    Loader::new(&options).map_err(|e| ConfigError::new(&config.file, None, e))
 }
 
 /// Parses the config and builds a snapshot, collecting every error from both.
@@ -463,10 +477,23 @@ fn plugins(
         .into_iter()
         .map(|path| PluginFile { path, sha256: None })
         .collect();
+    // `--cache-dir D` is a cache to keep (created if missing); without it the
+    // copies go to a temporary directory removed on exit.
+    let cache_for = |mut options: LoaderOptions| -> anyhow::Result<Loader> {
+        match &cache_dir {
+            Some(dir) => {
+                options.cache_dir = dir.clone();
+                options.cache_mode = kvhint::loader::CacheMode::Persistent;
+            }
+            None => options.cache_mode = kvhint::loader::CacheMode::Temporary,
+        }
+        Loader::new(&options).map_err(anyhow::Error::msg)
+    };
     let (loader, files) = match config {
         Some(file) => {
             let config = config::load(&file)?;
-            let loader = loader_for(&config)?;
+            let loader = cache_for(LoaderOptions::from_config(&config.plugins))
+                .with_context(|| file.display().to_string())?;
             let mut all = config.plugins.files.clone();
             all.extend(explicit);
             let files = catalog::plugin_files(
@@ -484,11 +511,7 @@ fn plugins(
                     "say which plugins to list: --config FILE, --plugins-dir DIR and/or --file FILE"
                 );
             }
-            let mut options = LoaderOptions::default();
-            if let Some(dir) = cache_dir {
-                options.cache_dir = dir;
-            }
-            let loader = Loader::new(&options).map_err(anyhow::Error::msg)?;
+            let loader = cache_for(LoaderOptions::default())?;
             let files = catalog::plugin_files(plugins_dir.as_deref(), &explicit, &|_| None)?;
             (loader, files)
         }

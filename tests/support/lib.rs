@@ -31,6 +31,7 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "fixture-versioned-v1",
     "fixture-versioned-v2",
     "fixture-raw-abi",
+    "fixture-ctor-abort",
 ];
 
 pub fn workspace_root() -> PathBuf {
@@ -352,6 +353,8 @@ pub fn registry_of(
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: private.path().join("cache"),
         max_libraries: 64,
+        probe: probe_beside(dir),
+        ..Default::default()
     })
     .unwrap();
     let mut registry = kvhint::registry::Registry::new();
@@ -361,12 +364,21 @@ pub fn registry_of(
     (registry, loader, private)
 }
 
+/// The probe the harness's loaders run: the `kvhint` binary built beside the
+/// plugins they load (it is one of the artefacts), named without building
+/// anything, so a loader that never loads a plugin never builds.
+fn probe_beside(dir: &Path) -> kvhint::loader::ProbeMode {
+    kvhint::loader::ProbeMode::Reexec(dir.join("kvhint"))
+}
+
 /// A loader with its own private cache.
 pub fn loader() -> (kvhint::loader::Loader, TempDir) {
     let cache = private_dir();
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: cache.path().join("cache"),
         max_libraries: 64,
+        probe: probe_beside(&e2e_target_dir().join("debug")),
+        ..Default::default()
     })
     .unwrap();
     (loader, cache)
@@ -406,6 +418,8 @@ pub fn snapshot_of(
     let loader = kvhint::loader::Loader::new(&kvhint::loader::LoaderOptions {
         cache_dir: fixture.dir.path().join("cache"),
         max_libraries: 64,
+        probe: probe_beside(&e2e_target_dir().join("debug")),
+        ..Default::default()
     })
     .unwrap();
     let snapshot = kvhint::snapshot::build(

@@ -189,6 +189,10 @@ pub struct PluginsConfig {
     pub sha256: BTreeMap<String, String>,
     pub cache_dir: Option<PathBuf>,
     pub max_libraries: usize,
+    /// Plugin files larger than this are refused from their size, unread.
+    pub max_file_bytes: u64,
+    /// How long the probe process may take to open a library.
+    pub probe_timeout_ms: u64,
 }
 
 impl Default for PluginsConfig {
@@ -200,6 +204,8 @@ impl Default for PluginsConfig {
             sha256: BTreeMap::new(),
             cache_dir: None,
             max_libraries: 64,
+            max_file_bytes: 256 << 20,
+            probe_timeout_ms: 10_000,
         }
     }
 }
@@ -490,7 +496,15 @@ fn plugins(walker: &mut Walker, node: &Node, base: &Path) -> PluginsConfig {
     walker.known_keys(
         map,
         "plugins",
-        &["directory", "files", "sha256", "cache_dir", "max_libraries"],
+        &[
+            "directory",
+            "files",
+            "sha256",
+            "cache_dir",
+            "max_libraries",
+            "max_file_bytes",
+            "probe_timeout_ms",
+        ],
     );
     if let Some(node) = map.get_node("directory") {
         if let Some(dir) = walker.string(node, "plugins.directory") {
@@ -582,6 +596,17 @@ fn plugins(walker: &mut Walker, node: &Node, base: &Path) -> PluginsConfig {
     if let Some(node) = map.get_node("max_libraries") {
         if let Some(n) = walker.unsigned(node, "plugins.max_libraries", 1, 1 << 16) {
             out.max_libraries = n as usize;
+        }
+    }
+    if let Some(node) = map.get_node("max_file_bytes") {
+        // At least an ELF header; at most 64 GiB.
+        if let Some(n) = walker.unsigned(node, "plugins.max_file_bytes", 64, 64 << 30) {
+            out.max_file_bytes = n;
+        }
+    }
+    if let Some(node) = map.get_node("probe_timeout_ms") {
+        if let Some(n) = walker.unsigned(node, "plugins.probe_timeout_ms", 1, 600_000) {
+            out.probe_timeout_ms = n;
         }
     }
     if out.directory.is_none() && !out.sha256.is_empty() {

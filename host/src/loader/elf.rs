@@ -9,7 +9,7 @@
 
 use object::elf;
 use object::read::elf::{FileHeader, ProgramHeader};
-use object::Endianness;
+use object::{Endianness, ReadRef};
 
 /// What is wrong with a file that should be a shared object.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -35,16 +35,41 @@ const HOST_MACHINE: u16 = elf::EM_AARCH64;
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 const HOST_MACHINE: u16 = elf::EM_NONE;
 
+/// How many leading bytes [`check_header`] looks at.
+pub const HEADER_BYTES: usize = 5;
+
+/// The cheap check on a file's first bytes, before anything else of it is
+/// read: the ELF magic and the 64-bit class.
+pub fn check_header(first: &[u8]) -> Result<(), ElfError> {
+    if first.len() < 4 || &first[..4] != b"\x7fELF" {
+        return Err(ElfError::NotElf(first.iter().take(4).copied().collect()));
+    }
+    if first.get(4) != Some(&elf::ELFCLASS64) {
+        return Err(ElfError::Not64Bit);
+    }
+    Ok(())
+}
+
 /// Checks that `bytes` is a 64-bit ELF shared object for this machine whose
 /// loadable segments all lie within the file.
 pub fn check_shared_object(bytes: &[u8]) -> Result<(), ElfError> {
-    if bytes.len() < 4 || &bytes[..4] != b"\x7fELF" {
-        return Err(ElfError::NotElf(bytes.iter().take(4).copied().collect()));
-    }
-    if bytes.get(4) != Some(&elf::ELFCLASS64) {
-        return Err(ElfError::Not64Bit);
-    }
-    let header = elf::FileHeader64::<Endianness>::parse(bytes)
+    check_data(bytes, bytes.len() as u64)
+}
+
+/// [`check_shared_object`] of a file of `len` bytes, reading only its headers
+/// (the ELF header, the program and section header tables, the section names),
+/// not the whole file.
+pub fn check_file(file: &std::fs::File, len: u64) -> Result<(), ElfError> {
+    let cache = object::read::ReadCache::new(file);
+    check_data(&cache, len)
+}
+
+fn check_data<'data, R: ReadRef<'data>>(data: R, len: u64) -> Result<(), ElfError> {
+    let first = data
+        .read_bytes_at(0, (HEADER_BYTES as u64).min(len))
+        .unwrap_or(&[]);
+    check_header(first)?;
+    let header = elf::FileHeader64::<Endianness>::parse(data)
         .map_err(|e| ElfError::Corrupt(e.to_string()))?;
     let endian = header
         .endian()
@@ -61,9 +86,8 @@ pub fn check_shared_object(bytes: &[u8]) -> Result<(), ElfError> {
         return Err(ElfError::NotSharedObject(kind));
     }
     let segments = header
-        .program_headers(endian, bytes)
+        .program_headers(endian, data)
         .map_err(|e| ElfError::Corrupt(e.to_string()))?;
-    let len = bytes.len() as u64;
     for (index, segment) in segments.iter().enumerate() {
         if segment.p_type(endian) != elf::PT_LOAD {
             continue;
@@ -78,7 +102,7 @@ pub fn check_shared_object(bytes: &[u8]) -> Result<(), ElfError> {
     }
     // The section headers are not used by dlopen, but a file whose table lies
     // past its end was cut short too.
-    if let Err(e) = header.sections(endian, bytes) {
+    if let Err(e) = header.sections(endian, data) {
         return Err(ElfError::Corrupt(e.to_string()));
     }
     Ok(())
@@ -107,6 +131,20 @@ mod tests {
             check_shared_object(b"#!/bin/sh\necho hi\n"),
             Err(ElfError::NotElf(_))
         ));
+    }
+
+    #[test]
+    fn a_file_is_checked_from_its_headers_alone() {
+        let path = std::env::current_exe().unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let len = file.metadata().unwrap().len();
+        assert_eq!(check_file(&file, len), Ok(()));
+        // The same file said to be cut short: its segments no longer fit.
+        assert!(matches!(
+            check_file(&file, 8192),
+            Err(ElfError::Truncated { .. })
+        ));
+        assert_eq!(check_header(b"\x7fELF\x01"), Err(ElfError::Not64Bit));
     }
 
     #[test]

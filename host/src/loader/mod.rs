@@ -10,25 +10,37 @@
 //! `init_root_module`; its `load_from_*` helpers cache one module per type and
 //! would hand back the first plugin for every file).
 //!
+//! Before any of that, the file is checked without reading it whole: its size
+//! against `plugins.max_file_bytes` (from `fstat`, so a 100 GiB sparse file is
+//! refused unread), then its first bytes for the ELF magic and class. Its
+//! sha256 is computed while streaming, and the structural ELF check reads only
+//! the private copy's headers. And because `dlopen` runs a library's
+//! constructors, the private copy is first opened by a child process (the
+//! router re-executing itself, see [`probe`]); only a file the probe survived
+//! is opened in the router.
+//!
 //! Libraries are never unloaded: Rust thread-local destructors registered by a
 //! plugin would run into unmapped code after `dlclose`. Replaced builds stay
 //! mapped; [`Loader::libraries_mapped`] counts them and `max_libraries` caps them.
 
 mod cache;
 pub mod elf;
+pub mod probe;
 pub mod trust;
 
-pub use cache::default_cache_dir;
+pub use cache::{default_cache_dir, CacheMode};
+pub use probe::ProbeMode;
 
 use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
 use kvhint_plugin_api::abi::PluginModRef;
 use kvhint_plugin_api::{ABI_VERSION, API_VERSION};
 use parking_lot::Mutex;
-use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fmt;
+use std::io::{Read, Seek};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// A plugin file that was refused, and why.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -73,6 +85,14 @@ pub enum LoadErrorKind {
     AbiVersion { plugin: u32 },
     #[error("it was built with panic = \"abort\", so any panic in it would abort the router; remove `panic = \"abort\"` from its Cargo profile (the default, \"unwind\", lets the router contain panics) and rebuild")]
     PanicAbort,
+    #[error("it is {size} bytes, more than `plugins.max_file_bytes` ({limit}); it was not read. A plugin is a few MB; if this file really is one, raise `plugins.max_file_bytes`")]
+    TooLarge { size: u64, limit: u64 },
+    #[error("opening it killed the probe process with {signal}{output}: its initialisation code (a constructor `dlopen` runs) aborts or crashes, so the router did not open it and keeps serving; fix the plugin (or remove the file), rebuild and drop it in again")]
+    ProbeCrashed { signal: String, output: String },
+    #[error("opening it in the probe process did not finish within {ms} ms, so the probe was killed and the router did not open it: its initialisation code (a constructor `dlopen` runs) hangs or is very slow; fix the plugin, or raise `plugins.probe_timeout_ms`")]
+    ProbeTimeout { ms: u64 },
+    #[error("{what}; the router did not open it")]
+    ProbeFailed { what: String },
     #[error("{mapped} plugin libraries are already mapped (the cap is {cap}); libraries are never unloaded, so restart the router to reclaim replaced builds, or raise `plugins.max_libraries`")]
     TooManyLibraries { mapped: usize, cap: usize },
 }
@@ -109,19 +129,37 @@ impl fmt::Debug for LoadedPlugin {
     }
 }
 
+/// The default of `plugins.max_file_bytes`: 256 MiB.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 256 << 20;
+/// The default of `plugins.probe_timeout_ms`.
+pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Settings of the loader.
 #[derive(Debug, Clone)]
 pub struct LoaderOptions {
     pub cache_dir: PathBuf,
+    /// Whether the copies go to `cache_dir` or to a temporary directory removed
+    /// with the loader (`check`, `plugins` and `replay` write nothing else).
+    pub cache_mode: CacheMode,
     /// How many distinct plugin libraries may be mapped over the process's life.
     pub max_libraries: usize,
+    /// Larger files are refused from their size alone, unread.
+    pub max_file_bytes: u64,
+    /// How a library is opened in a child process before the router opens it.
+    /// The default re-executes the running program; see [`ProbeMode`].
+    pub probe: ProbeMode,
+    /// How long the probe may take before it is killed and the file refused.
+    pub probe_timeout: Duration,
 }
 
 impl LoaderOptions {
-    /// The loader settings a config's `plugins:` section asks for.
+    /// The loader settings a config's `plugins:` section asks for. The probe
+    /// is always on ([`ProbeMode::CurrentExe`]): the config cannot turn it off.
     pub fn from_config(plugins: &crate::config::PluginsConfig) -> Self {
         let mut options = Self {
             max_libraries: plugins.max_libraries,
+            max_file_bytes: plugins.max_file_bytes,
+            probe_timeout: Duration::from_millis(plugins.probe_timeout_ms),
             ..Default::default()
         };
         if let Some(dir) = &plugins.cache_dir {
@@ -135,7 +173,11 @@ impl Default for LoaderOptions {
     fn default() -> Self {
         Self {
             cache_dir: default_cache_dir(),
+            cache_mode: CacheMode::Persistent,
             max_libraries: 64,
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
+            probe: ProbeMode::CurrentExe,
+            probe_timeout: DEFAULT_PROBE_TIMEOUT,
         }
     }
 }
@@ -147,10 +189,19 @@ type Opened = Result<(PluginModRef, PluginInfo), LoadErrorKind>;
 pub struct Loader {
     cache: cache::PluginCache,
     max_libraries: usize,
+    max_file_bytes: u64,
+    probe: ProbeMode,
+    probe_timeout: Duration,
     /// Every library dlopened so far, by content hash: its module, or why it
     /// was refused after dlopen (it stays mapped either way, and is not opened
-    /// again).
-    mapped: Mutex<HashMap<String, Opened>>,
+    /// again), and the private copy it was opened from.
+    mapped: Mutex<HashMap<String, (Opened, PathBuf)>>,
+    /// Libraries the probe refused for good, by content hash, so a reload does
+    /// not probe them again (see [`probe::is_lasting`]: a timeout or a missing
+    /// dependency is tried again).
+    refused_by_probe: Mutex<HashMap<String, LoadErrorKind>>,
+    /// Held for a whole load: loads run one at a time.
+    loading: Mutex<()>,
 }
 
 impl fmt::Debug for Loader {
@@ -238,9 +289,14 @@ fn chain(e: &dyn std::error::Error) -> String {
 impl Loader {
     pub fn new(options: &LoaderOptions) -> Result<Self, String> {
         Ok(Self {
-            cache: cache::PluginCache::open(&options.cache_dir)?,
+            cache: cache::PluginCache::open(&options.cache_dir, options.cache_mode)?,
             max_libraries: options.max_libraries,
+            max_file_bytes: options.max_file_bytes,
+            probe: options.probe.clone(),
+            probe_timeout: options.probe_timeout,
             mapped: Mutex::new(HashMap::new()),
+            refused_by_probe: Mutex::new(HashMap::new()),
+            loading: Mutex::new(()),
         })
     }
 
@@ -277,10 +333,24 @@ impl Loader {
             )));
         }
         trust::check_plugin_file(path, &opened).map_err(|e| fail(e.into()))?;
-        let mut bytes = Vec::with_capacity(opened.len() as usize);
-        std::io::Read::read_to_end(&mut file, &mut bytes)
-            .map_err(|e| fail(LoadErrorKind::Io(e.to_string())))?;
-        let sha256 = hex(&Sha256::digest(&bytes));
+        // The size from fstat, before a byte is read: a sparse 100 GiB file
+        // costs nothing to refuse.
+        let io = |e: std::io::Error| fail(LoadErrorKind::Io(e.to_string()));
+        if opened.len() > self.max_file_bytes {
+            return Err(fail(LoadErrorKind::TooLarge {
+                size: opened.len(),
+                limit: self.max_file_bytes,
+            }));
+        }
+        // Then the first bytes: a file that is not a 64-bit ELF file is refused
+        // before the rest is read.
+        let mut first = [0u8; elf::HEADER_BYTES];
+        let got = read_up_to(&mut file, &mut first).map_err(io)?;
+        elf::check_header(&first[..got]).map_err(|e| fail(e.into()))?;
+        file.rewind().map_err(io)?;
+        // The hash, streamed (never the whole file in memory).
+        let (_, sha256) =
+            cache::copy_hashing(&mut file, std::io::sink(), self.max_file_bytes).map_err(io)?;
         if let Some(expected) = pin {
             if !expected.eq_ignore_ascii_case(&sha256) {
                 return Err(fail(LoadErrorKind::PinMismatch {
@@ -289,22 +359,24 @@ impl Loader {
                 }));
             }
         }
-        elf::check_shared_object(&bytes).map_err(|e| fail(e.into()))?;
 
-        let mut mapped = self.mapped.lock();
         let stem = path
             .file_stem()
             .and_then(|s| s.to_str())
             .unwrap_or("plugin");
-        if let Some(known) = mapped.get(&sha256) {
+        // One load at a time; `mapped` itself is locked only briefly, so the
+        // status and metrics never wait for a probe.
+        let _loading = self.loading.lock();
+        if let Some(kind) = self.refused_by_probe.lock().get(&sha256) {
+            return Err(fail(kind.clone()));
+        }
+        let mapped = self.mapped.lock();
+        if let Some((known, cached_path)) = mapped.get(&sha256) {
             // Same content as a library already mapped: nothing to do.
             let (module, info) = known.as_ref().map_err(|kind| fail(kind.clone()))?;
             return Ok(LoadedPlugin {
                 path: path.to_path_buf(),
-                cached_path: self
-                    .cache
-                    .dir()
-                    .join(format!("{stem}-{}.so", sha256.get(..16).unwrap_or(&sha256))),
+                cached_path: cached_path.clone(),
                 sha256,
                 info: info.clone(),
                 module: *module,
@@ -316,20 +388,47 @@ impl Loader {
                 cap: self.max_libraries,
             }));
         }
+        drop(mapped);
+        // The private copy, streamed again, checked to be the same bytes, and
+        // its ELF structure checked from its headers before it gets its name.
+        file.rewind().map_err(io)?;
         let cached_path = self
             .cache
-            .store(stem, &sha256, &bytes)
-            .map_err(|e| fail(LoadErrorKind::Cache(e)))?;
+            .store(
+                stem,
+                &sha256,
+                &mut file,
+                self.max_file_bytes,
+                |copy, len| elf::check_file(copy, len).map_err(LoadErrorKind::from),
+            )
+            .map_err(fail)?;
+        // A library whose initialisation kills or hangs the process kills or
+        // hangs the probe instead.
+        let probe_started = std::time::Instant::now();
+        if let Some(Err(kind)) = probe::run(&self.probe, &cached_path, self.probe_timeout) {
+            if probe::is_lasting(&kind) {
+                self.refused_by_probe
+                    .lock()
+                    .insert(sha256.clone(), kind.clone());
+            }
+            self.prune();
+            return Err(fail(kind));
+        }
+        let probe_ms = probe_started.elapsed().as_secs_f64() * 1e3;
         dlopen(&cached_path).map_err(fail)?;
         // From here the library is mapped for good, whatever the checks say.
         let opened = read_root_module(&cached_path);
-        mapped.insert(sha256.clone(), opened.clone());
+        self.mapped
+            .lock()
+            .insert(sha256.clone(), (opened.clone(), cached_path.clone()));
+        self.prune();
         let (module, info) = opened.map_err(fail)?;
         tracing::info!(
             plugin = %info.name,
             version = %info.version,
             file = %path.display(),
             sha256 = %sha256,
+            probe_ms = format!("{probe_ms:.1}"),
             "loaded plugin"
         );
         Ok(LoadedPlugin {
@@ -340,10 +439,36 @@ impl Loader {
             module,
         })
     }
+
+    /// Removes the cache's copies of libraries this process has not mapped
+    /// (see the cache's docs: only when no other process uses the cache).
+    fn prune(&self) {
+        let keep: Vec<PathBuf> = self
+            .mapped
+            .lock()
+            .values()
+            .map(|(_, path)| path.clone())
+            .collect();
+        self.cache.prune(&keep);
+    }
+}
+
+/// Reads into `buffer` until it is full or the file ends; returns how much.
+fn read_up_to(file: &mut std::fs::File, buffer: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buffer.len() {
+        match file.read(&mut buffer[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
 }
 
 /// dlopen of the private copy, with `RTLD_NOW | RTLD_LOCAL`.
-fn dlopen(cached: &Path) -> Result<(), LoadErrorKind> {
+pub(crate) fn dlopen(cached: &Path) -> Result<(), LoadErrorKind> {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
     // SAFETY: running a library's initialisers is what loading a plugin means;
     // the file was checked as a whole ELF shared object owned by a trusted user.
@@ -356,7 +481,7 @@ fn dlopen(cached: &Path) -> Result<(), LoadErrorKind> {
 }
 
 /// The root module of a dlopened library, and the version and panic checks.
-fn read_root_module(cached: &Path) -> Opened {
+pub(crate) fn read_root_module(cached: &Path) -> Opened {
     let header = lib_header_from_path(cached).map_err(|e| match e {
         LibraryError::GetSymbolError { .. } => LoadErrorKind::NoRootModule(format!(
             "it does not export `{}`",
@@ -409,7 +534,7 @@ pub fn module_info(module: PluginModRef) -> PluginInfo {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     use fmt::Write;
     bytes.iter().fold(String::with_capacity(64), |mut s, b| {
         let _ = write!(s, "{b:02x}");

@@ -251,6 +251,7 @@ mod tests {
         let loader = Loader::new(&crate::loader::LoaderOptions {
             cache_dir: dir.path().join("cache"),
             max_libraries: 4,
+            ..crate::loader::LoaderOptions::default()
         })
         .expect("a loader");
         let mut reloader = Reloader::new(&file, None, loader);
