@@ -478,3 +478,41 @@ fn a_reload_that_changes_a_restart_only_setting_is_refused() {
         "the old snapshot keeps serving"
     );
 }
+
+#[test]
+fn a_reload_that_changes_the_loaders_size_cap_or_probe_timeout_is_refused() {
+    let roles =
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
+    let setup = Setup::with_prefetch(roles);
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    drop_in(
+        &setup.config(),
+        format!(
+            "plugins:\n  directory: plugins\n  cache_dir: cache\n  max_file_bytes: 1048576\n  probe_timeout_ms: 500\nrouter:\n  block_size: 4\n  max_prompt_tokens: 256\nworker_selection:\n{roles}"
+        )
+        .as_bytes(),
+    );
+    let (status, body) = server.post_raw("/admin/reload", "application/json", "");
+    assert_eq!(status, 422, "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    for (key, says) in [
+        (
+            "plugins.max_file_bytes",
+            "uses 268435456 bytes, the config now says 1048576",
+        ),
+        (
+            "plugins.probe_timeout_ms",
+            "uses 10000 ms, the config now says 500",
+        ),
+    ] {
+        assert!(
+            detail.contains(key) && detail.contains(says) && detail.contains("needs a restart"),
+            "{key}: {detail}"
+        );
+    }
+    assert_eq!(
+        server.status()["generation"],
+        1,
+        "the old snapshot keeps serving"
+    );
+}

@@ -112,13 +112,16 @@ impl Snapshot {
 
 /// Settings a running router keeps until it restarts: the KV index is keyed
 /// by the block size, the watch is on the plugins directory, and the loader's
-/// cache and cap are the process's. A reload that changes one is refused.
+/// cache, cap, file-size limit and probe timeout are the process's. A reload
+/// that changes one is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FixedSettings {
     pub block_size: usize,
     pub plugins_directory: Option<PathBuf>,
     pub cache_dir: Option<PathBuf>,
     pub max_libraries: usize,
+    pub max_file_bytes: u64,
+    pub probe_timeout_ms: u64,
 }
 
 impl FixedSettings {
@@ -128,6 +131,8 @@ impl FixedSettings {
             plugins_directory: config.plugins.directory.clone(),
             cache_dir: config.plugins.cache_dir.clone(),
             max_libraries: config.plugins.max_libraries,
+            max_file_bytes: config.plugins.max_file_bytes,
+            probe_timeout_ms: config.plugins.probe_timeout_ms,
         }
     }
 }
@@ -211,6 +216,29 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
                     show(&wanted.cache_dir)
                 ),
             );
+        }
+        for (path, running, wanted, unit) in [
+            (
+                "plugins.max_file_bytes",
+                running.max_file_bytes,
+                wanted.max_file_bytes,
+                "bytes",
+            ),
+            (
+                "plugins.probe_timeout_ms",
+                running.probe_timeout_ms,
+                wanted.probe_timeout_ms,
+                "ms",
+            ),
+        ] {
+            if running != wanted {
+                refuse(
+                    path,
+                    format!(
+                        "the running router's loader uses {running} {unit}, the config now says {wanted}"
+                    ),
+                );
+            }
         }
         if running.max_libraries != wanted.max_libraries {
             refuse(
