@@ -794,7 +794,21 @@ fn check(config: &Path) -> (bool, String) {
 fn auth_and_limit_mistakes_are_located_and_check_reads_the_token_files() {
     let (dir, config) = setup("", true);
     let file = config.display().to_string();
-    assert!(check(&config).0, "{}", check(&config).1);
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("auth: admin 1 token, worker 1 token, client 1 token"),
+        "{stdout}"
+    );
     // An unsafe token file fails `check` as it would fail `serve`, at its key.
     std::fs::set_permissions(
         dir.path().join("worker.token"),

@@ -401,6 +401,22 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    match &snapshot.tokens {
+        Some(tokens) => {
+            let classes: Vec<String> = kvhint::config::auth::Caller::ALL
+                .iter()
+                .map(|&caller| match tokens.count(caller) {
+                    0 => format!("{caller} (admin token only)"),
+                    1 => format!("{caller} 1 token"),
+                    n => format!("{caller} {n} tokens"),
+                })
+                .collect();
+            println!("auth: {}", classes.join(", "));
+        }
+        None => println!(
+            "auth: none (serve refuses a non-loopback --listen without --allow-unauthenticated)"
+        ),
+    }
     let kv_events = &config.kv_events;
     if !kv_events.sources.is_empty() {
         println!(

@@ -148,6 +148,11 @@ impl Tokens {
         admitted
     }
 
+    /// How many tokens `caller` has of its own.
+    pub fn count(&self, caller: Caller) -> usize {
+        self.digests.iter().filter(|(c, _)| *c == caller).count()
+    }
+
     /// Reads every token file `auth` names. Each problem is one error at the
     /// key that names the file; a token's text is never in a message.
     pub fn load(config_file: &Path, auth: &AuthConfig) -> Result<Tokens, Vec<ConfigError>> {
