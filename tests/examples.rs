@@ -108,40 +108,16 @@ fn every_router_mode_has_an_example() {
     }
 }
 
-#[test]
-fn the_round_robin_example_books_without_hints() {
+/// Replays the bundled trace on `config` (a path under the examples copy),
+/// as the README runs it; the output lines, parsed.
+fn replay_example(config: &str) -> Vec<Value> {
     let root = examples_copy();
     let output = Command::new(kvhint_bin())
         .current_dir(root.path())
         .args([
             "replay",
             "--config",
-            "examples/kvhint-round-robin.yaml",
-            "--trace",
-            "examples/trace.jsonl",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}");
-    let lines: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let summary = &lines.last().unwrap()["summary"];
-    assert_eq!(summary["hints"], 0, "{stdout}");
-    assert_eq!(summary["committed_copies"], 0, "{stdout}");
-}
-
-#[test]
-fn bundled_example_replay_sends_a_committed_copy_and_a_best_effort_fetch() {
-    let root = examples_copy();
-    let output = Command::new(kvhint_bin())
-        .current_dir(root.path())
-        .args([
-            "replay",
-            "--config",
-            "examples/kvhint.yaml",
+            config,
             "--trace",
             "examples/trace.jsonl",
         ])
@@ -153,10 +129,23 @@ fn bundled_example_replay_sends_a_committed_copy_and_a_best_effort_fetch() {
         "{stdout}{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let lines: Vec<Value> = stdout
+    stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn the_round_robin_example_books_without_hints() {
+    let lines = replay_example("examples/kvhint-round-robin.yaml");
+    let summary = &lines.last().unwrap()["summary"];
+    assert_eq!(summary["hints"], 0, "{summary}");
+    assert_eq!(summary["committed_copies"], 0, "{summary}");
+}
+
+#[test]
+fn bundled_example_replay_sends_a_committed_copy_and_a_best_effort_fetch() {
+    let lines = replay_example("examples/kvhint.yaml");
     let booking = |id: &str| lines.iter().find(|b| b["request_id"] == id).unwrap();
     // Under kvcr: the committed copy, sent by kv_fetch.
     assert_eq!(booking("r1")["committed_copy"]["source_worker_id"], 3);
