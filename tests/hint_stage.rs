@@ -2,7 +2,7 @@
 //! cap), R8 (a failing policy loses only its own actions) and R10 (the engine
 //! envelope).
 
-use kvhint::hints::{FailureKind, HintLimits, HintPolicyInstance, HintStage};
+use kvhint::hints::{FailureKind, HintLimits, HintPolicyInstance, HintStage, Quarantine};
 use kvhint::registry::Registry;
 use kvhint_e2e::{build_dir, registry_of, TempDir};
 use kvhint_plugin_api::testing::{TestBooking, TestKvCopy, TestPeer, TestWorker};
@@ -19,13 +19,17 @@ fn registry() -> (Registry, kvhint::loader::Loader, TempDir) {
 }
 
 fn stage(registry: &Registry, items: &[(&str, &str, Value)]) -> HintStage {
+    stage_with(registry, items, HintLimits::default())
+}
+
+fn stage_with(registry: &Registry, items: &[(&str, &str, Value)], limits: HintLimits) -> HintStage {
     let policies = items
         .iter()
         .map(|(name, type_name, parameters)| {
             HintPolicyInstance::new(*name, registry.construct(type_name, parameters).unwrap())
         })
         .collect();
-    HintStage::new(policies, HintLimits::default())
+    HintStage::new(policies, limits)
 }
 
 fn booking() -> TestBooking {
@@ -306,4 +310,113 @@ fn constructor_errors_and_panics_are_reported_with_plugin_and_type() {
         error.to_string().contains("unknown field `max_block`"),
         "{error}"
     );
+}
+
+#[test]
+fn a_policy_whose_calls_keep_running_over_its_budget_is_quarantined_until_reload() {
+    let (registry, ..) = registry();
+    let limits = HintLimits {
+        budget_ns: 100_000,
+        quarantine_after_overruns: 3,
+        ..HintLimits::default()
+    };
+    // Every call of `slow` sleeps 2 ms: 20 times the 100 µs budget.
+    let stage = stage_with(
+        &registry,
+        &[
+            ("slow", "slow", json!({"sleep_us": 2000})),
+            ("harness_prefetch", "harness_prefetch", json!({})),
+        ],
+        limits,
+    );
+    for round in 1..=5 {
+        let outcome = booking().with_raw_context(|context| stage.run(context));
+        let types = action_types(&message(&outcome));
+        if round <= 3 {
+            // An overrunning call finished: its actions still go out.
+            assert_eq!(types, ["test.slow", "kv.prefetch"], "round {round}");
+        } else {
+            assert_eq!(types, ["kv.prefetch"], "round {round}: quarantined");
+        }
+        assert!(outcome.failures.is_empty(), "an overrun is not a failure");
+    }
+    let slow = &stage.policies()[0];
+    assert_eq!(slow.stats.over_budget.load(Ordering::Relaxed), 3);
+    assert_eq!(slow.stats.skipped_quarantined.load(Ordering::Relaxed), 2);
+    assert_eq!(slow.stats.quarantines.load(Ordering::Relaxed), 1);
+    assert_eq!(slow.quarantine(), Some(Quarantine::OverBudget));
+    assert!(!stage.policies()[1].is_quarantined());
+}
+
+#[test]
+fn overruns_must_come_in_a_row_to_quarantine() {
+    let (registry, ..) = registry();
+    let limits = HintLimits {
+        budget_ns: 100_000,
+        quarantine_after_overruns: 2,
+        ..HintLimits::default()
+    };
+    // Slow on every other call only: never two overruns in a row.
+    let stage = stage_with(
+        &registry,
+        &[("slow", "slow", json!({"sleep_us": 2000, "every": 2}))],
+        limits,
+    );
+    for _ in 0..10 {
+        let outcome = booking().with_raw_context(|context| stage.run(context));
+        assert_eq!(action_types(&message(&outcome)), ["test.slow"]);
+    }
+    let slow = &stage.policies()[0];
+    assert_eq!(slow.stats.over_budget.load(Ordering::Relaxed), 5);
+    assert!(!slow.is_quarantined());
+    // And no budget at all (0) counts nothing.
+    let unbudgeted = stage_with(
+        &registry,
+        &[("slow", "slow", json!({"sleep_us": 2000}))],
+        HintLimits {
+            budget_ns: 0,
+            ..HintLimits::default()
+        },
+    );
+    for _ in 0..3 {
+        booking().with_raw_context(|context| unbudgeted.run(context));
+    }
+    assert_eq!(
+        unbudgeted.policies()[0]
+            .stats
+            .over_budget
+            .load(Ordering::Relaxed),
+        0
+    );
+}
+
+#[test]
+fn the_budget_comes_from_the_config_and_a_reload_lifts_the_quarantine() {
+    let fixture = kvhint_e2e::config_file(
+        "plugins:\n  files: ['{so:fixture_misbehaving}']\n  cache_dir: ./cache\nrouter: {block_size: 4, policy_budget_us: 100, quarantine_after_overruns: 3}\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: slow, parameters: {sleep_us: 2000}}]\n",
+    );
+    let mut records = vec![kvhint_e2e::trace::worker(1, 0, "decode", true, "decode")];
+    for i in 0..5 {
+        records.push(kvhint_e2e::trace::request(
+            &format!("r{i}"),
+            "decode",
+            &kvhint_e2e::trace::tokens(1, 8),
+        ));
+        records.push(kvhint_e2e::trace::release(&format!("r{i}")));
+    }
+    let hinted = |snapshot: &kvhint::snapshot::Snapshot| -> Vec<bool> {
+        let (bookings, _) = kvhint_e2e::replay_records(snapshot, &records);
+        bookings
+            .iter()
+            .filter(|b| b["request_id"].is_string())
+            .map(|b| kvhint_e2e::action_types(b) == ["test.slow"])
+            .collect()
+    };
+    let (snapshot, _loader) = kvhint_e2e::snapshot_of(&fixture, None).unwrap();
+    assert_eq!(hinted(&snapshot), [true, true, true, false, false]);
+    let slow = &snapshot.roles[0].hints.policies()[0];
+    assert_eq!(slow.quarantine(), Some(Quarantine::OverBudget));
+    // A new snapshot (what a reload builds) starts the policy afresh.
+    let (rebuilt, _loader) = kvhint_e2e::snapshot_of(&fixture, None).unwrap();
+    assert!(!rebuilt.roles[0].hints.policies()[0].is_quarantined());
 }

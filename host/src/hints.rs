@@ -10,6 +10,16 @@
 //!   else; failures are counted per policy, and a policy that has panicked
 //!   `quarantine_after_panics` times is skipped until the next reload (a reload
 //!   builds fresh instances). The stage never fails the booking.
+//! - The time budget: plugins run in the router's process, on the booking's
+//!   thread, so a policy that blocks holds up every booking behind it. A call
+//!   that takes longer than `router.policy_budget_us` is counted; a policy whose
+//!   last `quarantine_after_overruns` calls in a row all ran over is quarantined
+//!   until the next reload, like one that keeps panicking. Calls in a row, not in
+//!   total, so a healthy policy preempted now and then is never quarantined; and
+//!   many of them (20 by default, over a 10 ms budget), because one stall of the
+//!   whole process (CPU throttling of its cgroup, a VM pause) delays every call
+//!   in flight at once. An overrunning call's actions still go out: it did
+//!   finish.
 
 use crate::domain::Worker;
 use crate::envelope::{self, MAX_ACTIONS};
@@ -21,7 +31,7 @@ use kvhint_plugin_api::abi::{
 use kvhint_plugin_api::policy::Commitments;
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -84,6 +94,8 @@ pub struct PolicyStats {
     pub actions: AtomicU64,
     pub skipped_quarantined: AtomicU64,
     pub quarantines: AtomicU64,
+    /// Calls that took longer than the time budget.
+    pub over_budget: AtomicU64,
     pub latency: LatencyHistogram,
 }
 
@@ -126,7 +138,27 @@ pub struct HintPolicyInstance {
     /// Panics of this instance; quarantine is per snapshot, so a reload (a new
     /// instance) gives a fixed plugin a fresh start.
     panics: AtomicU64,
+    /// Calls in a row over the time budget.
+    overruns: AtomicU64,
     quarantined: AtomicBool,
+    /// Why it was quarantined: [`Quarantine`] as a number (0: it is not).
+    quarantine_reason: AtomicU8,
+}
+
+/// Why a policy is skipped until the next reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quarantine {
+    Panics = 1,
+    OverBudget = 2,
+}
+
+impl Quarantine {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Quarantine::Panics => "panics",
+            Quarantine::OverBudget => "over_budget",
+        }
+    }
 }
 
 impl HintPolicyInstance {
@@ -149,12 +181,34 @@ impl HintPolicyInstance {
             policy: constructed.policy,
             stats,
             panics: AtomicU64::new(0),
+            overruns: AtomicU64::new(0),
             quarantined: AtomicBool::new(false),
+            quarantine_reason: AtomicU8::new(0),
         }
     }
 
     pub fn is_quarantined(&self) -> bool {
         self.quarantined.load(Ordering::Relaxed)
+    }
+
+    /// Why it is quarantined, if it is.
+    pub fn quarantine(&self) -> Option<Quarantine> {
+        match self.quarantine_reason.load(Ordering::Relaxed) {
+            1 => Some(Quarantine::Panics),
+            2 => Some(Quarantine::OverBudget),
+            _ => None,
+        }
+    }
+
+    /// Quarantines it for `reason` (the first reason sticks); true if it was not yet.
+    fn quarantine_for(&self, reason: Quarantine) -> bool {
+        if self.quarantined.swap(true, Ordering::Relaxed) {
+            return false;
+        }
+        self.quarantine_reason
+            .store(reason as u8, Ordering::Relaxed);
+        self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
+        true
     }
 }
 
@@ -163,6 +217,12 @@ pub struct HintLimits {
     pub max_actions: usize,
     /// Panics after which a policy is skipped until the next reload.
     pub quarantine_after_panics: u64,
+    /// `router.policy_budget_us` in nanoseconds: a call longer than this is over
+    /// budget (0: no budget).
+    pub budget_ns: u64,
+    /// Calls in a row over budget after which a policy is skipped until the
+    /// next reload.
+    pub quarantine_after_overruns: u64,
 }
 
 impl Default for HintLimits {
@@ -170,6 +230,8 @@ impl Default for HintLimits {
         Self {
             max_actions: MAX_ACTIONS,
             quarantine_after_panics: 3,
+            budget_ns: 10_000_000,
+            quarantine_after_overruns: 20,
         }
     }
 }
@@ -278,7 +340,25 @@ impl HintStage {
         stats.calls.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let result = instance.policy.build_hints(context);
-        stats.latency.observe(started.elapsed().as_nanos() as u64);
+        let took = started.elapsed().as_nanos() as u64;
+        stats.latency.observe(took);
+        if self.limits.budget_ns > 0 && took > self.limits.budget_ns {
+            stats.over_budget.fetch_add(1, Ordering::Relaxed);
+            let overruns = instance.overruns.fetch_add(1, Ordering::Relaxed) + 1;
+            if overruns >= self.limits.quarantine_after_overruns
+                && instance.quarantine_for(Quarantine::OverBudget)
+            {
+                tracing::error!(
+                    policy = %instance.name,
+                    overruns,
+                    last_call_us = took / 1000,
+                    budget_us = self.limits.budget_ns / 1000,
+                    "hint policy quarantined until the next reload: its calls keep running over router.policy_budget_us (plugins run in the router's process and must not block)"
+                );
+            }
+        } else {
+            instance.overruns.store(0, Ordering::Relaxed);
+        }
         let mut fail = |kind: FailureKind, message: String| {
             stats.failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(policy = %instance.name, kind = ?kind, %message, "hint policy dropped its actions for this booking");
@@ -308,9 +388,8 @@ impl HintStage {
                 stats.panics.fetch_add(1, Ordering::Relaxed);
                 let panics = instance.panics.fetch_add(1, Ordering::Relaxed) + 1;
                 if panics >= self.limits.quarantine_after_panics
-                    && !instance.quarantined.swap(true, Ordering::Relaxed)
+                    && instance.quarantine_for(Quarantine::Panics)
                 {
-                    stats.quarantines.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(policy = %instance.name, panics, "hint policy quarantined until the next reload");
                 }
                 fail(FailureKind::Panic, e.message.into_string())

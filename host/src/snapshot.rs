@@ -264,6 +264,8 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
     let selections = SelectionRegistry::with_builtins();
     let limits = HintLimits {
         quarantine_after_panics: config.router.quarantine_after_panics,
+        budget_ns: config.router.policy_budget_us.saturating_mul(1_000),
+        quarantine_after_overruns: config.router.quarantine_after_overruns,
         ..HintLimits::default()
     };
     let env = SelectionEnv {

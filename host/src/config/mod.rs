@@ -224,6 +224,10 @@ pub struct RouterConfig {
     pub mode: RouterMode,
     pub block_size: usize,
     pub quarantine_after_panics: u64,
+    /// A hint-policy call longer than this many microseconds is over budget (0: none).
+    pub policy_budget_us: u64,
+    /// Calls in a row over budget after which a policy is quarantined.
+    pub quarantine_after_overruns: u64,
     /// Seed of the `random` selection policy, for reproducible replays.
     pub seed: u64,
     /// `max_prompt_tokens`, `max_request_id_bytes`, `max_open_bookings`: what
@@ -240,6 +244,8 @@ impl Default for RouterConfig {
             mode: RouterMode::Kv,
             block_size: 16,
             quarantine_after_panics: 3,
+            policy_budget_us: 10_000,
+            quarantine_after_overruns: 20,
             seed: 0,
             limits: crate::domain::BookingLimits::default(),
             booking_ttl_s: 600,
@@ -673,6 +679,8 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
             "mode",
             "block_size",
             "quarantine_after_panics",
+            "policy_budget_us",
+            "quarantine_after_overruns",
             "seed",
             "max_prompt_tokens",
             "max_request_id_bytes",
@@ -697,6 +705,16 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
     if let Some(node) = map.get_node("block_size") {
         if let Some(n) = walker.unsigned(node, "router.block_size", 1, 1 << 20) {
             out.block_size = n as usize;
+        }
+    }
+    if let Some(node) = map.get_node("policy_budget_us") {
+        if let Some(n) = walker.unsigned(node, "router.policy_budget_us", 0, 60_000_000) {
+            out.policy_budget_us = n;
+        }
+    }
+    if let Some(node) = map.get_node("quarantine_after_overruns") {
+        if let Some(n) = walker.unsigned(node, "router.quarantine_after_overruns", 1, u64::MAX) {
+            out.quarantine_after_overruns = n;
         }
     }
     if let Some(node) = map.get_node("quarantine_after_panics") {

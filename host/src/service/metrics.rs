@@ -335,6 +335,11 @@ impl Metrics {
                 &|s| s.quarantines.load(Ordering::Relaxed),
             ),
             policy_family(
+                "kvhint_policy_over_budget_total",
+                "Calls that took longer than router.policy_budget_us.",
+                &|s| s.over_budget.load(Ordering::Relaxed),
+            ),
+            policy_family(
                 "kvhint_policy_skipped_quarantined_total",
                 "Calls skipped because the policy was quarantined.",
                 &|s| s.skipped_quarantined.load(Ordering::Relaxed),

@@ -297,6 +297,7 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
                     "origin": p.origin.to_string(),
                     "commitments": p.commitments.to_string(),
                     "quarantined": p.is_quarantined(),
+                    "quarantine_reason": p.quarantine().map(|q| q.as_str()),
                 })).collect::<Vec<_>>(),
             })
         })
