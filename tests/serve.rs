@@ -516,3 +516,32 @@ fn a_reload_that_changes_the_loaders_size_cap_or_probe_timeout_is_refused() {
         "the old snapshot keeps serving"
     );
 }
+
+#[test]
+fn a_panicking_drop_of_a_policy_or_its_provider_does_not_abort_the_router_on_reload() {
+    let roles = "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: drop_panics}]\n";
+    let setup = Setup::new(
+        &[(
+            "libfixture_misbehaving.so",
+            plugin_so("fixture_misbehaving"),
+        )],
+        roles,
+    );
+    let mut command = Command::new(kvhint_e2e::kvhint_bin());
+    command.env("FIXTURE_PROVIDER_DROP_PANICS", "1");
+    let server = Server::start_command(command, &setup.config(), &[], setup.dir.path());
+    register_decode_worker(&server, 1);
+    book(&server, "before");
+    // The reload drops the old snapshot: its `drop_panics` instance, and the
+    // providers of the old registry (whose closure captured a panicking guard).
+    setup.write_config("  decode:\n    type: dynamo-default-cost-fn\n    hints: []\n");
+    let (status, body) = server.post_raw("/admin/reload", "application/json", "");
+    assert_eq!(status, 200, "{body}");
+    server.wait_for("the old snapshot to be dropped", |s| {
+        let log = s.log();
+        log.contains("fixture: policy drop panic") && log.contains("fixture: provider drop panic")
+    });
+    assert_eq!(server.get("/healthz").0, 200, "the router is still up");
+    assert_eq!(server.status()["generation"], 2);
+    book(&server, "after");
+}

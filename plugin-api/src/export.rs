@@ -2,8 +2,10 @@
 //! stable-ABI trait objects, and [`export_plugin!`](crate::export_plugin).
 //!
 //! Every entry point the host can call — registration, construction,
-//! `build_hints`, and `set_log_sink` ([`crate::log::set_sink`]) — runs inside
-//! `catch_unwind` here, in the plugin. A panic that
+//! `build_hints`, `set_log_sink` ([`crate::log::set_sink`]), and dropping a
+//! policy or a provider (which runs the author's `Drop` impls and those of
+//! whatever a provider closure captured) — runs inside `catch_unwind` here, in
+//! the plugin. A panic that
 //! reached the boundary would make `abi_stable` abort the whole router; caught
 //! here it becomes an [`FfiError`] of kind `Panicked` that the host counts and
 //! contains.
@@ -142,8 +144,26 @@ fn malformed(action: &Action) -> Option<String> {
     None
 }
 
+/// Drops `value` with a panic in its `Drop` caught: the host drops plugin objects
+/// on every reload, and a panic unwinding out of the drop function `abi_stable`
+/// generated would abort the router. A caught panic leaks nothing the drop did
+/// not already leak, and is reported on stderr by the panic hook.
+fn drop_guarded<T>(value: T) {
+    install_panic_hook();
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(value)));
+}
+
 struct PolicyAdapter {
-    policy: Arc<dyn HintPolicy>,
+    /// Taken (once) by the `Drop` impl, to drop it under `catch_unwind`.
+    policy: std::mem::ManuallyDrop<Arc<dyn HintPolicy>>,
+}
+
+impl Drop for PolicyAdapter {
+    fn drop(&mut self) {
+        // SAFETY: `policy` is taken here, once, and the adapter is never used
+        // again: this is its drop.
+        drop_guarded(unsafe { std::mem::ManuallyDrop::take(&mut self.policy) });
+    }
 }
 
 impl FfiHintPolicy for PolicyAdapter {
@@ -166,7 +186,15 @@ impl FfiHintPolicy for PolicyAdapter {
 }
 
 struct ProviderAdapter {
-    provider: Arc<HintPolicyProvider>,
+    /// Taken (once) by the `Drop` impl, to drop it under `catch_unwind`.
+    provider: std::mem::ManuallyDrop<Arc<HintPolicyProvider>>,
+}
+
+impl Drop for ProviderAdapter {
+    fn drop(&mut self) {
+        // SAFETY: as for `PolicyAdapter`: taken once, in the adapter's drop.
+        drop_guarded(unsafe { std::mem::ManuallyDrop::take(&mut self.provider) });
+    }
 }
 
 impl FfiHintProvider for ProviderAdapter {
@@ -177,7 +205,7 @@ impl FfiHintProvider for ProviderAdapter {
             let commitments = constructor.policy.commitments().bits();
             let policy: FfiHintPolicyBox = FfiHintPolicy_TO::from_value(
                 PolicyAdapter {
-                    policy: constructor.policy,
+                    policy: std::mem::ManuallyDrop::new(constructor.policy),
                 },
                 TD_Opaque,
             );
@@ -217,7 +245,7 @@ pub fn run_registration<E: Display>(
                     .collect(),
                 provider: FfiHintProvider_TO::from_value(
                     ProviderAdapter {
-                        provider: entry.provider,
+                        provider: std::mem::ManuallyDrop::new(entry.provider),
                     },
                     TD_Opaque,
                 ),
