@@ -356,7 +356,10 @@ impl HintStage {
                     "hint policy quarantined until the next reload: its calls keep running over router.policy_budget_us (plugins run in the router's process and must not block)"
                 );
             }
-        } else {
+        } else if instance.overruns.load(Ordering::Relaxed) != 0 {
+            // Only a write when there is something to reset: every booking
+            // thread calls this, and a store on each call would bounce the
+            // cache line between them.
             instance.overruns.store(0, Ordering::Relaxed);
         }
         let mut fail = |kind: FailureKind, message: String| {
