@@ -11,7 +11,7 @@ use serde_json::json;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 fn chmod(path: &Path, mode: u32) {
@@ -34,21 +34,7 @@ fn copy_so(lib: &str, to: &Path) {
 
 /// Runs a command to its end, failing the test (not hanging it) after a minute.
 fn run(command: &mut Command) -> Output {
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("{command:?} did not finish within a minute");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
+    kvhint_e2e::run_bounded(command, Duration::from_secs(60))
 }
 
 fn text(output: &Output) -> String {
@@ -694,7 +680,6 @@ fn plugins_honours_cache_dir_with_config() {
 #[test]
 #[ignore = "a measurement, run by hand (see BENCHMARKS.md)"]
 fn hot_add_cost_of_a_new_build_per_trial() {
-    use std::io::{BufRead, BufReader};
     let release = kvhint_e2e::release_dir();
     let mut binaries = vec![("after", release.join("kvhint"))];
     if let Some(before) = std::env::var_os("KVHINT_BEFORE") {
@@ -705,18 +690,6 @@ fn hot_add_cost_of_a_new_build_per_trial() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(10);
     let hot_add = std::fs::read(release.join("libfixture_hot_add.so")).unwrap();
-    let agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .new_agent();
-    struct Running(std::process::Child);
-    impl Drop for Running {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let mut servers = Vec::new();
     for (name, binary) in &binaries {
         let dir = private_dir();
@@ -728,34 +701,17 @@ fn hot_add_cost_of_a_new_build_per_trial() {
         .unwrap();
         chmod(&dir.path().join("plugins/libharness_prefetch.so"), 0o644);
         let config = config_in(dir.path(), "  directory: plugins\n  cache_dir: cache\n");
-        let mut child = Command::new(binary)
-            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-            .arg(&config)
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.path().join("serve.log")).unwrap())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = format!(
-            "http://{}",
-            line.trim().strip_prefix("listening on ").unwrap()
-        );
-        servers.push((*name, Running(child), base, dir, Vec::<f64>::new()));
+        let server =
+            kvhint_e2e::Server::start_command(Command::new(binary), &config, &[], dir.path());
+        servers.push((*name, server, dir, Vec::<f64>::new()));
     }
-    let status = |base: &str| -> serde_json::Value {
-        let mut response = agent.get(&format!("{base}/admin/status")).call().unwrap();
-        serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap()
-    };
     let has_it = |status: &serde_json::Value| {
         status["plugins"]
             .as_array()
             .is_some_and(|p| p.iter().any(|p| p["name"] == "fixture-hot-add"))
     };
     for trial in 0..trials {
-        for (_, _, base, dir, samples) in servers.iter_mut() {
+        for (_, server, dir, samples) in servers.iter_mut() {
             let plugins = dir.path().join("plugins");
             let mut build = hot_add.clone();
             build.extend_from_slice(format!("trial {trial} {}", samples.len()).as_bytes());
@@ -764,18 +720,18 @@ fn hot_add_cost_of_a_new_build_per_trial() {
             chmod(&tmp, 0o644);
             let t0 = Instant::now();
             std::fs::rename(&tmp, plugins.join("libfixture_hot_add.so")).unwrap();
-            while !has_it(&status(base)) {
+            while !has_it(&server.status()) {
                 assert!(t0.elapsed() < Duration::from_secs(20), "never loaded");
                 std::thread::sleep(Duration::from_millis(1));
             }
             samples.push(t0.elapsed().as_secs_f64() * 1e3);
             std::fs::remove_file(plugins.join("libfixture_hot_add.so")).unwrap();
-            while has_it(&status(base)) {
+            while has_it(&server.status()) {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }
     }
-    for (name, _, _, _, samples) in servers.iter_mut() {
+    for (name, _, _, samples) in servers.iter_mut() {
         let median = kvhint_e2e::bench::median(samples);
         println!(
             "{name}: rename of a new build → listed in /admin/status: median {median:.1} ms, min {:.1}, max {:.1} ({} trials): {samples:.1?}",

@@ -6,7 +6,6 @@
 use kvhint_e2e::{drop_in, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -22,28 +21,7 @@ fn kvhint(args: &[&str], config: Option<&Path>) -> Output {
     if let Some(config) = config {
         command.arg("--config").arg(config);
     }
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + BOUND;
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!(
-                "`kvhint {}` did not end within {BOUND:?}\n{}",
-                args.join(" "),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    kvhint_e2e::run_bounded(&mut command, BOUND)
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -69,46 +47,7 @@ fn mkfifo(path: &Path) {
     assert!(status.success(), "mkfifo {}", path.display());
 }
 
-/// A private directory with a plugins directory (holding the example plugin)
-/// and a config that uses it.
-struct Setup {
-    dir: TempDir,
-}
-
-impl Setup {
-    fn new(roles: &str) -> Setup {
-        let dir = private_dir();
-        let setup = Setup { dir };
-        setup.make_plugins_dir();
-        drop_in(
-            &setup.plugins().join("libharness_prefetch.so"),
-            &std::fs::read(plugin_so("harness_prefetch")).unwrap(),
-        )
-        .unwrap();
-        setup.write_config(roles);
-        setup
-    }
-
-    fn make_plugins_dir(&self) {
-        std::fs::create_dir(self.plugins()).unwrap();
-        std::fs::set_permissions(self.plugins(), std::fs::Permissions::from_mode(0o700)).unwrap();
-    }
-
-    fn plugins(&self) -> PathBuf {
-        self.dir.path().join("plugins")
-    }
-
-    fn config(&self) -> PathBuf {
-        self.dir.path().join("kvhint.yaml")
-    }
-
-    fn write_config(&self, roles: &str) {
-        let yaml = format!(
-            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\nworker_selection:\n{roles}"
-        );
-        drop_in(&self.config(), yaml.as_bytes()).unwrap();
-    }
-}
+type Setup = kvhint_e2e::PluginSite;
 
 const PREFETCH_ROLES: &str =
     "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
@@ -198,7 +137,7 @@ fn a_config_path_that_is_a_directory_or_a_device_is_refused() {
 
 #[test]
 fn a_fifo_config_does_not_wedge_reloads() {
-    let setup = Setup::new(PREFETCH_ROLES);
+    let setup = Setup::with_prefetch(PREFETCH_ROLES);
     let server = Server::start(&setup.config(), &[], setup.dir.path());
     // The config file becomes a FIFO nobody writes to.
     let fifo = setup.dir.path().join(".kvhint.yaml.fifo");
@@ -270,7 +209,7 @@ fn a_utf8_bom_is_accepted() {
 
 #[test]
 fn the_watch_survives_the_plugins_directory_being_recreated() {
-    let setup = Setup::new(PREFETCH_ROLES);
+    let setup = Setup::with_prefetch(PREFETCH_ROLES);
     let server = Server::start(&setup.config(), &[], setup.dir.path());
     register_decode_worker(&server, 1);
     assert_eq!(
@@ -406,7 +345,7 @@ fn sighup_right_after_start_does_not_kill_serve() {
 
 #[test]
 fn the_log_names_the_trigger_as_status_does() {
-    let setup = Setup::new(PREFETCH_ROLES);
+    let setup = Setup::with_prefetch(PREFETCH_ROLES);
     let server = Server::start(&setup.config(), &[], setup.dir.path());
     let (status, body) = server.post_raw("/admin/reload", "application/json", "");
     assert_eq!(status, 200, "{body}");

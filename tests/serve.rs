@@ -3,11 +3,11 @@
 //! the real binary on 127.0.0.1 with an ephemeral port.
 
 use kvhint_e2e::trace::tokens;
-use kvhint_e2e::{action_types, plugin_so, private_dir, workspace_root, Server, TempDir};
+use kvhint_e2e::{action_types, plugin_so, workspace_root, Server};
 use serde_json::{json, Value};
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,48 +17,7 @@ fn drop_in(path: &Path, bytes: &[u8]) {
     kvhint_e2e::drop_in(path, bytes).unwrap();
 }
 
-/// A private directory with a plugins directory and a config that uses it.
-struct Setup {
-    dir: TempDir,
-}
-
-impl Setup {
-    fn new(plugins: &[(&str, PathBuf)], yaml_roles: &str) -> Setup {
-        let dir = private_dir();
-        let plugins_dir = dir.path().join("plugins");
-        std::fs::create_dir(&plugins_dir).unwrap();
-        std::fs::set_permissions(&plugins_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
-        for (name, so) in plugins {
-            drop_in(&plugins_dir.join(name), &std::fs::read(so).unwrap());
-        }
-        let setup = Setup { dir };
-        setup.write_config(yaml_roles);
-        setup
-    }
-
-    /// A plugins directory holding the example plugin.
-    fn with_prefetch(roles: &str) -> Setup {
-        Setup::new(
-            &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
-            roles,
-        )
-    }
-
-    fn plugins(&self) -> PathBuf {
-        self.dir.path().join("plugins")
-    }
-
-    fn config(&self) -> PathBuf {
-        self.dir.path().join("kvhint.yaml")
-    }
-
-    fn write_config(&self, roles: &str) {
-        let yaml = format!(
-            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\n  max_prompt_tokens: 256\nworker_selection:\n{roles}"
-        );
-        drop_in(&self.config(), yaml.as_bytes());
-    }
-}
+type Setup = kvhint_e2e::PluginSite;
 
 /// The role most tests serve: the default cost function and the example
 /// plugin, with the given `max_blocks`.

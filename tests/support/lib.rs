@@ -632,6 +632,79 @@ pub mod bench {
     }
 }
 
+/// Runs `command` to its end with no stdin, failing the test (not hanging the
+/// run) if it has not ended within `bound`: a command that blocks is a failure.
+pub fn run_bounded(command: &mut Command, bound: Duration) -> std::process::Output {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let deadline = Instant::now() + bound;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "{command:?} did not end within {bound:?}\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A private directory (0700) with a plugins directory holding the given
+/// `.so` files and a config (`kvhint.yaml`, block size 4) that watches it, for
+/// tests of a serving router.
+pub struct PluginSite {
+    pub dir: TempDir,
+}
+
+impl PluginSite {
+    pub fn new(plugins: &[(&str, PathBuf)], yaml_roles: &str) -> PluginSite {
+        let site = PluginSite { dir: private_dir() };
+        site.make_plugins_dir();
+        for (name, so) in plugins {
+            drop_in(&site.plugins().join(name), &std::fs::read(so).unwrap()).unwrap();
+        }
+        site.write_config(yaml_roles);
+        site
+    }
+
+    /// A plugins directory holding the example plugin.
+    pub fn with_prefetch(roles: &str) -> PluginSite {
+        Self::new(
+            &[("libharness_prefetch.so", plugin_so("harness_prefetch"))],
+            roles,
+        )
+    }
+
+    /// Creates the (empty) plugins directory, 0700.
+    pub fn make_plugins_dir(&self) {
+        std::fs::create_dir(self.plugins()).unwrap();
+        std::fs::set_permissions(self.plugins(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+
+    pub fn plugins(&self) -> PathBuf {
+        self.dir.path().join("plugins")
+    }
+
+    pub fn config(&self) -> PathBuf {
+        self.dir.path().join("kvhint.yaml")
+    }
+
+    /// Writes the config with these roles, by the drop-in protocol.
+    pub fn write_config(&self, roles: &str) {
+        let yaml = format!(
+            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\n  max_prompt_tokens: 256\nworker_selection:\n{roles}"
+        );
+        drop_in(&self.config(), yaml.as_bytes()).unwrap();
+    }
+}
+
 /// A running `kvhint serve`, killed on drop.
 pub struct Server {
     pub child: Child,

@@ -28,7 +28,7 @@ pub struct Reservation {
     /// The booked worker's load cell, so a release frees the load it added even if
     /// the worker re-registered meanwhile.
     pub cell: Arc<LoadCell>,
-    /// When it was booked (set by [`Bookings::insert`]).
+    /// When it was booked, for [`Bookings::expire`].
     pub booked_at: Instant,
 }
 
@@ -64,7 +64,7 @@ impl Bookings {
     pub fn insert(
         &self,
         request_id: &str,
-        mut reservation: Reservation,
+        reservation: Reservation,
         max_open: usize,
     ) -> Result<(), Refused> {
         let open = self.open.fetch_add(1, Ordering::AcqRel);
@@ -79,7 +79,6 @@ impl Bookings {
             return Err(Refused::Duplicate);
         }
         reservation.cell.add(reservation.load);
-        reservation.booked_at = Instant::now();
         shard.insert(request_id.to_string(), reservation);
         Ok(())
     }

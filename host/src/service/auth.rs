@@ -37,8 +37,10 @@ pub async fn guard(
     request: Request,
     next: Next,
 ) -> Response {
-    let tokens = app.snapshot.load().tokens.clone();
-    let verdict = match (&tokens, caller) {
+    // The guard is dropped before the handler runs: an `arc-swap` guard is
+    // meant for a short borrow, not to be held across an await.
+    let snapshot = app.snapshot.load();
+    let verdict = match (&snapshot.tokens, caller) {
         (Some(tokens), Some(caller)) => match bearer(request.headers()) {
             Some(token) if tokens.admits(caller, token) => Ok(()),
             Some(_) => Err(unauthorized(caller, "the token given is not one of them")),
@@ -47,6 +49,7 @@ pub async fn guard(
         (Some(_), None) => Ok(()),
         (None, _) => same_site(request.headers(), app.exposure),
     };
+    drop(snapshot);
     match verdict {
         Ok(()) => next.run(request).await,
         Err(error) => {
