@@ -1,17 +1,33 @@
 #![allow(non_local_definitions)] // abi_stable 0.11's #[sabi_trait] expands impls inside a const.
 
-//! The types that cross the plugin boundary.
+//! The types that cross the plugin boundary (ABI 2).
 //!
 //! Everything here is `#[repr(C)]` and derives `StableAbi`, so `abi_stable` can
-//! check at load time that host and plugin agree on every layout. The hint
-//! context is a borrowed view (`RStr`, `RSlice`): the host builds it once per
-//! booking from data it already holds and every policy reads the same one, so a
-//! call across the boundary allocates nothing on the host side.
+//! check at load time that host and plugin agree on every layout. Three choices
+//! shape it:
+//! - **Borrowed views.** A hint context and a selection request are borrowed
+//!   (`RStr`, `RSlice`) from data the host already holds, for one call: the
+//!   host allocates nothing per call to describe a booking.
+//! - **Host-owned output.** A hint policy writes its actions through an
+//!   [`FfiActionWriter`]: function pointers into a JSON writer the host owns,
+//!   into a buffer the host reuses. Nothing the plugin allocates crosses back
+//!   to be freed, and because the host writes every byte, the message is valid
+//!   JSON by construction: no parse on the booking path.
+//! - **Integers, not enums, for kinds.** Error kinds, hint-host kinds,
+//!   registration kinds and policy flags cross as `u32` codes ([`error_code`],
+//!   [`host_kind`], [`policy_kind`], [`selection_flags`]). A `#[repr(u8)]` enum
+//!   value one side does not know would be undefined behaviour; an unknown code
+//!   is mapped to a known meaning, which each module below states.
+//!
+//! Peers' engine hashes are not in the hint context: a policy asks for one
+//! peer's through [`FfiPeerHashes`], so a booking where a thousand workers hold
+//! parts of the prompt does not copy a thousand rows for a policy that reads one.
 //!
 //! Authors never touch these types; the adapters in [`crate::export`] translate.
 
 use abi_stable::{
     library::RootModule,
+    marker_type::ErasedObject,
     package_version_strings, sabi_trait,
     sabi_types::VersionStrings,
     std_types::{RBox, ROption, RResult, RSlice, RStr, RString, RVec},
@@ -20,8 +36,8 @@ use abi_stable::{
 
 /// The plugin's root module: one per `.so`, built by [`crate::export_plugin!`].
 ///
-/// A prefix type: later versions may append fields after `register` without
-/// breaking plugins built against this one.
+/// A prefix type: later versions may append fields after `set_log_sink`
+/// without breaking plugins built against this one.
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = PluginModRef)))]
@@ -38,20 +54,11 @@ pub struct PluginMod {
     pub name: RStr<'static>,
     pub version: RStr<'static>,
     /// Runs the author's registration function and returns what it registered.
-    #[sabi(last_prefix_field)]
     pub register: extern "C" fn() -> RResult<RVec<FfiRegistration>, FfiError>,
     /// Hands the plugin the host's log sink: the plugin's `tracing` events go
     /// there from then on (see [`crate::log`]). Calling it again replaces the
     /// sink and its maximum level.
-    ///
-    /// Appended after the last prefix field, as prefix-type evolution requires.
-    /// In practice every plugin the router loads has it: `abi_stable`'s
-    /// `init_root_module` refuses a root module with fewer fields than the
-    /// router's ("too many fields"), as the compatibility rule refuses older
-    /// builds. `missing_field(option)` still overrides the struct's `panic`
-    /// default here, so the loader's accessor is an `Option` and no layout
-    /// surprise can become a panic inside the loader.
-    #[sabi(missing_field(option))]
+    #[sabi(last_prefix_field)]
     pub set_log_sink: extern "C" fn(FfiLogSink),
 }
 
@@ -62,47 +69,85 @@ impl RootModule for PluginModRef {
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
 }
 
-/// One `register_hint_policy` call, as it crosses the boundary.
-#[repr(C)]
-#[derive(StableAbi)]
-pub struct FfiRegistration {
-    pub name: RString,
-    pub default_hosts: RVec<FfiHintHost>,
-    pub provider: FfiHintProviderBox,
-}
+/// The prefix of the symbol a plugin `.so` exports its root module under; the
+/// rest is the plugin crate's name (`CARGO_CRATE_NAME`). One name per crate,
+/// not `abi_stable`'s single fixed name, so several plugin crates can be linked
+/// into one router as built-ins without their symbols colliding. The loader
+/// finds the one symbol with this prefix in the file's dynamic symbol table.
+pub const ROOT_SYMBOL_PREFIX: &str = "kvhint_plugin_root_v2__";
 
-/// Where a hint policy runs by default (see `HintHost` in the prelude).
-#[repr(u8)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
-pub enum FfiHintHost {
-    AnyWorkerSelection,
-    WorkerSelection(RString),
-}
-
-/// Why a call into a plugin failed.
-#[repr(u8)]
-#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FfiErrorKind {
+/// Why a call into a plugin failed ([`FfiError::code`]). A code the host does
+/// not know is read as [`FAILED`](error_code::FAILED).
+pub mod error_code {
     /// The policy or provider returned an error.
-    Failed,
+    pub const FAILED: u32 = 1;
     /// The parameters did not deserialize.
-    BadParameters,
+    pub const BAD_PARAMETERS: u32 = 2;
     /// The code panicked; the panic was caught on the plugin side.
-    Panicked,
-    /// The policy returned a malformed action (empty type or version, payload
-    /// not a JSON object). Checked on the plugin side, where the payload's JSON
-    /// is produced, so the host embeds payloads without parsing them again.
-    Malformed,
+    pub const PANICKED: u32 = 3;
+    /// The policy's output was malformed (checked where it was produced).
+    pub const MALFORMED: u32 = 4;
 }
 
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone)]
 pub struct FfiError {
-    pub kind: FfiErrorKind,
+    /// One of [`error_code`].
+    pub code: u32,
+    /// For `BAD_PARAMETERS`, one error per line, each starting with the
+    /// offending key's path where there is one (`min_blocks: invalid type…`).
     pub message: RString,
 }
 
-/// A constructed policy with the commitments it declared.
+/// What a registration registers ([`FfiRegistration::kind`]). A kind the host
+/// does not know is refused at registration, with the plugin named.
+pub mod policy_kind {
+    pub const HINT: u32 = 1;
+    pub const SELECTION: u32 = 2;
+}
+
+/// Where a hint policy runs by default ([`FfiHintHost::kind`]). A kind the host
+/// does not know is read as [`WORKER_SELECTION`](host_kind::WORKER_SELECTION)
+/// with the entry's name: it then runs only under a selection policy of that
+/// exact name, never somewhere its author did not ask for.
+pub mod host_kind {
+    pub const ANY_WORKER_SELECTION: u32 = 1;
+    pub const WORKER_SELECTION: u32 = 2;
+}
+
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub struct FfiHintHost {
+    /// One of [`host_kind`].
+    pub kind: u32,
+    /// The selection-policy type, for `WORKER_SELECTION` ("" otherwise).
+    pub selection: RString,
+}
+
+/// One `register_*_policy` call, as it crosses the boundary.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct FfiRegistration {
+    /// One of [`policy_kind`]; says which provider is set.
+    pub kind: u32,
+    pub name: RString,
+    /// Hint policies only: where it runs when a role does not list `hints`.
+    pub default_hosts: RVec<FfiHintHost>,
+    pub hint_provider: ROption<FfiHintProviderBox>,
+    pub selection_provider: ROption<FfiSelectionProviderBox>,
+}
+
+/// What the router tells a provider besides the parameters.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, Default)]
+pub struct FfiRouterSettings {
+    /// Tokens per KV block (`router.block_size`).
+    pub block_size: u32,
+    /// `router.seed`, for policies that draw random numbers reproducibly.
+    pub seed: u64,
+}
+
+/// A constructed hint policy with the commitments it declared.
 #[repr(C)]
 #[derive(StableAbi)]
 pub struct FfiConstructed {
@@ -110,33 +155,75 @@ pub struct FfiConstructed {
     pub commitments: u32,
 }
 
-/// Builds a policy from its parameters (a JSON object, as text).
+/// Builds a hint policy from its parameters (a JSON object, as text).
 #[sabi_trait]
 pub trait FfiHintProvider: Send + Sync {
     #[sabi(last_prefix_field)]
-    fn construct(&self, parameters_json: RStr<'_>) -> RResult<FfiConstructed, FfiError>;
+    fn construct(
+        &self,
+        parameters_json: RStr<'_>,
+        settings: &FfiRouterSettings,
+    ) -> RResult<FfiConstructed, FfiError>;
 }
 
 pub type FfiHintProviderBox = FfiHintProvider_TO<'static, RBox<()>>;
 
-/// A constructed policy; called once per booking.
+/// A constructed hint policy; called once per booking. It writes its actions
+/// through `out`; on an error the host discards whatever it wrote.
 #[sabi_trait]
 pub trait FfiHintPolicy: Send + Sync {
     #[sabi(last_prefix_field)]
-    fn build_hints(&self, context: &FfiHintContext<'_>) -> RResult<RVec<FfiAction>, FfiError>;
+    fn build_hints(
+        &self,
+        context: &FfiHintContext<'_>,
+        out: &mut FfiActionWriter,
+    ) -> RResult<(), FfiError>;
 }
 
 pub type FfiHintPolicyBox = FfiHintPolicy_TO<'static, RBox<()>>;
 
-/// One KV action. `payload_json` is the payload as JSON text, produced by
-/// serde_json inside the plugin and checked there to be an object; the host
-/// checks only the cheap invariants and embeds it in the envelope as it is.
+/// The host's JSON writer for one booking's actions: `state` is the host's,
+/// opaque to the plugin, and passed back to every function of `vtable`.
+///
+/// The calls form one action at a time: `begin_action`, then exactly one JSON
+/// object as the payload (`begin_object` … `end_object`, with `key` before each
+/// member's value), then `end_action`. The host checks that grammar as it
+/// writes; a policy that breaks it (a value without a key, an unclosed array, a
+/// payload that is not an object, a non-finite float) has its actions for this
+/// booking discarded as malformed (rule R8). Beyond the message's action cap
+/// the host drops whole actions (rule R7) and the calls are cheap no-ops.
 #[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
-pub struct FfiAction {
-    pub action_type: RString,
-    pub action_version: RString,
-    pub payload_json: RString,
+#[derive(StableAbi)]
+pub struct FfiActionWriter {
+    pub state: *mut ErasedObject,
+    pub vtable: &'static FfiWriterVtable,
+}
+
+/// The functions of an [`FfiActionWriter`]. None of them unwinds, and none
+/// fails: misuse is recorded in the state and reported when the policy returns.
+/// Appending a function is an ABI change (bump [`crate::ABI_VERSION`]).
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct FfiWriterVtable {
+    pub begin_action:
+        extern "C" fn(state: *mut ErasedObject, action_type: RStr<'_>, action_version: RStr<'_>),
+    pub end_action: extern "C" fn(state: *mut ErasedObject),
+    pub begin_object: extern "C" fn(state: *mut ErasedObject),
+    pub end_object: extern "C" fn(state: *mut ErasedObject),
+    pub begin_array: extern "C" fn(state: *mut ErasedObject),
+    pub end_array: extern "C" fn(state: *mut ErasedObject),
+    pub key: extern "C" fn(state: *mut ErasedObject, key: RStr<'_>),
+    pub string: extern "C" fn(state: *mut ErasedObject, value: RStr<'_>),
+    pub u64: extern "C" fn(state: *mut ErasedObject, value: u64),
+    pub i64: extern "C" fn(state: *mut ErasedObject, value: i64),
+    pub f64: extern "C" fn(state: *mut ErasedObject, value: f64),
+    pub bool: extern "C" fn(state: *mut ErasedObject, value: bool),
+    pub null: extern "C" fn(state: *mut ErasedObject),
+    /// A whole array of unsigned integers, in one call (a fetch's hashes).
+    pub u64_array: extern "C" fn(state: *mut ErasedObject, values: RSlice<'_, u64>),
+    /// Records that the payload could not be produced (the serializer failed
+    /// half-way): the action is discarded as malformed with this message.
+    pub fail: extern "C" fn(state: *mut ErasedObject, message: RStr<'_>),
 }
 
 /// A worker as a policy sees it.
@@ -154,15 +241,26 @@ pub struct FfiWorker<'a> {
     pub source_control_endpoint: RStr<'a>,
 }
 
-/// Another worker that holds part of the request's prefix.
+/// Another worker that holds part of the request's prefix. Its engine hashes
+/// come on demand, through [`FfiHintContext::peer_hashes`].
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Copy)]
 pub struct FfiPeer<'a> {
     pub worker: FfiWorker<'a>,
     /// How many of the request's leading blocks this peer holds.
     pub cached_blocks: u64,
-    /// The peer engine's own hashes for those blocks (`cached_blocks` of them).
-    pub block_hashes: RSlice<'a, u64>,
+}
+
+/// Reads one peer's engine hashes on demand: `get(state, i)` returns the
+/// engine hashes of the request's first `peers[i].cached_blocks` blocks as peer
+/// `i`'s engine published them, root-aligned (entry `j` is request block `j`),
+/// valid until the policy's call returns. Fewer if the peer's cache shrank
+/// since the lookup; empty for an index out of range.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct FfiPeerHashes<'a> {
+    pub state: *const ErasedObject,
+    pub get: extern "C" fn(state: *const ErasedObject, peer: u64) -> RSlice<'a, u64>,
 }
 
 /// A KV copy the selection policy committed the booked worker to.
@@ -177,9 +275,20 @@ pub struct FfiKvCopy<'a> {
     pub block_hashes: RSlice<'a, u64>,
 }
 
-/// What a policy sees of one booking. Borrowed from the host for one call.
+/// What identifies a request beyond its tokens: both seed the router's block
+/// hashes, so prompts for different adapters or salts never match.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiRequestIdentity<'a> {
+    /// The LoRA adapter ("" for the base model).
+    pub lora_name: RStr<'a>,
+    /// The cache salt ("" for none).
+    pub cache_salt: RStr<'a>,
+}
+
+/// What a hint policy sees of one booking. Borrowed from the host for one call.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
 pub struct FfiHintContext<'a> {
     pub request_id: RStr<'a>,
     /// The booked worker.
@@ -188,6 +297,7 @@ pub struct FfiHintContext<'a> {
     pub cached_blocks: u64,
     pub prompt_tokens: u64,
     pub block_size: u32,
+    pub identity: FfiRequestIdentity<'a>,
     /// The request's session context as a JSON object in text ("" if none).
     pub session_context: RStr<'a>,
     /// The role's selection-policy type, e.g. `kvcr`.
@@ -195,10 +305,119 @@ pub struct FfiHintContext<'a> {
     /// The request's block hashes as the router computes them (chained, one per
     /// full block of the prompt).
     pub block_hashes: RSlice<'a, u64>,
-    /// Other workers holding a prefix of the request, longest first.
+    /// Other workers holding a prefix of the request, longest first, then by
+    /// worker id and dp rank.
     pub peers: RSlice<'a, FfiPeer<'a>>,
+    pub peer_hashes: FfiPeerHashes<'a>,
     pub committed_kv_copy: ROption<FfiKvCopy<'a>>,
 }
+
+/// What a selection policy declares about itself ([`FfiSelectionConstructed::flags`]).
+/// Bits the host does not know are ignored.
+pub mod selection_flags {
+    /// It reads cached prefixes: the router consults the KV index for it and
+    /// runs hint policies under it (rule R4). Without it, a role's `hints`
+    /// must be empty.
+    pub const KV_AWARE: u32 = 1;
+    /// With its parameters it may commit bookings to a peer's KV copy (rule R5:
+    /// the role must then run exactly one hint policy that sends it).
+    pub const COMMITS_KV_COPIES: u32 = 2;
+    /// It reads [`FfiCandidate::peer_copy`]; without it the router leaves it
+    /// empty and saves finding it.
+    pub const WANTS_PEER_COPIES: u32 = 4;
+}
+
+/// A constructed selection policy with what it declared.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct FfiSelectionConstructed {
+    pub policy: FfiSelectionPolicyBox,
+    /// [`selection_flags`].
+    pub flags: u32,
+}
+
+/// Builds a selection policy from its parameters (a JSON object, as text).
+#[sabi_trait]
+pub trait FfiSelectionProvider: Send + Sync {
+    #[sabi(last_prefix_field)]
+    fn construct(
+        &self,
+        parameters_json: RStr<'_>,
+        settings: &FfiRouterSettings,
+    ) -> RResult<FfiSelectionConstructed, FfiError>;
+}
+
+pub type FfiSelectionProviderBox = FfiSelectionProvider_TO<'static, RBox<()>>;
+
+/// One request to place, as a selection policy sees it.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct FfiSelectionRequest<'a> {
+    pub request_id: RStr<'a>,
+    /// The role being booked (`aggregated`, `prefill`, `decode`).
+    pub role: RStr<'a>,
+    /// Full blocks in the prompt.
+    pub request_blocks: u64,
+    pub prompt_tokens: u64,
+    pub block_size: u32,
+    pub identity: FfiRequestIdentity<'a>,
+    /// The request's session context as a JSON object in text ("" if none).
+    pub session_context: RStr<'a>,
+}
+
+/// The best copy a hint-capable candidate could fetch from a peer: the eligible
+/// peer (same worker type, hint-capable, with a source endpoint) holding the
+/// longest prefix beyond the candidate's own.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiPeerCopy<'a> {
+    pub source: FfiWorker<'a>,
+    /// The request's leading blocks the source holds.
+    pub cached_blocks: u64,
+}
+
+/// One worker the request could go to. Candidates arrive ordered by worker id,
+/// then dp rank, so "the first of equals" is a reproducible tie-break.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct FfiCandidate<'a> {
+    pub worker: FfiWorker<'a>,
+    /// Leading request blocks this worker already holds.
+    pub cached_blocks: u64,
+    /// Open bookings on it, and the blocks they hold (decode load).
+    pub active_requests: u64,
+    pub active_blocks: u64,
+    /// Blocks its open bookings still have to prefill.
+    pub prefill_blocks: u64,
+    /// Only for a policy that declares `WANTS_PEER_COPIES`, and only for a
+    /// candidate that advertises `router_hint`.
+    pub peer_copy: ROption<FfiPeerCopy<'a>>,
+}
+
+/// A selection policy's answer.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FfiSelection {
+    /// Index into the candidates.
+    pub index: u64,
+    /// Commit the booking to the chosen candidate's `peer_copy`. Only a policy
+    /// that declares `COMMITS_KV_COPIES` may, and only for a candidate that has
+    /// one; otherwise the answer is out of range.
+    pub commit_kv_copy: bool,
+}
+
+/// A constructed selection policy; called once per booking, from many threads.
+#[sabi_trait]
+pub trait FfiSelectionPolicy: Send + Sync {
+    #[sabi(last_prefix_field)]
+    fn select(
+        &self,
+        request: &FfiSelectionRequest<'_>,
+        candidates: RSlice<'_, FfiCandidate<'_>>,
+    ) -> RResult<FfiSelection, FfiError>;
+}
+
+pub type FfiSelectionPolicyBox = FfiSelectionPolicy_TO<'static, RBox<()>>;
 
 /// Log levels as they cross the boundary, in [`FfiLogRecord::level`] and
 /// [`FfiLogSink::max_level`]: a plain `u8`, not a `#[repr(u8)]` enum, because an

@@ -3,6 +3,8 @@
 //! and `&[u64]` and never see ABI types.
 
 use crate::abi::{FfiHintContext, FfiKvCopy, FfiPeer, FfiWorker};
+use crate::policy::HintError;
+use serde::de::DeserializeOwned;
 
 /// What a hint policy sees of one booking. It is read-only: a policy cannot
 /// change which worker was booked (rule R1).
@@ -13,6 +15,7 @@ pub struct HintContext<'a> {
 
 impl<'a> HintContext<'a> {
     /// Wraps the borrowed context the host passed in.
+    #[doc(hidden)]
     pub fn new(raw: &'a FfiHintContext<'a>) -> Self {
         Self { raw }
     }
@@ -33,8 +36,8 @@ impl<'a> HintContext<'a> {
         self.raw.cached_blocks as usize
     }
 
-    /// The prompt length in tokens.
-    pub fn prompt_len(&self) -> usize {
+    /// The prompt's length in tokens.
+    pub fn prompt_tokens(&self) -> usize {
         self.raw.prompt_tokens as usize
     }
 
@@ -43,10 +46,22 @@ impl<'a> HintContext<'a> {
         self.raw.block_size as usize
     }
 
-    /// The request's session context, a JSON object as text, if the request had one.
-    pub fn session_context(&self) -> Option<&'a str> {
-        let text = self.raw.session_context.as_str();
-        (!text.is_empty()).then_some(text)
+    /// The request's session context (the `session_context` JSON object of
+    /// `POST /book`), deserialized into the policy's own type: `Ok(None)` when
+    /// the request had none, an error when it does not fit `T` (which fails
+    /// this policy for this booking only).
+    pub fn session<T: DeserializeOwned>(&self) -> Result<Option<T>, HintError> {
+        session(self.raw.session_context.as_str())
+    }
+
+    /// The LoRA adapter the request is for, if any.
+    pub fn lora_name(&self) -> Option<&'a str> {
+        non_empty(self.raw.identity.lora_name.as_str())
+    }
+
+    /// The request's cache salt, if any.
+    pub fn cache_salt(&self) -> Option<&'a str> {
+        non_empty(self.raw.identity.cache_salt.as_str())
     }
 
     /// The selection-policy type that booked the worker (`kvcr`, ...).
@@ -60,9 +75,20 @@ impl<'a> HintContext<'a> {
         self.raw.block_hashes.as_slice()
     }
 
-    /// Other workers that hold a prefix of the request, longest prefix first.
+    /// Other workers that hold a prefix of the request, longest prefix first,
+    /// then by worker id and dp rank. Their engine hashes are read on demand,
+    /// with [`Peer::block_hashes`].
     pub fn peers(&self) -> impl ExactSizeIterator<Item = Peer<'a>> + 'a {
-        self.raw.peers.as_slice().iter().map(|raw| Peer { raw })
+        let raw = self.raw;
+        raw.peers
+            .as_slice()
+            .iter()
+            .enumerate()
+            .map(move |(index, peer)| Peer {
+                raw: peer,
+                context: raw,
+                index,
+            })
     }
 
     /// The KV copy the selection policy committed this booking to, if any. A
@@ -79,7 +105,7 @@ impl<'a> HintContext<'a> {
 /// A worker: the booked one, a peer, or a copy's source.
 #[derive(Clone, Copy)]
 pub struct Worker<'a> {
-    raw: &'a FfiWorker<'a>,
+    pub(crate) raw: &'a FfiWorker<'a>,
 }
 
 impl<'a> Worker<'a> {
@@ -114,6 +140,8 @@ impl<'a> Worker<'a> {
 #[derive(Clone, Copy)]
 pub struct Peer<'a> {
     raw: &'a FfiPeer<'a>,
+    context: &'a FfiHintContext<'a>,
+    index: usize,
 }
 
 impl<'a> Peer<'a> {
@@ -128,10 +156,28 @@ impl<'a> Peer<'a> {
         self.raw.cached_blocks as usize
     }
 
-    /// The peer engine's own hashes of those blocks, in order.
+    /// The peer engine's own hashes of those blocks, root-aligned (entry `i`
+    /// is request block `i`), as it published them. Read from the router's KV
+    /// index when asked, so a policy pays only for the peers it reads. Fewer
+    /// than [`cached_blocks`](Self::cached_blocks) if the peer's cache shrank
+    /// since the booking's lookup.
     pub fn block_hashes(&self) -> &'a [u64] {
-        self.raw.block_hashes.as_slice()
+        let hashes = &self.context.peer_hashes;
+        (hashes.get)(hashes.state, self.index as u64).as_slice()
     }
+}
+
+fn non_empty(text: &str) -> Option<&str> {
+    (!text.is_empty()).then_some(text)
+}
+
+pub(crate) fn session<T: DeserializeOwned>(text: &str) -> Result<Option<T>, HintError> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    serde_json::from_str(text)
+        .map(Some)
+        .map_err(|e| HintError::new(format!("the session context does not fit: {e}")))
 }
 
 /// A committed KV copy: pull from `source` the request blocks from `first_block`

@@ -11,17 +11,25 @@
 //! contains.
 
 use crate::abi::{
-    FfiAction, FfiConstructed, FfiError, FfiErrorKind, FfiHintContext, FfiHintHost, FfiHintPolicy,
-    FfiHintPolicyBox, FfiHintPolicy_TO, FfiHintProvider, FfiHintProvider_TO, FfiLogSink,
-    FfiRegistration, PluginMod, PluginModRef,
+    error_code, host_kind, policy_kind, selection_flags, FfiActionWriter, FfiCandidate,
+    FfiConstructed, FfiError, FfiHintContext, FfiHintHost, FfiHintPolicy, FfiHintPolicyBox,
+    FfiHintPolicy_TO, FfiHintProvider, FfiHintProvider_TO, FfiLogSink, FfiRegistration,
+    FfiRouterSettings, FfiSelection, FfiSelectionConstructed, FfiSelectionPolicy,
+    FfiSelectionPolicy_TO, FfiSelectionProvider, FfiSelectionProvider_TO, FfiSelectionRequest,
+    PluginMod, PluginModRef,
 };
+use crate::actions::Actions;
 use crate::context::HintContext;
-use crate::policy::{Action, HintError, HintErrorKind, HintPolicy};
-use crate::registry::{HintHost, HintPolicyProvider, HintRegistry, Parameters};
+use crate::policy::{HintError, HintErrorKind, HintPolicy};
+use crate::registry::{
+    HintHost, HintPolicyProvider, HintRegistry, Parameters, Provider, RouterSettings,
+    SelectionPolicyProvider,
+};
+use crate::selection::{Candidates, SelectionPolicy, SelectionRequest};
 use abi_stable::{
     prefix_type::PrefixTypeTrait,
     sabi_trait::TD_Opaque,
-    std_types::{RResult, RStr, RString, RVec},
+    std_types::{ROption, RResult, RSlice, RStr, RString, RVec},
 };
 use std::any::Any;
 use std::cell::{Cell, RefCell};
@@ -39,9 +47,16 @@ thread_local! {
 /// A panic inside a policy is an error the host reports and counts; printing a
 /// backtrace for it on every booking would flood the log. So while plugin code
 /// runs guarded, the hook only records the location. Outside, it defers to the
-/// previous hook: when a plugin crate is linked into the host, this is the
-/// host's own std, whose panics must still print.
+/// previous hook.
+///
+/// Installed only in a plugin loaded from its own `.so`, which has a std (and
+/// a panic hook) of its own. A plugin crate linked into the router shares the
+/// router's std: replacing the hook there would replace the router's, so there
+/// the host's hook prints a policy's panic like any other (see [`root_module`]).
 fn install_panic_hook() {
+    if !OWN_STD.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
@@ -58,6 +73,10 @@ fn install_panic_hook() {
     });
 }
 
+/// Set when the host loads this plugin from its `.so` (through the exported
+/// symbol), never when the crate is linked into the host.
+static OWN_STD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Runs `f`, turning a panic into an `FfiError` of kind `Panicked`.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, FfiError>) -> RResult<T, FfiError> {
     install_panic_hook();
@@ -72,7 +91,7 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, FfiError>) -> RResult<T,
                 .map(|l| format!(" at {l}"))
                 .unwrap_or_default();
             RResult::RErr(FfiError {
-                kind: FfiErrorKind::Panicked,
+                code: error_code::PANICKED,
                 message: RString::from(format!(
                     "{what} panicked{location}: {}",
                     panic_message(&*panic)
@@ -94,54 +113,22 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
 
 impl From<HintError> for FfiError {
     fn from(error: HintError) -> Self {
-        let kind = match error.kind() {
-            HintErrorKind::BadParameters => FfiErrorKind::BadParameters,
-            HintErrorKind::Failed => FfiErrorKind::Failed,
+        let code = match error.kind() {
+            HintErrorKind::BadParameters => error_code::BAD_PARAMETERS,
+            HintErrorKind::Failed => error_code::FAILED,
         };
         FfiError {
-            kind,
+            code,
             message: RString::from(error.message()),
         }
     }
 }
 
-impl From<Action> for FfiAction {
-    fn from(action: Action) -> Self {
-        FfiAction {
-            action_type: action.action_type.into(),
-            action_version: action.action_version.into(),
-            payload_json: action.payload.into_string().into(),
-        }
-    }
-}
-
-/// Why an action may not be sent, if it may not.
-fn malformed(action: &Action) -> Option<String> {
-    if action.action_type.is_empty() {
-        return Some("an action has an empty action_type".into());
-    }
-    if action.action_version.is_empty() {
-        return Some(format!(
-            "action {:?} has an empty action_version",
-            action.action_type
-        ));
-    }
-    if !action.payload.is_object() {
-        let mut shown = action.payload.as_str().to_string();
-        if shown.len() > 80 {
-            let cut = (0..=80)
-                .rev()
-                .find(|&i| shown.is_char_boundary(i))
-                .unwrap_or(0);
-            shown.truncate(cut);
-            shown.push('…');
-        }
-        return Some(format!(
-            "action {:?} has a payload that is not a JSON object: {shown}",
-            action.action_type
-        ));
-    }
-    None
+fn parameters(json: RStr<'_>, settings: &FfiRouterSettings) -> Result<Parameters, HintError> {
+    Ok(Parameters::from_json(json.as_str())?.with_router(RouterSettings {
+        block_size: settings.block_size as usize,
+        seed: settings.seed,
+    }))
 }
 
 /// Drops `value` with a panic in its `Drop` caught: the host drops plugin objects
@@ -167,20 +154,16 @@ impl Drop for PolicyAdapter {
 }
 
 impl FfiHintPolicy for PolicyAdapter {
-    fn build_hints(&self, context: &FfiHintContext<'_>) -> RResult<RVec<FfiAction>, FfiError> {
+    fn build_hints(
+        &self,
+        context: &FfiHintContext<'_>,
+        out: &mut FfiActionWriter,
+    ) -> RResult<(), FfiError> {
         guarded("build_hints", || {
-            let actions = self.policy.build_hints(&HintContext::new(context))?;
-            // The payload's JSON was made by serde_json in this plugin, so it
-            // is valid by construction; what can still be wrong is checked here too, so
-            // the host never has to parse a payload (rule R8: a malformed
-            // action costs the policy its actions for this booking).
-            if let Some(problem) = actions.iter().find_map(malformed) {
-                return Err(FfiError {
-                    kind: FfiErrorKind::Malformed,
-                    message: problem.into(),
-                });
-            }
-            Ok(actions.into_iter().map(FfiAction::from).collect())
+            let mut actions = Actions::new(out);
+            Ok(self
+                .policy
+                .build_hints(&HintContext::new(context), &mut actions)?)
         })
     }
 }
@@ -198,9 +181,13 @@ impl Drop for ProviderAdapter {
 }
 
 impl FfiHintProvider for ProviderAdapter {
-    fn construct(&self, parameters_json: RStr<'_>) -> RResult<FfiConstructed, FfiError> {
+    fn construct(
+        &self,
+        parameters_json: RStr<'_>,
+        settings: &FfiRouterSettings,
+    ) -> RResult<FfiConstructed, FfiError> {
         guarded("the provider", || {
-            let parameters = Parameters::from_json(parameters_json.as_str())?;
+            let parameters = parameters(parameters_json, settings)?;
             let constructor = (self.provider)(&parameters)?;
             let commitments = constructor.policy.commitments().bits();
             let policy: FfiHintPolicyBox = FfiHintPolicy_TO::from_value(
@@ -217,45 +204,152 @@ impl FfiHintProvider for ProviderAdapter {
     }
 }
 
+struct SelectionAdapter {
+    /// Taken (once) by the `Drop` impl, to drop it under `catch_unwind`.
+    policy: std::mem::ManuallyDrop<Arc<dyn SelectionPolicy>>,
+}
+
+impl Drop for SelectionAdapter {
+    fn drop(&mut self) {
+        // SAFETY: as for `PolicyAdapter`: taken once, in the adapter's drop.
+        drop_guarded(unsafe { std::mem::ManuallyDrop::take(&mut self.policy) });
+    }
+}
+
+impl FfiSelectionPolicy for SelectionAdapter {
+    fn select(
+        &self,
+        request: &FfiSelectionRequest<'_>,
+        candidates: RSlice<'_, FfiCandidate<'_>>,
+    ) -> RResult<FfiSelection, FfiError> {
+        guarded("select", || {
+            let selection = self.policy.select(
+                &SelectionRequest::new(request),
+                &Candidates::new(candidates.as_slice()),
+            )?;
+            Ok(FfiSelection {
+                index: selection.index() as u64,
+                commit_kv_copy: selection.commits_kv_copy(),
+            })
+        })
+    }
+}
+
+struct SelectionProviderAdapter {
+    /// Taken (once) by the `Drop` impl, to drop it under `catch_unwind`.
+    provider: std::mem::ManuallyDrop<Arc<SelectionPolicyProvider>>,
+}
+
+impl Drop for SelectionProviderAdapter {
+    fn drop(&mut self) {
+        // SAFETY: as for `PolicyAdapter`: taken once, in the adapter's drop.
+        drop_guarded(unsafe { std::mem::ManuallyDrop::take(&mut self.provider) });
+    }
+}
+
+impl FfiSelectionProvider for SelectionProviderAdapter {
+    fn construct(
+        &self,
+        parameters_json: RStr<'_>,
+        settings: &FfiRouterSettings,
+    ) -> RResult<FfiSelectionConstructed, FfiError> {
+        guarded("the selection provider", || {
+            let parameters = parameters(parameters_json, settings)?;
+            let constructor = (self.provider)(&parameters)?;
+            let policy = &constructor.policy;
+            let mut flags = 0;
+            if policy.kv_aware() {
+                flags |= selection_flags::KV_AWARE;
+            }
+            if policy.commits_kv_copies() {
+                flags |= selection_flags::COMMITS_KV_COPIES;
+            }
+            if policy.wants_peer_copies() {
+                flags |= selection_flags::WANTS_PEER_COPIES;
+            }
+            Ok(FfiSelectionConstructed {
+                policy: FfiSelectionPolicy_TO::from_value(
+                    SelectionAdapter {
+                        policy: std::mem::ManuallyDrop::new(constructor.policy),
+                    },
+                    TD_Opaque,
+                ),
+                flags,
+            })
+        })
+    }
+}
+
 /// Runs a plugin's registration function and converts what it registered.
 /// Called by the code [`export_plugin!`](crate::export_plugin) generates.
+#[doc(hidden)]
 pub fn run_registration<E: Display>(
     register: impl FnOnce(&mut HintRegistry) -> Result<(), E>,
 ) -> RResult<RVec<FfiRegistration>, FfiError> {
     guarded("the registration function", || {
         let mut registry = HintRegistry::new();
         register(&mut registry).map_err(|e| FfiError {
-            kind: FfiErrorKind::Failed,
+            code: error_code::FAILED,
             message: RString::from(e.to_string()),
         })?;
         Ok(registry
             .entries
             .into_iter()
-            .map(|entry| FfiRegistration {
-                name: entry.name.into(),
-                default_hosts: entry
-                    .default_hosts
-                    .into_iter()
-                    .map(|host| match host {
-                        HintHost::AnyWorkerSelection => FfiHintHost::AnyWorkerSelection,
-                        HintHost::WorkerSelection(name) => {
-                            FfiHintHost::WorkerSelection(name.into())
-                        }
-                    })
-                    .collect(),
-                provider: FfiHintProvider_TO::from_value(
-                    ProviderAdapter {
-                        provider: std::mem::ManuallyDrop::new(entry.provider),
-                    },
-                    TD_Opaque,
-                ),
+            .map(|entry| match entry.provider {
+                Provider::Hint {
+                    provider,
+                    default_hosts,
+                } => FfiRegistration {
+                    kind: policy_kind::HINT,
+                    name: entry.name.into(),
+                    default_hosts: default_hosts
+                        .into_iter()
+                        .map(|host| match host {
+                            HintHost::AnyWorkerSelection => FfiHintHost {
+                                kind: host_kind::ANY_WORKER_SELECTION,
+                                selection: RString::new(),
+                            },
+                            HintHost::WorkerSelection(name) => FfiHintHost {
+                                kind: host_kind::WORKER_SELECTION,
+                                selection: name.into(),
+                            },
+                        })
+                        .collect(),
+                    hint_provider: ROption::RSome(FfiHintProvider_TO::from_value(
+                        ProviderAdapter {
+                            provider: std::mem::ManuallyDrop::new(provider),
+                        },
+                        TD_Opaque,
+                    )),
+                    selection_provider: ROption::RNone,
+                },
+                Provider::Selection(provider) => FfiRegistration {
+                    kind: policy_kind::SELECTION,
+                    name: entry.name.into(),
+                    default_hosts: RVec::new(),
+                    hint_provider: ROption::RNone,
+                    selection_provider: ROption::RSome(FfiSelectionProvider_TO::from_value(
+                        SelectionProviderAdapter {
+                            provider: std::mem::ManuallyDrop::new(provider),
+                        },
+                        TD_Opaque,
+                    )),
+                },
             })
             .collect())
     })
 }
 
+/// Marks this copy of plugin-api as running in a `.so` of its own (see
+/// [`install_panic_hook`]). Called by the exported symbol's loader only.
+#[doc(hidden)]
+pub fn loaded_from_its_own_file() {
+    OWN_STD.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Builds a plugin's root module. Called by the code
 /// [`export_plugin!`](crate::export_plugin) generates.
+#[doc(hidden)]
 pub fn root_module(
     name: &'static str,
     version: &'static str,
@@ -284,10 +378,13 @@ pub fn root_module(
 /// ```
 ///
 /// It generates the `abi_stable` root module the router loads from the `.so`,
-/// and a `pub fn kvhint_plugin_module()` that returns the same module, so a
-/// crate built as both `rlib` and `cdylib` can also be linked into a host.
-/// The module's `set_log_sink` lets the router route the plugin's `tracing`
-/// events into its own log ([`crate::log`]).
+/// exported as `kvhint_plugin_root_v2__<crate name>`
+/// ([`ROOT_SYMBOL_PREFIX`](crate::abi::ROOT_SYMBOL_PREFIX)), and a
+/// `pub fn kvhint_plugin_module()` that returns the same module, so a crate
+/// built as both `rlib` and `cdylib` can also be linked into a router. The
+/// symbol is named after the crate, so several plugin crates linked into one
+/// router never collide; and a linked-in crate neither gets a log sink nor
+/// installs a panic hook: it shares the router's `tracing` and std.
 #[macro_export]
 macro_rules! export_plugin {
     ($register:path) => {
@@ -306,7 +403,7 @@ macro_rules! export_plugin {
             $crate::log::set_sink(env!("CARGO_PKG_NAME"), sink)
         }
 
-        /// This plugin's root module, for a host that links the crate in.
+        /// This plugin's root module, for a router that links the crate in.
         pub fn kvhint_plugin_module() -> $crate::abi::PluginModRef {
             static MODULE: ::std::sync::OnceLock<$crate::abi::PluginModRef> =
                 ::std::sync::OnceLock::new();
@@ -322,13 +419,15 @@ macro_rules! export_plugin {
         }
 
         // What `#[abi_stable::export_root_module]` generates, spelled with
-        // `$crate` paths so plugins need not depend on `abi_stable` themselves.
-        // The symbol name is abi_stable 0.11's; a unit test pins it.
+        // `$crate` paths so plugins need not depend on `abi_stable` themselves,
+        // and under a name of this crate's own (see the macro's docs).
         #[doc(hidden)]
-        #[export_name = "_1as_0lib_1header_0root_bmodule_bloader"]
+        #[export_name = concat!("kvhint_plugin_root_v2__", env!("CARGO_CRATE_NAME"))]
         pub static __KVHINT_LIB_HEADER: $crate::__private::abi_stable::library::LibHeader = {
             extern "C" fn __kvhint_erased_module(
             ) -> $crate::__private::abi_stable::library::RootModuleResult {
+                // Only the router's loader calls this, and only in a `.so`.
+                $crate::export::loaded_from_its_own_file();
                 $crate::__private::abi_stable::library::__call_root_module_loader(
                     kvhint_plugin_module,
                 )
@@ -348,13 +447,10 @@ macro_rules! export_plugin {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn export_symbol_is_abi_stables_root_module_loader_name() {
-        // `export_plugin!` hard-codes this name; if abi_stable ever changes it,
-        // this test says so before a host fails to find any plugin.
-        assert_eq!(
-            abi_stable::library::ROOT_MODULE_LOADER_NAME,
-            "_1as_0lib_1header_0root_bmodule_bloader"
-        );
+    fn the_export_name_uses_the_abi_prefix() {
+        // `export_plugin!` spells the prefix out (attributes need a literal);
+        // this keeps it equal to the constant the loader searches for.
+        assert_eq!(crate::abi::ROOT_SYMBOL_PREFIX, "kvhint_plugin_root_v2__");
     }
 
     #[test]
@@ -366,9 +462,7 @@ mod tests {
         }
         extern "C" fn set_log_sink(_: FfiLogSink) {}
         let module = super::root_module("my-plugin", "0.1.0", true, register, set_log_sink);
-        // An `Option` (see `PluginMod::set_log_sink`): the loader never gets a
-        // panicking accessor, and `export_plugin!` always fills the field.
-        assert!(module.set_log_sink().is_some());
         assert_eq!(module.name().as_str(), "my-plugin");
+        assert_eq!(module.abi_version(), crate::ABI_VERSION);
     }
 }

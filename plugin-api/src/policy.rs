@@ -1,100 +1,30 @@
-//! The hint-policy trait and what it returns.
+//! The hint-policy trait and the errors policies return.
 
+use crate::actions::Actions;
 use crate::context::HintContext;
 use std::fmt;
 
 /// A KV hint policy. The router calls [`build_hints`](HintPolicy::build_hints)
 /// once per booking, after the worker is chosen, from many threads at once.
+///
+/// Plugins run inside the router's process, on the booking's thread: a policy
+/// must not block (no I/O, no locks held long, no sleeping). Calls that keep
+/// running over `router.policy_budget_us` get the policy quarantined until the
+/// next reload.
 pub trait HintPolicy: Send + Sync + 'static {
-    /// The actions for the booked worker, in the engine's format. An error (or a
-    /// panic) drops only this policy's actions for this booking.
-    fn build_hints(&self, context: &HintContext<'_>) -> Result<Vec<Action>, HintError>;
+    /// Writes the actions for the booked worker, in the engine's format, with
+    /// [`Actions::push`]. An error (or a panic) drops only this policy's
+    /// actions for this booking, including any it already pushed.
+    fn build_hints(
+        &self,
+        context: &HintContext<'_>,
+        actions: &mut Actions<'_>,
+    ) -> Result<(), HintError>;
 
     /// What this policy promises to send. A policy that sends the KV copy a
     /// selection policy committed to returns [`Commitments::KV_COPY`].
     fn commitments(&self) -> Commitments {
         Commitments::NONE
-    }
-}
-
-/// One engine-format KV action, e.g. `kv.fetch` version `1.0`. The router adds
-/// the `action_id`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Action {
-    pub action_type: String,
-    pub action_version: String,
-    /// Must be a JSON object; anything else is dropped as malformed.
-    pub payload: Payload,
-}
-
-impl Action {
-    /// An action whose payload is a `serde_json::Value` (usually `json!({...})`).
-    pub fn new(
-        action_type: impl Into<String>,
-        action_version: impl Into<String>,
-        payload: serde_json::Value,
-    ) -> Self {
-        Self {
-            action_type: action_type.into(),
-            action_version: action_version.into(),
-            payload: Payload::from(payload),
-        }
-    }
-
-    /// An action whose payload is serialized straight from any `Serialize`
-    /// type (a struct with named fields, a map), without building a `Value`
-    /// first — the fast path for large payloads such as thousands of block
-    /// hashes.
-    pub fn serialize<T: serde::Serialize + ?Sized>(
-        action_type: impl Into<String>,
-        action_version: impl Into<String>,
-        payload: &T,
-    ) -> Result<Self, HintError> {
-        Ok(Self {
-            action_type: action_type.into(),
-            action_version: action_version.into(),
-            payload: Payload::serialize(payload)?,
-        })
-    }
-}
-
-/// An action's payload, kept as the compact JSON text it travels as: it is
-/// written once, in the plugin, and copied into the engine message as it is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Payload(String);
-
-impl Payload {
-    pub fn serialize<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, HintError> {
-        serde_json::to_string(value)
-            .map(Self)
-            .map_err(|e| HintError::new(format!("the payload does not serialize: {e}")))
-    }
-
-    /// The JSON text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    /// Whether it is a JSON object (serde_json's compact output of an object
-    /// starts with `{`, and of nothing else).
-    pub fn is_object(&self) -> bool {
-        self.0.starts_with('{')
-    }
-
-    /// The payload decoded into a `Value` (for tests and inspection).
-    pub fn to_value(&self) -> serde_json::Value {
-        serde_json::from_str(&self.0).unwrap_or(serde_json::Value::Null)
-    }
-
-    pub fn into_string(self) -> String {
-        self.0
-    }
-}
-
-impl From<serde_json::Value> for Payload {
-    fn from(value: serde_json::Value) -> Self {
-        // Serializing a Value cannot fail.
-        Self(value.to_string())
     }
 }
 
@@ -210,9 +140,12 @@ impl From<&str> for HintError {
     }
 }
 
-/// `serde_json` errors in a provider almost always come from its parameters.
+/// A `serde_json` error inside `build_hints` (a session context that does not
+/// parse, a value that does not convert) is the policy failing on this booking.
+/// Parameter errors come from [`Parameters::deserialize`](crate::registry::Parameters::deserialize),
+/// which says so itself.
 impl From<serde_json::Error> for HintError {
     fn from(error: serde_json::Error) -> Self {
-        Self::bad_parameters(error.to_string())
+        Self::new(error.to_string())
     }
 }

@@ -1,7 +1,10 @@
 //! Registration: a plugin's entry point fills a [`HintRegistry`] with named
-//! providers, each of which turns a role's `parameters` into a policy.
+//! providers, each of which turns a role's `parameters` into a policy: hint
+//! policies with [`HintRegistry::register_hint_policy`], selection policies
+//! with [`HintRegistry::register_selection_policy`].
 
 use crate::policy::{HintError, HintPolicy};
+use crate::selection::SelectionPolicy;
 use serde::de::DeserializeOwned;
 use std::fmt;
 use std::sync::Arc;
@@ -31,6 +34,39 @@ impl HintPolicyConstructor {
     }
 }
 
+/// Turns a role's selection `parameters` into a selection policy.
+pub type SelectionPolicyProvider =
+    dyn Fn(&Parameters) -> Result<SelectionPolicyConstructor, HintError> + Send + Sync;
+
+/// A constructed selection policy, as a provider hands it to the router.
+pub struct SelectionPolicyConstructor {
+    pub(crate) policy: Arc<dyn SelectionPolicy>,
+}
+
+impl SelectionPolicyConstructor {
+    /// One instance shared by every booking of the role; it is called from
+    /// many threads at once.
+    pub fn shared(policy: impl SelectionPolicy) -> Self {
+        Self {
+            policy: Arc::new(policy),
+        }
+    }
+
+    /// The policy itself, for tests of a provider.
+    pub fn policy(&self) -> &dyn SelectionPolicy {
+        &*self.policy
+    }
+}
+
+/// What the router tells a provider besides the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RouterSettings {
+    /// Tokens per KV block (`router.block_size`).
+    pub block_size: usize,
+    /// `router.seed`: seed any random choice with it, so a replay books alike.
+    pub seed: u64,
+}
+
 /// Where a hint policy runs when a role does not list `hints`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum HintHost {
@@ -55,16 +91,19 @@ impl fmt::Display for HintHost {
     }
 }
 
-/// A hint item's `parameters` mapping (`{}` when the YAML has none).
+/// A policy's `parameters` mapping (`{}` when the YAML has none), and the
+/// router's settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Parameters {
     value: serde_json::Value,
+    router: RouterSettings,
 }
 
 impl Default for Parameters {
     fn default() -> Self {
         Self {
             value: serde_json::Value::Object(Default::default()),
+            router: RouterSettings::default(),
         }
     }
 }
@@ -74,7 +113,10 @@ impl Parameters {
     /// config requires `parameters` to be a mapping.
     pub fn from_value(value: serde_json::Value) -> Result<Self, HintError> {
         if value.is_object() {
-            Ok(Self { value })
+            Ok(Self {
+                value,
+                router: RouterSettings::default(),
+            })
         } else {
             Err(HintError::bad_parameters(format!(
                 "parameters must be a mapping, found {value}"
@@ -90,10 +132,61 @@ impl Parameters {
         Self::from_value(value)
     }
 
+    /// With the router's settings (the host sets them).
+    #[doc(hidden)]
+    pub fn with_router(mut self, router: RouterSettings) -> Self {
+        self.router = router;
+        self
+    }
+
+    /// The router's settings: block size and seed.
+    pub fn router(&self) -> RouterSettings {
+        self.router
+    }
+
     /// Deserializes into the policy's own configuration type. Use
     /// `#[serde(deny_unknown_fields)]` on it so typos are reported.
+    ///
+    /// On failure the error lists every problem in the mapping, one per line,
+    /// each naming its key (`` `min_blocks`: invalid type: string "x", expected
+    /// usize ``), so the router can point at each in the YAML.
     pub fn deserialize<T: DeserializeOwned>(&self) -> Result<T, HintError> {
-        T::deserialize(&self.value).map_err(|e| HintError::bad_parameters(e.to_string()))
+        let mut value = self.value.clone();
+        let mut problems: Vec<String> = Vec::new();
+        let mut removed: Vec<String> = Vec::new();
+        // At most one retry per key: each round removes the key at fault.
+        let rounds = value.as_object().map_or(0, |m| m.len()) + 1;
+        for _ in 0..rounds {
+            let error = match serde_path_to_error::deserialize::<_, T>(&value) {
+                Ok(parsed) if problems.is_empty() => return Ok(parsed),
+                Ok(_) => break,
+                Err(error) => error,
+            };
+            let message = error.inner().to_string();
+            let key = fault_key(&error.path().to_string(), &message);
+            // A key this loop removed is not missing: its own error is listed.
+            let missing_removed = removed
+                .iter()
+                .any(|k| message.starts_with(&format!("missing field `{k}`")));
+            if !missing_removed {
+                problems.push(match &key {
+                    Some(key) if !message.contains(&format!("`{key}`")) => {
+                        format!("`{key}`: {message}")
+                    }
+                    _ => message,
+                });
+            }
+            match key {
+                Some(key) if !removed.contains(&key) => {
+                    if let Some(map) = value.as_object_mut() {
+                        map.remove(&key);
+                    }
+                    removed.push(key);
+                }
+                _ => break,
+            }
+        }
+        Err(HintError::bad_parameters(problems.join("\n")))
     }
 
     pub fn get(&self, key: &str) -> Option<&serde_json::Value> {
@@ -103,6 +196,19 @@ impl Parameters {
     pub fn as_json(&self) -> &serde_json::Value {
         &self.value
     }
+}
+
+/// The top-level key an error is about: the first segment of its path, or for
+/// an unknown field (whose path is the mapping itself) the field it names.
+fn fault_key(path: &str, message: &str) -> Option<String> {
+    if path != "." && !path.is_empty() {
+        let first = path.split(['.', '[']).next().unwrap_or(path);
+        if !first.is_empty() {
+            return Some(first.to_string());
+        }
+    }
+    let rest = message.strip_prefix("unknown field `")?;
+    rest.split('`').next().map(str::to_string)
 }
 
 /// A registration the registry refused.
@@ -117,10 +223,10 @@ impl fmt::Display for RegistryError {
         match self {
             Self::InvalidName { name } => write!(
                 f,
-                "hint policy name {name:?} is invalid: use 1-64 characters from a-z, A-Z, 0-9, '_', '-', '.'"
+                "policy name {name:?} is invalid: use 1-64 characters from a-z, A-Z, 0-9, '_', '-', '.'"
             ),
             Self::Duplicate { name } => {
-                write!(f, "hint policy {name:?} is registered twice in this plugin")
+                write!(f, "policy {name:?} is registered twice in this plugin")
             }
         }
     }
@@ -128,10 +234,17 @@ impl fmt::Display for RegistryError {
 
 impl std::error::Error for RegistryError {}
 
+pub(crate) enum Provider {
+    Hint {
+        provider: Arc<HintPolicyProvider>,
+        default_hosts: Vec<HintHost>,
+    },
+    Selection(Arc<SelectionPolicyProvider>),
+}
+
 pub(crate) struct Registration {
     pub(crate) name: String,
-    pub(crate) provider: Arc<HintPolicyProvider>,
-    pub(crate) default_hosts: Vec<HintHost>,
+    pub(crate) provider: Provider,
 }
 
 /// What a plugin's registration function fills.
@@ -154,6 +267,27 @@ impl HintRegistry {
         provider: Arc<HintPolicyProvider>,
         default_hosts: impl IntoIterator<Item = HintHost>,
     ) -> Result<(), RegistryError> {
+        self.add(
+            name,
+            Provider::Hint {
+                provider,
+                default_hosts: default_hosts.into_iter().collect(),
+            },
+        )
+    }
+
+    /// Registers a selection-policy type: a role names it as
+    /// `worker_selection.<role>: <name>` (or `type: <name>` with `parameters`).
+    /// Selection and hint types share one namespace per router.
+    pub fn register_selection_policy(
+        &mut self,
+        name: &str,
+        provider: Arc<SelectionPolicyProvider>,
+    ) -> Result<(), RegistryError> {
+        self.add(name, Provider::Selection(provider))
+    }
+
+    fn add(&mut self, name: &str, provider: Provider) -> Result<(), RegistryError> {
         if !valid_name(name) {
             return Err(RegistryError::InvalidName {
                 name: name.to_string(),
@@ -167,7 +301,6 @@ impl HintRegistry {
         self.entries.push(Registration {
             name: name.to_string(),
             provider,
-            default_hosts: default_hosts.into_iter().collect(),
         });
         Ok(())
     }
@@ -178,7 +311,7 @@ impl HintRegistry {
     }
 }
 
-/// Whether `name` is a valid hint-policy type (or instance) name: 1–64
+/// Whether `name` is a valid policy type (or instance) name: 1–64
 /// characters from a-z, A-Z, 0-9, `_`, `-`, `.` (it becomes a metric label).
 pub fn valid_name(name: &str) -> bool {
     !name.is_empty()

@@ -1,0 +1,756 @@
+//! The host's side of [`FfiActionWriter`]: the one engine-format message of a
+//! booking (rule R10), written as the policies call in, into a buffer the host
+//! owns and reuses from booking to booking.
+//!
+//! Why the host writes the JSON: a payload a plugin wrote as text would have to
+//! be parsed again before it could be trusted, or trusted blindly. Here the
+//! plugin hands over values one call at a time and this writer emits every
+//! byte itself, checking the grammar as it goes (keys only in objects, one
+//! value per key, containers closed, the payload an object, floats finite), so
+//! the finished message is valid JSON by construction.
+//!
+//! Rules applied here, in call order:
+//! - R7: actions are numbered `a1`, `a2`, …; past `max_actions` whole actions
+//!   are dropped (and counted), which drops the later policies' first.
+//! - R8: [`MessageWriter::end_policy`] with a failure, or after the policy broke
+//!   the grammar, rolls the buffer back to where that policy began: it loses
+//!   its own actions and nothing else.
+//!
+//! The router links this in; plugin-api's `testing` module uses it too, so a
+//! plugin's unit tests see exactly the message the router would send.
+
+use crate::abi::{FfiActionWriter, FfiWriterVtable};
+use abi_stable::marker_type::ErasedObject;
+use abi_stable::std_types::{RSlice, RStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// The envelope's `protocol_version`.
+pub const PROTOCOL_VERSION: &str = "0.1";
+
+/// Containers deeper than this are refused: a payload is a flat record, and the
+/// bound keeps a runaway policy from growing the stack.
+pub const MAX_DEPTH: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Frame {
+    /// In an object; `expect_key` until a key is written, then a value.
+    Object { first: bool, expect_key: bool },
+    Array { first: bool },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Between actions.
+    Idle,
+    /// After `begin_action`, before the payload's top-level object.
+    Payload,
+    /// Inside the payload (the stack is not empty).
+    Writing,
+    /// The payload's object is closed; only `end_action` may follow.
+    Closed,
+    /// An action past the cap: everything until `end_action` is ignored.
+    Dropping,
+}
+
+/// Where a policy began, to roll back to.
+#[derive(Debug, Clone, Copy)]
+struct Mark {
+    len: usize,
+    actions: usize,
+    dropped: usize,
+    types_len: usize,
+    type_ends: usize,
+}
+
+/// One booking's message being written.
+#[derive(Debug)]
+pub struct MessageWriter {
+    out: Vec<u8>,
+    stack: Vec<Frame>,
+    phase: Phase,
+    /// Where the current action began in `out` (to drop it if it breaks).
+    action_start: usize,
+    actions: usize,
+    max_actions: usize,
+    dropped: usize,
+    /// The action types in order, concatenated, with their ends.
+    types: String,
+    type_ends: Vec<usize>,
+    /// The current policy's first grammar error.
+    error: Option<String>,
+    mark: Mark,
+    /// Bytes the envelope's head takes (a message with no action is none).
+    head_len: usize,
+}
+
+impl Default for MessageWriter {
+    fn default() -> Self {
+        Self {
+            out: Vec::new(),
+            stack: Vec::new(),
+            phase: Phase::Idle,
+            action_start: 0,
+            actions: 0,
+            max_actions: 32,
+            dropped: 0,
+            types: String::new(),
+            type_ends: Vec::new(),
+            error: None,
+            mark: Mark {
+                len: 0,
+                actions: 0,
+                dropped: 0,
+                types_len: 0,
+                type_ends: 0,
+            },
+            head_len: 0,
+        }
+    }
+}
+
+/// Why a policy's actions were discarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyOutput {
+    /// It kept this many actions in the message.
+    Kept(usize),
+    /// It broke the writer's grammar (the message says how).
+    Malformed(String),
+}
+
+impl MessageWriter {
+    /// Starts a message for `message_id` with room for `max_actions` actions,
+    /// reusing the buffers of the last one.
+    pub fn begin_message(&mut self, message_id: &str, max_actions: usize) {
+        self.out.clear();
+        self.stack.clear();
+        self.types.clear();
+        self.type_ends.clear();
+        self.phase = Phase::Idle;
+        self.actions = 0;
+        self.dropped = 0;
+        self.error = None;
+        self.max_actions = max_actions;
+        self.out
+            .extend_from_slice(b"{\"protocol_version\":\"0.1\",\"message_id\":");
+        write_string(&mut self.out, message_id);
+        self.out.extend_from_slice(b",\"actions\":[");
+        self.head_len = self.out.len();
+        self.mark = self.mark_now();
+    }
+
+    fn mark_now(&self) -> Mark {
+        Mark {
+            len: self.out.len(),
+            actions: self.actions,
+            dropped: self.dropped,
+            types_len: self.types.len(),
+            type_ends: self.type_ends.len(),
+        }
+    }
+
+    /// Marks where the next policy's actions begin.
+    pub fn begin_policy(&mut self) {
+        self.stack.clear();
+        self.phase = Phase::Idle;
+        self.error = None;
+        self.mark = self.mark_now();
+    }
+
+    /// Ends a policy's turn. `ok` is false when the policy itself failed; then,
+    /// or when it broke the grammar or left an action open, everything it wrote
+    /// is rolled back.
+    pub fn end_policy(&mut self, ok: bool) -> PolicyOutput {
+        if self.error.is_none() && self.phase != Phase::Idle {
+            self.error = Some("the policy returned with an action still open".into());
+        }
+        let error = self.error.take();
+        if ok && error.is_none() {
+            return PolicyOutput::Kept(self.actions - self.mark.actions);
+        }
+        self.rollback();
+        match error {
+            Some(message) => PolicyOutput::Malformed(message),
+            None => PolicyOutput::Kept(0),
+        }
+    }
+
+    fn rollback(&mut self) {
+        let mark = self.mark;
+        self.out.truncate(mark.len);
+        self.actions = mark.actions;
+        self.dropped = mark.dropped;
+        self.types.truncate(mark.types_len);
+        self.type_ends.truncate(mark.type_ends);
+        self.stack.clear();
+        self.phase = Phase::Idle;
+    }
+
+    /// Actions in the message so far.
+    pub fn actions(&self) -> usize {
+        self.actions
+    }
+
+    /// Actions dropped over the cap so far (rule R7).
+    pub fn dropped(&self) -> usize {
+        self.dropped
+    }
+
+    /// The message's action types, in order.
+    pub fn action_types(&self) -> impl Iterator<Item = &str> {
+        let mut start = 0;
+        self.type_ends.iter().map(move |&end| {
+            let text = &self.types[start..end];
+            start = end;
+            text
+        })
+    }
+
+    /// Closes the message: its text, or `None` if no action is in it. Valid
+    /// JSON by construction (see the module docs).
+    pub fn finish(&mut self) -> Option<&str> {
+        if self.actions == 0 {
+            return None;
+        }
+        self.out.extend_from_slice(b"]}");
+        // Every byte came from `write_string` (serde_json's escaping of a
+        // `&str`), ASCII punctuation, or number formatting: UTF-8 throughout.
+        std::str::from_utf8(&self.out).ok()
+    }
+
+    /// An [`FfiActionWriter`] over this writer, to pass to a policy. The
+    /// pointer stays valid while `self` is borrowed.
+    pub fn ffi(&mut self) -> FfiActionWriter {
+        FfiActionWriter {
+            state: (self as *mut Self).cast::<ErasedObject>(),
+            vtable: &VTABLE,
+        }
+    }
+
+    fn fail(&mut self, message: impl Into<String>) {
+        if self.error.is_none() {
+            self.error = Some(message.into());
+        }
+        // Nothing more of this policy is written; its actions will be rolled back.
+        if self.phase != Phase::Dropping {
+            self.phase = Phase::Dropping;
+        }
+    }
+
+    fn failed(&self) -> bool {
+        self.error.is_some()
+    }
+
+    pub fn begin_action(&mut self, action_type: &str, action_version: &str) {
+        if self.failed() {
+            return;
+        }
+        if self.phase != Phase::Idle {
+            return self.fail("an action was begun inside another action");
+        }
+        if action_type.is_empty() {
+            return self.fail("an action has an empty action_type");
+        }
+        if action_version.is_empty() {
+            return self.fail(format!(
+                "action {action_type:?} has an empty action_version"
+            ));
+        }
+        if self.actions == self.max_actions {
+            self.dropped += 1;
+            self.phase = Phase::Dropping;
+            return;
+        }
+        self.action_start = self.out.len();
+        if self.out.len() > self.head_len {
+            self.out.push(b',');
+        }
+        let id = self.actions + 1;
+        self.out.extend_from_slice(b"{\"action_id\":\"a");
+        let mut digits = itoa::Buffer::new();
+        self.out.extend_from_slice(digits.format(id).as_bytes());
+        self.out.extend_from_slice(b"\",\"action_type\":");
+        write_string(&mut self.out, action_type);
+        self.out.extend_from_slice(b",\"action_version\":");
+        write_string(&mut self.out, action_version);
+        self.out.extend_from_slice(b",\"payload\":");
+        self.types.push_str(action_type);
+        self.type_ends.push(self.types.len());
+        self.phase = Phase::Payload;
+    }
+
+    pub fn end_action(&mut self) {
+        match self.phase {
+            Phase::Dropping if !self.failed() => self.phase = Phase::Idle,
+            Phase::Dropping => {}
+            Phase::Closed => {
+                self.out.push(b'}');
+                self.actions += 1;
+                self.phase = Phase::Idle;
+            }
+            Phase::Idle => self.fail("end_action without begin_action"),
+            Phase::Payload => self.fail("an action ended without a payload"),
+            Phase::Writing => self.fail("an action ended inside its payload (a container is open)"),
+        }
+    }
+
+    /// Before any value: the separator, the grammar, and whether to write it.
+    fn before_value(&mut self, what: &str) -> bool {
+        match self.phase {
+            Phase::Dropping => false,
+            Phase::Idle => {
+                self.fail(format!("{what} written outside an action"));
+                false
+            }
+            Phase::Closed => {
+                self.fail(format!("{what} written after the payload's object closed"));
+                false
+            }
+            Phase::Payload => {
+                if what != "an object" {
+                    self.fail(format!("the payload is {what}, not a JSON object"));
+                    return false;
+                }
+                true
+            }
+            Phase::Writing => match self.stack.last_mut() {
+                Some(Frame::Array { first }) => {
+                    if !*first {
+                        self.out.push(b',');
+                    }
+                    *first = false;
+                    true
+                }
+                Some(Frame::Object { expect_key, .. }) => {
+                    if *expect_key {
+                        self.fail(format!("{what} written in an object where a key belongs"));
+                        return false;
+                    }
+                    *expect_key = true;
+                    true
+                }
+                None => {
+                    self.fail(format!("{what} written after the payload's object closed"));
+                    false
+                }
+            },
+        }
+    }
+
+    fn open(&mut self, frame: Frame, byte: u8, what: &str) {
+        if !self.before_value(what) {
+            return;
+        }
+        if self.stack.len() == MAX_DEPTH {
+            return self.fail(format!("the payload nests deeper than {MAX_DEPTH} levels"));
+        }
+        self.out.push(byte);
+        self.stack.push(frame);
+        self.phase = Phase::Writing;
+    }
+
+    fn close(&mut self, object: bool) {
+        if self.phase == Phase::Dropping {
+            return;
+        }
+        let what = if object { "end_object" } else { "end_array" };
+        match (self.stack.last(), object) {
+            (Some(Frame::Object { expect_key: true, .. }), true) => self.out.push(b'}'),
+            (Some(Frame::Object { .. }), true) => {
+                return self.fail("an object closed after a key without its value")
+            }
+            (Some(Frame::Array { .. }), false) => self.out.push(b']'),
+            _ => return self.fail(format!("{what} does not match the open container")),
+        }
+        self.stack.pop();
+        if self.stack.is_empty() {
+            self.phase = Phase::Closed;
+        }
+    }
+
+    pub fn begin_object(&mut self) {
+        self.open(
+            Frame::Object {
+                first: true,
+                expect_key: true,
+            },
+            b'{',
+            "an object",
+        );
+    }
+
+    pub fn end_object(&mut self) {
+        self.close(true);
+    }
+
+    pub fn begin_array(&mut self) {
+        self.open(Frame::Array { first: true }, b'[', "an array");
+    }
+
+    pub fn end_array(&mut self) {
+        self.close(false);
+    }
+
+    pub fn key(&mut self, key: &str) {
+        if self.phase == Phase::Dropping {
+            return;
+        }
+        match self.stack.last_mut() {
+            Some(Frame::Object { first, expect_key }) if *expect_key => {
+                if !*first {
+                    self.out.push(b',');
+                }
+                *first = false;
+                *expect_key = false;
+                write_string(&mut self.out, key);
+                self.out.push(b':');
+            }
+            Some(Frame::Object { .. }) => {
+                self.fail(format!("key {key:?} written where the previous key's value belongs"))
+            }
+            _ => self.fail(format!("key {key:?} written outside an object")),
+        }
+    }
+
+    pub fn string(&mut self, value: &str) {
+        if self.before_value("a string") {
+            write_string(&mut self.out, value);
+        }
+    }
+
+    pub fn u64(&mut self, value: u64) {
+        if self.before_value("a number") {
+            let mut digits = itoa::Buffer::new();
+            self.out.extend_from_slice(digits.format(value).as_bytes());
+        }
+    }
+
+    pub fn i64(&mut self, value: i64) {
+        if self.before_value("a number") {
+            let mut digits = itoa::Buffer::new();
+            self.out.extend_from_slice(digits.format(value).as_bytes());
+        }
+    }
+
+    pub fn f64(&mut self, value: f64) {
+        if !value.is_finite() {
+            return self.fail(format!("{value} is not a JSON number"));
+        }
+        if self.before_value("a number") {
+            let mut digits = ryu::Buffer::new();
+            self.out.extend_from_slice(digits.format_finite(value).as_bytes());
+        }
+    }
+
+    pub fn bool(&mut self, value: bool) {
+        if self.before_value("a boolean") {
+            self.out
+                .extend_from_slice(if value { b"true" } else { b"false" });
+        }
+    }
+
+    pub fn null(&mut self) {
+        if self.before_value("null") {
+            self.out.extend_from_slice(b"null");
+        }
+    }
+
+    pub fn u64_array(&mut self, values: &[u64]) {
+        if !self.before_value("an array") {
+            return;
+        }
+        // At most 20 digits and a comma per value.
+        self.out.reserve(values.len() * 21 + 2);
+        self.out.push(b'[');
+        let mut digits = itoa::Buffer::new();
+        for (i, value) in values.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            self.out.extend_from_slice(digits.format(*value).as_bytes());
+        }
+        self.out.push(b']');
+    }
+
+    /// The policy's serializer gave up half-way.
+    pub fn fail_payload(&mut self, message: &str) {
+        self.fail(format!("the payload could not be written: {message}"));
+    }
+}
+
+/// `text` as a JSON string, with serde_json's own escaping.
+fn write_string(out: &mut Vec<u8>, text: &str) {
+    // Writing a `&str` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *out, text);
+}
+
+/// Runs one writer call from the plugin. The state pointer is always the
+/// `MessageWriter` that [`MessageWriter::ffi`] handed out; a panic (there is
+/// none to expect: this is the host's own code) is recorded, never unwound into
+/// the plugin.
+fn with(state: *mut ErasedObject, f: impl FnOnce(&mut MessageWriter)) {
+    // SAFETY: `state` comes from `MessageWriter::ffi`, whose borrow of the
+    // writer outlives the policy call that passes it back here.
+    let writer = unsafe { &mut *state.cast::<MessageWriter>() };
+    if catch_unwind(AssertUnwindSafe(|| f(&mut *writer))).is_err() {
+        writer.fail("the router's writer failed");
+    }
+}
+
+extern "C" fn begin_action(state: *mut ErasedObject, action_type: RStr<'_>, version: RStr<'_>) {
+    with(state, |w| w.begin_action(action_type.as_str(), version.as_str()))
+}
+extern "C" fn end_action(state: *mut ErasedObject) {
+    with(state, MessageWriter::end_action)
+}
+extern "C" fn begin_object(state: *mut ErasedObject) {
+    with(state, MessageWriter::begin_object)
+}
+extern "C" fn end_object(state: *mut ErasedObject) {
+    with(state, MessageWriter::end_object)
+}
+extern "C" fn begin_array(state: *mut ErasedObject) {
+    with(state, MessageWriter::begin_array)
+}
+extern "C" fn end_array(state: *mut ErasedObject) {
+    with(state, MessageWriter::end_array)
+}
+extern "C" fn key(state: *mut ErasedObject, key: RStr<'_>) {
+    with(state, |w| w.key(key.as_str()))
+}
+extern "C" fn string(state: *mut ErasedObject, value: RStr<'_>) {
+    with(state, |w| w.string(value.as_str()))
+}
+extern "C" fn u64_value(state: *mut ErasedObject, value: u64) {
+    with(state, |w| w.u64(value))
+}
+extern "C" fn i64_value(state: *mut ErasedObject, value: i64) {
+    with(state, |w| w.i64(value))
+}
+extern "C" fn f64_value(state: *mut ErasedObject, value: f64) {
+    with(state, |w| w.f64(value))
+}
+extern "C" fn bool_value(state: *mut ErasedObject, value: bool) {
+    with(state, |w| w.bool(value))
+}
+extern "C" fn null(state: *mut ErasedObject) {
+    with(state, MessageWriter::null)
+}
+extern "C" fn u64_array(state: *mut ErasedObject, values: RSlice<'_, u64>) {
+    with(state, |w| w.u64_array(values.as_slice()))
+}
+extern "C" fn fail(state: *mut ErasedObject, message: RStr<'_>) {
+    with(state, |w| w.fail_payload(message.as_str()))
+}
+
+static VTABLE: FfiWriterVtable = FfiWriterVtable {
+    begin_action,
+    end_action,
+    begin_object,
+    end_object,
+    begin_array,
+    end_array,
+    key,
+    string,
+    u64: u64_value,
+    i64: i64_value,
+    f64: f64_value,
+    bool: bool_value,
+    null,
+    u64_array,
+    fail,
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(w: &mut MessageWriter) -> serde_json::Value {
+        serde_json::from_str(w.finish().expect("a message")).expect("valid JSON")
+    }
+
+    #[test]
+    fn writes_the_envelope_with_numbered_actions() {
+        let mut w = MessageWriter::default();
+        w.begin_message("req\"1", 32);
+        w.begin_policy();
+        w.begin_action("kv.fetch", "1.0");
+        w.begin_object();
+        w.key("source_control_endpoint");
+        w.string("tcp://10.0.0.7:23280");
+        w.key("block_hashes");
+        w.u64_array(&[11, 22]);
+        w.key("nested");
+        w.begin_array();
+        w.i64(-1);
+        w.f64(0.5);
+        w.bool(true);
+        w.null();
+        w.begin_object();
+        w.end_object();
+        w.end_array();
+        w.end_object();
+        w.end_action();
+        w.begin_action("x.y", "2");
+        w.begin_object();
+        w.end_object();
+        w.end_action();
+        assert_eq!(w.end_policy(true), PolicyOutput::Kept(2));
+        assert_eq!(w.action_types().collect::<Vec<_>>(), ["kv.fetch", "x.y"]);
+        assert_eq!(
+            message(&mut w),
+            serde_json::json!({"protocol_version": "0.1", "message_id": "req\"1", "actions": [
+                {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+                 "payload": {"source_control_endpoint": "tcp://10.0.0.7:23280", "block_hashes": [11, 22],
+                             "nested": [-1, 0.5, true, null, {}]}},
+                {"action_id": "a2", "action_type": "x.y", "action_version": "2", "payload": {}}]})
+        );
+    }
+
+    /// Runs `f` as one policy after a good one; returns what the bad one got.
+    fn after_a_good_policy(f: impl FnOnce(&mut MessageWriter)) -> PolicyOutput {
+        let mut w = MessageWriter::default();
+        w.begin_message("r", 32);
+        w.begin_policy();
+        w.begin_action("good", "1");
+        w.begin_object();
+        w.end_object();
+        w.end_action();
+        assert_eq!(w.end_policy(true), PolicyOutput::Kept(1));
+        w.begin_policy();
+        f(&mut w);
+        let output = w.end_policy(true);
+        assert_eq!(w.actions(), 1, "the good policy's action survives");
+        assert_eq!(message(&mut w)["actions"].as_array().map(Vec::len), Some(1));
+        output
+    }
+
+    #[test]
+    fn every_grammar_break_discards_only_that_policy() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut MessageWriter)>)> = vec![
+            ("not a JSON object", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.u64_array(&[1]);
+                w.end_action();
+            })),
+            ("where a key belongs", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.u64(1);
+            })),
+            ("previous key's value", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.key("a");
+                w.key("b");
+            })),
+            ("without its value", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.key("a");
+                w.end_object();
+            })),
+            ("container is open", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.end_action();
+            })),
+            ("outside an action", Box::new(|w| w.string("loose"))),
+            ("still open", Box::new(|w| w.begin_action("a", "1"))),
+            ("empty action_type", Box::new(|w| w.begin_action("", "1"))),
+            ("not a JSON number", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.key("x");
+                w.f64(f64::NAN);
+            })),
+            ("after the payload's object closed", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.end_object();
+                w.null();
+            })),
+            ("does not match", Box::new(|w| {
+                w.begin_action("a", "1");
+                w.begin_object();
+                w.key("k");
+                w.begin_array();
+                w.end_object();
+            })),
+        ];
+        for (expected, case) in cases {
+            match after_a_good_policy(|w| case(w)) {
+                PolicyOutput::Malformed(message) => {
+                    assert!(message.contains(expected), "{expected:?} not in {message:?}")
+                }
+                other => panic!("{expected}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_policy_is_rolled_back() {
+        assert_eq!(
+            after_a_good_policy(|w| {
+                w.begin_action("b", "1");
+                w.begin_object();
+                w.end_object();
+                w.end_action();
+                // The policy then returns an error.
+                let _ = w.end_policy(false);
+                w.begin_policy();
+            }),
+            PolicyOutput::Kept(0)
+        );
+    }
+
+    #[test]
+    fn actions_past_the_cap_are_dropped_whole() {
+        let mut w = MessageWriter::default();
+        w.begin_message("r", 2);
+        w.begin_policy();
+        for _ in 0..3 {
+            w.begin_action("a", "1");
+            w.begin_object();
+            w.key("k");
+            w.u64(1);
+            w.end_object();
+            w.end_action();
+        }
+        assert_eq!(w.end_policy(true), PolicyOutput::Kept(2));
+        assert_eq!(w.dropped(), 1);
+        assert_eq!(message(&mut w)["actions"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn no_action_is_no_message() {
+        let mut w = MessageWriter::default();
+        w.begin_message("r", 32);
+        w.begin_policy();
+        assert_eq!(w.end_policy(true), PolicyOutput::Kept(0));
+        assert!(w.finish().is_none());
+    }
+
+    #[test]
+    fn nesting_is_bounded() {
+        let output = after_a_good_policy(|w| {
+            w.begin_action("a", "1");
+            for _ in 0..=MAX_DEPTH {
+                w.begin_array();
+            }
+        });
+        // The first begin is an array: refused as a payload.
+        assert!(matches!(output, PolicyOutput::Malformed(_)));
+        let output = after_a_good_policy(|w| {
+            w.begin_action("a", "1");
+            w.begin_object();
+            w.key("k");
+            for _ in 0..MAX_DEPTH {
+                w.begin_array();
+            }
+        });
+        match output {
+            PolicyOutput::Malformed(message) => assert!(message.contains("deeper"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
