@@ -29,10 +29,13 @@ pub use crate::hints::PolicyFailure;
 pub use crate::hints::{Hint, HintSkip};
 
 use crate::domain::{Role, Worker, WorkerKey};
-use crate::hints::{BookedRequest, CommittedCopyView};
-use crate::selection::{Candidate, SelectionInput};
+use crate::hints::{
+    ffi_worker, reuse, BookedRequest, CommittedCopyView, PeerHashSource, PeerRows, PeerView,
+};
 use crate::snapshot::{RoleRuntime, Snapshot};
+use abi_stable::std_types::{ROption, RStr};
 use arc_swap::ArcSwap;
+use kvhint_plugin_api::abi::{FfiCandidate, FfiPeerCopy, FfiRequestIdentity, FfiSelectionRequest};
 use bookings::{Bookings, Reservation};
 use index::shared::SharedIndex;
 use index::{identity_seed, seeded_block_hashes, KvEvent, Matches, Slot};
@@ -106,6 +109,9 @@ pub struct BookRequest<'a> {
 /// The result of a booking.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Booking {
+    /// Set when the role's selection policy failed and the built-in default
+    /// placed the request instead (`error`, `panic`, `out_of_range`).
+    pub selection_fallback: Option<&'static str>,
     pub request_id: String,
     pub role: Role,
     pub worker: WorkerKey,
@@ -135,6 +141,7 @@ struct Plan {
     booked: Arc<WorkerEntry>,
     cached_blocks: usize,
     committed_copy: Option<CommittedCopy>,
+    selection_fallback: Option<&'static str>,
 }
 
 /// A matching worker as the booking ranks peers: longest prefix first, then by key.
@@ -153,19 +160,21 @@ struct Ranked {
 struct Scratch {
     hashes: Vec<u64>,
     matches: Matches,
-    candidates: Vec<Candidate>,
+    /// Spare: the candidates of a booking borrow its worker table, so they
+    /// live in a `Vec` of that lifetime and come back here empty.
+    candidates: Vec<FfiCandidate<'static>>,
     ranked: Vec<Ranked>,
-    rows: Vec<(Slot, usize)>,
-    engine: Vec<u64>,
-    lengths: Vec<usize>,
-    row_scratch: index::lookup::RowScratch,
+    /// Each candidate's best peer copy, by position in `ranked`.
+    peer_copies: Vec<Option<usize>>,
+    rows: PeerRows,
 }
 
 impl Scratch {
     fn retained_bytes(&self) -> usize {
         self.matches.retained_bytes()
-            + (self.hashes.capacity() + self.engine.capacity()) * 8
-            + self.lengths.capacity() * 8
+            + self.hashes.capacity() * 8
+            + self.candidates.capacity() * std::mem::size_of::<FfiCandidate<'static>>()
+            + self.ranked.capacity() * std::mem::size_of::<Ranked>()
     }
 }
 
@@ -454,6 +463,7 @@ impl Router {
             }
         };
         let mut booking = Booking {
+            selection_fallback: plan.selection_fallback,
             request_id: request.request_id.to_string(),
             role: request.role,
             worker: plan.booked.worker.key,
@@ -483,11 +493,13 @@ impl Router {
         }
         let kv = role.on_kv_path;
         let policy = role.booking_selection();
+        let wants_peer_copies = kv && policy.wants_peer_copies();
         let Scratch {
             hashes,
             matches,
-            candidates,
+            candidates: spare,
             ranked,
+            peer_copies,
             ..
         } = scratch;
         let query: &[u64] = if kv { hashes } else { &[] };
@@ -497,7 +509,7 @@ impl Router {
         // matches come shortest first, so reversed they are nearly sorted already and
         // the (adaptive) sort is about linear.
         ranked.clear();
-        if kv && (policy.wants_peer_copies() || !role.hints.is_empty()) {
+        if kv && (wants_peer_copies || !role.hints.is_empty()) {
             ranked.extend(matches.found().iter().rev().filter_map(|f| {
                 table.by_slot(f.slot).map(|entry| Ranked {
                     cached: f.cached,
@@ -508,52 +520,72 @@ impl Router {
             ranked.sort_by(|a, b| b.cached.cmp(&a.cached).then(a.key.cmp(&b.key)));
         }
 
-        candidates.clear();
+        let mut candidates: Vec<FfiCandidate<'_>> = reuse(std::mem::take(spare));
+        peer_copies.clear();
         for entry in entries {
             let worker = &entry.worker;
             let cached_blocks = matches.cached_in_slot(entry.slot);
-            let peer_copy = if policy.wants_peer_copies() && worker.router_hint {
+            let peer_copy = if wants_peer_copies && worker.router_hint {
                 best_peer(table, ranked, worker, cached_blocks)
             } else {
                 None
             };
+            peer_copies.push(peer_copy);
             let load = entry.load.get();
-            candidates.push(Candidate {
-                key: worker.key,
-                cached_blocks,
+            candidates.push(FfiCandidate {
+                worker: ffi_worker(worker),
+                cached_blocks: cached_blocks as u64,
+                active_requests: load.active_requests,
                 active_blocks: load.active_blocks,
                 prefill_blocks: load.prefill_blocks,
-                peer_copy,
+                peer_copy: match peer_copy
+                    .and_then(|at| Some((ranked[at], table.by_slot(ranked[at].slot)?)))
+                {
+                    Some((peer, source)) => ROption::RSome(FfiPeerCopy {
+                        source: ffi_worker(&source.worker),
+                        cached_blocks: peer.cached as u64,
+                    }),
+                    None => ROption::RNone,
+                },
             });
         }
-        let selected = policy
-            .select(&SelectionInput {
-                request_blocks: hashes.len(),
-                candidates,
-            })
-            .filter(|s| s.index < candidates.len())
-            .ok_or(RouterError::NoWorkers(request.role))?;
-        let chosen = candidates[selected.index];
-        let booked = Arc::clone(&entries[selected.index]);
+        let chosen = policy.select(
+            &FfiSelectionRequest {
+                request_id: RStr::from_str(request.request_id),
+                role: RStr::from_str(request.role.as_str()),
+                request_blocks: hashes.len() as u64,
+                prompt_tokens: request.token_ids.len() as u64,
+                block_size: self.block_size as u32,
+                identity: FfiRequestIdentity {
+                    lora_name: RStr::from_str(request.lora_name.unwrap_or("")),
+                    cache_salt: RStr::from_str(request.cache_salt.unwrap_or("")),
+                },
+                session_context: RStr::from_str(request.session_context.unwrap_or("")),
+            },
+            &candidates,
+        );
+        let chosen_cached = candidates[chosen.index].cached_blocks as usize;
+        *spare = reuse(candidates);
+        let booked = Arc::clone(&entries[chosen.index]);
         // A copy is only ever committed to a worker that can receive the hint
         // carrying it (rule R6).
-        let committed_copy = selected.committed_copy_from.and_then(|source| {
-            let last_block = table
-                .get(source)
-                .map_or(0, |e| matches.cached_in_slot(e.slot));
-            (booked.worker.router_hint && last_block > chosen.cached_blocks).then_some(
-                CommittedCopy {
-                    source,
-                    first_block: chosen.cached_blocks,
-                    last_block,
-                },
-            )
-        });
+        let committed_copy = peer_copies[chosen.index]
+            .filter(|_| chosen.commit_kv_copy)
+            .map(|at| ranked[at])
+            .and_then(|source| {
+                (booked.worker.router_hint && source.cached > chosen_cached).then_some(
+                    CommittedCopy {
+                        source: source.key,
+                        first_block: chosen_cached,
+                        last_block: source.cached,
+                    },
+                )
+            });
         // Reserve: the prompt's blocks as decode load, the uncached part (less any
         // committed copy) as prefill work.
         let prefill_start = committed_copy
             .map(|c| c.last_block)
-            .unwrap_or(chosen.cached_blocks);
+            .unwrap_or(chosen_cached);
         let load = Load {
             active_requests: 1,
             active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
@@ -582,8 +614,9 @@ impl Router {
         }
         Ok(Plan {
             booked,
-            cached_blocks: chosen.cached_blocks,
+            cached_blocks: chosen_cached,
             committed_copy,
+            selection_fallback: chosen.fallback.map(|reason| reason.as_str()),
         })
     }
 
@@ -612,45 +645,33 @@ impl Router {
             return;
         }
 
-        // The peers' engine hashes, read on demand now that the booking is decided.
+        // The peers a policy may read, longest prefix first: every matching worker
+        // but the booked one. Their engine hashes are read from the index only
+        // when a policy (or the committed copy) asks for them.
         let Scratch {
             hashes,
             ranked,
             rows,
-            engine,
-            lengths,
-            row_scratch,
             ..
         } = scratch;
-        ranked.retain(|r| r.key != booked.key);
-        rows.clear();
-        rows.extend(ranked.iter().map(|r| (r.slot, r.cached)));
-        engine.clear();
-        self.index
-            .read(|index| index.engine_hashes_for(hashes, rows, engine, lengths, row_scratch));
-
-        // Each ranked peer with its engine hashes, which lie in `engine` one after another.
-        let rows = || {
-            ranked
-                .iter()
-                .zip(lengths.iter())
-                .scan(0, |at, (r, &len)| {
-                    let row = &engine[*at..*at + len];
-                    *at += len;
-                    Some((r, row))
-                })
-                .filter(|(_, row)| !row.is_empty())
-                .filter_map(|(r, row)| Some((r.key, &*table.by_slot(r.slot)?.worker, row)))
+        ranked.retain(|r| r.key != booked.key && table.by_slot(r.slot).is_some());
+        rows.reset(ranked.len());
+        let source = IndexRows {
+            router: self,
+            hashes,
+            ranked,
         };
         // The source's cache may have shrunk since the lookup: the copy is what it can
         // still name, and what the policies are told is what the booking claims. A copy
         // that shrank claims fewer blocks (the booked worker prefills the rest); one the
         // source can no longer supply at all is withdrawn, whatever a sender does.
         let committed = plan.committed_copy.and_then(|copy| {
-            let (_, source, row) = rows().find(|(key, _, _)| *key == copy.source)?;
+            let at = ranked.iter().position(|r| r.key == copy.source)?;
+            let source_worker = &*table.by_slot(ranked[at].slot)?.worker;
+            let row = rows.row(at, &source);
             let last = copy.last_block.min(row.len());
             (last > copy.first_block).then(|| CommittedCopyView {
-                source,
+                source: source_worker,
                 first_block: copy.first_block,
                 block_hashes: &row[..last],
             })
@@ -662,6 +683,12 @@ impl Router {
             }
         }
         let selection_policy = role.booking_selection_type.as_str();
+        let peers = ranked.iter().filter_map(|r| {
+            Some(PeerView {
+                worker: &table.by_slot(r.slot)?.worker,
+                cached_blocks: r.cached,
+            })
+        });
         let result = role.hints.run_booking(
             &BookedRequest {
                 request_id: request.request_id,
@@ -669,11 +696,15 @@ impl Router {
                 cached_blocks: plan.cached_blocks,
                 prompt_tokens: request.token_ids.len(),
                 block_size: self.block_size,
+                lora_name: request.lora_name,
+                cache_salt: request.cache_salt,
                 session_context: request.session_context,
                 selection_policy,
                 block_hashes: hashes,
             },
-            rows().map(|(_, worker, row)| (worker, row)),
+            peers,
+            rows,
+            &source,
             committed,
         );
         booking.hint = result.hint;
@@ -686,10 +717,13 @@ impl Router {
                         .get(key)
                         .is_some_and(|e| e.signed_hashes.load(std::sync::atomic::Ordering::Relaxed))
                 };
-                if rows().any(|(key, _, _)| signed(key)) {
+                if ranked.iter().any(|r| signed(r.key)) {
                     let from_signed = |endpoint: &str| {
-                        rows().any(|(key, worker, _)| {
-                            &*worker.source_control_endpoint == endpoint && signed(key)
+                        ranked.iter().any(|r| {
+                            signed(r.key)
+                                && table.by_slot(r.slot).is_some_and(|e| {
+                                    &*e.worker.source_control_endpoint == endpoint
+                                })
                         })
                     };
                     if let Some(rewritten) =
@@ -734,19 +768,40 @@ impl Router {
     }
 }
 
+/// A booking's peers' engine hashes, read from the KV index on demand: peer `i`
+/// is `ranked[i]`, named for its first `cached` request blocks.
+struct IndexRows<'a> {
+    router: &'a Router,
+    hashes: &'a [u64],
+    ranked: &'a [Ranked],
+}
+
+impl PeerHashSource for IndexRows<'_> {
+    fn fill(&self, peer: usize, out: &mut Vec<u64>) {
+        let Some(r) = self.ranked.get(peer) else {
+            return;
+        };
+        let query = &self.hashes[..r.cached.min(self.hashes.len())];
+        self.router
+            .index
+            .read(|index| index.engine_hashes(r.slot, query, out));
+    }
+}
+
 /// The eligible peer (same worker type, hint-capable, with a source endpoint)
-/// holding the longest prefix beyond `worker`'s own. `ranked` is sorted longest
-/// first, then by key, so the first eligible one wins ties by key.
+/// holding the longest prefix beyond `worker`'s own, as its position in
+/// `ranked`. `ranked` is sorted longest first, then by key, so the first
+/// eligible one wins ties by key.
 fn best_peer(
     table: &WorkerTable,
     ranked: &[Ranked],
     worker: &Worker,
     cached_blocks: usize,
-) -> Option<(WorkerKey, usize)> {
+) -> Option<usize> {
     ranked
         .iter()
         .take_while(|r| r.cached > cached_blocks)
-        .find(|r| {
+        .position(|r| {
             r.key != worker.key
                 && table.by_slot(r.slot).is_some_and(|e| {
                     let peer = &e.worker;
@@ -755,5 +810,4 @@ fn best_peer(
                         && !peer.source_control_endpoint.is_empty()
                 })
         })
-        .map(|r| (r.key, r.cached))
 }

@@ -37,11 +37,13 @@ impl Default for KvFetchConfig {
     }
 }
 
-/// The `kv.fetch` 1.0 payload, serialized straight to JSON (no `Value`: a
-/// fetch can name thousands of hashes, and this runs on every booking).
+/// The `kv.fetch` 1.0 payload, serialized straight into the router's writer
+/// (no `Value`: a fetch can name thousands of hashes, and this runs on every
+/// booking); the hashes go over in one call.
 #[derive(Serialize)]
 struct FetchPayload<'a> {
     source_control_endpoint: &'a str,
+    #[serde(serialize_with = "kvhint_plugin_api::actions::u64_array")]
     block_hashes: &'a [u64],
 }
 
@@ -56,8 +58,8 @@ impl KvFetch {
         }
     }
 
-    fn fetch(endpoint: &str, block_hashes: &[u64]) -> Result<Action, HintError> {
-        Action::serialize(
+    fn fetch(actions: &mut Actions<'_>, endpoint: &str, block_hashes: &[u64]) -> Result<(), HintError> {
+        actions.push(
             "kv.fetch",
             "1.0",
             &FetchPayload {
@@ -69,7 +71,11 @@ impl KvFetch {
 }
 
 impl HintPolicy for KvFetch {
-    fn build_hints(&self, context: &HintContext<'_>) -> Result<Vec<Action>, HintError> {
+    fn build_hints(
+        &self,
+        context: &HintContext<'_>,
+        actions: &mut Actions<'_>,
+    ) -> Result<(), HintError> {
         if let Some(copy) = context.committed_kv_copy() {
             let source = copy.source();
             let endpoint = source.source_control_endpoint().ok_or_else(|| {
@@ -79,7 +85,7 @@ impl HintPolicy for KvFetch {
                     source.dp_rank()
                 ))
             })?;
-            return Ok(vec![Self::fetch(endpoint, copy.block_hashes())?]);
+            return Self::fetch(actions, endpoint, copy.block_hashes());
         }
 
         let booked = context.worker();
@@ -94,7 +100,6 @@ impl HintPolicy for KvFetch {
                     && (worker.id(), worker.dp_rank()) != (booked.id(), booked.dp_rank())
                     && peer.cached_blocks() > have
                     && peer.cached_blocks() - have >= self.min_additional_blocks
-                    && peer.block_hashes().len() >= peer.cached_blocks()
             })
             .min_by_key(|peer| {
                 let worker = peer.worker();
@@ -104,15 +109,21 @@ impl HintPolicy for KvFetch {
                     worker.dp_rank(),
                 )
             });
-        best.into_iter()
-            .filter_map(|peer| {
-                let endpoint = peer.worker().source_control_endpoint()?;
-                Some(Self::fetch(
-                    endpoint,
-                    &peer.block_hashes()[..peer.cached_blocks()],
-                ))
-            })
-            .collect()
+        let Some(peer) = best else {
+            return Ok(());
+        };
+        let Some(endpoint) = peer.worker().source_control_endpoint() else {
+            return Ok(());
+        };
+        // Only the chosen peer's hashes are read from the index. Its cache may
+        // have shrunk since the lookup; a fetch then names what it still holds,
+        // if that still adds something.
+        let hashes = peer.block_hashes();
+        let hashes = &hashes[..hashes.len().min(peer.cached_blocks())];
+        if hashes.len() <= have || hashes.len() - have < self.min_additional_blocks {
+            return Ok(());
+        }
+        Self::fetch(actions, endpoint, hashes)
     }
 
     fn commitments(&self) -> Commitments {
@@ -143,7 +154,7 @@ export_plugin!(register);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvhint_plugin_api::testing::{TestBooking, TestKvCopy, TestPeer, TestWorker};
+    use kvhint_plugin_api::testing::{Action, TestBooking, TestKvCopy, TestPeer, TestWorker};
     use serde_json::json;
 
     fn booking(cached: usize) -> TestBooking {
@@ -172,7 +183,7 @@ mod tests {
     }
 
     fn payload(actions: &[Action]) -> Vec<serde_json::Value> {
-        actions.iter().map(|a| a.payload.to_value()).collect()
+        actions.iter().map(|a| a.payload.clone()).collect()
     }
 
     #[test]
@@ -236,7 +247,7 @@ mod tests {
         b.peers = vec![p9, p4r1, p4r0];
         let actions = b.run(&policy(1)).unwrap();
         assert_eq!(
-            actions[0].payload.to_value()["source_control_endpoint"],
+            actions[0].payload["source_control_endpoint"],
             "tcp://10.0.0.4:9999"
         );
     }
@@ -252,6 +263,22 @@ mod tests {
         no_endpoint.worker.source_control_endpoint.clear();
         b.peers = vec![other_type, no_hint, no_endpoint];
         assert!(b.run(&policy(1)).unwrap().is_empty());
+    }
+
+    #[test]
+    fn constructed_through_its_provider() {
+        let policy =
+            kvhint_plugin_api::testing::construct(register, "kv_fetch", json!({})).unwrap();
+        assert_eq!(policy.commitments(), Commitments::KV_COPY);
+        let err = kvhint_plugin_api::testing::construct(
+            register,
+            "kv_fetch",
+            json!({"min_additional_blocks": "two"}),
+        )
+        .err()
+        .unwrap();
+        assert_eq!(err.kind(), HintErrorKind::BadParameters);
+        assert!(err.message().contains("`min_additional_blocks`"), "{err}");
     }
 
     #[test]
