@@ -1,12 +1,12 @@
 //! Plugin files → a registry, with one report per file.
 //!
 //! This is the one place that turns the configured plugin sources (a directory
-//! and explicitly listed files) into registered hint types. `kvhint plugins`,
+//! and explicitly listed files) into registered policy types. `kvhint plugins`,
 //! `kvhint check` and every snapshot build use it, so what the listing says is
 //! what the router does.
 
 use crate::loader::{self, LoadError, LoadedPlugin, Loader};
-use crate::registry::{Origin, Registry};
+use crate::registry::{Origin, PolicyKind, Registry};
 use std::path::{Path, PathBuf};
 
 pub use crate::config::PluginFile;
@@ -23,6 +23,8 @@ pub struct LoadedFile {
     pub plugin: LoadedPlugin,
     /// The hint types it registered, in its order.
     pub hint_types: Vec<String>,
+    /// The selection types it registered, in its order.
+    pub selection_types: Vec<String>,
 }
 
 /// The files to load: the directory's `lib*.so` sorted by name, then the
@@ -103,10 +105,16 @@ fn load_one(
     registry
         .add_module(origin, plugin.module)
         .map_err(|errors| errors.iter().map(|e| e.to_string()).collect::<Vec<_>>())?;
-    let hint_types = registry
-        .types()
-        .map(|t| t.name.clone())
-        .filter(|name| !before.contains(name))
-        .collect();
-    Ok(LoadedFile { plugin, hint_types })
+    let added = |kind: PolicyKind| {
+        registry
+            .types()
+            .filter(|t| t.kind() == kind && !before.contains(&t.name))
+            .map(|t| t.name.clone())
+            .collect()
+    };
+    Ok(LoadedFile {
+        hint_types: added(PolicyKind::Hint),
+        selection_types: added(PolicyKind::Selection),
+        plugin,
+    })
 }

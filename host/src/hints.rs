@@ -699,7 +699,6 @@ impl HintStage {
             },
         };
         let outcome = self.run(&context);
-        drop(context);
         PEERS.with(|spare| *spare.borrow_mut() = reuse(ffi_peers));
         let hint = match outcome.message {
             None => Hint::Skipped(HintSkip::NoActions),

@@ -352,12 +352,25 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
         snapshot.block_size
     );
     for plugin in &snapshot.plugins {
+        let mut types = Vec::new();
+        if !plugin.hint_types.is_empty() {
+            types.push(format!("hint types: {}", plugin.hint_types.join(", ")));
+        }
+        if !plugin.selection_types.is_empty() {
+            types.push(format!(
+                "selection types: {}",
+                plugin.selection_types.join(", ")
+            ));
+        }
+        if types.is_empty() {
+            types.push("no policy types".into());
+        }
         println!(
-            "plugin {} {} from {} (hint types: {})",
+            "plugin {} {} from {} ({})",
             plugin.name,
             plugin.version,
             plugin.path.display(),
-            plugin.hint_types.join(", ")
+            types.join("; ")
         );
     }
     for role in &snapshot.roles {
@@ -377,6 +390,10 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
         println!(
             "role {}: selection {} {}{commits}{booked_by}",
             role.role, role.selection_type, role.selection_parameters
+        );
+        println!(
+            "  selection policy from {}",
+            role.booking_selection().origin
         );
         let from = match role.hints_from {
             snapshot::HintsFrom::Listed => "listed",
@@ -533,7 +550,7 @@ fn plugins(
         }
     };
     let mut registry = Registry::with_builtins()
-        .map_err(|e| anyhow::anyhow!("the built-in hint policies failed to register: {e:?}"))
+        .map_err(|e| anyhow::anyhow!("the built-in policies failed to register: {e:?}"))
         .context("this is a bug in kvhint")?;
     let reports = catalog::load_into(&loader, &mut registry, &files);
     let mut refused = 0;
@@ -561,17 +578,28 @@ fn plugins(
                         Ok(policy) => policy.commitments.to_string(),
                         Err(e) => format!("unknown until configured ({e})"),
                     };
-                    let hosts = if hint_type.default_hosts.is_empty() {
+                    let hosts = if hint_type.default_hosts().is_empty() {
                         "none (runs only where a role lists it)".to_string()
                     } else {
                         hint_type
-                            .default_hosts
+                            .default_hosts()
                             .iter()
                             .map(|h| h.to_string())
                             .collect::<Vec<_>>()
                             .join(", ")
                     };
                     println!("  hint {name}: commitments {commitments}; default under: {hosts}");
+                }
+                for name in &loaded.selection_types {
+                    let declared = match registry.construct_selection(
+                        name,
+                        &serde_json::json!({}),
+                        &Default::default(),
+                    ) {
+                        Ok(policy) => selection_declarations(&policy),
+                        Err(e) => format!("unknown until configured ({e})"),
+                    };
+                    println!("  selection {name}: {declared}");
                 }
             }
             Err(errors) => {
@@ -587,4 +615,17 @@ fn plugins(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// What a constructed selection policy declared, for `plugins` and `check`.
+fn selection_declarations(policy: &kvhint::registry::ConstructedSelection) -> String {
+    let mut said = vec![if policy.kv_aware() {
+        "KV-aware"
+    } else {
+        "not KV-aware (no hints under it)"
+    }];
+    if policy.commits_kv_copies() {
+        said.push("commits KV copies with these parameters");
+    }
+    said.join(", ")
 }

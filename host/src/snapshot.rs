@@ -25,7 +25,8 @@ use crate::domain::BookingLimits;
 use crate::hints::{HintLimits, HintPolicyInstance, HintStage, PolicyStatsRegistry};
 use crate::loader::Loader;
 use crate::registry::{ConstructedPolicy, Registry, RegistryError};
-use crate::selection::{SelectionEnv, SelectionError, SelectionPolicy, SelectionRegistry};
+use crate::selection::{SelectionStage, FALLBACK_TYPE};
+use kvhint_plugin_api::abi::FfiRouterSettings;
 use kvhint_plugin_api::policy::Commitments;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -52,7 +53,7 @@ pub struct RoleRuntime {
     pub selection_parameters: serde_json::Value,
     /// What books this role: the configured policy, or the router mode's own
     /// under a non-KV `--router-mode`.
-    booking_selection: Arc<dyn SelectionPolicy>,
+    booking_selection: SelectionStage,
     pub booking_selection_type: String,
     pub commits_kv_copies: bool,
     /// KV router mode and a KV-aware selection policy: the KV index is
@@ -66,8 +67,8 @@ pub struct RoleRuntime {
 
 impl RoleRuntime {
     /// The policy that books this role.
-    pub fn booking_selection(&self) -> &dyn SelectionPolicy {
-        &*self.booking_selection
+    pub fn booking_selection(&self) -> &SelectionStage {
+        &self.booking_selection
     }
 }
 
@@ -80,6 +81,7 @@ pub struct PluginSummary {
     pub version: String,
     pub api_version: String,
     pub hint_types: Vec<String>,
+    pub selection_types: Vec<String>,
 }
 
 pub struct Snapshot {
@@ -261,22 +263,21 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         None => None,
     };
     let (registry, plugins) = load_plugins(&mut builder, options.loader);
-    let selections = SelectionRegistry::with_builtins();
     let limits = HintLimits {
         quarantine_after_panics: config.router.quarantine_after_panics,
         budget_ns: config.router.policy_budget_us.saturating_mul(1_000),
         quarantine_after_overruns: config.router.quarantine_after_overruns,
         ..HintLimits::default()
     };
-    let env = SelectionEnv {
+    let settings = FfiRouterSettings {
+        block_size: u32::try_from(config.router.block_size).unwrap_or(u32::MAX),
         seed: config.router.seed,
     };
     let context = RoleContext {
         mode,
         registry: &registry,
-        selections: &selections,
         limits,
-        env,
+        settings,
         policy_stats: options.policy_stats,
         booking_limits: config.router.limits,
     };
@@ -353,6 +354,7 @@ fn load_plugins(builder: &mut Builder<'_>, loader: &Loader) -> (Registry, Vec<Pl
                 version: loaded.plugin.info.version,
                 api_version: loaded.plugin.info.api_version,
                 hint_types: loaded.hint_types,
+                selection_types: loaded.selection_types,
             }),
             Err(errors) => {
                 for e in errors {
@@ -368,9 +370,8 @@ fn load_plugins(builder: &mut Builder<'_>, loader: &Loader) -> (Registry, Vec<Pl
 struct RoleContext<'a> {
     mode: RouterMode,
     registry: &'a Registry,
-    selections: &'a SelectionRegistry,
     limits: HintLimits,
-    env: SelectionEnv,
+    settings: FfiRouterSettings,
     policy_stats: Option<&'a PolicyStatsRegistry>,
     booking_limits: BookingLimits,
 }
@@ -383,27 +384,29 @@ fn build_role(
     let RoleContext {
         mode,
         registry,
-        selections,
         limits,
-        env,
+        settings,
         policy_stats,
         booking_limits,
     } = *context;
     let selection_type = &role.selection.type_name;
-    let selection =
-        match selections.construct(selection_type, &role.selection.parameters.value, env) {
-            Ok(policy) => Some(policy),
-            Err(e @ SelectionError::UnknownType { .. }) => {
-                builder.error(&role.selection.type_at, e.to_string());
-                None
-            }
-            Err(e) => {
-                let message = e.to_string();
-                builder.error(&role.selection.parameters.locate(&message), message);
-                None
-            }
-        };
-    let on_kv_path = mode.is_kv() && selections.is_kv_aware(selection_type);
+    let selection = match registry.construct_selection(
+        selection_type,
+        &role.selection.parameters.value,
+        &settings,
+    ) {
+        Ok(policy) => Some(policy),
+        Err(e @ RegistryError::BadParameters { .. }) => {
+            report_parameters(builder, &role.selection.parameters, &e);
+            None
+        }
+        Err(e) => {
+            builder.error(&role.selection.type_at, e.to_string());
+            None
+        }
+    };
+    let selection_kv_aware = selection.as_ref().is_some_and(|s| s.kv_aware());
+    let on_kv_path = mode.is_kv() && selection_kv_aware;
     let (instances, hints_from) = match (&role.hints, on_kv_path) {
         (Some(items), false) if !items.is_empty() => {
             let why = if mode.is_kv() {
@@ -423,8 +426,8 @@ fn build_role(
         }
         (_, false) => (Vec::new(), HintsFrom::NotKvPath),
         (Some(items), true) if items.is_empty() => (Vec::new(), HintsFrom::ExplicitlyNone),
-        (Some(items), true) => (listed_hints(builder, items, registry), HintsFrom::Listed),
-        (None, true) => (default_hints(builder, role, registry), HintsFrom::Defaults),
+        (Some(items), true) => (listed_hints(builder, items, registry, &settings), HintsFrom::Listed),
+        (None, true) => (default_hints(builder, role, registry, &settings), HintsFrom::Defaults),
     };
     let instances: Vec<HintPolicyInstance> = instances
         .into_iter()
@@ -466,14 +469,34 @@ fn build_role(
             );
         }
     }
-    let (booking_selection, booking_selection_type) = if mode.is_kv() {
-        (selection, selection_type.clone())
+    let booking_selection = if mode.is_kv() {
+        selection
     } else {
-        let policy = selections
-            .construct(mode.as_str(), &serde_json::json!({}), env)
-            .ok()?;
-        (policy, mode.as_str().to_string())
+        registry
+            .construct_selection(mode.as_str(), &serde_json::json!({}), &settings)
+            .ok()?
     };
+    let booking_selection_type = booking_selection.type_name.clone();
+    // The built-in default, for bookings where the policy fails; the default
+    // itself needs none.
+    let fallback = if booking_selection_type == FALLBACK_TYPE {
+        None
+    } else {
+        match registry.construct_selection(FALLBACK_TYPE, &serde_json::json!({}), &settings) {
+            Ok(fallback) => Some(fallback),
+            Err(e) => {
+                builder.error(
+                    &role.at,
+                    format!("the built-in fallback selection cannot be built: {e}"),
+                );
+                None
+            }
+        }
+    };
+    let selection_stats = policy_stats
+        .map(|registry| registry.selection(role.role.as_str(), &booking_selection_type))
+        .unwrap_or_default();
+    let booking_selection = SelectionStage::new(booking_selection, fallback, selection_stats);
     Some(RoleRuntime {
         role: role.role,
         selection_type: selection_type.clone(),
@@ -492,19 +515,16 @@ fn listed_hints(
     builder: &mut Builder<'_>,
     items: &[HintItem],
     registry: &Registry,
+    settings: &FfiRouterSettings,
 ) -> Vec<(String, ConstructedPolicy)> {
     let mut instances = Vec::new();
     for item in items {
-        match registry.construct(&item.type_name, &item.parameters.value) {
-            Ok(constructed) => instances.push((item.name.clone(), constructed)),
-            Err(e) => {
-                let message = e.to_string();
-                let at = match e {
-                    RegistryError::BadParameters { .. } => item.parameters.locate(&message),
-                    _ => item.at.clone(),
-                };
-                builder.error(&at, message);
+        match registry.construct_with(&item.type_name, &item.parameters.value, settings) {
+                Ok(constructed) => instances.push((item.name.clone(), constructed)),
+            Err(e @ RegistryError::BadParameters { .. }) => {
+                report_parameters(builder, &item.parameters, &e)
             }
+            Err(e) => builder.error(&item.at, e.to_string()),
         }
     }
     instances
@@ -514,10 +534,11 @@ fn default_hints(
     builder: &mut Builder<'_>,
     role: &RoleConfig,
     registry: &Registry,
+    settings: &FfiRouterSettings,
 ) -> Vec<(String, ConstructedPolicy)> {
     let mut instances = Vec::new();
     for hint_type in registry.defaults_for(&role.selection.type_name) {
-        match registry.construct(&hint_type.name, &serde_json::json!({})) {
+        match registry.construct_with(&hint_type.name, &serde_json::json!({}), settings) {
             Ok(constructed) => instances.push((hint_type.name.clone(), constructed)),
             Err(e) => builder.error(
                 &role.at,
@@ -529,4 +550,28 @@ fn default_hints(
         }
     }
     instances
+}
+
+/// A provider's parameter errors, each pointed at the key it names: the
+/// plugin-api reports every problem of one mapping, one per line.
+fn report_parameters(
+    builder: &mut Builder<'_>,
+    parameters: &crate::config::Parameters,
+    error: &RegistryError,
+) {
+    let RegistryError::BadParameters {
+        kind,
+        name,
+        origin,
+        message,
+    } = error
+    else {
+        return builder.error(&parameters.at, error.to_string());
+    };
+    for line in message.lines().filter(|l| !l.trim().is_empty()) {
+        builder.error(
+            &parameters.locate(line),
+            format!("bad parameters for {kind} {name:?} ({origin}): {line}"),
+        );
+    }
 }

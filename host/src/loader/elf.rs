@@ -108,6 +108,40 @@ fn check_data<'data, R: ReadRef<'data>>(data: R, len: u64) -> Result<(), ElfErro
     Ok(())
 }
 
+/// The names in the file's dynamic symbol table that start with `prefix`
+/// (defined symbols only), read from its headers and that table alone.
+pub fn dynamic_symbols_with_prefix(
+    file: &std::fs::File,
+    prefix: &str,
+) -> Result<Vec<String>, ElfError> {
+    let cache = object::read::ReadCache::new(file);
+    let data = &cache;
+    let corrupt = |e: object::read::Error| ElfError::Corrupt(e.to_string());
+    let header = elf::FileHeader64::<Endianness>::parse(data).map_err(corrupt)?;
+    let endian = header.endian().map_err(corrupt)?;
+    let sections = header.sections(endian, data).map_err(corrupt)?;
+    let symbols = sections
+        .symbols(endian, data, elf::SHT_DYNSYM)
+        .map_err(corrupt)?;
+    let mut found = Vec::new();
+    for symbol in symbols.iter() {
+        use object::read::elf::Sym;
+        if symbol.st_shndx(endian) == elf::SHN_UNDEF {
+            continue;
+        }
+        let Ok(name) = symbol.name(endian, symbols.strings()) else {
+            continue;
+        };
+        if let Some(name) = std::str::from_utf8(name)
+            .ok()
+            .filter(|n| n.starts_with(prefix))
+        {
+            found.push(name.to_string());
+        }
+    }
+    Ok(found)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

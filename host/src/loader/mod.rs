@@ -31,7 +31,8 @@ pub mod trust;
 pub use cache::{default_cache_dir, CacheMode};
 pub use probe::ProbeMode;
 
-use abi_stable::library::{lib_header_from_path, LibraryError, RootModule};
+use abi_stable::library::{AbiHeaderRef, LibHeader, RawLibrary, RootModule};
+use kvhint_plugin_api::abi::ROOT_SYMBOL_PREFIX;
 use kvhint_plugin_api::abi::PluginModRef;
 use kvhint_plugin_api::{ABI_VERSION, API_VERSION};
 use parking_lot::Mutex;
@@ -480,16 +481,57 @@ pub(crate) fn dlopen(cached: &Path) -> Result<(), LoadErrorKind> {
     Ok(())
 }
 
+/// The `LibHeader` a dlopened library exports under `symbol`.
+fn header_at(cached: &Path, symbol: &str) -> Result<&'static LibHeader, LoadErrorKind> {
+    let library = RawLibrary::load_at(cached).map_err(|e| LoadErrorKind::Dlopen(chain(&e)))?;
+    let mut name = symbol.as_bytes().to_vec();
+    name.push(0);
+    // SAFETY: the symbol is a `LibHeader` static (what `export_plugin!` and
+    // `#[export_root_module]` emit, read as abi_stable's own loader reads it);
+    // `upgrade` checks the header's own ABI before it is used as one.
+    let header = unsafe {
+        let header: AbiHeaderRef = *library
+            .get::<AbiHeaderRef>(&name)
+            .map_err(|e| LoadErrorKind::NoRootModule(chain(&e)))?;
+        header.upgrade()
+    }
+    .map_err(|e| LoadErrorKind::AbiMismatch(chain(&e)))?;
+    // Never unloaded (see the module docs).
+    std::mem::forget(library);
+    Ok(header)
+}
+
 /// The root module of a dlopened library, and the version and panic checks.
+///
+/// ABI 2 plugins export their root module under a name of their own
+/// (`kvhint_plugin_root_v2__<crate>`), found in the file's dynamic symbols. A
+/// file that exports only `abi_stable`'s fixed name was built against
+/// plugin-api 0.1: its version strings say which, for the rebuild message.
 pub(crate) fn read_root_module(cached: &Path) -> Opened {
-    let header = lib_header_from_path(cached).map_err(|e| match e {
-        LibraryError::GetSymbolError { .. } => LoadErrorKind::NoRootModule(format!(
-            "it does not export `{}`",
-            abi_stable::library::ROOT_MODULE_LOADER_NAME
-        )),
-        LibraryError::OpenError { .. } => LoadErrorKind::Dlopen(chain(&e)),
-        other => LoadErrorKind::AbiMismatch(chain(&other)),
-    })?;
+    let file = std::fs::File::open(cached).map_err(|e| LoadErrorKind::Dlopen(chain(&e)))?;
+    let mut roots = elf::dynamic_symbols_with_prefix(&file, ROOT_SYMBOL_PREFIX)?;
+    let header = match roots.len() {
+        1 => header_at(cached, &roots.remove(0))?,
+        0 => {
+            let old = elf::dynamic_symbols_with_prefix(
+                &file,
+                abi_stable::library::ROOT_MODULE_LOADER_NAME,
+            )?;
+            if old.is_empty() {
+                return Err(LoadErrorKind::NoRootModule(format!(
+                    "it exports no `{ROOT_SYMBOL_PREFIX}<crate>` symbol"
+                )));
+            }
+            header_at(cached, abi_stable::library::ROOT_MODULE_LOADER_NAME)?
+        }
+        _ => {
+            return Err(LoadErrorKind::NoRootModule(format!(
+                "it exports {} root modules ({}); a plugin file holds one crate's `export_plugin!`",
+                roots.len(),
+                roots.join(", ")
+            )))
+        }
+    };
 
     // The version strings are those of the plugin-api crate the plugin was built
     // with; checking them first gives the author the rebuild message instead of
@@ -515,12 +557,8 @@ pub(crate) fn read_root_module(cached: &Path) -> Opened {
         return Err(LoadErrorKind::PanicAbort);
     }
     // Before registration runs, so whatever the plugin logs from then on reaches
-    // the router's log. `None` only for a root module without the field, which
-    // `init_root_module` has already refused; then the plugin's logs would just
-    // stay silent.
-    if let Some(set_log_sink) = module.set_log_sink() {
-        set_log_sink(crate::plugin_log::sink());
-    }
+    // the router's log.
+    (module.set_log_sink())(crate::plugin_log::sink());
     Ok((module, module_info(module)))
 }
 

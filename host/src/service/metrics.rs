@@ -25,12 +25,12 @@ fn role_index(role: Role) -> usize {
 
 const ROLES: [Role; 3] = [Role::Aggregated, Role::Prefill, Role::Decode];
 
-const SKIPS: [(HintSkip, &str); 5] = [
+const SKIPS: [(HintSkip, &str); 4] = [
     (HintSkip::NotKvPath, "not_kv_path"),
     (HintSkip::NoPolicies, "no_policies"),
     (HintSkip::WorkerNotHintCapable, "worker_not_hint_capable"),
     (HintSkip::NoActions, "no_actions"),
-    (HintSkip::MalformedMessage, "malformed_message"),
+    
 ];
 
 #[derive(Default)]
