@@ -551,7 +551,7 @@ fn r11_the_specs_registration_snippet_compiles_and_loads_in_a_plugin() {
     let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
     let registered = snapshot.registry.get("harness_prefetch").unwrap();
     assert!(
-        registered.default_hosts.is_empty(),
+        registered.default_hosts().is_empty(),
         "`[]`: runs only where listed"
     );
 }
@@ -565,7 +565,7 @@ fn r12_builtins_and_plugins_register_through_the_same_code_and_act_alike() {
         builtin.get("kv_fetch").unwrap(),
         loaded.get("kv_fetch").unwrap(),
     );
-    assert_eq!(a.default_hosts, b.default_hosts);
+    assert_eq!(a.default_hosts(), b.default_hosts());
     assert!(a.origin.to_string().starts_with("built-in"));
     assert!(b.origin.to_string().starts_with("plugin kv-fetch"));
     let construct = |r: &kvhint::registry::Registry| r.construct("kv_fetch", &json!({})).unwrap();

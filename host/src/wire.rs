@@ -137,6 +137,10 @@ pub struct BookingView<'a> {
     pub hint_skipped: Option<HintSkip>,
     pub dropped_actions: usize,
     pub policy_failures: Vec<FailureView<'a>>,
+    /// Why the built-in default selection placed it, when the role's selection
+    /// policy failed (`error`, `panic`, `out_of_range`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub selection_fallback: Option<&'static str>,
 }
 
 impl<'a> BookingView<'a> {
@@ -148,6 +152,7 @@ impl<'a> BookingView<'a> {
             dp_rank: booking.worker.dp_rank,
             cached_blocks: booking.cached_blocks,
             request_blocks: booking.request_blocks,
+            selection_fallback: booking.selection_fallback,
             committed_copy: booking.committed_copy.map(|c| CopyView {
                 source_worker_id: c.source.worker_id,
                 source_dp_rank: c.source.dp_rank,

@@ -295,6 +295,12 @@ impl MessageWriter {
 
     /// Before any value: the separator, the grammar, and whether to write it.
     fn before_value(&mut self, what: &str) -> bool {
+        self.before(what, false)
+    }
+
+    /// [`Self::before_value`]; `object` when the value is an object (the only
+    /// value a payload may be).
+    fn before(&mut self, what: &str, object: bool) -> bool {
         match self.phase {
             Phase::Dropping => false,
             Phase::Idle => {
@@ -306,7 +312,7 @@ impl MessageWriter {
                 false
             }
             Phase::Payload => {
-                if what != "an object" {
+                if !object {
                     self.fail(format!("the payload is {what}, not a JSON object"));
                     return false;
                 }
@@ -337,7 +343,7 @@ impl MessageWriter {
     }
 
     fn open(&mut self, frame: Frame, byte: u8, what: &str) {
-        if !self.before_value(what) {
+        if !self.before(what, matches!(frame, Frame::Object { .. })) {
             return;
         }
         if self.stack.len() == MAX_DEPTH {
@@ -432,6 +438,9 @@ impl MessageWriter {
     }
 
     pub fn f64(&mut self, value: f64) {
+        if self.phase == Phase::Dropping {
+            return;
+        }
         if !value.is_finite() {
             return self.fail(format!("{value} is not a JSON number"));
         }
@@ -719,6 +728,23 @@ mod tests {
         assert_eq!(w.end_policy(true), PolicyOutput::Kept(2));
         assert_eq!(w.dropped(), 1);
         assert_eq!(message(&mut w)["actions"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn what_is_dropped_over_the_cap_is_not_checked() {
+        let mut w = MessageWriter::default();
+        w.begin_message("r", 1);
+        w.begin_policy();
+        for value in [1.0, f64::NAN] {
+            w.begin_action("a", "1");
+            w.begin_object();
+            w.key("k");
+            w.f64(value);
+            w.end_object();
+            w.end_action();
+        }
+        assert_eq!(w.end_policy(true), PolicyOutput::Kept(1));
+        assert_eq!(w.dropped(), 1);
     }
 
     #[test]

@@ -376,6 +376,63 @@ impl Metrics {
             );
         }
 
+        // Per role's selection policy, across reloads.
+        let selections = app.reloader.policy_stats.all_selection();
+        let labels_of = |role: &str, policy: &str| {
+            format!("role=\"{}\",policy=\"{}\"", label(role), label(policy))
+        };
+        family(
+            out,
+            "kvhint_selection_calls_total",
+            "counter",
+            "Calls of a role's selection policy.",
+            &selections
+                .iter()
+                .map(|((role, policy), stats)| {
+                    (
+                        format!("{{{}}}", labels_of(role, policy)),
+                        stats.calls.load(Ordering::Relaxed) as f64,
+                    )
+                })
+                .collect::<Vec<_>>(),
+        );
+        family(
+            out,
+            "kvhint_selection_fallbacks_total",
+            "counter",
+            "Bookings the built-in default selection placed because the role's selection policy failed, by reason (error, panic, out_of_range).",
+            &selections
+                .iter()
+                .flat_map(|((role, policy), stats)| {
+                    crate::selection::FallbackReason::ALL.map(|reason| {
+                        (
+                            format!(
+                                "{{{},reason=\"{}\"}}",
+                                labels_of(role, policy),
+                                reason.as_str()
+                            ),
+                            stats.fallbacks(reason) as f64,
+                        )
+                    })
+                })
+                .collect::<Vec<_>>(),
+        );
+        family(
+            out,
+            "kvhint_selection_latency_seconds_sum",
+            "counter",
+            "Total time inside a role's selection policy.",
+            &selections
+                .iter()
+                .map(|((role, policy), stats)| {
+                    (
+                        format!("{{{}}}", labels_of(role, policy)),
+                        stats.latency.sum_seconds(),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        );
+
         let status = app.reloader.status();
         let snapshot = app.snapshot.load();
         family(
