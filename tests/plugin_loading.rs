@@ -61,15 +61,15 @@ fn plugin_built_against_another_plugin_api_is_refused_with_what_to_rebuild() {
     let error = load_error(&dir.path().join("libfixture_old_api.so"));
     let text = error.to_string();
     assert!(
-        matches!(error.kind, LoadErrorKind::IncompatibleApi { ref plugin, .. } if plugin == "0.0.1"),
+        matches!(error.kind, LoadErrorKind::IncompatibleApi { ref plugin, .. } if plugin == "0.1.0"),
         "{text}"
     );
     assert!(
-        text.contains("built against kvhint-plugin-api 0.0.1"),
+        text.contains("built against kvhint-plugin-api 0.1.0"),
         "{text}"
     );
     assert!(
-        text.contains("rebuild it against kvhint-plugin-api 0.1.0"),
+        text.contains("rebuild it against kvhint-plugin-api 0.2.0"),
         "{text}"
     );
     assert!(

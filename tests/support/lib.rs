@@ -5,8 +5,9 @@
 //! Fixtures in the workspace (`plugins/*`, `tests/fixtures/plugins/*`) are built
 //! with one `cargo build` into the workspace's own target directory, so they
 //! share its compiled dependencies. The two fixtures that need a build of their
-//! own — `panic = "abort"`, and a plugin built against an older plugin-api —
-//! are generated as standalone workspaces under `target/fixture-standalone/`.
+//! own — `panic = "abort"`, and a plugin built against the released
+//! plugin-api 0.1.0 (vendored in `tests/fixtures/plugin-api-0.1/`) — are
+//! generated as standalone workspaces under `target/fixture-standalone/`.
 
 use serde_json::Value;
 use std::collections::HashMap;
@@ -209,7 +210,9 @@ pub fn kvhint_bin() -> PathBuf {
     build_dir().join("kvhint")
 }
 
-/// A standalone fixture's `.so`: `"panic-abort"` or `"old-api"`.
+/// A standalone fixture's `.so`: `"panic-abort"` (the current plugin-api, built
+/// with `panic = "abort"`) or `"old-api"` (built against kvhint-plugin-api
+/// 0.1.0, the copy in `tests/fixtures/plugin-api-0.1/`).
 pub fn standalone_so(name: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let built = BUILT.get_or_init(Default::default);
@@ -234,7 +237,7 @@ fn build_standalone(name: &str) -> PathBuf {
             root.join("plugin-api"),
             "[profile.dev]\npanic = \"abort\"\n",
         ),
-        "old-api" => ("old_api.rs", vendor_plugin_api(&base, "0.0.1"), ""),
+        "old-api" => ("old_api.rs", root.join("tests/fixtures/plugin-api-0.1"), ""),
         other => panic!("unknown standalone fixture {other}"),
     };
     std::fs::copy(
@@ -266,25 +269,6 @@ fn build_standalone(name: &str) -> PathBuf {
         .env("CARGO_TARGET_DIR", base.join("target"));
     run(command, &format!("the standalone fixture {name}"));
     base.join("target/debug").join(format!("lib{lib}.so"))
-}
-
-/// A copy of plugin-api's sources under another version number.
-fn vendor_plugin_api(base: &Path, version: &str) -> PathBuf {
-    let dir = base.join(format!("vendor/kvhint-plugin-api-{version}"));
-    copy_tree(&workspace_root().join("plugin-api/src"), &dir.join("src"));
-    std::fs::write(
-        dir.join("Cargo.toml"),
-        format!(
-            "[package]\nname = \"kvhint-plugin-api\"\nversion = \"{version}\"\nedition = \"2021\"\n\n\
-             [dependencies]\n\
-             abi_stable = {{ version = \"=0.11.3\", default-features = false }}\n\
-             serde = {{ version = \"1\", features = [\"derive\"] }}\n\
-             serde_json = \"1\"\n\
-             tracing-core = \"0.1\"\n"
-        ),
-    )
-    .unwrap();
-    dir
 }
 
 fn copy_tree(from: &Path, to: &Path) {

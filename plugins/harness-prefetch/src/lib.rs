@@ -19,11 +19,13 @@ fn default_max_blocks() -> usize {
     64
 }
 
-/// The `kv.prefetch` 1.0 payload (see the README).
+/// The `kv.prefetch` 1.0 payload (see the README). The hashes go to the
+/// router's writer in one call.
 #[derive(serde::Serialize)]
 struct PrefetchPayload<'a> {
     first_block: usize,
     block_size: usize,
+    #[serde(serialize_with = "kvhint_plugin_api::actions::u64_array")]
     block_hashes: &'a [u64],
 }
 
@@ -40,14 +42,18 @@ impl HarnessPrefetch {
 }
 
 impl HintPolicy for HarnessPrefetch {
-    fn build_hints(&self, context: &HintContext<'_>) -> Result<Vec<Action>, HintError> {
+    fn build_hints(
+        &self,
+        context: &HintContext<'_>,
+        actions: &mut Actions<'_>,
+    ) -> Result<(), HintError> {
         let hashes = context.block_hashes();
         let first = context.cached_blocks().min(hashes.len());
         let last = first.saturating_add(self.max_blocks).min(hashes.len());
         if first == last {
-            return Ok(Vec::new());
+            return Ok(());
         }
-        Ok(vec![Action::serialize(
+        actions.push(
             "kv.prefetch",
             "1.0",
             &PrefetchPayload {
@@ -55,7 +61,7 @@ impl HintPolicy for HarnessPrefetch {
                 block_size: context.block_size(),
                 block_hashes: &hashes[first..last],
             },
-        )?])
+        )
     }
 }
 
@@ -81,7 +87,7 @@ export_plugin!(register);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvhint_plugin_api::testing::{TestBooking, TestWorker};
+    use kvhint_plugin_api::testing::{self, TestBooking, TestWorker};
     use serde_json::json;
 
     fn booking(cached: usize, blocks: u64) -> TestBooking {
@@ -105,7 +111,7 @@ mod tests {
         assert_eq!(actions.len(), 1);
         assert_eq!(actions[0].action_type, "kv.prefetch");
         assert_eq!(
-            actions[0].payload.to_value(),
+            actions[0].payload,
             json!({"first_block": 2, "block_size": 16, "block_hashes": [502, 503, 504]})
         );
     }
@@ -113,10 +119,7 @@ mod tests {
     #[test]
     fn stops_at_the_end_of_the_prompt() {
         let actions = booking(8, 10).run(&policy(64)).unwrap();
-        assert_eq!(
-            actions[0].payload.to_value()["block_hashes"],
-            json!([508, 509])
-        );
+        assert_eq!(actions[0].payload["block_hashes"], json!([508, 509]));
     }
 
     #[test]
@@ -128,25 +131,60 @@ mod tests {
     fn max_blocks_defaults_to_64_and_zero_is_refused() {
         let config: PrefetchConfig = Parameters::default().deserialize().unwrap();
         assert_eq!(config.max_blocks, 64);
-        // Through the exported module, as the router constructs it.
+        let policy = testing::construct(register, "harness_prefetch", json!({})).unwrap();
+        assert_eq!(
+            booking(0, 100).run(&*policy).unwrap()[0].payload["block_hashes"]
+                .as_array()
+                .map(Vec::len),
+            Some(64)
+        );
+        let error = testing::construct(register, "harness_prefetch", json!({"max_blocks": 0}))
+            .err()
+            .expect("max_blocks 0 was accepted");
+        assert_eq!(error.kind(), HintErrorKind::BadParameters);
+        assert!(error.message().contains("max_blocks must be at least 1"));
+    }
+
+    #[test]
+    fn the_exported_module_constructs_it_as_the_router_does() {
+        use abi_stable::std_types::{RResult, RStr};
+        use kvhint_plugin_api::abi::{error_code, policy_kind, FfiRouterSettings};
         let module = kvhint_plugin_module();
         let registrations = match (module.register())() {
-            abi_stable::std_types::RResult::ROk(list) => list,
-            abi_stable::std_types::RResult::RErr(e) => panic!("{e:?}"),
+            RResult::ROk(list) => list,
+            RResult::RErr(e) => panic!("{e:?}"),
         };
         assert_eq!(registrations.len(), 1);
-        let construct = |json: &str| {
-            registrations[0]
-                .provider
-                .construct(abi_stable::std_types::RStr::from_str(json))
+        assert_eq!(registrations[0].kind, policy_kind::HINT);
+        assert_eq!(registrations[0].name.as_str(), "harness_prefetch");
+        assert!(registrations[0].default_hosts.is_empty());
+        let provider = registrations[0]
+            .hint_provider
+            .as_ref()
+            .into_option()
+            .expect("a hint provider");
+        let settings = FfiRouterSettings {
+            block_size: 16,
+            seed: 0,
         };
-        assert!(construct("{}").is_ok());
+        let construct = |json: &str| provider.construct(RStr::from_str(json), &settings);
+        match construct("{}") {
+            RResult::ROk(constructed) => assert_eq!(constructed.commitments, 0),
+            RResult::RErr(e) => panic!("{e:?}"),
+        }
         match construct(r#"{"max_blocks": 0}"#) {
-            abi_stable::std_types::RResult::RErr(e) => {
-                assert_eq!(e.kind, kvhint_plugin_api::abi::FfiErrorKind::BadParameters);
+            RResult::RErr(e) => {
+                assert_eq!(e.code, error_code::BAD_PARAMETERS);
                 assert!(e.message.as_str().contains("max_blocks must be at least 1"));
             }
-            abi_stable::std_types::RResult::ROk(_) => panic!("max_blocks 0 was accepted"),
+            RResult::ROk(_) => panic!("max_blocks 0 was accepted"),
+        }
+        match construct(r#"{"max_block": 8}"#) {
+            RResult::RErr(e) => {
+                assert_eq!(e.code, error_code::BAD_PARAMETERS);
+                assert!(e.message.as_str().contains("max_block"), "{}", e.message);
+            }
+            RResult::ROk(_) => panic!("an unknown key was accepted"),
         }
     }
 }
