@@ -117,12 +117,48 @@ fn wrong_shapes() {
 fn unknown_selection_policy_and_bad_selection_parameters() {
     assert_one(
         "worker_selection:\n  decode:\n    type: kv-cr\n",
-        "kvhint.yaml:3:11: worker_selection.decode.type: unknown selection policy `kv-cr`; known: dynamo-default-cost-fn, kvcr, round-robin, random",
+        "kvhint.yaml:3:11: worker_selection.decode.type: unknown selection policy type \"kv-cr\"; known types: dynamo-default-cost-fn, kvcr, random, round-robin",
     );
     // Pointed at the offending key, not just the mapping.
     assert_one(
         "worker_selection:\n  decode:\n    type: kvcr\n    parameters:\n      shared_cache_multiplier: 0.5\n      overlap_weight: 2\n",
-        "kvhint.yaml:6:7: worker_selection.decode.parameters.overlap_weight: bad parameters for selection policy `kvcr` (built-in): unknown field `overlap_weight`",
+        "kvhint.yaml:6:7: worker_selection.decode.parameters.overlap_weight: bad parameters for selection policy \"kvcr\" (built-in kvhint-selection): unknown field `overlap_weight`",
+    );
+    // A hint type where a selection policy belongs says what it is.
+    assert_one(
+        "worker_selection:\n  decode: kv_fetch\n",
+        "kvhint.yaml:2:11: worker_selection.decode: \"kv_fetch\" (built-in kv-fetch) is a hint policy, not a selection policy; known types: dynamo-default-cost-fn, kvcr, random, round-robin",
+    );
+}
+
+#[test]
+fn type_errors_in_parameters_point_at_their_key_and_every_one_is_reported() {
+    // A wrong type, not only an unknown key, is pointed at its own key.
+    assert_one(
+        "worker_selection:\n  decode:\n    type: kvcr\n    parameters:\n      shared_cache_multiplier: 0.5\n      overlap_score_weight: heavy\n",
+        "kvhint.yaml:6:7: worker_selection.decode.parameters.overlap_score_weight: bad parameters for selection policy \"kvcr\" (built-in kvhint-selection): `overlap_score_weight`: invalid type: string \"heavy\", expected f64",
+    );
+    // Three problems in one mapping: all three, each at its key, in file order.
+    let found = errors(
+        "worker_selection:\n  decode:\n    type: kvcr\n    parameters:\n      overlap_score_weight: heavy\n      shared_cache_multiplier: [1]\n      typo: 1\n",
+    );
+    assert_eq!(found.len(), 3, "{found:#?}");
+    for (line, key) in [
+        (5, "overlap_score_weight"),
+        (6, "shared_cache_multiplier"),
+        (7, "typo"),
+    ] {
+        assert!(
+            found.iter().any(|e| e.starts_with(&format!(
+                "kvhint.yaml:{line}:7: worker_selection.decode.parameters.{key}: "
+            ))),
+            "no error at {key}: {found:#?}"
+        );
+    }
+    // The same for a hint policy's parameters.
+    assert_one(
+        "worker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n        parameters:\n          min_additional_blocks: two\n",
+        "kvhint.yaml:7:11: worker_selection.decode.hints[0].parameters.min_additional_blocks: bad parameters for hint policy \"kv_fetch\" (built-in kv-fetch): `min_additional_blocks`: invalid type: string \"two\"",
     );
 }
 
@@ -138,7 +174,7 @@ fn unknown_hint_type_lists_the_known_ones() {
 fn bad_hint_parameters_carry_the_plugins_own_message() {
     assert_one(
         "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: harness_prefetch\n        parameters:\n          max_block: 8\n",
-        "kvhint.yaml:9:11: worker_selection.decode.hints[0].parameters.max_block: bad parameters for hint policy \"harness_prefetch\" (plugin harness-prefetch 0.1.0",
+        "kvhint.yaml:9:11: worker_selection.decode.hints[0].parameters.max_block: bad parameters for hint policy \"harness_prefetch\" (plugin harness-prefetch 
     );
     // A value the plugin's own validation refuses.
     let found = errors(

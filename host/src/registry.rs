@@ -108,7 +108,7 @@ pub enum RegistryError {
         name: String,
         kind: u32,
     },
-    #[error("unknown {kind} type {name:?}; known {kind} types: {known}; put the plugin that provides it in the plugins directory, or fix the spelling")]
+    #[error("unknown {kind} type {name:?}; known types: {known}; put the plugin that provides it in the plugins directory, or fix the spelling")]
     UnknownType {
         kind: PolicyKind,
         name: String,
@@ -537,7 +537,7 @@ mod tests {
         let registry = Registry::with_builtins().unwrap();
         let err = registry.construct("kv_fecth", &json!({})).err().unwrap();
         assert!(
-            err.to_string().contains("known hint policy types: kv_fetch"),
+            err.to_string().contains("known types: kv_fetch"),
             "{err}"
         );
         let err = registry.construct("kvcr", &json!({})).err().unwrap();
@@ -554,6 +554,108 @@ mod tests {
             err.to_string()
                 .contains("is a hint policy, not a selection policy"),
             "{err}"
+        );
+    }
+
+    mod coded {
+        //! A module registering by hand with codes this router does not know.
+        use abi_stable::std_types::{ROption, RResult, RVec};
+        use kvhint_plugin_api::abi::{FfiError, FfiHintHost, FfiLogSink, FfiRegistration};
+
+        pub extern "C" fn register() -> RResult<RVec<FfiRegistration>, FfiError> {
+            // kv_fetch's own provider, re-registered under other names and codes.
+            let RResult::ROk(mut theirs) = (kv_fetch::kvhint_plugin_module().register())() else {
+                return RResult::RErr(FfiError {
+                    code: 1,
+                    message: "kv_fetch did not register".into(),
+                });
+            };
+            let Some(kv_fetch) = theirs.pop() else {
+                return RResult::ROk(RVec::new());
+            };
+            let mut list = RVec::new();
+            list.push(FfiRegistration {
+                kind: kvhint_plugin_api::abi::policy_kind::HINT,
+                name: "future_host_kind".into(),
+                default_hosts: vec![FfiHintHost {
+                    kind: 77,
+                    selection: "kvcr".into(),
+                }]
+                .into(),
+                hint_provider: kv_fetch.hint_provider,
+                selection_provider: ROption::RNone,
+            });
+            RResult::ROk(list)
+        }
+
+        pub extern "C" fn unknown_kind() -> RResult<RVec<FfiRegistration>, FfiError> {
+            let mut list = RVec::new();
+            list.push(FfiRegistration {
+                kind: 9,
+                name: "future_kind".into(),
+                default_hosts: RVec::new(),
+                hint_provider: ROption::RNone,
+                selection_provider: ROption::RNone,
+            });
+            RResult::ROk(list)
+        }
+
+        pub extern "C" fn no_sink(_: FfiLogSink) {}
+    }
+
+    #[test]
+    fn unknown_codes_map_to_known_kinds() {
+        // An error code from a newer plugin-api is a plain failure.
+        let future = FfiError {
+            code: 1234,
+            message: "?".into(),
+        };
+        assert_eq!(ErrorKind::of(&future), ErrorKind::Failed);
+        // A host kind from a newer plugin-api runs only under the named
+        // selection policy, never under every one.
+        let mut registry = Registry::new();
+        let module = kvhint_plugin_api::export::root_module(
+            "coded",
+            "0.1.0",
+            true,
+            coded::register,
+            coded::no_sink,
+        );
+        registry
+            .add_module(
+                Origin::BuiltIn {
+                    crate_name: "coded".into(),
+                },
+                module,
+            )
+            .unwrap();
+        let found = registry.get("future_host_kind").unwrap();
+        assert_eq!(
+            found.default_hosts(),
+            [HintHost::WorkerSelection("kvcr".into())]
+        );
+        assert_eq!(registry.defaults_for("kvcr").len(), 1);
+        assert!(registry.defaults_for("dynamo-default-cost-fn").is_empty());
+        // A registration of a kind this router does not know is refused, named.
+        let module = kvhint_plugin_api::export::root_module(
+            "future",
+            "0.1.0",
+            true,
+            coded::unknown_kind,
+            coded::no_sink,
+        );
+        let errors = Registry::new()
+            .add_module(
+                Origin::BuiltIn {
+                    crate_name: "future".into(),
+                },
+                module,
+            )
+            .unwrap_err();
+        let text = errors[0].to_string();
+        assert!(
+            text.contains("\"future_kind\"") && text.contains("kind 9"),
+            "{text}"
         );
     }
 
