@@ -127,7 +127,7 @@ fn unknown_selection_policy_and_bad_selection_parameters() {
     // A hint type where a selection policy belongs says what it is.
     assert_one(
         "worker_selection:\n  decode: kv_fetch\n",
-        "kvhint.yaml:2:11: worker_selection.decode: \"kv_fetch\" (built-in kv-fetch) is a hint policy, not a selection policy; known types: dynamo-default-cost-fn, kvcr, random, round-robin",
+        "kvhint.yaml:2:11: worker_selection.decode: \"kv_fetch\" (built-in kv-fetch) is a hint policy, not a selection policy; known selection policy types: dynamo-default-cost-fn, kvcr, random, round-robin",
     );
 }
 
@@ -174,7 +174,7 @@ fn unknown_hint_type_lists_the_known_ones() {
 fn bad_hint_parameters_carry_the_plugins_own_message() {
     assert_one(
         "plugins:\n  files: ['{so:harness_prefetch}']\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: harness_prefetch\n        parameters:\n          max_block: 8\n",
-        "kvhint.yaml:9:11: worker_selection.decode.hints[0].parameters.max_block: bad parameters for hint policy \"harness_prefetch\" (plugin harness-prefetch 
+        "kvhint.yaml:9:11: worker_selection.decode.hints[0].parameters.max_block: bad parameters for hint policy \"harness_prefetch\" (plugin harness-prefetch ",
     );
     // A value the plugin's own validation refuses.
     let found = errors(
