@@ -94,8 +94,10 @@ pub mod error_code {
 pub struct FfiError {
     /// One of [`error_code`].
     pub code: u32,
-    /// For `BAD_PARAMETERS`, one error per line, each starting with the
-    /// offending key's path where there is one (`min_blocks: invalid type…`).
+    /// For `BAD_PARAMETERS`, one problem per line, each naming the offending
+    /// top-level key in backticks where there is one: leading for a bad value
+    /// (`` `min_blocks`: invalid type… ``), in serde's own wording for a key
+    /// the policy does not know (`` unknown field `min_block`, expected … ``).
     pub message: RString,
 }
 
@@ -322,8 +324,8 @@ pub mod selection_flags {
     /// With its parameters it may commit bookings to a peer's KV copy (rule R5:
     /// the role must then run exactly one hint policy that sends it).
     pub const COMMITS_KV_COPIES: u32 = 2;
-    /// It reads [`FfiCandidate::peer_copy`]; without it the router leaves it
-    /// empty and saves finding it.
+    /// It reads [`FfiCandidate::peer_copy`](super::FfiCandidate::peer_copy);
+    /// without it the router leaves it empty and saves finding it.
     pub const WANTS_PEER_COPIES: u32 = 4;
 }
 

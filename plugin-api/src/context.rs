@@ -1,5 +1,5 @@
 //! The author's view of a booking: safe accessors over the borrowed
-//! [`FfiHintContext`](crate::abi::FfiHintContext), so policies read plain `&str`
+//! [`FfiHintContext`], so policies read plain `&str`
 //! and `&[u64]` and never see ABI types.
 
 use crate::abi::{FfiHintContext, FfiKvCopy, FfiPeer, FfiWorker};

@@ -14,9 +14,11 @@
 //! - Events only. Spans are accepted (every span gets the same dummy id) and
 //!   ignored: carrying span context would need host-side span objects that
 //!   outlive a call, and the router's log is read per event.
-//! - The host's `max_level` is honoured in [`Bridge::enabled`] and
-//!   [`Bridge::max_level_hint`], so a disabled event is neither formatted nor
-//!   sent; `tracing` skips its callsite after one check.
+//! - The host's `max_level` is honoured in the [`Bridge`]'s
+//!   [`enabled`](tracing_core::Subscriber::enabled) and
+//!   [`max_level_hint`](tracing_core::Subscriber::max_level_hint), so a
+//!   disabled event is neither formatted nor sent; `tracing` skips its
+//!   callsite after one check.
 //! - Nothing here unwinds into the host: every entry point runs in
 //!   `catch_unwind` (a field's `Debug` impl is the plugin author's code).
 //!
