@@ -299,7 +299,7 @@ fn plugins_command_lists_each_file_or_why_it_was_refused() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert_eq!(output.status.code(), Some(0), "{stdout}");
     assert!(
-        stdout.contains("plugin harness-prefetch 0.1.0 (kvhint-plugin-api 0.1.0, ABI 1)"),
+        stdout.contains("plugin harness-prefetch 0.1.0 (kvhint-plugin-api 0.2.0, ABI 2)"),
         "{stdout}"
     );
     assert!(

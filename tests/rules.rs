@@ -630,14 +630,23 @@ fn r5_a_committed_copy_whose_sender_fails_is_withdrawn_and_the_load_corrected() 
 }
 
 #[test]
-fn r8_a_message_refused_as_invalid_json_withdraws_the_committed_copy_across_the_abi() {
-    // A plugin on the raw ABI returns a kv.fetch whose payload is not JSON: the hint
-    // stage refuses the message where it is made, so nothing is sent, and the copy the
-    // booking was committed to will not happen: the booked worker prefills it.
+fn r8_a_payload_the_writer_refuses_withdraws_the_committed_copy_across_the_abi() {
+    // A plugin on the raw ABI drives the router's writer by hand and breaks its
+    // grammar (a second key where the first key's value belongs): the writer
+    // refuses that policy's action where it is written, so nothing is sent, and the
+    // copy the booking was committed to will not happen: the booked worker prefills it.
     let (r1, load) = r1_with_copy_sender("fixture_raw_abi", "raw_bad_json");
     assert_eq!(r1["worker_id"], 1);
     assert_eq!(r1["hint"], Value::Null, "{r1}");
-    assert_eq!(r1["hint_skipped"], "malformed_message", "{r1}");
+    assert_eq!(r1["hint_skipped"], "no_actions", "{r1}");
+    assert_eq!(r1["policy_failures"][0]["kind"], "malformed", "{r1}");
+    assert!(
+        r1["policy_failures"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("where the previous key's value belongs"),
+        "{r1}"
+    );
     assert_eq!(r1["committed_copy"], Value::Null, "{r1}");
     assert_eq!(load.prefill_blocks, 4);
 }

@@ -45,13 +45,22 @@ fn a_plugin_selection_policy_books_its_own_choice() {
     let fixture = config("    type: wayward\n    parameters: {mode: last}\n    hints: []\n");
     let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
     let role = snapshot.role(Role::Decode).unwrap();
-    assert!(role.booking_selection().origin.to_string().contains("fixture-misbehaving"));
-    assert!(role.on_kv_path, "a KV-aware plugin puts the role on the KV path");
+    assert!(role
+        .booking_selection()
+        .origin
+        .to_string()
+        .contains("fixture-misbehaving"));
+    assert!(
+        role.on_kv_path,
+        "a KV-aware plugin puts the role on the KV path"
+    );
     let (bookings, errors) = replay_records(&snapshot, &trace());
     assert!(errors.is_empty(), "{errors}");
     // The last candidate every time: not what the default cost would pick.
     assert_eq!(booked(&bookings), [3, 3, 3]);
-    assert!(bookings.iter().all(|b| b.get("selection_fallback").is_none()));
+    assert!(bookings
+        .iter()
+        .all(|b| b.get("selection_fallback").is_none()));
     let stats = &role.booking_selection().stats;
     assert_eq!(stats.calls.load(std::sync::atomic::Ordering::Relaxed), 3);
     for reason in FallbackReason::ALL {
@@ -82,7 +91,11 @@ fn every_failure_of_a_selection_policy_falls_back_to_the_default_and_is_counted(
         let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
         let (bookings, errors) = replay_records(&snapshot, &trace());
         assert!(errors.is_empty(), "{mode}: no booking fails: {errors}");
-        assert_eq!(booked(&bookings), expected, "{mode}: booked as the default books");
+        assert_eq!(
+            booked(&bookings),
+            expected,
+            "{mode}: booked as the default books"
+        );
         for booking in &bookings {
             assert_eq!(
                 booking["selection_fallback"].as_str(),
@@ -91,7 +104,11 @@ fn every_failure_of_a_selection_policy_falls_back_to_the_default_and_is_counted(
             );
             assert!(booking["committed_copy"].is_null(), "{mode}: {booking}");
         }
-        let stats = &snapshot.role(Role::Decode).unwrap().booking_selection().stats;
+        let stats = &snapshot
+            .role(Role::Decode)
+            .unwrap()
+            .booking_selection()
+            .stats;
         assert_eq!(stats.fallbacks(reason), 3, "{mode}");
         let others: u64 = FallbackReason::ALL
             .iter()
@@ -105,9 +122,8 @@ fn every_failure_of_a_selection_policy_falls_back_to_the_default_and_is_counted(
 #[test]
 fn a_selection_plugin_that_commits_copies_is_held_to_r5_and_its_copy_is_fetched() {
     // Declares commitments: without exactly one sender the role is refused.
-    let none = config(
-        "    type: wayward\n    parameters: {mode: copy, commits: true}\n    hints: []\n",
-    );
+    let none =
+        config("    type: wayward\n    parameters: {mode: copy, commits: true}\n    hints: []\n");
     let errors = snapshot_of(&none, None).err().expect("refused").0;
     let text: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
     assert!(
@@ -130,7 +146,11 @@ fn a_selection_plugin_that_commits_copies_is_held_to_r5_and_its_copy_is_fetched(
     assert_eq!(copy["source"]["worker_id"], 3, "{first}");
     assert_eq!(action_types(first), ["kv.fetch"]);
     let hashes = &first["hint"]["actions"][0]["payload"]["block_hashes"];
-    assert_eq!(hashes, &serde_json::json!([3000, 3001, 3002, 3003]), "{first}");
+    assert_eq!(
+        hashes,
+        &serde_json::json!([3000, 3001, 3002, 3003]),
+        "{first}"
+    );
 }
 
 #[test]

@@ -504,3 +504,78 @@ fn a_panicking_drop_of_a_policy_or_its_provider_does_not_abort_the_router_on_rel
     assert_eq!(server.status()["generation"], 2);
     book(&server, "after");
 }
+
+#[test]
+fn hot_add_a_selection_plugin_then_reload_it_away_without_restart() {
+    // Served first by the built-in default; then the session_affinity example
+    // plugin is dropped in and the config names it, with no restart.
+    let setup = Setup::with_prefetch("  decode: dynamo-default-cost-fn\n");
+    let server = Server::start(&setup.config(), &["--watch-config"], setup.dir.path());
+    for id in 1..=4 {
+        register_decode_worker(&server, id);
+    }
+    let book_session = |server: &Server, id: &str, session: &str| -> Value {
+        let (status, body) = server.post(
+            "/book",
+            &json!({"request_id": id, "role": "decode", "token_ids": tokens(1, 16),
+                    "session_context": {"session_id": session}}),
+        );
+        assert_eq!(status, 200, "{body}");
+        body
+    };
+    drop_in(
+        &setup.plugins().join("libsession_affinity.so"),
+        &std::fs::read(plugin_so("session_affinity")).unwrap(),
+    );
+    setup.write_config("  decode:\n    type: session_affinity\n    hints: []\n");
+    server.wait_for("a snapshot that books with session_affinity", |s| {
+        s.status()["plugins"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["name"] == "session-affinity"))
+    });
+    // Sticky: the same session lands on the same worker while others pile up
+    // load elsewhere (the bookings stay open, so the default cost would move).
+    let mut placed = std::collections::BTreeMap::new();
+    for n in 0..12 {
+        let session = format!("s{}", n % 3);
+        let booking = book_session(&server, &format!("sticky-{n}"), &session);
+        assert!(booking.get("selection_fallback").is_none(), "{booking}");
+        let worker = booking["worker_id"].as_u64().unwrap();
+        assert_eq!(*placed.entry(session).or_insert(worker), worker);
+    }
+    let metrics = server.get("/metrics").1;
+    assert!(
+        metrics.contains(
+            "kvhint_selection_calls_total{role=\"decode\",policy=\"session_affinity\"} 12"
+        ),
+        "{metrics}"
+    );
+    // A session context of the wrong shape fails the policy: the booking still
+    // goes out, placed by the built-in default, and is counted.
+    let (status, body) = server.post(
+        "/book",
+        &json!({"request_id": "odd", "role": "decode", "token_ids": tokens(1, 16),
+                "session_context": {"session_id": 7}}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["selection_fallback"], "error", "{body}");
+    let metrics = server.get("/metrics").1;
+    assert!(
+        metrics.contains("kvhint_selection_fallbacks_total{role=\"decode\",policy=\"session_affinity\",reason=\"error\"} 1"),
+        "{metrics}"
+    );
+    // Reloaded back to the built-in: the plugin's policy is dropped, nothing breaks.
+    setup.write_config("  decode: dynamo-default-cost-fn\n");
+    let mut n = 0;
+    server.wait_for("bookings placed by the built-in again", |s| {
+        n += 1;
+        let (status, _) = s.post(
+            "/book",
+            &json!({"request_id": format!("back-{n}"), "role": "decode", "token_ids": tokens(1, 16)}),
+        );
+        status == 200
+            && s.status()["roles"]
+                .as_array()
+                .is_some_and(|r| r.iter().any(|r| r["selection"] == "dynamo-default-cost-fn"))
+    });
+}

@@ -391,10 +391,12 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
             "role {}: selection {} {}{commits}{booked_by}",
             role.role, role.selection_type, role.selection_parameters
         );
-        println!(
-            "  selection policy from {}",
-            role.booking_selection().origin
-        );
+        if let kvhint::registry::Origin::Plugin { .. } = &*role.booking_selection().origin {
+            println!(
+                "  selection policy from {}",
+                role.booking_selection().origin
+            );
+        }
         let from = match role.hints_from {
             snapshot::HintsFrom::Listed => "listed",
             snapshot::HintsFrom::Defaults => "defaults for its selection policy",

@@ -384,9 +384,9 @@ impl Registry {
                 .any(|h| matches!(h, HintHost::WorkerSelection(s) if s == selection_policy))
         };
         let specific = self.hint_types().filter(|t| names(t));
-        let any = self.hint_types().filter(|t| {
-            t.default_hosts().contains(&HintHost::AnyWorkerSelection) && !names(t)
-        });
+        let any = self
+            .hint_types()
+            .filter(|t| t.default_hosts().contains(&HintHost::AnyWorkerSelection) && !names(t));
         specific.chain(any).collect()
     }
 
@@ -536,10 +536,7 @@ mod tests {
     fn unknown_type_lists_known_ones() {
         let registry = Registry::with_builtins().unwrap();
         let err = registry.construct("kv_fecth", &json!({})).err().unwrap();
-        assert!(
-            err.to_string().contains("known types: kv_fetch"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("known types: kv_fetch"), "{err}");
         let err = registry.construct("kvcr", &json!({})).err().unwrap();
         assert!(
             err.to_string()
@@ -675,6 +672,10 @@ mod tests {
             text.contains("built-in kv-fetch") && text.contains("built-in again"),
             "{text}"
         );
-        assert_eq!(registry.hint_types().count(), 1, "a refused module adds nothing");
+        assert_eq!(
+            registry.hint_types().count(),
+            1,
+            "a refused module adds nothing"
+        );
     }
 }

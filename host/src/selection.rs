@@ -131,9 +131,7 @@ impl SelectionStage {
     ) -> Chosen {
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
-        let answer = self
-            .policy
-            .select(request, RSlice::from_slice(candidates));
+        let answer = self.policy.select(request, RSlice::from_slice(candidates));
         self.stats
             .latency
             .observe(started.elapsed().as_nanos() as u64);
@@ -142,9 +140,7 @@ impl SelectionStage {
                 let index = usize::try_from(selection.index).unwrap_or(usize::MAX);
                 let copy_ok = !selection.commit_kv_copy
                     || (self.commits_kv_copies
-                        && candidates
-                            .get(index)
-                            .is_some_and(|c| c.peer_copy.is_some()));
+                        && candidates.get(index).is_some_and(|c| c.peer_copy.is_some()));
                 if index < candidates.len() && copy_ok {
                     return Chosen {
                         index,
@@ -174,10 +170,12 @@ impl SelectionStage {
         let index = self
             .fallback
             .as_ref()
-            .and_then(|fallback| match fallback.select(request, RSlice::from_slice(candidates)) {
-                RResult::ROk(s) => usize::try_from(s.index).ok(),
-                RResult::RErr(_) => None,
-            })
+            .and_then(
+                |fallback| match fallback.select(request, RSlice::from_slice(candidates)) {
+                    RResult::ROk(s) => usize::try_from(s.index).ok(),
+                    RResult::RErr(_) => None,
+                },
+            )
             .filter(|&i| i < candidates.len())
             .unwrap_or(0);
         Chosen {

@@ -426,8 +426,14 @@ fn build_role(
         }
         (_, false) => (Vec::new(), HintsFrom::NotKvPath),
         (Some(items), true) if items.is_empty() => (Vec::new(), HintsFrom::ExplicitlyNone),
-        (Some(items), true) => (listed_hints(builder, items, registry, &settings), HintsFrom::Listed),
-        (None, true) => (default_hints(builder, role, registry, &settings), HintsFrom::Defaults),
+        (Some(items), true) => (
+            listed_hints(builder, items, registry, &settings),
+            HintsFrom::Listed,
+        ),
+        (None, true) => (
+            default_hints(builder, role, registry, &settings),
+            HintsFrom::Defaults,
+        ),
     };
     let instances: Vec<HintPolicyInstance> = instances
         .into_iter()
@@ -520,7 +526,7 @@ fn listed_hints(
     let mut instances = Vec::new();
     for item in items {
         match registry.construct_with(&item.type_name, &item.parameters.value, settings) {
-                Ok(constructed) => instances.push((item.name.clone(), constructed)),
+            Ok(constructed) => instances.push((item.name.clone(), constructed)),
             Err(e @ RegistryError::BadParameters { .. }) => {
                 report_parameters(builder, &item.parameters, &e)
             }

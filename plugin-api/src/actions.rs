@@ -43,7 +43,9 @@ impl<'w> Actions<'w> {
             RStr::from_str(action_type),
             RStr::from_str(action_version),
         );
-        let result = payload.serialize(Values { writer: &mut *writer });
+        let result = payload.serialize(Values {
+            writer: &mut *writer,
+        });
         if let Err(error) = &result {
             (writer.vtable.fail)(writer.state, RStr::from_str(&error.0));
         }

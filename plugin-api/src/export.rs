@@ -54,7 +54,7 @@ thread_local! {
 /// router's std: replacing the hook there would replace the router's, so there
 /// the host's hook prints a policy's panic like any other (see [`root_module`]).
 fn install_panic_hook() {
-    if !OWN_STD.load(std::sync::atomic::Ordering::Relaxed) {
+    if !in_own_file() {
         return;
     }
     static ONCE: Once = Once::new();
@@ -76,6 +76,13 @@ fn install_panic_hook() {
 /// Set when the host loads this plugin from its `.so` (through the exported
 /// symbol), never when the crate is linked into the host.
 static OWN_STD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this copy of plugin-api runs in a plugin's own `.so` (see
+/// [`OWN_STD`]): only then may it install process-wide things (the panic
+/// hook, the log bridge's global subscriber).
+pub(crate) fn in_own_file() -> bool {
+    OWN_STD.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Runs `f`, turning a panic into an `FfiError` of kind `Panicked`.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, FfiError>) -> RResult<T, FfiError> {
@@ -125,10 +132,12 @@ impl From<HintError> for FfiError {
 }
 
 fn parameters(json: RStr<'_>, settings: &FfiRouterSettings) -> Result<Parameters, HintError> {
-    Ok(Parameters::from_json(json.as_str())?.with_router(RouterSettings {
-        block_size: settings.block_size as usize,
-        seed: settings.seed,
-    }))
+    Ok(
+        Parameters::from_json(json.as_str())?.with_router(RouterSettings {
+            block_size: settings.block_size as usize,
+            seed: settings.seed,
+        }),
+    )
 }
 
 /// Drops `value` with a panic in its `Drop` caught: the host drops plugin objects

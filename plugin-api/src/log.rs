@@ -52,6 +52,11 @@ static INSTALL: Once = Once::new();
 /// later calls only replace the sink and its maximum level. Called by the
 /// `set_log_sink` function [`export_plugin!`](crate::export_plugin) generates.
 pub fn set_sink(plugin: &'static str, sink: FfiLogSink) {
+    // A crate linked into the router shares the router's `tracing`: installing
+    // the bridge there would make it the router's own global subscriber.
+    if !crate::export::in_own_file() {
+        return;
+    }
     // The host calls this through `extern "C"`; a panic must stop here.
     let _ = catch_unwind(AssertUnwindSafe(|| {
         // Sink first, level second: `enabled` only lets events through once a
@@ -285,6 +290,8 @@ mod tests {
     // dispatcher: set once, it cannot be unset.
     #[test]
     fn the_bridge_forwards_formatted_events_and_honours_the_hosts_level() {
+        // This test binary stands in for a plugin's own `.so`.
+        crate::export::loaded_from_its_own_file();
         let warn = FfiLogSink {
             max_level: log_level::WARN,
             log: collect,

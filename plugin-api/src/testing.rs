@@ -30,9 +30,7 @@ pub fn construct<E: Display>(
     parameters: serde_json::Value,
 ) -> Result<Arc<dyn HintPolicy>, HintError> {
     match find(register, name)? {
-        Provider::Hint { provider, .. } => {
-            Ok(provider(&test_parameters(parameters)?)?.policy)
-        }
+        Provider::Hint { provider, .. } => Ok(provider(&test_parameters(parameters)?)?.policy),
         Provider::Selection(_) => Err(HintError::new(format!(
             "{name:?} is a selection policy: use testing::construct_selection"
         ))),
@@ -238,10 +236,7 @@ impl TestBooking {
             .flatten()
             .map(|action| Action {
                 action_type: action["action_type"].as_str().unwrap_or_default().into(),
-                action_version: action["action_version"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .into(),
+                action_version: action["action_version"].as_str().unwrap_or_default().into(),
                 payload: action["payload"].clone(),
             })
             .collect())
@@ -314,13 +309,36 @@ impl TestPlacement {
         f(&request, RSlice::from_slice(&candidates))
     }
 
-    /// Runs `policy` on this placement.
+    /// Runs `policy` on this placement. An answer the router would not take
+    /// (an index past the candidates, or a committed copy the policy did not
+    /// declare or the candidate does not have) is an error here, as the router
+    /// would fall back on it.
     pub fn select(&self, policy: &dyn SelectionPolicy) -> Result<Selection, HintError> {
-        self.with_raw(|request, candidates| {
+        let selection = self.with_raw(|request, candidates| {
             policy.select(
                 &SelectionRequest::new(request),
                 &Candidates::new(candidates.as_slice()),
             )
-        })
+        })?;
+        let Some(candidate) = self.candidates.get(selection.index()) else {
+            return Err(HintError::new(format!(
+                "out of range: candidate {} of {}; the router would book with its default",
+                selection.index(),
+                self.candidates.len()
+            )));
+        };
+        if selection.commits_kv_copy() {
+            if !policy.commits_kv_copies() {
+                return Err(HintError::new(
+                    "out of range: a committed copy from a policy that does not declare commits_kv_copies; the router would book with its default",
+                ));
+            }
+            if candidate.peer_copy.is_none() {
+                return Err(HintError::new(
+                    "out of range: a committed copy on a candidate without a peer copy; the router would book with its default",
+                ));
+            }
+        }
+        Ok(selection)
     }
 }

@@ -34,8 +34,13 @@ pub const MAX_DEPTH: usize = 64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Frame {
     /// In an object; `expect_key` until a key is written, then a value.
-    Object { first: bool, expect_key: bool },
-    Array { first: bool },
+    Object {
+        first: bool,
+        expect_key: bool,
+    },
+    Array {
+        first: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -360,7 +365,12 @@ impl MessageWriter {
         }
         let what = if object { "end_object" } else { "end_array" };
         match (self.stack.last(), object) {
-            (Some(Frame::Object { expect_key: true, .. }), true) => self.out.push(b'}'),
+            (
+                Some(Frame::Object {
+                    expect_key: true, ..
+                }),
+                true,
+            ) => self.out.push(b'}'),
             (Some(Frame::Object { .. }), true) => {
                 return self.fail("an object closed after a key without its value")
             }
@@ -410,9 +420,9 @@ impl MessageWriter {
                 write_string(&mut self.out, key);
                 self.out.push(b':');
             }
-            Some(Frame::Object { .. }) => {
-                self.fail(format!("key {key:?} written where the previous key's value belongs"))
-            }
+            Some(Frame::Object { .. }) => self.fail(format!(
+                "key {key:?} written where the previous key's value belongs"
+            )),
             _ => self.fail(format!("key {key:?} written outside an object")),
         }
     }
@@ -446,7 +456,8 @@ impl MessageWriter {
         }
         if self.before_value("a number") {
             let mut digits = ryu::Buffer::new();
-            self.out.extend_from_slice(digits.format_finite(value).as_bytes());
+            self.out
+                .extend_from_slice(digits.format_finite(value).as_bytes());
         }
     }
 
@@ -506,7 +517,9 @@ fn with(state: *mut ErasedObject, f: impl FnOnce(&mut MessageWriter)) {
 }
 
 extern "C" fn begin_action(state: *mut ErasedObject, action_type: RStr<'_>, version: RStr<'_>) {
-    with(state, |w| w.begin_action(action_type.as_str(), version.as_str()))
+    with(state, |w| {
+        w.begin_action(action_type.as_str(), version.as_str())
+    })
 }
 extern "C" fn end_action(state: *mut ErasedObject) {
     with(state, MessageWriter::end_action)
@@ -635,61 +648,89 @@ mod tests {
 
     #[test]
     fn every_grammar_break_discards_only_that_policy() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut MessageWriter)>)> = vec![
-            ("not a JSON object", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.u64_array(&[1]);
-                w.end_action();
-            })),
-            ("where a key belongs", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.u64(1);
-            })),
-            ("previous key's value", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.key("a");
-                w.key("b");
-            })),
-            ("without its value", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.key("a");
-                w.end_object();
-            })),
-            ("container is open", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.end_action();
-            })),
+        type Case = Box<dyn Fn(&mut MessageWriter)>;
+        let cases: Vec<(&str, Case)> = vec![
+            (
+                "not a JSON object",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.u64_array(&[1]);
+                    w.end_action();
+                }),
+            ),
+            (
+                "where a key belongs",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.u64(1);
+                }),
+            ),
+            (
+                "previous key's value",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.key("a");
+                    w.key("b");
+                }),
+            ),
+            (
+                "without its value",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.key("a");
+                    w.end_object();
+                }),
+            ),
+            (
+                "container is open",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.end_action();
+                }),
+            ),
             ("outside an action", Box::new(|w| w.string("loose"))),
             ("still open", Box::new(|w| w.begin_action("a", "1"))),
             ("empty action_type", Box::new(|w| w.begin_action("", "1"))),
-            ("not a JSON number", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.key("x");
-                w.f64(f64::NAN);
-            })),
-            ("after the payload's object closed", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.end_object();
-                w.null();
-            })),
-            ("does not match", Box::new(|w| {
-                w.begin_action("a", "1");
-                w.begin_object();
-                w.key("k");
-                w.begin_array();
-                w.end_object();
-            })),
+            (
+                "not a JSON number",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.key("x");
+                    w.f64(f64::NAN);
+                }),
+            ),
+            (
+                "after the payload's object closed",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.end_object();
+                    w.null();
+                }),
+            ),
+            (
+                "does not match",
+                Box::new(|w| {
+                    w.begin_action("a", "1");
+                    w.begin_object();
+                    w.key("k");
+                    w.begin_array();
+                    w.end_object();
+                }),
+            ),
         ];
         for (expected, case) in cases {
             match after_a_good_policy(|w| case(w)) {
                 PolicyOutput::Malformed(message) => {
-                    assert!(message.contains(expected), "{expected:?} not in {message:?}")
+                    assert!(
+                        message.contains(expected),
+                        "{expected:?} not in {message:?}"
+                    )
                 }
                 other => panic!("{expected}: {other:?}"),
             }

@@ -25,6 +25,8 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "kvhint",
     "kv-fetch",
     "harness-prefetch",
+    "kvhint-selection",
+    "session-affinity",
     "fixture-misbehaving",
     "fixture-duplicate-type",
     "fixture-no-root-module",

@@ -32,8 +32,8 @@ pub use cache::{default_cache_dir, CacheMode};
 pub use probe::ProbeMode;
 
 use abi_stable::library::{AbiHeaderRef, LibHeader, RawLibrary, RootModule};
-use kvhint_plugin_api::abi::ROOT_SYMBOL_PREFIX;
 use kvhint_plugin_api::abi::PluginModRef;
+use kvhint_plugin_api::abi::ROOT_SYMBOL_PREFIX;
 use kvhint_plugin_api::{ABI_VERSION, API_VERSION};
 use parking_lot::Mutex;
 use std::collections::HashMap;

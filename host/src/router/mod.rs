@@ -35,10 +35,10 @@ use crate::hints::{
 use crate::snapshot::{RoleRuntime, Snapshot};
 use abi_stable::std_types::{ROption, RStr};
 use arc_swap::ArcSwap;
-use kvhint_plugin_api::abi::{FfiCandidate, FfiPeerCopy, FfiRequestIdentity, FfiSelectionRequest};
 use bookings::{Bookings, Reservation};
 use index::shared::SharedIndex;
 use index::{identity_seed, seeded_block_hashes, KvEvent, Matches, Slot};
+use kvhint_plugin_api::abi::{FfiCandidate, FfiPeerCopy, FfiRequestIdentity, FfiSelectionRequest};
 use std::cell::RefCell;
 use std::sync::Arc;
 use workers::{Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
@@ -721,9 +721,9 @@ impl Router {
                     let from_signed = |endpoint: &str| {
                         ranked.iter().any(|r| {
                             signed(r.key)
-                                && table.by_slot(r.slot).is_some_and(|e| {
-                                    &*e.worker.source_control_endpoint == endpoint
-                                })
+                                && table
+                                    .by_slot(r.slot)
+                                    .is_some_and(|e| &*e.worker.source_control_endpoint == endpoint)
                         })
                     };
                     if let Some(rewritten) =

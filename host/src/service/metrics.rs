@@ -30,7 +30,6 @@ const SKIPS: [(HintSkip, &str); 4] = [
     (HintSkip::NoPolicies, "no_policies"),
     (HintSkip::WorkerNotHintCapable, "worker_not_hint_capable"),
     (HintSkip::NoActions, "no_actions"),
-    
 ];
 
 #[derive(Default)]

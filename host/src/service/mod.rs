@@ -288,6 +288,11 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
                 "role": role.role,
                 "selection": role.selection_type,
                 "booked_by": role.booking_selection_type,
+                "selection_origin": role.booking_selection().origin.to_string(),
+                "selection_fallbacks": crate::selection::FallbackReason::ALL
+                    .iter()
+                    .map(|r| (r.as_str(), role.booking_selection().stats.fallbacks(*r)))
+                    .collect::<std::collections::BTreeMap<_, _>>(),
                 "parameters": role.selection_parameters,
                 "commits_kv_copies": role.commits_kv_copies,
                 "hints_from": role.hints_from,

@@ -58,7 +58,11 @@ impl KvFetch {
         }
     }
 
-    fn fetch(actions: &mut Actions<'_>, endpoint: &str, block_hashes: &[u64]) -> Result<(), HintError> {
+    fn fetch(
+        actions: &mut Actions<'_>,
+        endpoint: &str,
+        block_hashes: &[u64],
+    ) -> Result<(), HintError> {
         actions.push(
             "kv.fetch",
             "1.0",
