@@ -143,7 +143,7 @@ fn a_selection_plugin_that_commits_copies_is_held_to_r5_and_its_copy_is_fetched(
     let first = &bookings[0];
     assert!(first.get("selection_fallback").is_none(), "{first}");
     let copy = &first["committed_copy"];
-    assert_eq!(copy["source"]["worker_id"], 3, "{first}");
+    assert_eq!(copy["source_worker_id"], 3, "{first}");
     assert_eq!(action_types(first), ["kv.fetch"]);
     let hashes = &first["hint"]["actions"][0]["payload"]["block_hashes"];
     assert_eq!(

@@ -89,8 +89,9 @@ impl fmt::Display for Origin {
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum RegistryError {
-    #[error("policy type {name:?} is registered twice: by {first} and by {second}; {fix}")]
+    #[error("{kind} type {name:?} is registered twice: by {first} and by {second}; {fix}")]
     Duplicate {
+        kind: PolicyKind,
         name: String,
         first: String,
         second: String,
@@ -301,6 +302,10 @@ impl Registry {
                     continue;
                 }
             };
+            let kind = match provider {
+                Provider::Hint { .. } => PolicyKind::Hint,
+                Provider::Selection(_) => PolicyKind::Selection,
+            };
             let clash = self
                 .index
                 .get(&name)
@@ -318,6 +323,7 @@ impl Registry {
                     "remove one of the two plugin files (or rename the type in one of them)"
                 };
                 errors.push(RegistryError::Duplicate {
+                    kind,
                     name,
                     first,
                     second: origin.to_string(),
