@@ -405,7 +405,9 @@ fn build_role(
             None
         }
     };
-    let selection_kv_aware = selection.as_ref().is_some_and(|s| s.kv_aware());
+    // A selection policy that could not be built is already reported; judging
+    // its hints as if it were KV-aware keeps that the only error about it.
+    let selection_kv_aware = selection.as_ref().is_none_or(|s| s.kv_aware());
     let on_kv_path = mode.is_kv() && selection_kv_aware;
     let (instances, hints_from) = match (&role.hints, on_kv_path) {
         (Some(items), false) if !items.is_empty() => {
