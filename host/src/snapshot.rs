@@ -468,10 +468,15 @@ fn build_role(
             } else {
                 format!("{} declare it: {}", senders.len(), senders.join(", "))
             };
+            let why = if selection_type == "kvcr" {
+                " (shared_cache_multiplier > 0)"
+            } else {
+                " (it declares commits_kv_copies with these parameters)"
+            };
             builder.error(
                 &role.at,
                 format!(
-                    "role {}: selection policy `{selection_type}` commits KV copies (shared_cache_multiplier > 0), so exactly one hint policy must send them (declare Commitments::KV_COPY, e.g. kv_fetch); {found}",
+                    "role {}: selection policy `{selection_type}` commits KV copies{why}, so exactly one hint policy must send them (declare Commitments::KV_COPY, e.g. kv_fetch); {found}",
                     role.role
                 ),
             );
