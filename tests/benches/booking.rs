@@ -8,6 +8,20 @@
 //! `shared` (every worker holds a prefix, staggered from ~0 to all: the worst
 //! case for the index, since every worker matches). Then KV-event ingestion.
 //!
+//! Per case, the booking's selection is also timed both ways, interleaved A/B:
+//! the role's own `kvcr` (linked in, the built-in `kvhint-selection`) against
+//! the same policy loaded from `libkvhint_selection.so` (a registry holding
+//! only that file), both called through the host's `SelectionStage` on the
+//! candidates this router builds for this booking, printed as
+//! `booking <case> selection linked=<ns> loaded=<ns> ratio=<loaded/linked>`.
+//! Only the selection call is swapped, not the whole booking: a snapshot always
+//! registers the built-ins first (so the `.so`'s `kvcr` would be a duplicate
+//! type) and a `RoleRuntime`'s selection stage cannot be set from outside the
+//! host, so `Router::book` cannot run on the loaded policy. The candidates are
+//! rebuilt from the layout as the router builds them (cached prefix, no load
+//! once released, the best hint-capable peer's copy), and the linked answer is
+//! checked against the booking the router made.
+//!
 //! `cargo bench -p kvhint-e2e --bench booking` (`BOOKING_CASES=64/4096` for one size)
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
@@ -15,9 +29,13 @@ use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{KvEvent, KvIndex, StoredBlock};
 use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
-use kvhint::snapshot::Snapshot;
-use kvhint_e2e::bench::is_bench;
+use kvhint::selection::{SelectionStage, SelectionStats, FALLBACK_TYPE};
+use kvhint::snapshot::{RoleRuntime, Snapshot};
+use kvhint_e2e::bench::{artifacts, interleaved, is_bench, median};
+use kvhint_plugin_api::abi::FfiRouterSettings;
+use kvhint_plugin_api::testing::{TestCandidate, TestPlacement, TestWorker};
 use std::hint::black_box;
+use std::sync::Arc;
 
 const BLOCK: usize = 16;
 
@@ -45,13 +63,9 @@ fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
     )
 }
 
-fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
-    let router = Router::new(BLOCK);
-    let blocks = prompt.len() / BLOCK;
-    for id in 0..workers {
-        router.register_worker(registration(id)).expect("registers");
-    }
-    let holders: Vec<(u64, usize)> = if shared {
+/// Which workers hold how many leading blocks of the prompt, by layout.
+fn holders(workers: u64, blocks: usize, shared: bool) -> Vec<(u64, usize)> {
+    if shared {
         (0..workers)
             .map(|id| (id, 1 + (blocks - 1) * id as usize / workers.max(2) as usize))
             .collect()
@@ -60,8 +74,16 @@ fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
         (0..n)
             .map(|i| (i * workers / n, blocks * (i as usize + 1) / n as usize))
             .collect()
-    };
-    for (id, held) in holders {
+    }
+}
+
+fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
+    let router = Router::new(BLOCK);
+    let blocks = prompt.len() / BLOCK;
+    for id in 0..workers {
+        router.register_worker(registration(id)).expect("registers");
+    }
+    for (id, held) in holders(workers, blocks, shared) {
         let key = WorkerKey {
             worker_id: id,
             dp_rank: 0,
@@ -73,9 +95,76 @@ fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
     router
 }
 
+/// The candidates the router builds for a booking of `blocks` blocks on a
+/// fresh layout (every booking released, so no load): worker ids in order,
+/// each with its cached prefix and the best copy a peer holds beyond it (the
+/// longest, then the lowest id; every worker is a hint-capable decode worker).
+fn placement(workers: u64, blocks: usize, shared: bool) -> TestPlacement {
+    let mut cached = vec![0usize; workers as usize];
+    for (id, held) in holders(workers, blocks, shared) {
+        cached[id as usize] = held;
+    }
+    let mut ranked: Vec<(u64, usize)> = (0..workers)
+        .map(|id| (id, cached[id as usize]))
+        .filter(|&(_, held)| held > 0)
+        .collect();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let candidates = (0..workers)
+        .map(|id| {
+            let own = cached[id as usize];
+            TestCandidate {
+                worker: TestWorker::capable(id),
+                cached_blocks: own,
+                peer_copy: ranked
+                    .iter()
+                    .take_while(|&&(_, held)| held > own)
+                    .find(|&&(peer, _)| peer != id)
+                    .map(|&(peer, held)| (TestWorker::capable(peer), held)),
+                ..Default::default()
+            }
+        })
+        .collect();
+    TestPlacement {
+        request_id: "bench".into(),
+        role: Role::Decode.as_str().into(),
+        request_blocks: blocks,
+        prompt_tokens: blocks * BLOCK,
+        block_size: BLOCK,
+        candidates,
+        ..Default::default()
+    }
+}
+
+/// `role`'s selection policy, with its parameters, built from `registry` the
+/// way a snapshot builds it (the built-in default as its fallback).
+fn selection_from(registry: &kvhint::registry::Registry, role: &RoleRuntime) -> SelectionStage {
+    let settings = FfiRouterSettings {
+        block_size: BLOCK as u32,
+        seed: 0,
+    };
+    let construct = |name: &str, parameters: &serde_json::Value| {
+        registry
+            .construct_selection(name, parameters, &settings)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    SelectionStage::new(
+        construct(&role.selection_type, &role.selection_parameters),
+        Some(construct(FALLBACK_TYPE, &serde_json::json!({}))),
+        Arc::new(SelectionStats::default()),
+    )
+}
+
 fn benches(c: &mut Criterion) {
     let (snapshot, _loader, _fixture) = snapshot();
     let role = snapshot.role(Role::Decode).expect("decode role");
+    // The role's selection policy loaded from the built-ins' crate as a .so.
+    let (selection_plugins, _selection_loader, _selection_dir) =
+        kvhint_e2e::registry_of(&["kvhint_selection"], artifacts());
+    let loaded = selection_from(&selection_plugins, role);
+    assert!(loaded.origin.to_string().starts_with("plugin"));
+    let linked = role.booking_selection();
+    assert!(linked.origin.to_string().starts_with("built-in"));
+    let mut selection_lines = Vec::new();
     let sizes: &[(u64, usize)] = if is_bench() {
         &[
             (2, 1024),
@@ -137,9 +226,45 @@ fn benches(c: &mut Criterion) {
                     })
                 },
             );
+
+            // The same booking's selection, linked vs loaded.
+            let blocks = tokens / BLOCK;
+            placement(workers, blocks, shared).with_raw(|request, candidates| {
+                let candidates = candidates.as_slice();
+                let answer = linked.select(request, candidates);
+                // The rebuilt candidates are the router's: same worker, same copy.
+                assert_eq!(answer.fallback, None, "{answer:?}");
+                assert_eq!(candidates[answer.index].worker.worker_id, booking.worker.worker_id);
+                assert_eq!(answer.commit_kv_copy, booking.committed_copy.is_some());
+                assert_eq!(loaded.select(request, candidates), answer);
+                let (rounds, batch) = if is_bench() {
+                    (41, (200_000 / workers as usize).max(200))
+                } else {
+                    (3, 20)
+                };
+                let (mut a, mut b) = interleaved(
+                    rounds,
+                    batch,
+                    || {
+                        black_box(linked.select(black_box(request), black_box(candidates)));
+                    },
+                    || {
+                        black_box(loaded.select(black_box(request), black_box(candidates)));
+                    },
+                );
+                let (linked_ns, loaded_ns) = (median(&mut a), median(&mut b));
+                selection_lines.push(format!(
+                    "booking {layout}/{workers}_workers/{tokens}_tokens selection linked={linked_ns:.0} loaded={loaded_ns:.0} ratio={:.3}",
+                    loaded_ns / linked_ns
+                ));
+            });
         }
     }
     group.finish();
+    // Together, once the group is done, rather than between criterion's lines.
+    for line in &selection_lines {
+        println!("{line}");
+    }
 
     // KV-event ingestion: a stored event of 16 blocks then its removal, on an
     // index that already holds 64 workers' worth of other blocks.

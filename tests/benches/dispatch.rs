@@ -1,22 +1,30 @@
-//! Dynamic vs static: the same `kv_fetch` policy linked into the host and
-//! loaded from `libkv_fetch.so`, measured in one run; and the dispatch cost of
-//! a policy that does nothing (`noop`, loaded).
+//! Dynamic vs static: the same `kv_fetch` hint policy linked into the host and
+//! loaded from `libkv_fetch.so`, and the same `kvcr` selection policy linked in
+//! (the built-in `kvhint-selection`) and loaded from `libkvhint_selection.so`,
+//! each measured in one run; and the dispatch cost of a hint policy that does
+//! nothing (`noop`, loaded).
 //!
-//! Both `kv_fetch` variants go through the same registry and the same
-//! stable-ABI trait objects (rule R12), so the comparison isolates how the code
-//! got into the process: linked into the binary, or dlopened from a file.
+//! Both variants of each go through the same registry and the same stable-ABI
+//! trait objects (rule R12), so the comparison isolates how the code got into
+//! the process: linked into the binary, or dlopened from a file. The selection
+//! side is called through the host's own [`SelectionStage`] (with its fallback
+//! and counters), on 64 candidates with mixed cached prefixes, loads and peer
+//! copies.
 //!
 //! `cargo bench -p kvhint-e2e --bench dispatch` prints criterion's estimates and
-//! then an interleaved A/B measurement: the ratio of the medians (target:
-//! loaded / linked ≤ 1.05).
+//! then an interleaved A/B measurement per policy: the ratio of the medians
+//! (target: loaded / linked ≤ 1.05).
 
 use criterion::{criterion_group, Criterion};
 use kvhint::hints::{HintLimits, HintPolicyInstance, HintStage};
 use kvhint::registry::Registry;
+use kvhint::selection::{SelectionStage, SelectionStats, FALLBACK_TYPE};
 use kvhint_e2e::bench::{artifacts, interleaved, is_bench, median};
 use kvhint_e2e::registry_of;
-use kvhint_plugin_api::testing::{TestBooking, TestPeer, TestWorker};
+use kvhint_plugin_api::abi::FfiRouterSettings;
+use kvhint_plugin_api::testing::{TestBooking, TestCandidate, TestPeer, TestPlacement, TestWorker};
 use std::hint::black_box;
+use std::sync::Arc;
 
 /// A booking where the booked worker holds 8 blocks and a peer holds 64: one
 /// best-effort kv.fetch of 64 root-aligned hashes.
@@ -44,6 +52,73 @@ fn stage(registry: &Registry, type_name: &str) -> HintStage {
     HintStage::new(
         vec![HintPolicyInstance::new(type_name, constructed)],
         HintLimits::default(),
+    )
+}
+
+/// 64 decode candidates of a 64-block request, hint-capable but for every
+/// eighth: cached prefixes spread over 0..=56 blocks, loads that vary (workers
+/// that hold more are busier), and, for the capable ones, the best copy a peer
+/// holds (the longest prefix beyond the candidate's own, as the router would
+/// find it). `kvcr` at 0.5 picks an idle worker on a peer's copy there, which
+/// the plain cost would not: the committed-copy path.
+fn placement() -> TestPlacement {
+    const N: u64 = 64;
+    let request_blocks = 64usize;
+    // Deterministic, mixed: no candidate order in which cost is monotone.
+    let cached = |i: u64| ((i * 37) % 57) as usize;
+    let holders: Vec<(u64, usize)> = (0..N).map(|i| (i, cached(i))).collect();
+    let candidates = (0..N)
+        .map(|i| {
+            let mut worker = TestWorker::capable(i);
+            worker.router_hint = i % 8 != 3;
+            let own = cached(i);
+            let peer_copy = worker
+                .router_hint
+                .then(|| {
+                    holders
+                        .iter()
+                        .filter(|&&(j, held)| j != i && j % 8 != 3 && held > own)
+                        .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
+                        .map(|&(j, held)| (TestWorker::capable(j), held))
+                })
+                .flatten();
+            TestCandidate {
+                worker,
+                cached_blocks: own,
+                active_requests: (i * 7) % 5,
+                active_blocks: own as u64 * 3 / 4 + (i * 13) % 9 * 4,
+                prefill_blocks: (i * 11) % 7 * 8,
+                peer_copy,
+            }
+        })
+        .collect();
+    TestPlacement {
+        request_id: "req-1".into(),
+        role: "decode".into(),
+        request_blocks,
+        prompt_tokens: request_blocks * 16,
+        block_size: 16,
+        candidates,
+        ..Default::default()
+    }
+}
+
+/// `kvcr` (multiplier 0.5) from `registry`, as a snapshot builds it: with the
+/// built-in default from the same registry as its fallback.
+fn selection(registry: &Registry) -> SelectionStage {
+    let settings = FfiRouterSettings {
+        block_size: 16,
+        seed: 0,
+    };
+    let construct = |name: &str, parameters: serde_json::Value| {
+        registry
+            .construct_selection(name, &parameters, &settings)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    SelectionStage::new(
+        construct("kvcr", serde_json::json!({"shared_cache_multiplier": 0.5})),
+        Some(construct(FALLBACK_TYPE, serde_json::json!({}))),
+        Arc::new(SelectionStats::default()),
     )
 }
 
@@ -80,6 +155,49 @@ fn benches(c: &mut Criterion) {
         let (linked_ns, loaded_ns) = (median(&mut a), median(&mut b));
         println!(
             "kv_fetch per booking, interleaved A/B ({rounds} rounds × {batch}): linked median {linked_ns:.0} ns, loaded median {loaded_ns:.0} ns, ratio loaded/linked = {:.3} (target ≤ 1.05)",
+            loaded_ns / linked_ns
+        );
+    });
+
+    // The same A/B for a selection policy: `kvcr` linked in vs loaded from the
+    // built-ins' own crate built as a .so (a registry holding only that file).
+    let (selection_plugins, _selection_loader, _selection_dir) =
+        registry_of(&["kvhint_selection"], artifacts());
+    let linked = selection(&builtin);
+    let dynamic = selection(&selection_plugins);
+    assert!(linked.origin.to_string().starts_with("built-in"));
+    assert!(dynamic.origin.to_string().starts_with("plugin"));
+    placement().with_raw(|request, candidates| {
+        let candidates = candidates.as_slice();
+        // Same answer both ways, by the policy itself (no fallback), or the
+        // comparison means nothing.
+        let answer = linked.select(request, candidates);
+        assert_eq!(answer, dynamic.select(request, candidates));
+        assert_eq!(answer.fallback, None, "{answer:?}");
+        assert!(answer.commit_kv_copy, "{answer:?}");
+        let mut group = c.benchmark_group("kvcr_selection");
+        group.bench_function("linked", |b| {
+            b.iter(|| black_box(linked.select(black_box(request), black_box(candidates))))
+        });
+        group.bench_function("loaded", |b| {
+            b.iter(|| black_box(dynamic.select(black_box(request), black_box(candidates))))
+        });
+        group.finish();
+
+        let (rounds, batch) = if is_bench() { (41, 20_000) } else { (3, 100) };
+        let (mut a, mut b) = interleaved(
+            rounds,
+            batch,
+            || {
+                black_box(linked.select(black_box(request), black_box(candidates)));
+            },
+            || {
+                black_box(dynamic.select(black_box(request), black_box(candidates)));
+            },
+        );
+        let (linked_ns, loaded_ns) = (median(&mut a), median(&mut b));
+        println!(
+            "kvcr selection per booking, interleaved A/B ({rounds} rounds × {batch}): linked median {linked_ns:.0} ns, loaded median {loaded_ns:.0} ns, ratio loaded/linked = {:.3} (target ≤ 1.05)",
             loaded_ns / linked_ns
         );
     });

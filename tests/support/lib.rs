@@ -24,6 +24,7 @@ pub use tempfile::TempDir;
 const WORKSPACE_ARTIFACTS: &[&str] = &[
     "kvhint",
     "kv-fetch",
+    "kvhint-selection",
     "harness-prefetch",
     "kvhint-selection",
     "session-affinity",
