@@ -26,7 +26,6 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "kv-fetch",
     "kvhint-selection",
     "harness-prefetch",
-    "kvhint-selection",
     "session-affinity",
     "fixture-misbehaving",
     "fixture-duplicate-type",
