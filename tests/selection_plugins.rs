@@ -167,3 +167,54 @@ fn a_selection_plugin_that_is_not_kv_aware_takes_no_hints() {
         "{text:?}"
     );
 }
+
+#[test]
+fn a_selection_plugin_that_keeps_panicking_is_quarantined_until_reload() {
+    let fixture = config("    type: wayward\n    parameters: {mode: panic}\n    hints: []\n");
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let mut records = trace();
+    for n in 4..=6 {
+        records.push(request(&format!("r{n}"), "decode", &tokens(1, 16)));
+    }
+    let (bookings, errors) = replay_records(&snapshot, &records);
+    assert!(errors.is_empty(), "every booking still goes out: {errors}");
+    assert_eq!(bookings.len(), 6);
+    let reasons: Vec<&str> = bookings
+        .iter()
+        .map(|b| b["selection_fallback"].as_str().unwrap())
+        .collect();
+    // Three panics (router.quarantine_after_panics), then it is not called.
+    assert_eq!(
+        reasons,
+        [
+            "panic",
+            "panic",
+            "panic",
+            "quarantined",
+            "quarantined",
+            "quarantined"
+        ]
+    );
+    let stage = snapshot.role(Role::Decode).unwrap().booking_selection();
+    assert!(stage.is_quarantined());
+    assert_eq!(
+        stage.stats.calls.load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    assert_eq!(
+        stage
+            .stats
+            .quarantines
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    // A reload builds a fresh instance: it is called again.
+    let (reloaded, _loader) = snapshot_of(&fixture, None).unwrap();
+    assert!(!reloaded
+        .role(Role::Decode)
+        .unwrap()
+        .booking_selection()
+        .is_quarantined());
+    let (again, _) = replay_records(&reloaded, &trace()[..6]);
+    assert_eq!(again[0]["selection_fallback"], "panic");
+}

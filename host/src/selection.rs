@@ -14,12 +14,19 @@
 //! selection (`dynamo-default-cost-fn`, default parameters) instead, and is
 //! counted per policy and reason. A booking never fails because of its
 //! selection policy.
+//!
+//! As for hint policies (`hints.rs`), a selection policy that has panicked
+//! `quarantine_after_panics` times, or whose last `quarantine_after_overruns`
+//! calls in a row all ran over `router.policy_budget_us`, is quarantined until
+//! the next reload: its role is booked by the fallback without calling it
+//! (reason `quarantined`), so a broken plugin neither floods the log with a
+//! warning per booking nor keeps every booking waiting on it.
 
-use crate::hints::LatencyHistogram;
+use crate::hints::{HintLimits, LatencyHistogram};
 use crate::registry::{ConstructedSelection, ErrorKind, Origin};
 use abi_stable::std_types::{RResult, RSlice};
 use kvhint_plugin_api::abi::{FfiCandidate, FfiSelectionPolicyBox, FfiSelectionRequest};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -32,16 +39,24 @@ pub enum FallbackReason {
     Error = 0,
     Panic = 1,
     OutOfRange = 2,
+    /// Not called: quarantined until the next reload.
+    Quarantined = 3,
 }
 
 impl FallbackReason {
-    pub const ALL: [FallbackReason; 3] = [Self::Error, Self::Panic, Self::OutOfRange];
+    pub const ALL: [FallbackReason; 4] = [
+        Self::Error,
+        Self::Panic,
+        Self::OutOfRange,
+        Self::Quarantined,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Error => "error",
             Self::Panic => "panic",
             Self::OutOfRange => "out_of_range",
+            Self::Quarantined => "quarantined",
         }
     }
 }
@@ -51,7 +66,11 @@ impl FallbackReason {
 pub struct SelectionStats {
     pub calls: AtomicU64,
     /// By [`FallbackReason`].
-    pub fallbacks: [AtomicU64; 3],
+    pub fallbacks: [AtomicU64; 4],
+    /// Calls that took longer than the time budget.
+    pub over_budget: AtomicU64,
+    /// Times the policy was quarantined until a reload.
+    pub quarantines: AtomicU64,
     pub latency: LatencyHistogram,
 }
 
@@ -83,6 +102,11 @@ pub struct SelectionStage {
     /// The built-in default, for when `policy` fails; `None` when `policy` is it.
     fallback: Option<FfiSelectionPolicyBox>,
     pub stats: Arc<SelectionStats>,
+    limits: HintLimits,
+    /// Of this instance: a reload builds a fresh one, which starts clean.
+    panics: AtomicU64,
+    overruns: AtomicU64,
+    quarantined: AtomicBool,
 }
 
 impl SelectionStage {
@@ -91,7 +115,22 @@ impl SelectionStage {
         fallback: Option<ConstructedSelection>,
         stats: Arc<SelectionStats>,
     ) -> Self {
+        Self::with_limits(constructed, fallback, stats, HintLimits::default())
+    }
+
+    /// With the quarantine thresholds and time budget of `limits` (the same
+    /// settings as a role's hint policies).
+    pub fn with_limits(
+        constructed: ConstructedSelection,
+        fallback: Option<ConstructedSelection>,
+        stats: Arc<SelectionStats>,
+        limits: HintLimits,
+    ) -> Self {
         Self {
+            limits,
+            panics: AtomicU64::new(0),
+            overruns: AtomicU64::new(0),
+            quarantined: AtomicBool::new(false),
             kv_aware: constructed.kv_aware(),
             commits_kv_copies: constructed.commits_kv_copies(),
             wants_peer_copies: constructed.wants_peer_copies(),
@@ -123,18 +162,42 @@ impl SelectionStage {
         self.flags
     }
 
+    /// Whether it is skipped until the next reload.
+    pub fn is_quarantined(&self) -> bool {
+        self.quarantined.load(Ordering::Relaxed)
+    }
+
+    fn quarantine(&self, why: &str) {
+        if !self.quarantined.swap(true, Ordering::Relaxed) {
+            self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(policy = %self.type_name, why, "selection policy quarantined until the next reload; its role is booked by the built-in default selection");
+        }
+    }
+
     /// The policy's choice among `candidates` (not empty), or the fallback's.
     pub fn select(
         &self,
         request: &FfiSelectionRequest<'_>,
         candidates: &[FfiCandidate<'_>],
     ) -> Chosen {
+        if self.is_quarantined() {
+            return self.fall_back(request, candidates, FallbackReason::Quarantined);
+        }
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let answer = self.policy.select(request, RSlice::from_slice(candidates));
-        self.stats
-            .latency
-            .observe(started.elapsed().as_nanos() as u64);
+        let took = started.elapsed().as_nanos() as u64;
+        self.stats.latency.observe(took);
+        if self.limits.budget_ns > 0 && took > self.limits.budget_ns {
+            self.stats.over_budget.fetch_add(1, Ordering::Relaxed);
+            let overruns = self.overruns.fetch_add(1, Ordering::Relaxed) + 1;
+            if overruns >= self.limits.quarantine_after_overruns {
+                self.quarantine("its calls keep running over router.policy_budget_us");
+            }
+        } else if self.overruns.load(Ordering::Relaxed) != 0 {
+            // A write only when there is something to reset (see hints.rs).
+            self.overruns.store(0, Ordering::Relaxed);
+        }
         let reason = match answer {
             RResult::ROk(selection) => {
                 let index = usize::try_from(selection.index).unwrap_or(usize::MAX);
@@ -163,9 +226,26 @@ impl SelectionStage {
                     _ => FallbackReason::Error,
                 };
                 tracing::warn!(policy = %self.type_name, reason = reason.as_str(), error = %e.message, "selection policy failed; booked by the built-in default selection");
+                if reason == FallbackReason::Panic
+                    && self.panics.fetch_add(1, Ordering::Relaxed) + 1
+                        >= self.limits.quarantine_after_panics
+                {
+                    self.quarantine("it keeps panicking");
+                }
                 reason
             }
         };
+        self.fall_back(request, candidates, reason)
+    }
+
+    /// Books with the built-in default instead (the first candidate if even
+    /// that fails), counting why.
+    fn fall_back(
+        &self,
+        request: &FfiSelectionRequest<'_>,
+        candidates: &[FfiCandidate<'_>],
+        reason: FallbackReason,
+    ) -> Chosen {
         self.stats.fallbacks[reason as usize].fetch_add(1, Ordering::Relaxed);
         let index = self
             .fallback

@@ -509,7 +509,8 @@ fn build_role(
     let selection_stats = policy_stats
         .map(|registry| registry.selection(role.role.as_str(), &booking_selection_type))
         .unwrap_or_default();
-    let booking_selection = SelectionStage::new(booking_selection, fallback, selection_stats);
+    let booking_selection =
+        SelectionStage::with_limits(booking_selection, fallback, selection_stats, limits);
     Some(RoleRuntime {
         role: role.role,
         selection_type: selection_type.clone(),

@@ -399,7 +399,7 @@ impl Metrics {
             out,
             "kvhint_selection_fallbacks_total",
             "counter",
-            "Bookings the built-in default selection placed because the role's selection policy failed, by reason (error, panic, out_of_range).",
+            "Bookings the built-in default selection placed because the role's selection policy failed or is quarantined, by reason (error, panic, out_of_range, quarantined).",
             &selections
                 .iter()
                 .flat_map(|((role, policy), stats)| {
@@ -416,6 +416,35 @@ impl Metrics {
                 })
                 .collect::<Vec<_>>(),
         );
+        for (name, help, get) in [
+            (
+                "kvhint_selection_over_budget_total",
+                "Calls of a role's selection policy that took longer than router.policy_budget_us.",
+                (|s: &crate::selection::SelectionStats| s.over_budget.load(Ordering::Relaxed))
+                    as fn(&crate::selection::SelectionStats) -> u64,
+            ),
+            (
+                "kvhint_selection_quarantines_total",
+                "Times a role's selection policy was quarantined until the next reload.",
+                |s: &crate::selection::SelectionStats| s.quarantines.load(Ordering::Relaxed),
+            ),
+        ] {
+            family(
+                out,
+                name,
+                "counter",
+                help,
+                &selections
+                    .iter()
+                    .map(|((role, policy), stats)| {
+                        (
+                            format!("{{{}}}", labels_of(role, policy)),
+                            get(stats) as f64,
+                        )
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
         family(
             out,
             "kvhint_selection_latency_seconds_sum",
