@@ -560,6 +560,12 @@ impl PeerRows {
         self.used.get()
     }
 
+    /// Bytes its buffers keep between bookings.
+    pub fn retained_bytes(&mut self) -> usize {
+        let rows: usize = self.rows.get_mut().iter().map(|r| r.capacity() * 8).sum();
+        rows + self.of_peer.get_mut().capacity() * 4
+    }
+
     /// Peer `peer`'s row, read through `source` on first use.
     pub fn row(&self, peer: usize, source: &dyn PeerHashSource) -> &[u64] {
         let known = self.of_peer.borrow().get(peer).copied();

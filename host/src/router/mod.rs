@@ -3,13 +3,15 @@
 //! A booking, top to bottom ([`Router::book`]):
 //! 1. **hash** the prompt into the router's block hashes;
 //! 2. **select and reserve** ([`Router::select_and_reserve`]): each candidate's cached
-//!    prefix from the KV index, the role's selection policy picks a worker (and, under
-//!    `kvcr`, may commit a peer's copy), and the load is reserved — the result is a
-//!    [`Plan`];
+//!    prefix from the KV index, the role's selection policy (a plugin, called across the
+//!    ABI, with the built-in default as its fallback) picks a worker and may commit a
+//!    peer's copy, and the load is reserved — the result is a [`Plan`];
 //! 3. **hint stage** ([`Router::hint`]): only on the KV path and only for a worker that
-//!    advertises `router_hint`, the role's hint policies run on a read-only context and
-//!    yield one validated message or the reason there is none; a committed copy whose
-//!    fetch did not go out is withdrawn and its blocks reserved as prefill;
+//!    advertises `router_hint`, the role's hint policies run on a read-only context,
+//!    reading peers' engine hashes from the index only when they ask, and yield one
+//!    message (written by the router's own writer, valid by construction) or the reason
+//!    there is none; a committed copy whose fetch did not go out is withdrawn and its
+//!    blocks reserved as prefill;
 //! 4. the [`Booking`].
 //!
 //! Nothing here holds a lock across an index walk: the index is read without one
@@ -109,8 +111,9 @@ pub struct BookRequest<'a> {
 /// The result of a booking.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Booking {
-    /// Set when the role's selection policy failed and the built-in default
-    /// placed the request instead (`error`, `panic`, `out_of_range`).
+    /// Set when the role's selection policy failed or is quarantined, and the
+    /// built-in default placed the request instead (`error`, `panic`,
+    /// `out_of_range`, `quarantined`).
     pub selection_fallback: Option<&'static str>,
     pub request_id: String,
     pub role: Role,
@@ -170,11 +173,12 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn retained_bytes(&self) -> usize {
+    fn retained_bytes(&mut self) -> usize {
         self.matches.retained_bytes()
             + self.hashes.capacity() * 8
             + self.candidates.capacity() * std::mem::size_of::<FfiCandidate<'static>>()
             + self.ranked.capacity() * std::mem::size_of::<Ranked>()
+            + self.rows.retained_bytes()
     }
 }
 
