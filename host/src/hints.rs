@@ -555,11 +555,6 @@ impl PeerRows {
         self.used.set(0);
     }
 
-    /// How many rows were read since the last reset.
-    pub fn read(&self) -> usize {
-        self.used.get()
-    }
-
     /// Bytes its buffers keep between bookings.
     pub fn retained_bytes(&mut self) -> usize {
         let rows: usize = self.rows.get_mut().iter().map(|r| r.capacity() * 8).sum();

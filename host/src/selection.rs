@@ -94,7 +94,6 @@ pub struct Chosen {
 pub struct SelectionStage {
     pub type_name: String,
     pub origin: Arc<Origin>,
-    flags: u32,
     kv_aware: bool,
     commits_kv_copies: bool,
     wants_peer_copies: bool,
@@ -134,7 +133,6 @@ impl SelectionStage {
             kv_aware: constructed.kv_aware(),
             commits_kv_copies: constructed.commits_kv_copies(),
             wants_peer_copies: constructed.wants_peer_copies(),
-            flags: constructed.flags,
             type_name: constructed.type_name,
             origin: constructed.origin,
             policy: constructed.policy,
@@ -156,10 +154,6 @@ impl SelectionStage {
     /// Whether the router must fill each candidate's peer copy.
     pub fn wants_peer_copies(&self) -> bool {
         self.wants_peer_copies
-    }
-
-    pub fn flags(&self) -> u32 {
-        self.flags
     }
 
     /// Whether it is skipped until the next reload.

@@ -213,7 +213,7 @@ impl<'a> ser::Serializer for Values<'a> {
         name: &'static str,
         value: &T,
     ) -> Result<(), PayloadError> {
-        if std::ptr::eq(name, U64_ARRAY_NAME) || name == U64_ARRAY_NAME {
+        if name == U64_ARRAY_NAME {
             if let Some((pointer, len)) = U64_ARRAY.with(|slot| slot.get()) {
                 // SAFETY: set by `u64_array` from a live `&[u64]` for the
                 // duration of this very call.

@@ -167,7 +167,7 @@ impl<'a> Peer<'a> {
     }
 }
 
-fn non_empty(text: &str) -> Option<&str> {
+pub(crate) fn non_empty(text: &str) -> Option<&str> {
     (!text.is_empty()).then_some(text)
 }
 

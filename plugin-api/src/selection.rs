@@ -8,7 +8,7 @@
 //! for that booking; the booking never fails because of it.
 
 use crate::abi::{FfiCandidate, FfiPeerCopy, FfiSelectionRequest};
-use crate::context::{session, Worker};
+use crate::context::{non_empty, session, Worker};
 use crate::policy::HintError;
 use serde::de::DeserializeOwned;
 
@@ -116,14 +116,12 @@ impl<'a> SelectionRequest<'a> {
 
     /// The LoRA adapter the request is for, if any.
     pub fn lora_name(&self) -> Option<&'a str> {
-        let text = self.raw.identity.lora_name.as_str();
-        (!text.is_empty()).then_some(text)
+        non_empty(self.raw.identity.lora_name.as_str())
     }
 
     /// The request's cache salt, if any.
     pub fn cache_salt(&self) -> Option<&'a str> {
-        let text = self.raw.identity.cache_salt.as_str();
-        (!text.is_empty()).then_some(text)
+        non_empty(self.raw.identity.cache_salt.as_str())
     }
 
     /// The request's session context (a JSON object), deserialized into the

@@ -135,8 +135,9 @@ impl MessageWriter {
         self.dropped = 0;
         self.error = None;
         self.max_actions = max_actions;
-        self.out
-            .extend_from_slice(b"{\"protocol_version\":\"0.1\",\"message_id\":");
+        self.out.extend_from_slice(b"{\"protocol_version\":");
+        write_string(&mut self.out, PROTOCOL_VERSION);
+        self.out.extend_from_slice(b",\"message_id\":");
         write_string(&mut self.out, message_id);
         self.out.extend_from_slice(b",\"actions\":[");
         self.head_len = self.out.len();

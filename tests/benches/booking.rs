@@ -31,7 +31,7 @@ use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
 use kvhint::selection::{SelectionStage, SelectionStats, FALLBACK_TYPE};
 use kvhint::snapshot::{RoleRuntime, Snapshot};
-use kvhint_e2e::bench::{artifacts, interleaved, is_bench, median};
+use kvhint_e2e::bench::{artifacts, interleaved_medians, is_bench};
 use kvhint_plugin_api::abi::FfiRouterSettings;
 use kvhint_plugin_api::testing::{TestCandidate, TestPlacement, TestWorker};
 use std::hint::black_box;
@@ -242,7 +242,7 @@ fn benches(c: &mut Criterion) {
                 } else {
                     (3, 20)
                 };
-                let (mut a, mut b) = interleaved(
+                let (linked_ns, loaded_ns) = interleaved_medians(
                     rounds,
                     batch,
                     || {
@@ -252,7 +252,6 @@ fn benches(c: &mut Criterion) {
                         black_box(loaded.select(black_box(request), black_box(candidates)));
                     },
                 );
-                let (linked_ns, loaded_ns) = (median(&mut a), median(&mut b));
                 selection_lines.push(format!(
                     "booking {layout}/{workers}_workers/{tokens}_tokens selection linked={linked_ns:.0} loaded={loaded_ns:.0} ratio={:.3}",
                     loaded_ns / linked_ns

@@ -19,7 +19,7 @@ use criterion::{criterion_group, Criterion};
 use kvhint::hints::{HintLimits, HintPolicyInstance, HintStage};
 use kvhint::registry::Registry;
 use kvhint::selection::{SelectionStage, SelectionStats, FALLBACK_TYPE};
-use kvhint_e2e::bench::{artifacts, interleaved, is_bench, median};
+use kvhint_e2e::bench::{artifacts, interleaved_medians, is_bench};
 use kvhint_e2e::registry_of;
 use kvhint_plugin_api::abi::FfiRouterSettings;
 use kvhint_plugin_api::testing::{TestBooking, TestCandidate, TestPeer, TestPlacement, TestWorker};
@@ -142,7 +142,7 @@ fn benches(c: &mut Criterion) {
         });
 
         let (rounds, batch) = if is_bench() { (41, 20_000) } else { (3, 100) };
-        let (mut a, mut b) = interleaved(
+        let (linked_ns, loaded_ns) = interleaved_medians(
             rounds,
             batch,
             || {
@@ -152,7 +152,6 @@ fn benches(c: &mut Criterion) {
                 black_box(dynamic.run(black_box(context)));
             },
         );
-        let (linked_ns, loaded_ns) = (median(&mut a), median(&mut b));
         println!(
             "kv_fetch per booking, interleaved A/B ({rounds} rounds × {batch}): linked median {linked_ns:.0} ns, loaded median {loaded_ns:.0} ns, ratio loaded/linked = {:.3} (target ≤ 1.05)",
             loaded_ns / linked_ns
@@ -185,7 +184,7 @@ fn benches(c: &mut Criterion) {
         group.finish();
 
         let (rounds, batch) = if is_bench() { (41, 20_000) } else { (3, 100) };
-        let (mut a, mut b) = interleaved(
+        let (linked_ns, loaded_ns) = interleaved_medians(
             rounds,
             batch,
             || {
@@ -195,7 +194,6 @@ fn benches(c: &mut Criterion) {
                 black_box(dynamic.select(black_box(request), black_box(candidates)));
             },
         );
-        let (linked_ns, loaded_ns) = (median(&mut a), median(&mut b));
         println!(
             "kvcr selection per booking, interleaved A/B ({rounds} rounds × {batch}): linked median {linked_ns:.0} ns, loaded median {loaded_ns:.0} ns, ratio loaded/linked = {:.3} (target ≤ 1.05)",
             loaded_ns / linked_ns

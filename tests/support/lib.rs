@@ -616,6 +616,17 @@ pub mod bench {
         }
         (xs, ys)
     }
+
+    /// [`interleaved`], reduced to the two medians (ns per call of `a`, of `b`).
+    pub fn interleaved_medians(
+        rounds: usize,
+        batch: usize,
+        a: impl FnMut(),
+        b: impl FnMut(),
+    ) -> (f64, f64) {
+        let (mut xs, mut ys) = interleaved(rounds, batch, a, b);
+        (median(&mut xs), median(&mut ys))
+    }
 }
 
 /// Runs `command` to its end with no stdin, failing the test (not hanging the
