@@ -175,10 +175,10 @@ impl KvIndex {
         let start = out.len();
         for (id, _, matched) in self.path(hashes) {
             let node = &self.nodes[id as usize];
-            let Some(rank) = node.holders.rank_of(slot) else {
+            if !node.holders.contains(slot) {
                 break;
-            };
-            let row = node.row(rank);
+            }
+            let row = node.row(slot);
             out.extend_from_slice(&row[..matched]);
             if matched < node.len() {
                 break;
@@ -261,31 +261,27 @@ impl KvIndex {
                 }
             }
             let group = &path[g..h];
-            // Per node of the group: the word reached and the rank its holders start at.
-            let mut cursors = [(0usize, 0usize); GROUP_NODES];
+            // Per node of the group: the word its holders' scan has reached.
+            let mut cursors = [0usize; GROUP_NODES];
             let mut keep = 0;
             for wi in 0..wanting.len() {
                 let want = wanting[wi];
                 let base = (want.index * 64) as usize;
-                // Each node's word for this index, and the rank its holders start at.
+                // Each node's word for this index.
                 let mut words: [u64; GROUP_NODES] = [0; GROUP_NODES];
-                let mut ranks: [usize; GROUP_NODES] = [0; GROUP_NODES];
                 for (gi, &(id, _, _)) in group.iter().enumerate() {
                     let node_words = node(id).holders.words();
-                    let (j, rank) = &mut cursors[gi];
+                    let j = &mut cursors[gi];
                     while *j < node_words.len() && node_words[*j].index < want.index {
-                        *rank += node_words[*j].bits.count_ones() as usize;
                         *j += 1;
                     }
                     if let Some(word) = node_words.get(*j).filter(|w| w.index == want.index) {
                         words[gi] = word.bits;
                     }
-                    ranks[gi] = *rank;
                 }
                 let mut still = want.bits;
                 for bit in Bits(want.bits) {
                     let mask = 1u64 << bit;
-                    let below = mask - 1;
                     let dest = dests[base + bit as usize];
                     for (gi, &(id, depth, matched)) in group.iter().enumerate() {
                         let node = node(id);
@@ -300,11 +296,10 @@ impl KvIndex {
                             still &= !mask;
                             break;
                         }
-                        let k = ranks[gi] + (words[gi] & below).count_ones() as usize;
                         let take = matched.min(dest.asked - depth);
                         let to = dest.offset + depth;
-                        let row = k * node.len();
-                        copy_short(&mut cells[to..to + take], &node.engines[row..row + take]);
+                        let row = node.row(base as Slot + bit);
+                        copy_short(&mut cells[to..to + take], &row[..take]);
                     }
                 }
                 if still != 0 {

@@ -48,6 +48,7 @@ pub mod events;
 pub mod hashing;
 pub mod holders;
 pub mod lookup;
+mod rows;
 pub mod shared;
 
 pub use crate::domain::WorkerKey;
@@ -60,6 +61,7 @@ pub use holders::Slot;
 pub use lookup::{Found, Matches, RowScratch};
 
 use holders::Holders;
+use rows::EngineRows;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
@@ -157,11 +159,9 @@ struct Node {
     ids: Vec<BlockId>,
     /// The holders of every block of the node.
     holders: Holders<()>,
-    /// Each holder's engine hashes of the node's blocks, one row of `len()` per holder
-    /// in slot order, all in one buffer: reading every peer's names of a node is one
-    /// sequential sweep, and storing them costs one allocation per node, not one per
-    /// (worker, node).
-    engines: Vec<u64>,
+    /// Each holder's engine hashes of the node's blocks ([`rows`]): one row the
+    /// holders share, and rows of their own only for holders that name them otherwise.
+    engines: EngineRows,
     /// `NO_NODE` for a node whose first block starts a sequence.
     parent: NodeId,
     children: Children,
@@ -176,34 +176,37 @@ impl Node {
         self.seqs.len()
     }
 
-    /// The engine hashes of the holder at `rank`.
-    fn row(&self, rank: usize) -> &[u64] {
-        let len = self.len();
-        &self.engines[rank * len..(rank + 1) * len]
+    /// The engine hashes of the holder `slot`.
+    fn row(&self, slot: Slot) -> &[u64] {
+        self.engines.row(slot)
     }
 
     fn set_engine(&mut self, slot: Slot, pos: usize, engine: u64) {
-        if let Some(rank) = self.holders.rank_of(slot) {
-            let len = self.len();
-            self.engines[rank * len + pos] = engine;
+        if self.holders.contains(slot) {
+            let sole = self.holders.len() == 1;
+            self.engines.set(slot, pos, engine, sole);
         }
     }
 
-    /// Adds `slot` with its engine hashes of every block (`row.len() == len()`).
-    fn add_holder(&mut self, slot: Slot, row: &[u64]) {
-        let rank = self.holders.position(slot);
+    /// Adds `slot` with its engine hashes of every block (`len()` of them).
+    fn add_holder(&mut self, slot: Slot, names: impl Iterator<Item = u64> + Clone) {
+        let first = self.holders.is_empty();
         if self.holders.insert(slot, ()) {
-            let at = rank * self.len();
-            self.engines.splice(at..at, row.iter().copied());
+            self.engines.add(slot, names, first);
         }
     }
 
     fn remove_holder(&mut self, slot: Slot) {
-        if let Some(rank) = self.holders.rank_of(slot) {
-            self.holders.remove(slot);
-            let len = self.len();
-            self.engines.drain(rank * len..(rank + 1) * len);
+        if self.holders.remove(slot).is_some() {
+            self.engines.remove(slot);
         }
+    }
+
+    /// Appends a block held by `slot`, the node's only holder.
+    fn push_block(&mut self, slot: Slot, seq: u64, block: BlockId, engine: u64) {
+        self.seqs.push(seq);
+        self.ids.push(block);
+        self.engines.push_sole(slot, engine);
     }
 }
 
@@ -602,9 +605,7 @@ impl KvIndex {
                 node,
                 offset: n.first + n.len() as u32,
             };
-            n.seqs.push(seq);
-            n.ids.push(block);
-            n.engines.push(engine);
+            n.push_block(slot, seq, block, engine);
             added += 1;
         }
         added
@@ -678,8 +679,7 @@ impl KvIndex {
             return 1;
         }
         let m = self.isolate(node, pos, pos + taken);
-        let row: SmallVec<[u64; 16]> = items[..taken].iter().map(|(e, _)| *e).collect();
-        self.nodes[m as usize].add_holder(slot, &row);
+        self.nodes[m as usize].add_holder(slot, items[..taken].iter().map(|(e, _)| *e));
         self.merge_around(m);
         taken
     }
@@ -725,10 +725,7 @@ impl KvIndex {
             let p = &mut self.nodes[parent as usize];
             if p.children.is_empty() && p.holders.len() == 1 && p.holders.contains(slot) {
                 let offset = p.first + p.len() as u32;
-                p.seqs.push(seq);
-                p.ids.push(block);
-                // Its only holder's row is the whole buffer.
-                p.engines.push(engine);
+                p.push_block(slot, seq, block, engine);
                 self.blocks[block as usize] = BlockAt {
                     node: parent,
                     offset,
@@ -741,11 +738,9 @@ impl KvIndex {
             let n = &mut self.nodes[node as usize];
             n.seqs.reserve_exact(rest);
             n.ids.reserve_exact(rest);
-            n.seqs.push(seq);
-            n.ids.push(block);
-            n.engines.reserve_exact(rest);
-            n.engines.push(engine);
+            n.engines.reserve(rest);
             n.holders.insert(slot, ());
+            n.push_block(slot, seq, block, engine);
         }
         self.blocks[block as usize] = BlockAt { node, offset: 0 };
         if parent == NO_NODE {
@@ -793,21 +788,10 @@ impl KvIndex {
     fn split(&mut self, node: NodeId, k: usize) -> NodeId {
         let tail_id = self.new_node(node);
         let n = &mut self.nodes[node as usize];
-        let len = n.len();
         let seqs = n.seqs.split_off(k);
         let ids = n.ids.split_off(k);
         let holders = n.holders.clone();
-        // Each holder's row splits at `k`: the tails go to the new node, the heads are
-        // packed in place.
-        let rows = n.holders.len();
-        let mut engines = Vec::with_capacity(rows * (len - k));
-        for r in 0..rows {
-            engines.extend_from_slice(&n.engines[r * len + k..(r + 1) * len]);
-        }
-        for r in 0..rows {
-            n.engines.copy_within(r * len..r * len + k, r * k);
-        }
-        n.engines.truncate(rows * k);
+        let engines = n.engines.split_off(k);
         let children = std::mem::take(&mut n.children);
         let first = n.first + k as u32;
         let head_seq = seqs[0];
@@ -855,14 +839,7 @@ impl KvIndex {
         let c = std::mem::take(&mut self.nodes[child as usize]);
         let p = &mut self.nodes[parent as usize];
         let base = p.first + p.len() as u32;
-        // Rows interleave: each holder's parent row, then its child row.
-        let (plen, clen, rows) = (p.len(), c.len(), p.holders.len());
-        let mut engines = Vec::with_capacity(rows * (plen + clen));
-        for r in 0..rows {
-            engines.extend_from_slice(&p.engines[r * plen..(r + 1) * plen]);
-            engines.extend_from_slice(&c.engines[r * clen..(r + 1) * clen]);
-        }
-        p.engines = engines;
+        p.engines.append(c.engines);
         for (j, &block) in c.ids.iter().enumerate() {
             self.blocks[block as usize] = BlockAt {
                 node: parent,

@@ -738,12 +738,20 @@ impl KvIndex {
                 assert_eq!(at.offset, node.first + j as u32, "block {block} offset");
             }
             assert_eq!(
-                node.engines.len(),
-                node.len() * node.holders.len(),
-                "node {id}: a row per holder"
+                node.engines.common().len(),
+                node.len(),
+                "node {id}: shared row"
             );
-            for (rank, slot) in node.holders.slots().enumerate() {
-                let row = node.row(rank);
+            for (slot, row) in node.engines.own_rows() {
+                assert!(
+                    node.holders.contains(slot),
+                    "node {id}: an own row is a holder's"
+                );
+                assert_eq!(row.len(), node.len(), "node {id}: own row length");
+                assert_ne!(row, node.engines.common(), "node {id}: an own row differs");
+            }
+            for slot in node.holders.slots() {
+                let row = node.row(slot);
                 let w = self.workers[slot as usize]
                     .as_ref()
                     .expect("holder is live");
@@ -786,8 +794,8 @@ impl KvIndex {
                 let (node, pos) = self.at(copy.block);
                 let n = &self.nodes[node as usize];
                 assert!(n.live, "copy's node is live");
-                let rank = n.holders.rank_of(slot).expect("a copy's block is held");
-                let row = n.row(rank);
+                assert!(n.holders.contains(slot), "a copy's block is held");
+                let row = n.row(slot);
                 if copy.extra == NAMED {
                     assert_eq!(row[pos], engine, "the named copy is the node's");
                 } else {
