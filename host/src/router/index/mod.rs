@@ -48,6 +48,7 @@ pub mod events;
 pub mod hashing;
 pub mod holders;
 pub mod lookup;
+mod names;
 mod rows;
 pub mod shared;
 
@@ -61,9 +62,12 @@ pub use holders::Slot;
 pub use lookup::{Found, Matches, RowScratch};
 
 use holders::Holders;
+use names::{Book, Names, Taken};
+use parking_lot::Mutex;
 use rows::EngineRows;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
+use std::sync::Arc;
 
 type NodeId = u32;
 const NO_NODE: NodeId = u32::MAX;
@@ -217,32 +221,11 @@ struct BlockAt {
     offset: u32,
 }
 
-/// One of a worker's copies of a block, named by an engine hash: the block's *named*
-/// copy (the one its node row holds, which a `kv.fetch` sends), or one of its extra
-/// copies, by position in [`WorkerBlocks::extras`]. Nearly every block has one copy, so
-/// the entry is kept to 16 bytes with the map key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Copy {
-    block: BlockId,
-    /// `NAMED`, or the copy's position in its block's extras.
-    extra: u32,
-}
-
-const NAMED: u32 = u32::MAX;
-
-#[derive(Debug, Clone)]
-struct WorkerBlocks {
-    /// Engine hash → its block: removals and parents arrive as engine hashes.
-    by_engine: FxHashMap<u64, Copy>,
-    /// Block → the engine hashes of its copies besides the named one, for blocks this
-    /// worker stored under more than one. Adding or removing one is O(1) (a removal
-    /// moves the last extra into its place), so tens of thousands of names for one
-    /// block cost no more per name than a handful.
-    extras: FxHashMap<BlockId, SmallVec<[u64; 2]>>,
-}
-
 /// The router's KV index. See the [module documentation](self).
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: its copies share one [`Book`] of engine names, which only
+/// [`shared::SharedIndex`] may make ([`KvIndex::twin`]).
+#[derive(Debug)]
 pub struct KvIndex {
     block_size: usize,
     nodes: Vec<Node>,
@@ -252,13 +235,15 @@ pub struct KvIndex {
     blocks: Vec<BlockAt>,
     free_blocks: Vec<BlockId>,
     slots: FxHashMap<WorkerKey, Slot>,
-    /// Indexed by slot; `None` for a freed slot awaiting reuse.
-    workers: Vec<Option<WorkerBlocks>>,
-    /// Each slot's worker, dense, so resolving a lookup's matches reads one array.
-    slot_keys: Vec<WorkerKey>,
+    /// Each slot's worker, dense, so resolving a lookup's matches reads one array;
+    /// `None` for a freed slot awaiting reuse.
+    slot_keys: Vec<Option<WorkerKey>>,
     free_slots: Vec<Slot>,
     /// (worker, engine hash) copies held.
     entries: usize,
+    /// The writer's engine names ([`names`]): one book for this index and, under
+    /// [`shared::SharedIndex`], for its twin. Bookings never lock it.
+    book: Arc<Mutex<Book>>,
     /// Reused by [`KvIndex::apply`] for a stored event's resolved hashes.
     resolved: Vec<(u64, u64)>,
 }
@@ -290,12 +275,35 @@ impl KvIndex {
             blocks: Vec::new(),
             free_blocks: Vec::new(),
             slots: FxHashMap::default(),
-            workers: Vec::new(),
             slot_keys: Vec::new(),
             free_slots: Vec::new(),
             entries: 0,
+            book: Arc::default(),
             resolved: Vec::new(),
         }
+    }
+
+    /// A copy of this index that shares its book of names: the second copy
+    /// `left-right` keeps, which only ever replays what this one recorded.
+    fn twin(&self) -> Self {
+        Self {
+            block_size: self.block_size,
+            nodes: self.nodes.clone(),
+            free_nodes: self.free_nodes.clone(),
+            roots: self.roots.clone(),
+            blocks: self.blocks.clone(),
+            free_blocks: self.free_blocks.clone(),
+            slots: self.slots.clone(),
+            slot_keys: self.slot_keys.clone(),
+            free_slots: self.free_slots.clone(),
+            entries: self.entries,
+            book: Arc::clone(&self.book),
+            resolved: Vec::new(),
+        }
+    }
+
+    fn book(&self) -> Arc<Mutex<Book>> {
+        Arc::clone(&self.book)
     }
 
     pub fn block_size(&self) -> usize {
@@ -305,25 +313,26 @@ impl KvIndex {
     /// The slot of `worker`, giving it one if it has none (slots are reused, so their
     /// number is the peak fleet size).
     pub fn add_worker(&mut self, worker: WorkerKey) -> Slot {
+        let book = self.book();
+        let mut book = book.lock();
+        self.add_worker_with(&mut *book, worker)
+    }
+
+    fn add_worker_with(&mut self, names: &mut impl Names, worker: WorkerKey) -> Slot {
         if let Some(&slot) = self.slots.get(&worker) {
             return slot;
         }
-        let blocks = WorkerBlocks {
-            by_engine: FxHashMap::default(),
-            extras: FxHashMap::default(),
-        };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
-                self.workers[slot as usize] = Some(blocks);
-                self.slot_keys[slot as usize] = worker;
+                self.slot_keys[slot as usize] = Some(worker);
                 slot
             }
             None => {
-                self.workers.push(Some(blocks));
-                self.slot_keys.push(worker);
-                (self.workers.len() - 1) as Slot
+                self.slot_keys.push(Some(worker));
+                (self.slot_keys.len() - 1) as Slot
             }
         };
+        names.open(slot);
         self.slots.insert(worker, slot);
         slot
     }
@@ -334,13 +343,12 @@ impl KvIndex {
 
     /// The worker a slot currently belongs to.
     pub fn key_of(&self, slot: Slot) -> Option<WorkerKey> {
-        self.workers.get(slot as usize)?.as_ref()?;
-        self.slot_keys.get(slot as usize).copied()
+        self.slot_keys.get(slot as usize).copied().flatten()
     }
 
     /// Slots ever handed out (the size a per-slot array needs).
     pub fn slot_count(&self) -> usize {
-        self.workers.len()
+        self.slot_keys.len()
     }
 
     /// Applies one event from `worker`. Atomic: on error nothing changed.
@@ -356,6 +364,8 @@ impl KvIndex {
         worker: WorkerKey,
         event: &KvEvent,
     ) -> Result<ApplyStats, KvEventError> {
+        let book = self.book();
+        let mut book = book.lock();
         match event {
             KvEvent::Stored {
                 parent_block_hash,
@@ -366,7 +376,8 @@ impl KvIndex {
             } => {
                 let mut resolved = std::mem::take(&mut self.resolved);
                 let identity = identity_seed(lora_name.as_deref(), cache_salt.as_deref());
-                let result = self.apply_stored(
+                let result = self.resolve(
+                    &book,
                     worker,
                     *parent_block_hash,
                     Stored {
@@ -376,28 +387,36 @@ impl KvIndex {
                     },
                     &mut resolved,
                 );
+                if result.is_ok() {
+                    self.store_resolved(&mut *book, worker, *parent_block_hash, &resolved);
+                }
                 self.resolved = resolved;
                 result
             }
-            KvEvent::Removed { block_hashes } => Ok(self.apply_removed(worker, block_hashes)),
+            KvEvent::Removed { block_hashes } => {
+                Ok(self.apply_removed(&mut *book, worker, block_hashes))
+            }
             KvEvent::Cleared => Ok(ApplyStats {
-                removed: self.clear_worker(worker),
+                removed: self.clear_worker(&mut *book, worker),
                 ..ApplyStats::default()
             }),
         }
     }
 
-    /// [`apply`](Self::apply) for a `stored` event, also handing back each block's
-    /// (engine hash, sequence hash) so a second copy of the index can replay the event
-    /// without hashing again ([`KvIndex::store_resolved`]).
-    pub(crate) fn apply_stored(
-        &mut self,
+    /// Checks a `stored` event and hashes its blocks, changing nothing: each block's
+    /// (engine hash, sequence hash) goes into `resolved`, for
+    /// [`store_resolved`](Self::store_resolved) to record (on both copies of a shared
+    /// index, without hashing twice).
+    fn resolve(
+        &self,
+        book: &Book,
         worker: WorkerKey,
         parent_block_hash: Option<u64>,
         stored: Stored<'_>,
         resolved: &mut Vec<(u64, u64)>,
     ) -> Result<ApplyStats, KvEventError> {
         let blocks = stored.blocks;
+        resolved.clear();
         // Every check happens before the first change, which is what makes the event
         // atomic without an undo log.
         if let Some((index, block)) = blocks
@@ -417,7 +436,10 @@ impl KvIndex {
         // inherits it through its parent's hash.
         let mut parent = match parent_block_hash {
             None => stored.identity,
-            Some(parent_hash) => match self.copy_of(worker, parent_hash) {
+            Some(parent_hash) => match self
+                .slot_of(worker)
+                .and_then(|slot| book.copy(slot, parent_hash))
+            {
                 Some(copy) => Some(self.seq_of(copy.block)),
                 None => {
                     return Err(KvEventError::UnknownParent {
@@ -427,7 +449,6 @@ impl KvIndex {
                 }
             },
         };
-        resolved.clear();
         resolved.reserve(blocks.len());
         let mut extras = stored.extra_keys.iter().peekable();
         for (index, block) in blocks.iter().enumerate() {
@@ -438,20 +459,10 @@ impl KvIndex {
             resolved.push((block.block_hash, seq));
             parent = Some(seq);
         }
-        self.store_resolved(worker, parent_block_hash, resolved);
         Ok(ApplyStats {
             stored: blocks.len(),
             ..ApplyStats::default()
         })
-    }
-
-    fn copy_of(&self, worker: WorkerKey, engine: u64) -> Option<Copy> {
-        let slot = *self.slots.get(&worker)?;
-        self.workers[slot as usize]
-            .as_ref()?
-            .by_engine
-            .get(&engine)
-            .copied()
     }
 
     fn at(&self, block: BlockId) -> (NodeId, usize) {
@@ -465,24 +476,12 @@ impl KvIndex {
         self.nodes[node as usize].seqs[pos]
     }
 
-    fn by_engine(&mut self, slot: Slot) -> &mut FxHashMap<u64, Copy> {
-        // Only called for slots `add_worker` just made or found.
-        &mut self.workers[slot as usize]
-            .get_or_insert_with(|| WorkerBlocks {
-                by_engine: FxHashMap::default(),
-                extras: FxHashMap::default(),
-            })
-            .by_engine
-    }
-
-    fn worker_mut(&mut self, slot: Slot) -> Option<&mut WorkerBlocks> {
-        self.workers.get_mut(slot as usize)?.as_mut()
-    }
-
     /// Records `worker`'s copies (engine hash, sequence hash) chained onto the block its
-    /// engine calls `parent_engine`; already validated (the parent exists).
-    pub(crate) fn store_resolved(
+    /// engine calls `parent_engine`; already [`resolve`](Self::resolve)d (the parent
+    /// exists).
+    fn store_resolved(
         &mut self,
+        names: &mut impl Names,
         worker: WorkerKey,
         parent_engine: Option<u64>,
         items: &[(u64, u64)],
@@ -490,12 +489,12 @@ impl KvIndex {
         if items.is_empty() {
             return;
         }
-        let slot = self.add_worker(worker);
-        self.by_engine(slot).reserve(items.len());
+        let slot = self.add_worker_with(names, worker);
+        names.reserve(slot, items.len());
         let mut cursor: Option<BlockId> = match parent_engine {
-            Some(p) => match self.by_engine(slot).get(&p) {
+            Some(p) => match names.get(slot, p) {
                 Some(copy) => Some(copy.block),
-                // Validated before: only a replay of a refused event lands here.
+                // Resolved before: only a replay of a refused event lands here.
                 None => return,
             },
             None => None,
@@ -510,35 +509,28 @@ impl KvIndex {
                 // A new block: one probe of the engine-hash map claims the name for it
                 // (the common case, a sequence no one holds yet).
                 let block = self.reserve_block();
-                match self.by_engine(slot).entry(engine) {
-                    std::collections::hash_map::Entry::Vacant(v) => {
-                        v.insert(Copy {
-                            block,
-                            extra: NAMED,
-                        });
-                        self.entries += 1;
-                        self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
-                        cursor = Some(block);
-                        i += 1;
-                        // The rest of the event follows a block no one else holds, which
-                        // has no children yet: each is new too, and goes at the end of
-                        // the same node (this worker's alone). No lookups but the name.
-                        let added = self.append_run(slot, block, &items[i..]);
-                        if added > 0 {
-                            cursor = Some(self.nodes_block(block, added + 1));
-                            i += added;
-                        }
+                if names.claim(slot, engine, block) {
+                    self.entries += 1;
+                    self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
+                    cursor = Some(block);
+                    i += 1;
+                    // The rest of the event follows a block no one else holds, which
+                    // has no children yet: each is new too, and goes at the end of
+                    // the same node (this worker's alone). No lookups but the name.
+                    let added = self.append_run(names, slot, block, &items[i..]);
+                    if added > 0 {
+                        cursor = Some(self.nodes_block(block, added + 1));
+                        i += added;
                     }
-                    std::collections::hash_map::Entry::Occupied(_) => {
-                        // The engine reused a hash for other tokens: its old block is
-                        // gone; then this item again.
-                        self.free_blocks.push(block);
-                        self.remove_copy(slot, engine, &mut prune);
-                    }
+                } else {
+                    // The engine reused a hash for other tokens: its old block is
+                    // gone; then this item again.
+                    self.free_blocks.push(block);
+                    self.remove_copy(names, slot, engine, &mut prune);
                 }
                 continue;
             };
-            match self.by_engine(slot).get(&engine).copied() {
+            match names.get(slot, engine) {
                 // Stored again: nothing changes (engines re-announce on prefix hits).
                 Some(copy) if copy.block == block => {
                     cursor = Some(block);
@@ -548,18 +540,21 @@ impl KvIndex {
                 // Reused for other tokens: the old block loses it, then this item again
                 // (removing a copy restructures nodes, never the blocks' chain).
                 Some(_) => {
-                    self.remove_copy(slot, engine, &mut prune);
+                    self.remove_copy(names, slot, engine, &mut prune);
                     continue;
                 }
                 None => {}
             }
             let (node, pos) = self.at(block);
             if self.nodes[node as usize].holders.contains(slot) {
-                self.add_extra_copy(slot, block, engine);
+                // Another engine hash for a block it holds: an extra copy; the block
+                // keeps the name it has.
+                names.add_extra(slot, block, engine);
+                self.entries += 1;
                 cursor = Some(block);
                 i += 1;
             } else {
-                let taken = self.hold_stretch(slot, node, pos, &items[i..]);
+                let taken = self.hold_stretch(names, slot, node, pos, &items[i..]);
                 cursor = Some(self.nodes_block(block, taken));
                 i += taken;
             }
@@ -570,38 +565,24 @@ impl KvIndex {
     /// Appends `items` to the node that ends with `last` (held by `slot` alone, no
     /// children) as new blocks, up to the first whose engine hash is already in use;
     /// returns how many it appended.
-    fn append_run(&mut self, slot: Slot, last: BlockId, items: &[(u64, u64)]) -> usize {
+    fn append_run(
+        &mut self,
+        names: &mut impl Names,
+        slot: Slot,
+        last: BlockId,
+        items: &[(u64, u64)],
+    ) -> usize {
         let node = self.blocks[last as usize].node;
         let mut added = 0;
         for &(engine, seq) in items {
             let block = self.reserve_block();
-            let Self {
-                workers,
-                nodes,
-                blocks,
-                free_blocks,
-                entries,
-                ..
-            } = self;
-            let Some(w) = workers[slot as usize].as_mut() else {
-                free_blocks.push(block);
+            if !names.claim(slot, engine, block) {
+                self.free_blocks.push(block);
                 break;
-            };
-            match w.by_engine.entry(engine) {
-                std::collections::hash_map::Entry::Vacant(v) => {
-                    v.insert(Copy {
-                        block,
-                        extra: NAMED,
-                    });
-                }
-                std::collections::hash_map::Entry::Occupied(_) => {
-                    free_blocks.push(block);
-                    break;
-                }
             }
-            *entries += 1;
-            let n = &mut nodes[node as usize];
-            blocks[block as usize] = BlockAt {
+            self.entries += 1;
+            let n = &mut self.nodes[node as usize];
+            self.blocks[block as usize] = BlockAt {
                 node,
                 offset: n.first + n.len() as u32,
             };
@@ -638,6 +619,7 @@ impl KvIndex {
     /// Returns how many items it took (at least one).
     fn hold_stretch(
         &mut self,
+        names: &mut impl Names,
         slot: Slot,
         node: NodeId,
         pos: usize,
@@ -648,32 +630,16 @@ impl KvIndex {
         // the stretch; the caller deals with that item next.
         let mut taken = 0;
         {
-            let Self {
-                nodes,
-                workers,
-                entries,
-                ..
-            } = self;
-            let n = &nodes[node as usize];
-            if let Some(w) = workers[slot as usize].as_mut() {
-                while taken < items.len()
-                    && pos + taken < n.len()
-                    && n.seqs[pos + taken] == items[taken].1
-                {
-                    match w.by_engine.entry(items[taken].0) {
-                        std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert(Copy {
-                                block: n.ids[pos + taken],
-                                extra: NAMED,
-                            });
-                            taken += 1;
-                        }
-                        std::collections::hash_map::Entry::Occupied(_) => break,
-                    }
-                }
+            let n = &self.nodes[node as usize];
+            while taken < items.len()
+                && pos + taken < n.len()
+                && n.seqs[pos + taken] == items[taken].1
+                && names.claim(slot, items[taken].0, n.ids[pos + taken])
+            {
+                taken += 1;
             }
-            *entries += taken;
         }
+        self.entries += taken;
         if taken == 0 {
             // Only if the caller's check and this disagree; never for a valid index.
             return 1;
@@ -682,19 +648,6 @@ impl KvIndex {
         self.nodes[m as usize].add_holder(slot, items[..taken].iter().map(|(e, _)| *e));
         self.merge_around(m);
         taken
-    }
-
-    /// Another engine hash for a block `slot` holds: an extra copy; the block keeps
-    /// the name it has (two map operations).
-    fn add_extra_copy(&mut self, slot: Slot, block: BlockId, engine: u64) {
-        let Some(w) = self.worker_mut(slot) else {
-            return;
-        };
-        let extras = w.extras.entry(block).or_default();
-        let extra = extras.len() as u32;
-        extras.push(engine);
-        w.by_engine.insert(engine, Copy { block, extra });
-        self.entries += 1;
     }
 
     /// Places the new block `block` (reserved, its name claimed) after `cursor`, held by
@@ -874,8 +827,14 @@ impl KvIndex {
     /// Removes one copy; the block loses `slot` when it was the last. A block whose node
     /// may have become empty is added to `prune` (a block, not a node: nodes split and
     /// merge meanwhile, a block stays where its node is).
-    fn remove_copy(&mut self, slot: Slot, engine: u64, prune: &mut Vec<BlockId>) -> bool {
-        match self.take_copy(slot, engine) {
+    fn remove_copy(
+        &mut self,
+        names: &mut impl Names,
+        slot: Slot,
+        engine: u64,
+        prune: &mut Vec<BlockId>,
+    ) -> bool {
+        match self.take_copy(names, slot, engine) {
             None => false,
             Some(None) => true,
             Some(Some(block)) => {
@@ -885,52 +844,31 @@ impl KvIndex {
         }
     }
 
-    /// Takes one copy out of `slot`'s engine-hash map: `None` if there was no such copy,
+    /// Takes one copy out of `slot`'s names: `None` if there was no such copy,
     /// `Some(Some(block))` if it was the worker's last copy of `block` (the worker must
     /// then leave the block), `Some(None)` if another copy still names it. When the
-    /// named copy goes and extras remain, the last extra becomes the named one.
-    fn take_copy(&mut self, slot: Slot, engine: u64) -> Option<Option<BlockId>> {
-        let copy = self.by_engine(slot).remove(&engine)?;
-        self.entries -= 1;
-        let w = self.worker_mut(slot)?;
-        if copy.extra != NAMED {
-            let Some(extras) = w.extras.get_mut(&copy.block) else {
-                return Some(None);
-            };
-            let at = copy.extra as usize;
-            if at < extras.len() {
-                extras.swap_remove(at);
-                if let Some(&moved) = extras.get(at) {
-                    if let Some(c) = w.by_engine.get_mut(&moved) {
-                        c.extra = at as u32;
-                    }
-                }
+    /// named copy goes and extras remain, an extra becomes the named one, and the
+    /// node's row says so.
+    fn take_copy(
+        &mut self,
+        names: &mut impl Names,
+        slot: Slot,
+        engine: u64,
+    ) -> Option<Option<BlockId>> {
+        let taken = names.take(slot, engine);
+        if taken != Taken::Missing {
+            self.entries -= 1;
+        }
+        match taken {
+            Taken::Missing => None,
+            Taken::Extra => Some(None),
+            Taken::Last(block) => Some(Some(block)),
+            Taken::Renamed { block, named } => {
+                let (node, pos) = self.at(block);
+                self.nodes[node as usize].set_engine(slot, pos, named);
+                Some(None)
             }
-            if extras.is_empty() {
-                w.extras.remove(&copy.block);
-            }
-            return Some(None);
         }
-        // Most workers never store a block twice: no probe of the extras for them.
-        if w.extras.is_empty() {
-            return Some(Some(copy.block));
-        }
-        let Some(extras) = w.extras.get_mut(&copy.block) else {
-            return Some(Some(copy.block));
-        };
-        let Some(named) = extras.pop() else {
-            w.extras.remove(&copy.block);
-            return Some(Some(copy.block));
-        };
-        if extras.is_empty() {
-            w.extras.remove(&copy.block);
-        }
-        if let Some(c) = w.by_engine.get_mut(&named) {
-            c.extra = NAMED;
-        }
-        let (node, pos) = self.at(copy.block);
-        self.nodes[node as usize].set_engine(slot, pos, named);
-        Some(None)
     }
 
     /// `slot` leaves `blocks` (each a block it held, once). Blocks are taken node by
@@ -1012,7 +950,12 @@ impl KvIndex {
         }
     }
 
-    pub(crate) fn apply_removed(&mut self, worker: WorkerKey, engine_hashes: &[u64]) -> ApplyStats {
+    fn apply_removed(
+        &mut self,
+        names: &mut impl Names,
+        worker: WorkerKey,
+        engine_hashes: &[u64],
+    ) -> ApplyStats {
         let mut stats = ApplyStats::default();
         let Some(&slot) = self.slots.get(&worker) else {
             stats.missing_removals = engine_hashes.len();
@@ -1020,7 +963,7 @@ impl KvIndex {
         };
         let mut leaving = Vec::new();
         for &engine in engine_hashes {
-            match self.take_copy(slot, engine) {
+            match self.take_copy(names, slot, engine) {
                 None => stats.missing_removals += 1,
                 Some(last) => {
                     stats.removed += 1;
@@ -1036,9 +979,16 @@ impl KvIndex {
 
     /// Forgets everything `worker` stored (deregistration) and frees its slot.
     pub fn remove_worker(&mut self, worker: WorkerKey) {
-        self.clear_worker(worker);
+        let book = self.book();
+        let mut book = book.lock();
+        self.remove_worker_with(&mut *book, worker);
+    }
+
+    fn remove_worker_with(&mut self, names: &mut impl Names, worker: WorkerKey) {
+        self.clear_worker(names, worker);
         if let Some(slot) = self.slots.remove(&worker) {
-            self.workers[slot as usize] = None;
+            names.close(slot);
+            self.slot_keys[slot as usize] = None;
             self.free_slots.push(slot);
         }
     }
@@ -1047,19 +997,15 @@ impl KvIndex {
     /// usually starts storing again at once. Returns how many copies were dropped.
     /// A node's holders are the same for all its blocks, so the worker leaves whole
     /// nodes: no splitting.
-    pub(crate) fn clear_worker(&mut self, worker: WorkerKey) -> usize {
+    fn clear_worker(&mut self, names: &mut impl Names, worker: WorkerKey) -> usize {
         let Some(&slot) = self.slots.get(&worker) else {
             return 0;
         };
-        let Some(w) = self.workers[slot as usize].as_mut() else {
-            return 0;
-        };
-        let dropped = w.by_engine.len();
-        w.extras.clear();
-        let mut nodes: Vec<NodeId> = w
-            .by_engine
-            .drain()
-            .map(|(_, copy)| self.blocks[copy.block as usize].node)
+        let mut blocks = Vec::new();
+        let dropped = names.drain(slot, &mut blocks);
+        let mut nodes: Vec<NodeId> = blocks
+            .into_iter()
+            .map(|block| self.blocks[block as usize].node)
             .collect();
         nodes.sort_unstable();
         nodes.dedup();

@@ -1,20 +1,24 @@
 //! The index as bookings and ingestion share it: readers never wait, one writer applies
 //! events in batches.
 //!
-//! Two copies of [`KvIndex`] behind `left-right`: bookings read the published copy with
-//! no lock (a read costs two increments of the reading thread's own epoch counter, not a
-//! cost per block), and
-//! the writer applies a batch of events to the other copy, swaps, waits for the readers
-//! still in the old copy to finish their walk (microseconds), and replays the batch
-//! there. So a booking never waits for ingestion at all, and ingestion waits at most for
-//! the walks in flight when it published. The price is memory (two copies) and applying
-//! each event twice; the second application replays the first's resolved sequence
-//! hashes, so the tokens are hashed once.
+//! Two copies of [`KvIndex`]'s tree behind `left-right`: bookings read the published
+//! copy with no lock (a read costs two increments of the reading thread's own epoch
+//! counter, not a cost per block), and the writer applies a batch of events to the
+//! other copy, swaps, waits for the readers still in the old copy to finish their walk
+//! (microseconds), and replays the batch there. So a booking never waits for ingestion
+//! at all, and ingestion waits at most for the walks in flight when it published.
+//!
+//! The price is memory (two trees) and applying each event twice. The second
+//! application is the cheaper one: it replays the first's resolved sequence hashes, so
+//! the tokens are hashed once, and the answers the first got from the book of engine
+//! names ([`super::names`], which bookings never read and which is kept once), so the
+//! second copy probes no engine-hash map.
 //!
 //! Events become visible when their batch is published: [`SharedIndex::apply`] and
 //! [`SharedIndex::apply_batch`] publish before they return, so a caller that posted an
 //! event and then books sees it.
 
+use super::names::{Recording, Replay, Tape};
 use super::{identity_seed, ApplyStats, KvEvent, KvEventError, KvIndex, Slot, Stored, WorkerKey};
 use left_right::{Absorb, ReadHandle, ReadHandleFactory, WriteHandle};
 use parking_lot::Mutex;
@@ -33,30 +37,62 @@ pub enum Op {
         event: Option<KvEvent>,
         parent: Option<u64>,
         resolved: Vec<(u64, u64)>,
+        /// The book's answers to the first application, for the second.
+        tape: Tape,
         outcome: Outcome,
     },
     AddWorker {
         worker: WorkerKey,
         slot: Arc<OnceLock<Slot>>,
     },
-    RemoveWorker(WorkerKey),
+    RemoveWorker {
+        worker: WorkerKey,
+        /// The book's answers to the first copy (the worker's blocks), for the second.
+        tape: Tape,
+    },
 }
 
-impl Absorb<Op> for KvIndex {
+/// One of the two copies `left-right` keeps. Both share one book of names: the copy
+/// that applies an op first asks it and records the answers, the other replays them.
+/// Only `left-right` clones it, once, while the index is still empty.
+pub struct Twin(KvIndex);
+
+impl Clone for Twin {
+    fn clone(&self) -> Self {
+        Self(self.0.twin())
+    }
+}
+
+impl Absorb<Op> for Twin {
     fn absorb_first(&mut self, op: &mut Op, _: &Self) {
+        let index = &mut self.0;
+        let book = index.book();
+        let mut book = book.lock();
         match op {
             Op::Event {
                 worker,
                 event,
                 parent,
                 resolved,
+                tape,
                 outcome,
             } => {
+                // About one answer per block, and two more per event.
+                let blocks = match event {
+                    Some(KvEvent::Stored { blocks, .. }) => blocks.len(),
+                    Some(KvEvent::Removed { block_hashes }) => block_hashes.len(),
+                    _ => 0,
+                };
+                tape.rewind(blocks + 2);
+                let mut names = Recording {
+                    book: &mut book,
+                    tape,
+                };
                 // Only registration gives a worker a slot here: events queued for a
                 // worker that was deregistered meanwhile are refused, not replayed
                 // into a fresh slot.
                 let result = match event.take() {
-                    Some(_) if self.slot_of(*worker).is_none() => {
+                    Some(_) if index.slot_of(*worker).is_none() => {
                         Err(KvEventError::UnknownWorker { worker: *worker })
                     }
                     Some(KvEvent::Stored {
@@ -68,7 +104,8 @@ impl Absorb<Op> for KvIndex {
                     }) => {
                         *parent = parent_block_hash;
                         let identity = identity_seed(lora_name.as_deref(), cache_salt.as_deref());
-                        self.apply_stored(
+                        let result = index.resolve(
+                            names.book,
                             *worker,
                             parent_block_hash,
                             Stored {
@@ -77,13 +114,24 @@ impl Absorb<Op> for KvIndex {
                                 extra_keys: &extra_keys,
                             },
                             resolved,
-                        )
-                    }
-                    Some(other) => {
-                        let result = self.apply(*worker, &other);
-                        // Removals and clears replay as they are: no hashing to save.
-                        *event = Some(other);
+                        );
+                        if result.is_ok() {
+                            index.store_resolved(&mut names, *worker, *parent, resolved);
+                        }
                         result
+                    }
+                    Some(KvEvent::Removed { block_hashes }) => {
+                        let stats = index.apply_removed(&mut names, *worker, &block_hashes);
+                        *event = Some(KvEvent::Removed { block_hashes });
+                        Ok(stats)
+                    }
+                    Some(KvEvent::Cleared) => {
+                        let removed = index.clear_worker(&mut names, *worker);
+                        *event = Some(KvEvent::Cleared);
+                        Ok(ApplyStats {
+                            removed,
+                            ..ApplyStats::default()
+                        })
                     }
                     None => Ok(ApplyStats::default()),
                 };
@@ -94,30 +142,51 @@ impl Absorb<Op> for KvIndex {
                 let _ = outcome.set(result);
             }
             Op::AddWorker { worker, slot } => {
-                let _ = slot.set(self.add_worker(*worker));
+                let _ = slot.set(index.add_worker_with(&mut *book, *worker));
             }
-            Op::RemoveWorker(worker) => self.remove_worker(*worker),
+            Op::RemoveWorker { worker, tape } => {
+                tape.rewind(1);
+                let mut names = Recording {
+                    book: &mut book,
+                    tape,
+                };
+                index.remove_worker_with(&mut names, *worker);
+            }
         }
     }
 
     fn absorb_second(&mut self, op: Op, _: &Self) {
+        let index = &mut self.0;
         match op {
             Op::Event {
                 worker,
                 event,
                 parent,
                 resolved,
+                tape,
                 ..
-            } => match event {
-                Some(event) => {
-                    let _ = self.apply(worker, &event);
+            } => {
+                let mut names = Replay::new(&tape);
+                match event {
+                    Some(KvEvent::Removed { block_hashes }) => {
+                        index.apply_removed(&mut names, worker, &block_hashes);
+                    }
+                    Some(KvEvent::Cleared) => {
+                        index.clear_worker(&mut names, worker);
+                    }
+                    // A stored event was resolved by the first application, and a
+                    // refused one left nothing to replay.
+                    Some(KvEvent::Stored { .. }) | None => {
+                        index.store_resolved(&mut names, worker, parent, &resolved)
+                    }
                 }
-                None => self.store_resolved(worker, parent, &resolved),
-            },
-            Op::AddWorker { worker, .. } => {
-                self.add_worker(worker);
             }
-            Op::RemoveWorker(worker) => self.remove_worker(worker),
+            Op::AddWorker { worker, .. } => {
+                index.add_worker_with(&mut Replay::new(&Tape::default()), worker);
+            }
+            Op::RemoveWorker { worker, tape } => {
+                index.remove_worker_with(&mut Replay::new(&tape), worker)
+            }
         }
     }
 
@@ -131,21 +200,22 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 thread_local! {
     /// This thread's read handle of each live index (a handle is per thread: entering it
     /// is two uncontended atomic increments; making one takes a lock).
-    static READERS: RefCell<Vec<(u64, ReadHandle<KvIndex>)>> = const { RefCell::new(Vec::new()) };
+    static READERS: RefCell<Vec<(u64, ReadHandle<Twin>)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The KV index shared by bookings (readers) and ingestion (one writer at a time).
 pub struct SharedIndex {
     id: u64,
-    writer: Mutex<WriteHandle<KvIndex, Op>>,
-    readers: ReadHandleFactory<KvIndex>,
+    writer: Mutex<WriteHandle<Twin, Op>>,
+    readers: ReadHandleFactory<Twin>,
     block_size: usize,
     publishes: AtomicU64,
 }
 
 impl SharedIndex {
     pub fn new(block_size: usize) -> Self {
-        let (writer, reader) = left_right::new_from_empty::<KvIndex, Op>(KvIndex::new(block_size));
+        let (writer, reader) =
+            left_right::new_from_empty::<Twin, Op>(Twin(KvIndex::new(block_size)));
         let readers = reader.factory();
         let mut writer = writer;
         // The first publish makes the copies distinct; do it before anyone reads.
@@ -208,6 +278,7 @@ impl SharedIndex {
                         event: Some(event),
                         parent: None,
                         resolved: Vec::new(),
+                        tape: Tape::default(),
                         outcome: Arc::clone(&outcome),
                     });
                     outcome
@@ -241,7 +312,10 @@ impl SharedIndex {
     pub fn remove_worker(&self, worker: WorkerKey) {
         {
             let mut writer = self.writer.lock();
-            writer.append(Op::RemoveWorker(worker));
+            writer.append(Op::RemoveWorker {
+                worker,
+                tape: Tape::default(),
+            });
             writer.publish();
         }
         self.publishes.fetch_add(1, Ordering::Relaxed);
@@ -253,13 +327,9 @@ impl SharedIndex {
     }
 }
 
-fn read_with<R>(
-    handle: &ReadHandle<KvIndex>,
-    block_size: usize,
-    f: impl FnOnce(&KvIndex) -> R,
-) -> R {
+fn read_with<R>(handle: &ReadHandle<Twin>, block_size: usize, f: impl FnOnce(&KvIndex) -> R) -> R {
     match handle.enter() {
-        Some(index) => f(&index),
+        Some(index) => f(&index.0),
         // Only while the index is being dropped: nothing is held then.
         None => f(&KvIndex::new(block_size.max(1))),
     }

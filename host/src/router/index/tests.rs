@@ -724,6 +724,8 @@ fn wire_forms_refuse_unknown_fields_and_variants() {
 impl KvIndex {
     /// Every structural invariant the tree relies on; panics with the first broken one.
     fn check_invariants(&self) {
+        let book = self.book();
+        let book = book.lock();
         let mut copies = 0;
         for (id, node) in self.nodes.iter().enumerate() {
             if !node.live {
@@ -752,9 +754,7 @@ impl KvIndex {
             }
             for slot in node.holders.slots() {
                 let row = node.row(slot);
-                let w = self.workers[slot as usize]
-                    .as_ref()
-                    .expect("holder is live");
+                let w = book.worker(slot).expect("holder is live");
                 for (j, engine) in row.iter().enumerate() {
                     let copy = w
                         .by_engine
@@ -786,9 +786,16 @@ impl KvIndex {
             let node = &self.nodes[root as usize];
             assert!(node.live && node.parent == NO_NODE && node.seqs[0] == seq);
         }
-        for (slot, w) in self.workers.iter().enumerate() {
-            let Some(w) = w else { continue };
-            let slot = slot as Slot;
+        for (slot, _) in self
+            .slot_keys
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| k.is_some())
+        {
+            assert!(book.worker(slot as Slot).is_some(), "a live slot has names");
+        }
+        for (slot, w) in book.all() {
+            assert!(self.key_of(slot).is_some(), "names belong to a live slot");
             copies += w.by_engine.len();
             for (&engine, copy) in &w.by_engine {
                 let (node, pos) = self.at(copy.block);
@@ -796,7 +803,7 @@ impl KvIndex {
                 assert!(n.live, "copy's node is live");
                 assert!(n.holders.contains(slot), "a copy's block is held");
                 let row = n.row(slot);
-                if copy.extra == NAMED {
+                if copy.extra == names::NAMED {
                     assert_eq!(row[pos], engine, "the named copy is the node's");
                 } else {
                     let extras = &w.extras[&copy.block];
@@ -812,7 +819,7 @@ impl KvIndex {
                 for (i, engine) in extras.iter().enumerate() {
                     assert_eq!(
                         w.by_engine[engine],
-                        Copy {
+                        names::Copy {
                             block,
                             extra: i as u32
                         }
@@ -1034,4 +1041,103 @@ fn events_against_the_model(seed: u64) {
         rings > 200 && reused > 100 && merged_back > 10,
         "{rings} {reused} {merged_back}"
     );
+}
+
+/// The shared index keeps two trees and one book of names: the first copy to apply a
+/// batch asks the book and records its answers, the other replays them. Random
+/// batches (stores chained or not, names shared between workers, re-used, or several
+/// for one block; removals; clears; deregistrations) go to a shared index and to a
+/// plain one; after every publish the copy bookings read — each copy in turn, since a
+/// publish swaps them — gives the plain index's answers and keeps every invariant.
+#[test]
+fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
+    let mut rng = 0x05ee_d0f5_a4ed_u64;
+    let mut next = move |bound: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    };
+    const DOC: usize = 10;
+    let mut docs = vec![prompt(DOC); 4];
+    docs[1][3 * BS] += 1;
+    docs[2][6 * BS + 1] += 1;
+    docs[3].reverse();
+    let doc_hashes: Vec<Vec<u64>> = docs.iter().map(|d| hashes(d)).collect();
+    let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0)];
+    let shared = shared::SharedIndex::new(BS);
+    let mut plain = KvIndex::new(BS);
+    for &k in &workers {
+        assert_eq!(shared.add_worker(k), plain.add_worker(k));
+    }
+    // Each registration publishes.
+    let (mut publishes, mut compared, mut renamed) = (workers.len() as u64, 0, 0);
+    for round in 0..1500 {
+        let mut batch = Vec::new();
+        for _ in 0..1 + next(4) {
+            let k = workers[next(workers.len() as u64) as usize];
+            // Most workers name a block alike (one model, one hash seed); worker 3 by a
+            // salt of its own; sometimes a block gets a second name.
+            let name = |seq: u64, salt: u64| {
+                seq.rotate_left(9) ^ if k.worker_id == 3 { 0xabc } else { 0 } ^ salt
+            };
+            let event = match next(10) {
+                0..=5 => {
+                    let d = next(docs.len() as u64) as usize;
+                    let start = next(DOC as u64) as usize;
+                    let count = 1 + next((DOC - start) as u64) as usize;
+                    let parent = (start > 0).then(|| name(doc_hashes[d][start - 1], 0));
+                    let engines: Vec<u64> = doc_hashes[d][start..start + count]
+                        .iter()
+                        .map(|&s| match next(8) {
+                            0 => name(s, 1),
+                            1 => name(doc_hashes[d][next(DOC as u64) as usize], 0),
+                            _ => name(s, 0),
+                        })
+                        .collect();
+                    stored(parent, &docs[d][start * BS..(start + count) * BS], &engines)
+                }
+                6..=8 => {
+                    let d = next(docs.len() as u64) as usize;
+                    let salt = next(2);
+                    let hashes: Vec<u64> = (0..1 + next(4))
+                        .map(|_| name(doc_hashes[d][next(DOC as u64) as usize], salt))
+                        .collect();
+                    renamed += usize::from(salt == 1);
+                    KvEvent::Removed {
+                        block_hashes: hashes,
+                    }
+                }
+                _ => KvEvent::Cleared,
+            };
+            batch.push((k, event));
+        }
+        let expected: Vec<_> = batch.iter().map(|(k, e)| plain.apply(*k, e)).collect();
+        assert_eq!(shared.apply_batch(batch), expected, "round {round}");
+        publishes += 1;
+        if round % 250 == 249 {
+            // A worker leaves and comes back: its slot is freed and handed out again.
+            let k = workers[next(workers.len() as u64) as usize];
+            shared.remove_worker(k);
+            plain.remove_worker(k);
+            assert_eq!(shared.add_worker(k), plain.add_worker(k));
+            publishes += 2;
+        }
+        shared.read(|copy| {
+            copy.check_invariants();
+            assert_eq!(copy.len(), plain.len(), "round {round}: copies held");
+            assert_eq!(
+                copy.node_count(),
+                plain.node_count(),
+                "round {round}: nodes"
+            );
+            for d in &docs {
+                let got = as_vec(&overlaps(copy, d));
+                assert_eq!(got, as_vec(&overlaps(&plain, d)), "round {round}");
+                compared += got.len();
+            }
+        });
+    }
+    assert_eq!(shared.publishes(), publishes);
+    assert!(compared > 1000 && renamed > 50, "{compared} {renamed}");
 }

@@ -1,0 +1,379 @@
+//! The writer's book of engine names: per worker, engine hash → the block it names.
+//!
+//! Removals and parents arrive as engine hashes, so the writer needs, per worker, a map
+//! from each engine hash it holds to its block. Bookings never read it: a lookup walks
+//! the tree by sequence hash, and a `kv.fetch` reads the engine hashes off the nodes'
+//! rows. So the book is kept once, outside the two copies of the tree that bookings and
+//! ingestion share ([`super::shared`]), and the second copy does not probe it again.
+//!
+//! Every question the tree's algorithms ask of the book goes through [`Names`]. Applying
+//! an event to the first copy of the tree asks the real book and writes each answer on
+//! a [`Tape`] ([`Recording`]); applying it to the second copy, whose tree is identical,
+//! asks the same questions in the same order and reads the answers back ([`Replay`]):
+//! one probe of a large hash map per block instead of two, and one map in memory.
+//!
+//! **One copy, two names.** A worker that stores the same tokens under several engine
+//! hashes holds the block once: one copy *names* it (the one its node row holds, which
+//! a `kv.fetch` sends), the others are extras kept aside, any of them removed in O(1),
+//! and the block stays held until the last copy goes.
+
+use super::holders::Slot;
+use super::BlockId;
+use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
+
+/// One of a worker's copies of a block, named by an engine hash: the block's *named*
+/// copy, or one of its extra copies, by position in the block's extras. Nearly every
+/// block has one copy, so the entry is kept to 16 bytes with the map key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Copy {
+    pub block: BlockId,
+    /// [`NAMED`], or the copy's position in its block's extras.
+    pub extra: u32,
+}
+
+pub(super) const NAMED: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Default)]
+pub(super) struct WorkerNames {
+    /// Engine hash → its block: removals and parents arrive as engine hashes.
+    pub by_engine: FxHashMap<u64, Copy>,
+    /// Block → the engine hashes of its copies besides the named one, for blocks this
+    /// worker stored under more than one. Adding or removing one is O(1) (a removal
+    /// moves the last extra into its place), so tens of thousands of names for one
+    /// block cost no more per name than a handful.
+    pub extras: FxHashMap<BlockId, SmallVec<[u64; 2]>>,
+}
+
+/// What taking one copy out of a worker's names left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Taken {
+    /// The worker held no copy under that engine hash.
+    Missing,
+    /// An extra copy went; the block keeps its name.
+    Extra,
+    /// The worker's last copy of `block` went: it leaves the block.
+    Last(BlockId),
+    /// The named copy went and an extra, `named`, names `block` now.
+    Renamed { block: BlockId, named: u64 },
+}
+
+/// The questions the tree asks of the names, in the order it asks them. See the
+/// [module documentation](self).
+pub(super) trait Names {
+    /// `slot`'s names start empty (a worker given a slot).
+    fn open(&mut self, slot: Slot);
+    /// `slot`'s names are forgotten (its worker deregistered).
+    fn close(&mut self, slot: Slot);
+    fn reserve(&mut self, slot: Slot, additional: usize);
+    fn get(&mut self, slot: Slot, engine: u64) -> Option<Copy>;
+    /// Names `block` `engine` if `slot` holds no copy under that hash yet.
+    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> bool;
+    /// Another engine hash for a block `slot` holds: an extra copy.
+    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64);
+    fn take(&mut self, slot: Slot, engine: u64) -> Taken;
+    /// Forgets every copy `slot` holds; appends each block it held to `blocks` and
+    /// returns how many copies there were.
+    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> usize;
+}
+
+/// The names themselves, indexed by slot.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Book {
+    workers: Vec<Option<WorkerNames>>,
+}
+
+impl Book {
+    pub(super) fn worker(&self, slot: Slot) -> Option<&WorkerNames> {
+        self.workers.get(slot as usize)?.as_ref()
+    }
+
+    fn worker_mut(&mut self, slot: Slot) -> Option<&mut WorkerNames> {
+        self.workers.get_mut(slot as usize)?.as_mut()
+    }
+
+    /// The copy `slot` holds under `engine`, without recording the question.
+    pub(super) fn copy(&self, slot: Slot, engine: u64) -> Option<Copy> {
+        self.worker(slot)?.by_engine.get(&engine).copied()
+    }
+
+    /// Every worker's names, by slot (for invariant checks).
+    #[cfg(test)]
+    pub(super) fn all(&self) -> impl Iterator<Item = (Slot, &WorkerNames)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, w)| Some((slot as Slot, w.as_ref()?)))
+    }
+}
+
+impl Names for Book {
+    fn open(&mut self, slot: Slot) {
+        let at = slot as usize;
+        if self.workers.len() <= at {
+            self.workers.resize_with(at + 1, || None);
+        }
+        self.workers[at].get_or_insert_with(WorkerNames::default);
+    }
+
+    fn close(&mut self, slot: Slot) {
+        if let Some(w) = self.workers.get_mut(slot as usize) {
+            *w = None;
+        }
+    }
+
+    fn reserve(&mut self, slot: Slot, additional: usize) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.by_engine.reserve(additional);
+        }
+    }
+
+    fn get(&mut self, slot: Slot, engine: u64) -> Option<Copy> {
+        self.copy(slot, engine)
+    }
+
+    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> bool {
+        let Some(w) = self.worker_mut(slot) else {
+            return false;
+        };
+        match w.by_engine.entry(engine) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Copy {
+                    block,
+                    extra: NAMED,
+                });
+                true
+            }
+            std::collections::hash_map::Entry::Occupied(_) => false,
+        }
+    }
+
+    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) {
+        let Some(w) = self.worker_mut(slot) else {
+            return;
+        };
+        let extras = w.extras.entry(block).or_default();
+        let extra = extras.len() as u32;
+        extras.push(engine);
+        w.by_engine.insert(engine, Copy { block, extra });
+    }
+
+    fn take(&mut self, slot: Slot, engine: u64) -> Taken {
+        let Some(w) = self.worker_mut(slot) else {
+            return Taken::Missing;
+        };
+        let Some(copy) = w.by_engine.remove(&engine) else {
+            return Taken::Missing;
+        };
+        if copy.extra != NAMED {
+            if let Some(extras) = w.extras.get_mut(&copy.block) {
+                let at = copy.extra as usize;
+                if at < extras.len() {
+                    extras.swap_remove(at);
+                    if let Some(&moved) = extras.get(at) {
+                        if let Some(c) = w.by_engine.get_mut(&moved) {
+                            c.extra = at as u32;
+                        }
+                    }
+                }
+                if extras.is_empty() {
+                    w.extras.remove(&copy.block);
+                }
+            }
+            return Taken::Extra;
+        }
+        // Most workers never store a block twice: no probe of the extras for them.
+        if w.extras.is_empty() {
+            return Taken::Last(copy.block);
+        }
+        let Some(extras) = w.extras.get_mut(&copy.block) else {
+            return Taken::Last(copy.block);
+        };
+        let Some(named) = extras.pop() else {
+            w.extras.remove(&copy.block);
+            return Taken::Last(copy.block);
+        };
+        if extras.is_empty() {
+            w.extras.remove(&copy.block);
+        }
+        if let Some(c) = w.by_engine.get_mut(&named) {
+            c.extra = NAMED;
+        }
+        Taken::Renamed {
+            block: copy.block,
+            named,
+        }
+    }
+
+    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> usize {
+        let Some(w) = self.worker_mut(slot) else {
+            return 0;
+        };
+        let dropped = w.by_engine.len();
+        w.extras.clear();
+        // An extra's block is its named copy's too: the named copies list every block.
+        blocks.extend(
+            w.by_engine
+                .drain()
+                .filter(|(_, copy)| copy.extra == NAMED)
+                .map(|(_, copy)| copy.block),
+        );
+        dropped
+    }
+}
+
+/// One answer of the book, as the tape keeps it.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    Copy(Option<Copy>),
+    Claimed(bool),
+    Taken(Taken),
+    /// `count` copies; their blocks are `Tape::blocks[start..start + len]`.
+    Drained {
+        count: u32,
+        start: u32,
+        len: u32,
+    },
+}
+
+/// The answers one application of an event got from the book, for the second copy.
+#[derive(Debug, Default)]
+pub struct Tape {
+    answers: Vec<Answer>,
+    blocks: Vec<BlockId>,
+}
+
+impl Tape {
+    /// Empties the tape, keeping room for `answers` answers (about one per block).
+    pub fn rewind(&mut self, answers: usize) {
+        self.answers.clear();
+        self.blocks.clear();
+        self.answers.reserve(answers);
+    }
+}
+
+// The tape holds an answer per block an event touches: keep it small.
+const _: () = assert!(std::mem::size_of::<Answer>() <= 24);
+
+/// The book, with every answer written on a tape.
+pub(super) struct Recording<'a> {
+    pub book: &'a mut Book,
+    pub tape: &'a mut Tape,
+}
+
+impl Names for Recording<'_> {
+    fn open(&mut self, slot: Slot) {
+        self.book.open(slot);
+    }
+
+    fn close(&mut self, slot: Slot) {
+        self.book.close(slot);
+    }
+
+    fn reserve(&mut self, slot: Slot, additional: usize) {
+        self.book.reserve(slot, additional);
+    }
+
+    fn get(&mut self, slot: Slot, engine: u64) -> Option<Copy> {
+        let answer = self.book.get(slot, engine);
+        self.tape.answers.push(Answer::Copy(answer));
+        answer
+    }
+
+    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> bool {
+        let answer = self.book.claim(slot, engine, block);
+        self.tape.answers.push(Answer::Claimed(answer));
+        answer
+    }
+
+    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) {
+        self.book.add_extra(slot, block, engine);
+    }
+
+    fn take(&mut self, slot: Slot, engine: u64) -> Taken {
+        let answer = self.book.take(slot, engine);
+        self.tape.answers.push(Answer::Taken(answer));
+        answer
+    }
+
+    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> usize {
+        let start = self.tape.blocks.len();
+        let count = self.book.drain(slot, &mut self.tape.blocks);
+        blocks.extend_from_slice(&self.tape.blocks[start..]);
+        // A worker's copies are counted in u32 like its blocks' ids.
+        self.tape.answers.push(Answer::Drained {
+            count: count as u32,
+            start: start as u32,
+            len: (self.tape.blocks.len() - start) as u32,
+        });
+        count
+    }
+}
+
+/// The answers of a recording, read back in order. The second copy's tree is the
+/// first's, so it asks exactly the recorded questions; an answer of the wrong kind
+/// would be a bug in the index, and is answered as "nothing held" rather than a panic.
+pub(super) struct Replay<'a> {
+    tape: &'a Tape,
+    at: usize,
+}
+
+impl<'a> Replay<'a> {
+    pub(super) fn new(tape: &'a Tape) -> Self {
+        Self { tape, at: 0 }
+    }
+
+    fn next(&mut self) -> Option<Answer> {
+        let answer = self.tape.answers.get(self.at).copied();
+        self.at += 1;
+        debug_assert!(answer.is_some(), "the replay asked more than was recorded");
+        answer
+    }
+}
+
+impl Names for Replay<'_> {
+    fn open(&mut self, _: Slot) {}
+
+    fn close(&mut self, _: Slot) {}
+
+    fn reserve(&mut self, _: Slot, _: usize) {}
+
+    fn get(&mut self, _: Slot, _: u64) -> Option<Copy> {
+        match self.next() {
+            Some(Answer::Copy(answer)) => answer,
+            other => mismatch(other, None),
+        }
+    }
+
+    fn claim(&mut self, _: Slot, _: u64, _: BlockId) -> bool {
+        match self.next() {
+            Some(Answer::Claimed(answer)) => answer,
+            other => mismatch(other, false),
+        }
+    }
+
+    fn add_extra(&mut self, _: Slot, _: BlockId, _: u64) {}
+
+    fn take(&mut self, _: Slot, _: u64) -> Taken {
+        match self.next() {
+            Some(Answer::Taken(answer)) => answer,
+            other => mismatch(other, Taken::Missing),
+        }
+    }
+
+    fn drain(&mut self, _: Slot, blocks: &mut Vec<BlockId>) -> usize {
+        match self.next() {
+            Some(Answer::Drained { count, start, len }) => {
+                let (start, len) = (start as usize, len as usize);
+                blocks.extend_from_slice(&self.tape.blocks[start..start + len]);
+                count as usize
+            }
+            other => mismatch(other, 0),
+        }
+    }
+}
+
+fn mismatch<T>(answer: Option<Answer>, fallback: T) -> T {
+    debug_assert!(false, "the replay asked another question: {answer:?}");
+    fallback
+}
