@@ -509,7 +509,7 @@ impl KvIndex {
                 // A new block: one probe of the engine-hash map claims the name for it
                 // (the common case, a sequence no one holds yet).
                 let block = self.reserve_block();
-                if names.claim(slot, engine, block) {
+                if names.claim(slot, engine, block).is_none() {
                     self.entries += 1;
                     self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
                     cursor = Some(block);
@@ -530,33 +530,36 @@ impl KvIndex {
                 }
                 continue;
             };
-            match names.get(slot, engine) {
+            let (node, pos) = self.at(block);
+            let held = self.nodes[node as usize].holders.contains(slot);
+            // One probe of the worker's names: a new name is recorded at once (as
+            // an extra copy of a block it holds, or the first of a stretch it joins).
+            let existing = if held {
+                names.add_extra(slot, block, engine)
+            } else {
+                names.claim(slot, engine, block)
+            };
+            match existing {
+                None if held => {
+                    self.entries += 1;
+                    cursor = Some(block);
+                    i += 1;
+                }
+                None => {
+                    let taken = self.hold_stretch(names, slot, node, pos, &items[i..]);
+                    cursor = Some(self.nodes_block(block, taken));
+                    i += taken;
+                }
                 // Stored again: nothing changes (engines re-announce on prefix hits).
                 Some(copy) if copy.block == block => {
                     cursor = Some(block);
                     i += 1;
-                    continue;
                 }
                 // Reused for other tokens: the old block loses it, then this item again
                 // (removing a copy restructures nodes, never the blocks' chain).
                 Some(_) => {
                     self.remove_copy(names, slot, engine, &mut prune);
-                    continue;
                 }
-                None => {}
-            }
-            let (node, pos) = self.at(block);
-            if self.nodes[node as usize].holders.contains(slot) {
-                // Another engine hash for a block it holds: an extra copy; the block
-                // keeps the name it has.
-                names.add_extra(slot, block, engine);
-                self.entries += 1;
-                cursor = Some(block);
-                i += 1;
-            } else {
-                let taken = self.hold_stretch(names, slot, node, pos, &items[i..]);
-                cursor = Some(self.nodes_block(block, taken));
-                i += taken;
             }
         }
         self.prune_all(prune);
@@ -576,7 +579,7 @@ impl KvIndex {
         let mut added = 0;
         for &(engine, seq) in items {
             let block = self.reserve_block();
-            if !names.claim(slot, engine, block) {
+            if names.claim(slot, engine, block).is_some() {
                 self.free_blocks.push(block);
                 break;
             }
@@ -615,8 +618,9 @@ impl KvIndex {
     }
 
     /// Adds `slot` as a holder of the blocks of `node` from `pos` on that `items`
-    /// continue (as far as the node goes and no item's engine hash is already in use).
-    /// Returns how many items it took (at least one).
+    /// continue (as far as the node goes and no item's engine hash is already in use);
+    /// the first item's name is already claimed for the block at `pos`. Returns how
+    /// many items it took (at least one).
     fn hold_stretch(
         &mut self,
         names: &mut impl Names,
@@ -625,25 +629,24 @@ impl KvIndex {
         pos: usize,
         items: &[(u64, u64)],
     ) -> usize {
-        // Claim each item's name as the stretch grows: one probe per block. A name
-        // already in use (reused for other tokens, or repeated within this event) ends
-        // the stretch; the caller deals with that item next.
-        let mut taken = 0;
+        // The first item's name is claimed; claim each next one's as the stretch grows:
+        // one probe per block. A name already in use (reused for other tokens, or
+        // repeated within this event) ends the stretch; the caller deals with that item
+        // next.
+        let mut taken = 1;
         {
             let n = &self.nodes[node as usize];
             while taken < items.len()
                 && pos + taken < n.len()
                 && n.seqs[pos + taken] == items[taken].1
-                && names.claim(slot, items[taken].0, n.ids[pos + taken])
+                && names
+                    .claim(slot, items[taken].0, n.ids[pos + taken])
+                    .is_none()
             {
                 taken += 1;
             }
         }
         self.entries += taken;
-        if taken == 0 {
-            // Only if the caller's check and this disagree; never for a valid index.
-            return 1;
-        }
         let m = self.isolate(node, pos, pos + taken);
         self.nodes[m as usize].add_holder(slot, items[..taken].iter().map(|(e, _)| *e));
         self.merge_around(m);

@@ -21,6 +21,7 @@ use super::holders::Slot;
 use super::BlockId;
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
+use std::collections::hash_map::Entry;
 
 /// One of a worker's copies of a block, named by an engine hash: the block's *named*
 /// copy, or one of its extra copies, by position in the block's extras. Nearly every
@@ -67,10 +68,13 @@ pub(super) trait Names {
     fn close(&mut self, slot: Slot);
     fn reserve(&mut self, slot: Slot, additional: usize);
     fn get(&mut self, slot: Slot, engine: u64) -> Option<Copy>;
-    /// Names `block` `engine` if `slot` holds no copy under that hash yet.
-    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> bool;
-    /// Another engine hash for a block `slot` holds: an extra copy.
-    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64);
+    /// Names `block` `engine` if `slot` holds no copy under that hash yet (`None`);
+    /// otherwise changes nothing and returns the copy it holds.
+    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> Option<Copy>;
+    /// Another engine hash for a block `slot` holds: an extra copy, if `slot` holds
+    /// no copy under that hash yet (`None`); otherwise changes nothing and returns the
+    /// copy it holds. One probe of the engine-hash map either way.
+    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) -> Option<Copy>;
     fn take(&mut self, slot: Slot, engine: u64) -> Taken;
     /// Forgets every copy `slot` holds; appends each block it held to `blocks` and
     /// returns how many copies there were.
@@ -132,30 +136,34 @@ impl Names for Book {
         self.copy(slot, engine)
     }
 
-    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> bool {
-        let Some(w) = self.worker_mut(slot) else {
-            return false;
-        };
+    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> Option<Copy> {
+        let w = self.worker_mut(slot)?;
         match w.by_engine.entry(engine) {
-            std::collections::hash_map::Entry::Vacant(v) => {
+            Entry::Vacant(v) => {
                 v.insert(Copy {
                     block,
                     extra: NAMED,
                 });
-                true
+                None
             }
-            std::collections::hash_map::Entry::Occupied(_) => false,
+            Entry::Occupied(o) => Some(*o.get()),
         }
     }
 
-    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) {
-        let Some(w) = self.worker_mut(slot) else {
-            return;
-        };
-        let extras = w.extras.entry(block).or_default();
-        let extra = extras.len() as u32;
-        extras.push(engine);
-        w.by_engine.insert(engine, Copy { block, extra });
+    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) -> Option<Copy> {
+        let w = self.worker_mut(slot)?;
+        match w.by_engine.entry(engine) {
+            Entry::Vacant(v) => {
+                let extras = w.extras.entry(block).or_default();
+                v.insert(Copy {
+                    block,
+                    extra: extras.len() as u32,
+                });
+                extras.push(engine);
+                None
+            }
+            Entry::Occupied(o) => Some(*o.get()),
+        }
     }
 
     fn take(&mut self, slot: Slot, engine: u64) -> Taken {
@@ -226,7 +234,6 @@ impl Names for Book {
 #[derive(Debug, Clone, Copy)]
 enum Answer {
     Copy(Option<Copy>),
-    Claimed(bool),
     Taken(Taken),
     /// `count` copies; their blocks are `Tape::blocks[start..start + len]`.
     Drained {
@@ -280,14 +287,16 @@ impl Names for Recording<'_> {
         answer
     }
 
-    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> bool {
+    fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> Option<Copy> {
         let answer = self.book.claim(slot, engine, block);
-        self.tape.answers.push(Answer::Claimed(answer));
+        self.tape.answers.push(Answer::Copy(answer));
         answer
     }
 
-    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) {
-        self.book.add_extra(slot, block, engine);
+    fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) -> Option<Copy> {
+        let answer = self.book.add_extra(slot, block, engine);
+        self.tape.answers.push(Answer::Copy(answer));
+        answer
     }
 
     fn take(&mut self, slot: Slot, engine: u64) -> Taken {
@@ -345,14 +354,13 @@ impl Names for Replay<'_> {
         }
     }
 
-    fn claim(&mut self, _: Slot, _: u64, _: BlockId) -> bool {
-        match self.next() {
-            Some(Answer::Claimed(answer)) => answer,
-            other => mismatch(other, false),
-        }
+    fn claim(&mut self, slot: Slot, engine: u64, _: BlockId) -> Option<Copy> {
+        self.get(slot, engine)
     }
 
-    fn add_extra(&mut self, _: Slot, _: BlockId, _: u64) {}
+    fn add_extra(&mut self, slot: Slot, _: BlockId, engine: u64) -> Option<Copy> {
+        self.get(slot, engine)
+    }
 
     fn take(&mut self, _: Slot, _: u64) -> Taken {
         match self.next() {
