@@ -13,6 +13,9 @@
 //! clock stops when a lookup of the batch's prompt on the router finds the worker
 //! holding it. Median and p99 over the samples.
 //!
+//! Each throughput figure is the median of `ENGINE_EVENTS_TRIALS` runs of the stream
+//! (default 5), printed with the range of the runs.
+//!
 //! `cargo bench -p kvhint-e2e --bench engine_events`. Under `cargo test --benches` it runs
 //! a quick mode whose figures are not measurements.
 
@@ -142,9 +145,8 @@ fn stream(batches: usize, evict: bool) -> Vec<(WorkerKey, Vec<u8>)> {
     out
 }
 
-fn throughput(batches: usize, evict: bool) {
+fn throughput(batches: usize, evict: bool) -> Throughput {
     let encoded = stream(batches, evict);
-    let label = if evict { "" } else { " (stores only)" };
     let bytes: usize = encoded.iter().map(|(_, b)| b.len()).sum();
     let settings = DecodeSettings {
         block_size: BLOCK,
@@ -210,28 +212,65 @@ fn throughput(batches: usize, evict: bool) {
         }
     }
     let ingest_s = started.elapsed().as_secs_f64();
-    println!(
-        "engine_events decode blocks_per_s={:.0} ns_per_block={:.1} mb_per_s={:.0}{label}",
-        blocks as f64 / decode_s,
-        decode_s * 1e9 / blocks as f64,
-        bytes as f64 / decode_s / 1e6
+    let per_block = |seconds: f64| seconds * 1e9 / blocks as f64;
+    Throughput {
+        decode: per_block(decode_s),
+        apply: per_block(apply_s),
+        ingest_thread: per_block(ingest_s),
+        decode_apply: per_block(total_s),
+        mb_per_s: bytes as f64 / decode_s / 1e6,
+        batches: encoded.len(),
+        index_blocks: router.index_len(),
+    }
+}
+
+/// One trial's figures: ns per stored block for each way of running the stream.
+struct Throughput {
+    decode: f64,
+    apply: f64,
+    ingest_thread: f64,
+    decode_apply: f64,
+    mb_per_s: f64,
+    batches: usize,
+    index_blocks: usize,
+}
+
+/// Runs the stream `trials` times and prints each figure's median over the trials,
+/// with their range (this VM's single runs spread by up to 2×).
+fn report(trials: usize, batches: usize, evict: bool) {
+    let label = if evict { "" } else { " (stores only)" };
+    let runs: Vec<Throughput> = (0..trials).map(|_| throughput(batches, evict)).collect();
+    let figure = |get: fn(&Throughput) -> f64| {
+        let mut values: Vec<f64> = runs.iter().map(get).collect();
+        let m = median(&mut values);
+        (m, values[0], values[values.len() - 1])
+    };
+    let line = |name: &str, (ns, low, high): (f64, f64, f64), extra: String| {
+        println!(
+            "engine_events {name} blocks_per_s={:.0} ns_per_block={ns:.1} range_ns={low:.0}-{high:.0} trials={trials}{extra}{label}",
+            1e9 / ns
+        );
+    };
+    let (mb, _, _) = figure(|t| t.mb_per_s);
+    line("decode", figure(|t| t.decode), format!(" mb_per_s={mb:.0}"));
+    line(
+        "apply",
+        figure(|t| t.apply),
+        " (decoded batches, each published)".into(),
     );
-    println!(
-        "engine_events apply blocks_per_s={:.0} ns_per_block={:.1} (decoded batches, each published){label}",
-        blocks as f64 / apply_s,
-        apply_s * 1e9 / blocks as f64
+    line(
+        "decode+ingest_thread",
+        figure(|t| t.ingest_thread),
+        " (decode here, apply on the ingestion thread, batched publishes)".into(),
     );
-    println!(
-        "engine_events decode+ingest_thread blocks_per_s={:.0} ns_per_block={:.1} (decode here, apply on the ingestion thread, batched publishes){label}",
-        blocks as f64 / ingest_s,
-        ingest_s * 1e9 / blocks as f64
-    );
-    println!(
-        "engine_events decode+apply blocks_per_s={:.0} ns_per_block={:.1} batches={} index_blocks={} (target >= 5000000){label}",
-        blocks as f64 / total_s,
-        total_s * 1e9 / blocks as f64,
-        encoded.len(),
-        router.index_len()
+    let last = &runs[runs.len() - 1];
+    line(
+        "decode+apply",
+        figure(|t| t.decode_apply),
+        format!(
+            " batches={} index_blocks={} (target >= 5000000)",
+            last.batches, last.index_blocks
+        ),
     );
 }
 
@@ -330,13 +369,19 @@ fn latency(samples: usize) {
 
 fn main() {
     if is_bench() {
-        throughput(40_000, true);
-        throughput(40_000, false);
+        // ENGINE_EVENTS_TRIALS=N runs each stream N times (default 5).
+        let trials = std::env::var("ENGINE_EVENTS_TRIALS")
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(5usize)
+            .max(1);
+        report(trials, 40_000, true);
+        report(trials, 40_000, false);
         latency(500);
     } else {
         println!("engine_events quick mode: debug build, figures are not measurements");
-        throughput(200, true);
-        throughput(200, false);
+        report(1, 200, true);
+        report(1, 200, false);
         latency(10);
     }
 }
