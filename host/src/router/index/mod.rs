@@ -162,7 +162,7 @@ struct Node {
     /// Ids of the blocks, parallel to `seqs`.
     ids: Vec<BlockId>,
     /// The holders of every block of the node.
-    holders: Holders<()>,
+    holders: Holders,
     /// Each holder's engine hashes of the node's blocks ([`rows`]): one row the
     /// holders share, and rows of their own only for holders that name them otherwise.
     engines: EngineRows,
@@ -195,13 +195,13 @@ impl Node {
     /// Adds `slot` with its engine hashes of every block (`len()` of them).
     fn add_holder(&mut self, slot: Slot, names: impl Iterator<Item = u64> + Clone) {
         let first = self.holders.is_empty();
-        if self.holders.insert(slot, ()) {
+        if self.holders.insert(slot) {
             self.engines.add(slot, names, first);
         }
     }
 
     fn remove_holder(&mut self, slot: Slot) {
-        if self.holders.remove(slot).is_some() {
+        if self.holders.remove(slot) {
             self.engines.remove(slot);
         }
     }
@@ -695,7 +695,7 @@ impl KvIndex {
             n.seqs.reserve_exact(rest);
             n.ids.reserve_exact(rest);
             n.engines.reserve(rest);
-            n.holders.insert(slot, ());
+            n.holders.insert(slot);
             n.push_block(slot, seq, block, engine);
         }
         self.blocks[block as usize] = BlockAt { node, offset: 0 };
