@@ -10,8 +10,9 @@
 //! **Shape: a compressed radix tree of blocks with holder bitmaps.** Blocks are named by
 //! the router's chained *sequence hash* ([`hashing`]). A node is a run of consecutive
 //! blocks that the same set of workers holds: their sequence hashes side by side, the
-//! holder set as 64-slot bitmap words ([`holders`]), and per holder its engine hashes of
-//! those blocks. A lookup ([`lookup`]) compares the request's hashes with a node's run
+//! holder set as 64-slot bitmap words ([`holders`]), and the holders' engine hashes of
+//! those blocks ([`rows`]: one row they share, and own rows for holders that name them
+//! otherwise). A lookup ([`lookup`]) compares the request's hashes with a node's run
 //! one after the other — a sequential compare, no hash-map probe — and meets a map only
 //! where the run ends and a child starts; entering a node ANDs the still-matching set
 //! with the node's holders, one word per 64 workers. So its cost is the matched blocks
@@ -27,12 +28,12 @@
 //!
 //! **Two hashes per block.** Engines name blocks by their own hashes, which differ between
 //! engines, versions and even workers for the same tokens (salts, LoRA ids, hash seeds).
-//! The index keeps, per worker, engine hash → block, because everything that goes back to
-//! an engine — a removal we must recognise, a parent a later `stored` event chains onto,
-//! a "fetch these blocks from peer X" hint — has to speak that engine's names. A worker
-//! that stores the same tokens under several engine hashes holds the block once: one
-//! copy names it, the others are extras kept aside, any of them removed in O(1), and
-//! the block stays held until the last copy goes.
+//! The writer keeps, per worker, engine hash → block ([`names`]), because everything
+//! that comes from or goes back to an engine — a removal we must recognise, a parent a
+//! later `stored` event chains onto, a "fetch these blocks from peer X" hint — speaks
+//! that engine's names. A worker that stores the same tokens under several engine
+//! hashes holds the block once: one copy names it, the others are extras kept aside,
+//! any of them removed in O(1), and the block stays held until the last copy goes.
 //!
 //! **Prefix semantics.** A KV block is only usable if every block before it is present:
 //! attention over block *i* needs the keys and values of blocks `0..i`. So a worker's
@@ -40,9 +41,10 @@
 //! block does not cascade to its descendants (engines send their own removals, and may
 //! evict a parent before its children), but the walk stops at the gap anyway.
 //!
-//! **Concurrency** lives one level up ([`shared`]): this structure is single-writer and
-//! `Clone`, and [`shared::SharedIndex`] keeps two copies of it (`left-right`), so bookings
-//! read without a lock while one ingestion path applies events in batches.
+//! **Concurrency** lives one level up ([`shared`]): this structure is single-writer, and
+//! [`shared::SharedIndex`] keeps two copies of its tree (`left-right`) over one book of
+//! names, so bookings read without a lock while one ingestion path applies events in
+//! batches.
 
 pub mod events;
 pub mod hashing;
