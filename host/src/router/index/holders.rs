@@ -59,6 +59,28 @@ impl Holders {
             .is_ok_and(|at| self.words[at].bits & bit != 0)
     }
 
+    /// How many members come before `slot` (its position, if it is one or joins).
+    pub fn position(&self, slot: Slot) -> usize {
+        let index = slot / 64;
+        let below = (1u64 << (slot % 64)) - 1;
+        let mut rank = 0;
+        for word in &self.words {
+            if word.index >= index {
+                if word.index == index {
+                    rank += (word.bits & below).count_ones() as usize;
+                }
+                break;
+            }
+            rank += word.bits.count_ones() as usize;
+        }
+        rank
+    }
+
+    /// `slot`'s position among the members, if it is one.
+    pub fn rank_of(&self, slot: Slot) -> Option<usize> {
+        self.contains(slot).then(|| self.position(slot))
+    }
+
     /// Adds `slot`; returns false (and changes nothing) if it is a member.
     pub fn insert(&mut self, slot: Slot) -> bool {
         let bit = 1u64 << (slot % 64);
@@ -138,6 +160,14 @@ mod tests {
         assert_eq!(h.slots().collect::<Vec<_>>(), vec![3, 5, 64, 70, 200]);
         assert_eq!((h.len(), h.words().len()), (5, 3));
         assert!(h.contains(70) && !h.contains(71) && !h.contains(1000));
+        assert_eq!(
+            (h.rank_of(3), h.rank_of(70), h.rank_of(200)),
+            (Some(0), Some(3), Some(4))
+        );
+        assert_eq!(
+            (h.rank_of(71), h.position(71), h.position(1000)),
+            (None, 4, 5)
+        );
         assert!(h.remove(200));
         assert!(!h.remove(200));
         assert_eq!(h.words().len(), 2, "an empty word is dropped");

@@ -1,46 +1,61 @@
-//! A node's engine hashes: one row the holders share, and own rows only for holders
-//! that name the node's blocks differently.
+//! A node's engine hashes: one row the holders share, and rows of their own only for
+//! holders that name the node's blocks differently.
 //!
-//! Engines of one model with one hash seed name the same tokens alike, so in a fleet the
-//! holders of a block nearly always agree on its engine hash. Keeping one row per holder
-//! made a popular node's names grow with its holders: a worker joining a node held by a
+//! When engines of one model share a hash seed, they name the same tokens alike, and
+//! the holders of a block agree on its engine hash. Keeping one row per holder made a
+//! popular node's names grow with its holders: a worker joining a node held by a
 //! thousand others moved a thousand rows, and splitting or merging it copied them all.
-//! With a shared row, joining with the same names costs a compare, and only a worker
-//! whose names differ (another hash seed, a salt the router does not see, a re-used
-//! engine hash) pays for a row of its own.
+//! With a shared row, joining with the same names costs a compare. Engines that seed
+//! their hashes per process (vLLM without a fixed `PYTHONHASHSEED`) name every block
+//! differently; their rows are kept as before, side by side in slot order in one
+//! buffer, found by the holder's rank, so reading a peer's names is one slice of it.
 
-use super::holders::Slot;
+use super::holders::{Holders, Slot};
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct EngineRows {
     /// The names the holders share: the first holder's, or the node's sole holder's.
     common: Vec<u64>,
-    /// Holders whose names differ from `common` somewhere in the node, by slot,
-    /// ascending. Nearly always empty.
-    own: Vec<(Slot, Vec<u64>)>,
+    /// Holders whose names differ from `common` somewhere in the node. Boxed: most
+    /// nodes have none, and a walk reads every node it passes.
+    odd: Option<Box<OddRows>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct OddRows {
+    slots: Holders,
+    /// One row of `common.len()` per slot of `slots`, in slot order.
+    rows: Vec<u64>,
 }
 
 impl EngineRows {
-    fn find(&self, slot: Slot) -> Result<usize, usize> {
-        self.own.binary_search_by_key(&slot, |(s, _)| *s)
-    }
-
     /// The engine hashes under which `slot` (a holder of the node) holds its blocks.
     #[inline]
     pub(super) fn row(&self, slot: Slot) -> &[u64] {
-        if self.own.is_empty() {
+        let Some(odd) = &self.odd else {
             return &self.common;
-        }
-        match self.find(slot) {
-            Ok(i) => &self.own[i].1,
-            Err(_) => &self.common,
+        };
+        match odd.slots.rank_of(slot) {
+            Some(rank) => {
+                let len = self.common.len();
+                &odd.rows[rank * len..(rank + 1) * len]
+            }
+            None => &self.common,
         }
     }
 
     /// Holders with a row of their own (for tests and invariants).
     #[cfg(test)]
-    pub(super) fn own_rows(&self) -> impl Iterator<Item = (Slot, &[u64])> {
-        self.own.iter().map(|(s, r)| (*s, r.as_slice()))
+    pub(super) fn own_rows(&self) -> Vec<(Slot, &[u64])> {
+        let Some(odd) = &self.odd else {
+            return Vec::new();
+        };
+        let len = self.common.len();
+        odd.slots
+            .slots()
+            .enumerate()
+            .map(|(r, s)| (s, &odd.rows[r * len..(r + 1) * len]))
+            .collect()
     }
 
     #[cfg(test)]
@@ -64,49 +79,60 @@ impl EngineRows {
         if first {
             self.common.clear();
             self.common.extend(names);
-            self.own.clear();
+            self.odd = None;
         } else if !names.clone().eq(self.common.iter().copied()) {
-            if let Err(i) = self.find(slot) {
-                self.own.insert(i, (slot, names.collect()));
+            let len = self.common.len();
+            let odd = self.odd.get_or_insert_with(Box::default);
+            let at = odd.slots.position(slot) * len;
+            if odd.slots.insert(slot) {
+                odd.rows.splice(at..at, names);
             }
         }
     }
 
     /// `slot` leaves the node.
     pub(super) fn remove(&mut self, slot: Slot) {
-        if let Ok(i) = self.find(slot) {
-            self.own.remove(i);
+        let len = self.common.len();
+        if let Some(odd) = &mut self.odd {
+            if let Some(rank) = odd.slots.rank_of(slot) {
+                odd.slots.remove(slot);
+                odd.rows.drain(rank * len..(rank + 1) * len);
+                if odd.slots.is_empty() {
+                    self.odd = None;
+                }
+            }
         }
     }
 
     /// `slot` now names block `pos` `engine`; `sole`: it is the node's only holder.
     pub(super) fn set(&mut self, slot: Slot, pos: usize, engine: u64, sole: bool) {
-        match self.find(slot) {
-            Ok(i) => {
-                self.own[i].1[pos] = engine;
-                if self.own[i].1 == self.common {
-                    self.own.remove(i);
-                }
-            }
-            Err(_) if self.common[pos] == engine => {}
-            Err(_) if sole => self.common[pos] = engine,
-            Err(i) => {
-                let mut row = self.common.clone();
-                row[pos] = engine;
-                self.own.insert(i, (slot, row));
+        let len = self.common.len();
+        if let Some(odd) = &mut self.odd {
+            if let Some(rank) = odd.slots.rank_of(slot) {
+                odd.rows[rank * len + pos] = engine;
+                self.normalize();
+                return;
             }
         }
+        if self.common[pos] == engine {
+            return;
+        }
+        if sole {
+            self.common[pos] = engine;
+            return;
+        }
+        let mut row = self.common.clone();
+        row[pos] = engine;
+        self.add(slot, row.into_iter(), false);
     }
 
     /// Appends a block that `slot`, the node's only holder, names `engine`.
     pub(super) fn push_sole(&mut self, slot: Slot, engine: u64) {
-        if !self.own.is_empty() {
+        if self.odd.is_some() {
             // The sole holder's own row, if it has one, becomes the shared row.
-            if let Ok(i) = self.find(slot) {
-                let (_, row) = self.own.swap_remove(i);
-                self.common = row;
-            }
-            self.own.clear();
+            let own = self.row(slot).to_vec();
+            self.common = own;
+            self.odd = None;
         }
         self.common.push(engine);
     }
@@ -114,43 +140,75 @@ impl EngineRows {
     /// Splits before position `k`: `self` keeps the first `k` names of every row, the
     /// result has the rest.
     pub(super) fn split_off(&mut self, k: usize) -> Self {
+        let len = self.common.len();
         let common = self.common.split_off(k);
+        let Some(odd) = &mut self.odd else {
+            return Self { common, odd: None };
+        };
+        let rows = odd.slots.len();
+        let mut tail_rows = Vec::with_capacity(rows * (len - k));
+        for r in 0..rows {
+            tail_rows.extend_from_slice(&odd.rows[r * len + k..(r + 1) * len]);
+        }
+        for r in 0..rows {
+            odd.rows.copy_within(r * len..r * len + k, r * k);
+        }
+        odd.rows.truncate(rows * k);
         let mut tail = Self {
             common,
-            own: Vec::new(),
+            odd: Some(Box::new(OddRows {
+                slots: odd.slots.clone(),
+                rows: tail_rows,
+            })),
         };
-        if self.own.is_empty() {
-            return tail;
-        }
-        for (slot, row) in &mut self.own {
-            let rest = row.split_off(k);
-            if rest != tail.common {
-                tail.own.push((*slot, rest));
-            }
-        }
-        let head = &self.common;
-        self.own.retain(|(_, row)| row != head);
+        self.normalize();
+        tail.normalize();
         tail
     }
 
     /// Appends the rows of `next`, a node with the same holders that follows this one.
     pub(super) fn append(&mut self, next: Self) {
-        if !(self.own.is_empty() && next.own.is_empty()) {
-            let mut own: Vec<(Slot, Vec<u64>)> =
-                Vec::with_capacity(self.own.len() + next.own.len());
-            let mut slots: Vec<Slot> = self.own.iter().chain(&next.own).map(|(s, _)| *s).collect();
-            slots.sort_unstable();
-            slots.dedup();
-            for slot in slots {
-                let mut row = self.row(slot).to_vec();
-                row.extend_from_slice(next.row(slot));
-                own.push((slot, row));
+        if self.odd.is_some() || next.odd.is_some() {
+            let mut slots = Holders::default();
+            for odd in [&self.odd, &next.odd].into_iter().flatten() {
+                for slot in odd.slots.slots() {
+                    slots.insert(slot);
+                }
             }
-            self.own = own;
+            let mut rows =
+                Vec::with_capacity(slots.len() * (self.common.len() + next.common.len()));
+            for slot in slots.slots() {
+                rows.extend_from_slice(self.row(slot));
+                rows.extend_from_slice(next.row(slot));
+            }
+            self.odd = Some(Box::new(OddRows { slots, rows }));
         }
         self.common.extend_from_slice(&next.common);
-        let common = &self.common;
-        self.own.retain(|(_, row)| row != common);
+        self.normalize();
+    }
+
+    /// Drops own rows that equal the shared one.
+    fn normalize(&mut self) {
+        let len = self.common.len();
+        let Some(odd) = &mut self.odd else {
+            return;
+        };
+        let mut slots = Holders::default();
+        let mut keep = 0;
+        for (r, slot) in odd.slots.slots().enumerate() {
+            if odd.rows[r * len..(r + 1) * len] != self.common[..] {
+                if keep != r {
+                    odd.rows.copy_within(r * len..(r + 1) * len, keep * len);
+                }
+                slots.insert(slot);
+                keep += 1;
+            }
+        }
+        odd.rows.truncate(keep * len);
+        odd.slots = slots;
+        if keep == 0 {
+            self.odd = None;
+        }
     }
 }
 
@@ -164,29 +222,36 @@ mod tests {
         rows.add(3, [1, 2, 3].into_iter(), true);
         rows.add(5, [1, 2, 3].into_iter(), false);
         rows.add(9, [1, 7, 3].into_iter(), false);
+        rows.add(70, [4, 2, 3].into_iter(), false);
         assert_eq!(rows.row(3), &[1, 2, 3]);
         assert_eq!(rows.row(5), &[1, 2, 3]);
         assert_eq!(rows.row(9), &[1, 7, 3]);
-        assert_eq!(rows.own_rows().count(), 1, "only the odd holder has a row");
+        assert_eq!(rows.row(70), &[4, 2, 3]);
+        assert_eq!(rows.own_rows().len(), 2, "only the odd holders have rows");
 
         let tail = {
             let mut r = rows.clone();
             let tail = r.split_off(2);
-            assert_eq!(r.row(9), &[1, 7]);
-            assert_eq!(r.own_rows().count(), 1);
+            assert_eq!(
+                (r.row(9), r.row(70), r.row(3)),
+                (&[1, 7][..], &[4, 2][..], &[1, 2][..])
+            );
+            assert_eq!(r.own_rows().len(), 2);
             tail
         };
         assert_eq!(tail.row(9), &[3]);
-        assert_eq!(tail.own_rows().count(), 0, "the tail's names agree again");
+        assert!(tail.own_rows().is_empty(), "the tail's names agree again");
 
         // Renaming the odd block back makes the holder ordinary again.
         rows.set(9, 1, 2, false);
-        assert_eq!(rows.own_rows().count(), 0);
+        assert_eq!(rows.own_rows().len(), 1);
         rows.set(5, 0, 8, false);
         assert_eq!(rows.row(5), &[8, 2, 3]);
         assert_eq!(rows.row(3), &[1, 2, 3]);
+        assert_eq!(rows.row(70), &[4, 2, 3]);
         rows.remove(5);
-        assert_eq!(rows.own_rows().count(), 0);
+        rows.remove(70);
+        assert!(rows.own_rows().is_empty());
     }
 
     #[test]
@@ -195,10 +260,10 @@ mod tests {
         head.add(1, [10, 11].into_iter(), true);
         head.add(2, [10, 12].into_iter(), false);
         let mut tail = EngineRows::default();
-        tail.add(1, [13].into_iter(), true);
-        tail.add(2, [13].into_iter(), false);
+        tail.add(2, [13].into_iter(), true);
+        tail.add(1, [14].into_iter(), false);
         head.append(tail);
-        assert_eq!(head.row(1), &[10, 11, 13]);
+        assert_eq!(head.row(1), &[10, 11, 14]);
         assert_eq!(head.row(2), &[10, 12, 13]);
         assert_eq!(head.common(), &[10, 11, 13]);
 
@@ -209,6 +274,6 @@ mod tests {
         sole.remove(1);
         sole.push_sole(2, 3);
         assert_eq!(sole.row(2), &[2, 3]);
-        assert_eq!(sole.own_rows().count(), 0);
+        assert!(sole.own_rows().is_empty());
     }
 }

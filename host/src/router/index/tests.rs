@@ -745,6 +745,7 @@ impl KvIndex {
                 "node {id}: shared row"
             );
             for (slot, row) in node.engines.own_rows() {
+                let row: &[u64] = row;
                 assert!(
                     node.holders.contains(slot),
                     "node {id}: an own row is a holder's"
