@@ -33,6 +33,18 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
     )
 }
 
+/// A xorshift generator: `next(bound)` is the next value below `bound`. Seeded, so a
+/// failing random test fails the same way again.
+fn xorshift(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut rng = seed;
+    move |bound| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % bound
+    }
+}
+
 fn prompt(blocks: usize) -> Vec<u32> {
     (0..(blocks * BS) as u32).map(|t| t * 7 + 3).collect()
 }
@@ -558,13 +570,7 @@ fn same_tokens_under_two_engine_hashes_survive_one_removal() {
 fn random_event_streams_match_a_naive_model() {
     use std::collections::{BTreeMap, HashSet};
 
-    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d_u64);
     let base = prompt(8);
     let mut docs = [base.clone(), base.clone(), base, prompt(8)];
     docs[1][3 * BS] += 1; // shares 3 blocks with doc 0
@@ -870,13 +876,7 @@ fn events_against_the_model(seed: u64) {
         }
     }
 
-    let mut rng = seed;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound
-    };
+    let mut next = xorshift(seed);
     const DOC: usize = 12;
     let base = prompt(DOC);
     let mut docs = vec![base.clone(); 6];
@@ -1052,13 +1052,7 @@ fn events_against_the_model(seed: u64) {
 /// publish swaps them — gives the plain index's answers and keeps every invariant.
 #[test]
 fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
-    let mut rng = 0x05ee_d0f5_a4ed_u64;
-    let mut next = move |bound: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % bound
-    };
+    let mut next = xorshift(0x05ee_d0f5_a4ed_u64);
     const DOC: usize = 10;
     let mut docs = vec![prompt(DOC); 4];
     docs[1][3 * BS] += 1;
