@@ -198,6 +198,11 @@ fn a_selection_plugin_that_keeps_panicking_is_quarantined_until_reload() {
     let stage = snapshot.role(Role::Decode).unwrap().booking_selection();
     assert!(stage.is_quarantined());
     assert_eq!(
+        stage.quarantine().map(|q| q.as_str()),
+        Some("panics"),
+        "the reason status reports"
+    );
+    assert_eq!(
         stage.stats.calls.load(std::sync::atomic::Ordering::Relaxed),
         3
     );

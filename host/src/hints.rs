@@ -35,7 +35,7 @@ use kvhint_plugin_api::writer::{MessageWriter, PolicyOutput};
 use serde_json::value::RawValue;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -163,14 +163,9 @@ pub struct HintPolicyInstance {
     pub commitments: Commitments,
     policy: FfiHintPolicyBox,
     pub stats: Arc<PolicyStats>,
-    /// Panics of this instance; quarantine is per snapshot, so a reload (a new
-    /// instance) gives a fixed plugin a fresh start.
-    panics: AtomicU64,
-    /// Calls in a row over the time budget.
-    overruns: AtomicU64,
-    quarantined: AtomicBool,
-    /// Why it was quarantined: [`Quarantine`] as a number (0: it is not).
-    quarantine_reason: AtomicU8,
+    /// Of this instance: quarantine is per snapshot, so a reload (a new instance)
+    /// gives a fixed plugin a fresh start.
+    quarantine: QuarantineState,
 }
 
 /// Why a policy is skipped until the next reload.
@@ -208,20 +203,46 @@ impl HintPolicyInstance {
             commitments: constructed.commitments,
             policy: constructed.policy,
             stats,
-            panics: AtomicU64::new(0),
-            overruns: AtomicU64::new(0),
-            quarantined: AtomicBool::new(false),
-            quarantine_reason: AtomicU8::new(0),
+            quarantine: QuarantineState::default(),
         }
     }
 
     pub fn is_quarantined(&self) -> bool {
-        self.quarantined.load(Ordering::Relaxed)
+        self.quarantine.is_quarantined()
     }
 
     /// Why it is quarantined, if it is.
     pub fn quarantine(&self) -> Option<Quarantine> {
-        match self.quarantine_reason.load(Ordering::Relaxed) {
+        self.quarantine.reason()
+    }
+}
+
+/// Whether a policy instance (hint or selection) is skipped until the next reload,
+/// and the counts that decide it (rule R8, `router.policy_budget_us`).
+#[derive(Debug, Default)]
+pub struct QuarantineState {
+    panics: AtomicU64,
+    /// Calls in a row over the time budget.
+    overruns: AtomicU64,
+    /// Why it was quarantined: [`Quarantine`] as a number (0: it is not).
+    reason: AtomicU8,
+}
+
+/// What one call's duration meant for its policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timed {
+    pub over_budget: bool,
+    /// Set when this call quarantined the policy: the overruns in a row.
+    pub quarantined_after: Option<u64>,
+}
+
+impl QuarantineState {
+    pub fn is_quarantined(&self) -> bool {
+        self.reason.load(Ordering::Relaxed) != 0
+    }
+
+    pub fn reason(&self) -> Option<Quarantine> {
+        match self.reason.load(Ordering::Relaxed) {
             1 => Some(Quarantine::Panics),
             2 => Some(Quarantine::OverBudget),
             _ => None,
@@ -229,14 +250,40 @@ impl HintPolicyInstance {
     }
 
     /// Quarantines it for `reason` (the first reason sticks); true if it was not yet.
-    fn quarantine_for(&self, reason: Quarantine) -> bool {
-        if self.quarantined.swap(true, Ordering::Relaxed) {
-            return false;
+    fn enter(&self, reason: Quarantine) -> bool {
+        self.reason
+            .compare_exchange(0, reason as u8, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Counts a call that took `took_ns` against the budget of `limits`.
+    pub fn timed(&self, took_ns: u64, limits: &HintLimits) -> Timed {
+        if limits.budget_ns > 0 && took_ns > limits.budget_ns {
+            let overruns = self.overruns.fetch_add(1, Ordering::Relaxed) + 1;
+            let quarantined =
+                overruns >= limits.quarantine_after_overruns && self.enter(Quarantine::OverBudget);
+            return Timed {
+                over_budget: true,
+                quarantined_after: quarantined.then_some(overruns),
+            };
         }
-        self.quarantine_reason
-            .store(reason as u8, Ordering::Relaxed);
-        self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
-        true
+        if self.overruns.load(Ordering::Relaxed) != 0 {
+            // Only a write when there is something to reset: every booking
+            // thread calls this, and a store on each call would bounce the
+            // cache line between them.
+            self.overruns.store(0, Ordering::Relaxed);
+        }
+        Timed {
+            over_budget: false,
+            quarantined_after: None,
+        }
+    }
+
+    /// Counts a panic; the panics so far if this one quarantined the policy.
+    pub fn panicked(&self, limits: &HintLimits) -> Option<u64> {
+        let panics = self.panics.fetch_add(1, Ordering::Relaxed) + 1;
+        (panics >= limits.quarantine_after_panics && self.enter(Quarantine::Panics))
+            .then_some(panics)
     }
 }
 
@@ -358,25 +405,19 @@ impl HintStage {
         let result = instance.policy.build_hints(context, &mut writer.ffi());
         let took = started.elapsed().as_nanos() as u64;
         stats.latency.observe(took);
-        if self.limits.budget_ns > 0 && took > self.limits.budget_ns {
+        let timed = instance.quarantine.timed(took, &self.limits);
+        if timed.over_budget {
             stats.over_budget.fetch_add(1, Ordering::Relaxed);
-            let overruns = instance.overruns.fetch_add(1, Ordering::Relaxed) + 1;
-            if overruns >= self.limits.quarantine_after_overruns
-                && instance.quarantine_for(Quarantine::OverBudget)
-            {
-                tracing::error!(
-                    policy = %instance.name,
-                    overruns,
-                    last_call_us = took / 1000,
-                    budget_us = self.limits.budget_ns / 1000,
-                    "hint policy quarantined until the next reload: its calls keep running over router.policy_budget_us (plugins run in the router's process and must not block)"
-                );
-            }
-        } else if instance.overruns.load(Ordering::Relaxed) != 0 {
-            // Only a write when there is something to reset: every booking
-            // thread calls this, and a store on each call would bounce the
-            // cache line between them.
-            instance.overruns.store(0, Ordering::Relaxed);
+        }
+        if let Some(overruns) = timed.quarantined_after {
+            stats.quarantines.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                policy = %instance.name,
+                overruns,
+                last_call_us = took / 1000,
+                budget_us = self.limits.budget_ns / 1000,
+                "hint policy quarantined until the next reload: its calls keep running over router.policy_budget_us (plugins run in the router's process and must not block)"
+            );
         }
         let output = writer.end_policy(matches!(result, RResult::ROk(())));
         let mut fail = |kind: FailureKind, message: String| {
@@ -405,10 +446,8 @@ impl HintStage {
                 }
                 ErrorKind::Panicked => {
                     stats.panics.fetch_add(1, Ordering::Relaxed);
-                    let panics = instance.panics.fetch_add(1, Ordering::Relaxed) + 1;
-                    if panics >= self.limits.quarantine_after_panics
-                        && instance.quarantine_for(Quarantine::Panics)
-                    {
+                    if let Some(panics) = instance.quarantine.panicked(&self.limits) {
+                        stats.quarantines.fetch_add(1, Ordering::Relaxed);
                         tracing::error!(policy = %instance.name, panics, "hint policy quarantined until the next reload");
                     }
                     fail(FailureKind::Panic, e.message.into_string())

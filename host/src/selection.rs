@@ -22,11 +22,11 @@
 //! (reason `quarantined`), so a broken plugin neither floods the log with a
 //! warning per booking nor keeps every booking waiting on it.
 
-use crate::hints::{HintLimits, LatencyHistogram};
+use crate::hints::{HintLimits, LatencyHistogram, Quarantine, QuarantineState};
 use crate::registry::{ConstructedSelection, ErrorKind, Origin};
 use abi_stable::std_types::{RResult, RSlice};
 use kvhint_plugin_api::abi::{FfiCandidate, FfiSelectionPolicyBox, FfiSelectionRequest};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -103,9 +103,7 @@ pub struct SelectionStage {
     pub stats: Arc<SelectionStats>,
     limits: HintLimits,
     /// Of this instance: a reload builds a fresh one, which starts clean.
-    panics: AtomicU64,
-    overruns: AtomicU64,
-    quarantined: AtomicBool,
+    quarantine: QuarantineState,
 }
 
 impl SelectionStage {
@@ -127,9 +125,7 @@ impl SelectionStage {
     ) -> Self {
         Self {
             limits,
-            panics: AtomicU64::new(0),
-            overruns: AtomicU64::new(0),
-            quarantined: AtomicBool::new(false),
+            quarantine: QuarantineState::default(),
             kv_aware: constructed.kv_aware(),
             commits_kv_copies: constructed.commits_kv_copies(),
             wants_peer_copies: constructed.wants_peer_copies(),
@@ -158,14 +154,17 @@ impl SelectionStage {
 
     /// Whether it is skipped until the next reload.
     pub fn is_quarantined(&self) -> bool {
-        self.quarantined.load(Ordering::Relaxed)
+        self.quarantine.is_quarantined()
     }
 
-    fn quarantine(&self, why: &str) {
-        if !self.quarantined.swap(true, Ordering::Relaxed) {
-            self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(policy = %self.type_name, why, "selection policy quarantined until the next reload; its role is booked by the built-in default selection");
-        }
+    /// Why it is quarantined, if it is.
+    pub fn quarantine(&self) -> Option<Quarantine> {
+        self.quarantine.reason()
+    }
+
+    fn quarantined(&self, why: &str) {
+        self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(policy = %self.type_name, why, "selection policy quarantined until the next reload; its role is booked by the built-in default selection");
     }
 
     /// The policy's choice among `candidates` (not empty), or the fallback's.
@@ -182,15 +181,12 @@ impl SelectionStage {
         let answer = self.policy.select(request, RSlice::from_slice(candidates));
         let took = started.elapsed().as_nanos() as u64;
         self.stats.latency.observe(took);
-        if self.limits.budget_ns > 0 && took > self.limits.budget_ns {
+        let timed = self.quarantine.timed(took, &self.limits);
+        if timed.over_budget {
             self.stats.over_budget.fetch_add(1, Ordering::Relaxed);
-            let overruns = self.overruns.fetch_add(1, Ordering::Relaxed) + 1;
-            if overruns >= self.limits.quarantine_after_overruns {
-                self.quarantine("its calls keep running over router.policy_budget_us");
-            }
-        } else if self.overruns.load(Ordering::Relaxed) != 0 {
-            // A write only when there is something to reset (see hints.rs).
-            self.overruns.store(0, Ordering::Relaxed);
+        }
+        if timed.quarantined_after.is_some() {
+            self.quarantined("its calls keep running over router.policy_budget_us");
         }
         let reason = match answer {
             RResult::ROk(selection) => {
@@ -221,10 +217,9 @@ impl SelectionStage {
                 };
                 tracing::warn!(policy = %self.type_name, reason = reason.as_str(), error = %e.message, "selection policy failed; booked by the built-in default selection");
                 if reason == FallbackReason::Panic
-                    && self.panics.fetch_add(1, Ordering::Relaxed) + 1
-                        >= self.limits.quarantine_after_panics
+                    && self.quarantine.panicked(&self.limits).is_some()
                 {
-                    self.quarantine("it keeps panicking");
+                    self.quarantined("it keeps panicking");
                 }
                 reason
             }

@@ -290,6 +290,7 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
                 "booked_by": role.booking_selection_type,
                 "selection_origin": role.booking_selection().origin.to_string(),
                 "selection_quarantined": role.booking_selection().is_quarantined(),
+                "selection_quarantine_reason": role.booking_selection().quarantine().map(|q| q.as_str()),
                 "selection_fallbacks": crate::selection::FallbackReason::ALL
                     .iter()
                     .map(|r| (r.as_str(), role.booking_selection().stats.fallbacks(*r)))
