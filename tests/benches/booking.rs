@@ -29,13 +29,11 @@ use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{KvEvent, KvIndex, StoredBlock};
 use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
-use kvhint::selection::{SelectionStage, SelectionStats, FALLBACK_TYPE};
+use kvhint::selection::SelectionStage;
 use kvhint::snapshot::{RoleRuntime, Snapshot};
-use kvhint_e2e::bench::{artifacts, interleaved_medians, is_bench};
-use kvhint_plugin_api::abi::FfiRouterSettings;
+use kvhint_e2e::bench::{artifacts, is_bench, selection_medians, selection_stage};
 use kvhint_plugin_api::testing::{TestCandidate, TestPlacement, TestWorker};
 use std::hint::black_box;
-use std::sync::Arc;
 
 const BLOCK: usize = 16;
 
@@ -136,21 +134,13 @@ fn placement(workers: u64, blocks: usize, shared: bool) -> TestPlacement {
 }
 
 /// `role`'s selection policy, with its parameters, built from `registry` the
-/// way a snapshot builds it (the built-in default as its fallback).
+/// way a snapshot builds it.
 fn selection_from(registry: &kvhint::registry::Registry, role: &RoleRuntime) -> SelectionStage {
-    let settings = FfiRouterSettings {
-        block_size: BLOCK as u32,
-        seed: 0,
-    };
-    let construct = |name: &str, parameters: &serde_json::Value| {
-        registry
-            .construct_selection(name, parameters, &settings)
-            .unwrap_or_else(|e| panic!("{name}: {e}"))
-    };
-    SelectionStage::new(
-        construct(&role.selection_type, &role.selection_parameters),
-        Some(construct(FALLBACK_TYPE, &serde_json::json!({}))),
-        Arc::new(SelectionStats::default()),
+    selection_stage(
+        registry,
+        &role.selection_type,
+        &role.selection_parameters,
+        BLOCK,
     )
 }
 
@@ -242,16 +232,8 @@ fn benches(c: &mut Criterion) {
                 } else {
                     (3, 20)
                 };
-                let (linked_ns, loaded_ns) = interleaved_medians(
-                    rounds,
-                    batch,
-                    || {
-                        black_box(linked.select(black_box(request), black_box(candidates)));
-                    },
-                    || {
-                        black_box(loaded.select(black_box(request), black_box(candidates)));
-                    },
-                );
+                let (linked_ns, loaded_ns) =
+                    selection_medians(rounds, batch, linked, &loaded, request, candidates);
                 selection_lines.push(format!(
                     "booking {layout}/{workers}_workers/{tokens}_tokens selection linked={linked_ns:.0} loaded={loaded_ns:.0} ratio={:.3}",
                     loaded_ns / linked_ns

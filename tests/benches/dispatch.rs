@@ -18,13 +18,13 @@
 use criterion::{criterion_group, Criterion};
 use kvhint::hints::{HintLimits, HintPolicyInstance, HintStage};
 use kvhint::registry::Registry;
-use kvhint::selection::{SelectionStage, SelectionStats, FALLBACK_TYPE};
-use kvhint_e2e::bench::{artifacts, interleaved_medians, is_bench};
+use kvhint::selection::SelectionStage;
+use kvhint_e2e::bench::{
+    artifacts, interleaved_medians, is_bench, selection_medians, selection_stage,
+};
 use kvhint_e2e::registry_of;
-use kvhint_plugin_api::abi::FfiRouterSettings;
 use kvhint_plugin_api::testing::{TestBooking, TestCandidate, TestPeer, TestPlacement, TestWorker};
 use std::hint::black_box;
-use std::sync::Arc;
 
 /// A booking where the booked worker holds 8 blocks and a peer holds 64: one
 /// best-effort kv.fetch of 64 root-aligned hashes.
@@ -103,22 +103,13 @@ fn placement() -> TestPlacement {
     }
 }
 
-/// `kvcr` (multiplier 0.5) from `registry`, as a snapshot builds it: with the
-/// built-in default from the same registry as its fallback.
+/// `kvcr` (multiplier 0.5) from `registry`, as a snapshot builds it.
 fn selection(registry: &Registry) -> SelectionStage {
-    let settings = FfiRouterSettings {
-        block_size: 16,
-        seed: 0,
-    };
-    let construct = |name: &str, parameters: serde_json::Value| {
-        registry
-            .construct_selection(name, &parameters, &settings)
-            .unwrap_or_else(|e| panic!("{name}: {e}"))
-    };
-    SelectionStage::new(
-        construct("kvcr", serde_json::json!({"shared_cache_multiplier": 0.5})),
-        Some(construct(FALLBACK_TYPE, serde_json::json!({}))),
-        Arc::new(SelectionStats::default()),
+    selection_stage(
+        registry,
+        "kvcr",
+        &serde_json::json!({"shared_cache_multiplier": 0.5}),
+        16,
     )
 }
 
@@ -184,16 +175,8 @@ fn benches(c: &mut Criterion) {
         group.finish();
 
         let (rounds, batch) = if is_bench() { (41, 20_000) } else { (3, 100) };
-        let (linked_ns, loaded_ns) = interleaved_medians(
-            rounds,
-            batch,
-            || {
-                black_box(linked.select(black_box(request), black_box(candidates)));
-            },
-            || {
-                black_box(dynamic.select(black_box(request), black_box(candidates)));
-            },
-        );
+        let (linked_ns, loaded_ns) =
+            selection_medians(rounds, batch, &linked, &dynamic, request, candidates);
         println!(
             "kvcr selection per booking, interleaved A/B ({rounds} rounds × {batch}): linked median {linked_ns:.0} ns, loaded median {loaded_ns:.0} ns, ratio loaded/linked = {:.3} (target ≤ 1.05)",
             loaded_ns / linked_ns

@@ -627,6 +627,56 @@ pub mod bench {
         let (mut xs, mut ys) = interleaved(rounds, batch, a, b);
         (median(&mut xs), median(&mut ys))
     }
+
+    /// Selection policy `type_name` with `parameters` from `registry`, as a snapshot
+    /// builds it: with the built-in default from the same registry as its fallback.
+    pub fn selection_stage(
+        registry: &kvhint::registry::Registry,
+        type_name: &str,
+        parameters: &serde_json::Value,
+        block_size: usize,
+    ) -> kvhint::selection::SelectionStage {
+        let settings = kvhint_plugin_api::abi::FfiRouterSettings {
+            block_size: block_size as u32,
+            seed: 0,
+        };
+        let construct = |name: &str, parameters: &serde_json::Value| {
+            registry
+                .construct_selection(name, parameters, &settings)
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        kvhint::selection::SelectionStage::new(
+            construct(type_name, parameters),
+            Some(construct(
+                kvhint::selection::FALLBACK_TYPE,
+                &serde_json::json!({}),
+            )),
+            std::sync::Arc::default(),
+        )
+    }
+
+    /// Median ns per call of two selection stages on the same request and
+    /// candidates, interleaved ([`interleaved_medians`]).
+    pub fn selection_medians(
+        rounds: usize,
+        batch: usize,
+        a: &kvhint::selection::SelectionStage,
+        b: &kvhint::selection::SelectionStage,
+        request: &kvhint_plugin_api::abi::FfiSelectionRequest<'_>,
+        candidates: &[kvhint_plugin_api::abi::FfiCandidate<'_>],
+    ) -> (f64, f64) {
+        use std::hint::black_box;
+        interleaved_medians(
+            rounds,
+            batch,
+            || {
+                black_box(a.select(black_box(request), black_box(candidates)));
+            },
+            || {
+                black_box(b.select(black_box(request), black_box(candidates)));
+            },
+        )
+    }
 }
 
 /// Runs `command` to its end with no stdin, failing the test (not hanging the
