@@ -4,8 +4,8 @@
 //! still matching are the AND of the sets met so far, one word per 64 workers, so a
 //! node that 64 workers hold costs one AND instead of 64 checks. Only words with a bit
 //! set are kept, so a node held by a few workers of a large fleet costs a word or two,
-//! not a fleet-sized bitmap. The set is small (40 bytes, one word inline) because every node of
-//! the tree carries one and a walk reads one per node.
+//! not a fleet-sized bitmap. The set is small (40 bytes, one word inline) because
+//! every node of the tree carries one and a walk reads one per node.
 
 use smallvec::SmallVec;
 
