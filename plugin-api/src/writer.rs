@@ -482,12 +482,13 @@ impl MessageWriter {
             return;
         }
         // Digits are written in place, into room made once for the whole array
-        // (at most 20 digits and a comma per value), then the room left over is
-        // cut off. Formatting each value into a buffer and appending it would
-        // cost a `memcpy` call per value: most of the time of a fetch of
-        // thousands of hashes (a profile of the hint-stage bench).
+        // (at most 20 digits and a comma per value, and the last value's spare
+        // word), then the room left over is cut off. Formatting each value into a
+        // buffer and appending it would cost a `memcpy` call per value: most of the
+        // time of a fetch of thousands of hashes (a profile of the hint-stage bench).
         let start = self.out.len();
-        self.out.resize(start + values.len() * 21 + 2, 0);
+        self.out
+            .resize(start + values.len() * 21 + 2 + DECIMAL_ROOM, 0);
         let room = &mut self.out[start..];
         room[0] = b'[';
         let mut at = 1;
@@ -508,45 +509,113 @@ impl MessageWriter {
     }
 }
 
-/// Two ASCII digits for each of 0..100.
-const DIGIT_PAIRS: &[u8; 200] = b"\
-    0001020304050607080910111213141516171819\
-    2021222324252627282930313233343536373839\
-    4041424344454647484950515253545556575859\
-    6061626364656667686970717273747576777879\
-    8081828384858687888990919293949596979899";
+/// The room [`write_decimal`] may write into: 20 digits, and whole 8-byte words
+/// that can run past the last digit.
+const DECIMAL_ROOM: usize = 24;
 
-/// Writes `value` in decimal at the start of `out` (which has room for 20
-/// digits); returns how many digits it wrote.
-fn write_decimal(out: &mut [u8], mut value: u64) -> usize {
-    let len = value.checked_ilog10().map_or(1, |log| log as usize + 1);
-    let out = &mut out[..len];
-    let mut end = len;
-    // Four digits per division, as the `itoa` crate does.
-    while value >= 10_000 {
-        let rest = (value % 10_000) as usize;
-        value /= 10_000;
-        let (high, low) = (rest / 100 * 2, rest % 100 * 2);
-        end -= 4;
-        out[end..end + 4].copy_from_slice(&[
-            DIGIT_PAIRS[high],
-            DIGIT_PAIRS[high + 1],
-            DIGIT_PAIRS[low],
-            DIGIT_PAIRS[low + 1],
-        ]);
+/// 10^i for i in 0..20.
+const POW10: [u64; 20] = {
+    let mut table = [1u64; 20];
+    let mut i = 1;
+    while i < 20 {
+        table[i] = table[i - 1] * 10;
+        i += 1;
     }
-    let mut value = value as usize;
-    if value >= 100 {
-        let pair = value % 100 * 2;
-        value /= 100;
-        end -= 2;
-        out[end..end + 2].copy_from_slice(&[DIGIT_PAIRS[pair], DIGIT_PAIRS[pair + 1]]);
+    table
+};
+
+/// The two ASCII digits of each of 0..100 as the bytes of a little-endian u16. Room
+/// for 128, so that an index masked to 7 bits needs no bounds check.
+static DIGIT_PAIRS: [u16; 128] = {
+    let mut table = [0u16; 128];
+    let mut i = 0;
+    while i < 100 {
+        table[i] = u16::from_le_bytes([b'0' + (i / 10) as u8, b'0' + (i % 10) as u8]);
+        i += 1;
     }
-    if value >= 10 {
-        let pair = value * 2;
-        out[..2].copy_from_slice(&[DIGIT_PAIRS[pair], DIGIT_PAIRS[pair + 1]]);
+    table
+};
+
+/// How many decimal digits `value` has (1 for 0): a guess from its bit length,
+/// corrected by one comparison.
+#[inline(always)]
+fn decimal_len(value: u64) -> usize {
+    let bits = 64 - (value | 1).leading_zeros() as usize;
+    // 1233 / 4096 is just above log10(2): the guess is the digit count or one less.
+    let guess = (bits * 1233) >> 12;
+    guess + usize::from((value | 1) >= POW10[guess])
+}
+
+#[inline(always)]
+fn pair(digits: u64) -> u64 {
+    u64::from(DIGIT_PAIRS[(digits & 127) as usize])
+}
+
+/// The eight digits of `x` (< 10^8, leading zeros kept), most significant first, as
+/// the bytes of a little-endian word.
+#[inline(always)]
+fn eight_digits(x: u32) -> u64 {
+    // x / 10^6 in fixed point with 48 fraction bits, the constant rounded up: the
+    // integer part is the first two digits, and each next pair is the integer part of
+    // the fraction times 100. Exact for every x < 10^8 (the tests check them all). No
+    // division, and the four pairs are one multiply apart.
+    const FRACTION: u64 = (1 << 48) - 1;
+    let y = u64::from(x) * 281_474_977;
+    let first = pair(y >> 48);
+    let y = (y & FRACTION) * 100;
+    let second = pair(y >> 48);
+    let y = (y & FRACTION) * 100;
+    let third = pair(y >> 48);
+    let y = (y & FRACTION) * 100;
+    first | second << 16 | third << 32 | pair(y >> 48) << 48
+}
+
+/// The four digits of `x` (< 10^4, leading zeros kept) in the low half of a word.
+#[inline(always)]
+fn four_digits(x: u32) -> u64 {
+    let high = (x * 5243) >> 19; // x / 100 for every x < 10^4
+    pair(u64::from(high)) | pair(u64::from(x - high * 100)) << 16
+}
+
+/// The `k` (1..=8) low digits of `x` (< 10^k), as the first `k` bytes of a word.
+#[inline(always)]
+fn leading_digits(x: u32, k: usize) -> u64 {
+    if k <= 4 {
+        four_digits(x) >> (8 * (4 - k))
     } else {
-        out[0] = b'0' + value as u8;
+        eight_digits(x) >> (8 * (8 - k))
+    }
+}
+
+/// Writes `value` in decimal at the start of `out`; returns how many digits it
+/// wrote. `out` must have [`DECIMAL_ROOM`] bytes: digits go out as whole 8-byte
+/// words, and the bytes after the last digit are left for the caller to overwrite.
+/// (A profile of the booking bench had the previous four-digits-per-division loop at
+/// a quarter of a booking; this takes about a third fewer instructions for 12-digit
+/// values and two fifths fewer for the 19–20-digit hashes engines publish.)
+fn write_decimal(out: &mut [u8], value: u64) -> usize {
+    let len = decimal_len(value);
+    let Some(out) = out.get_mut(..DECIMAL_ROOM) else {
+        return 0;
+    };
+    let mut put = |at: usize, word: u64| out[at..at + 8].copy_from_slice(&word.to_le_bytes());
+    if len <= 8 {
+        put(0, leading_digits(value as u32, len));
+    } else if len <= 16 {
+        let high = value / 100_000_000;
+        let low = (value - high * 100_000_000) as u32;
+        let k = len - 8;
+        put(0, leading_digits(high as u32, k));
+        put(k, eight_digits(low));
+    } else {
+        let top = value / 10_000_000_000_000_000;
+        let rest = value - top * 10_000_000_000_000_000;
+        let middle = rest / 100_000_000;
+        let low = (rest - middle * 100_000_000) as u32;
+        let k = len - 16;
+        put(0, leading_digits(top as u32, k));
+        put(k, eight_digits(middle as u32));
+        put(k + 8, eight_digits(low));
     }
     len
 }
@@ -882,11 +951,45 @@ mod tests {
             serde_json::json!([])
         );
         // Every width, against the standard library's formatting.
-        let mut room = [0u8; 20];
+        let mut room = [0u8; DECIMAL_ROOM];
         for i in 0..20_000u64 {
             let value = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (i % 64);
             let len = write_decimal(&mut room, value);
             assert_eq!(&room[..len], value.to_string().as_bytes());
+        }
+        // Each power of ten and its neighbours, where the digit count changes.
+        let mut edges = vec![0, u64::MAX, u64::MAX - 1];
+        for power in POW10 {
+            edges.extend([power - 1, power, power + 1]);
+        }
+        for value in edges {
+            let len = write_decimal(&mut room, value);
+            assert_eq!(&room[..len], value.to_string().as_bytes());
+        }
+    }
+
+    /// The fixed-point digit extraction is exact for every one of the 10^8 inputs it
+    /// can be given, not just the sampled ones.
+    #[test]
+    fn eight_digits_are_exact_for_every_input() {
+        // The expected digits, counted up in ASCII alongside (cheap enough for a debug
+        // build to go through all 10^8).
+        let mut expected = *b"00000000";
+        for x in 0..100_000_000u32 {
+            if eight_digits(x).to_le_bytes() != expected {
+                panic!(
+                    "eight_digits({x}) wrote {:?}",
+                    eight_digits(x).to_le_bytes()
+                );
+            }
+            for digit in expected.iter_mut().rev() {
+                if *digit == b'9' {
+                    *digit = b'0';
+                } else {
+                    *digit += 1;
+                    break;
+                }
+            }
         }
     }
 

@@ -2,6 +2,9 @@
 //! 4,096 hashes each, envelope included — and the host's own overhead in it
 //! (the stage's time minus the time spent inside the policies' `build_hints`),
 //! as p50 and p99 for the DESIGN §8 target case: 4 policies, 256 hashes.
+//! The peer's hashes are small numbers (13 digits) in the main cases; the
+//! `*_engine_hashes` cases give it full-width 64-bit hashes, as vLLM and SGLang
+//! publish them (19–20 digits in decimal), since writing them is most of a fetch.
 //!
 //! Everything runs through [`HintStage::run`] on a raw `FfiHintContext`. Since
 //! ABI 2 a policy writes its actions straight into the host's message through
@@ -24,7 +27,20 @@ use kvhint_plugin_api::testing::{TestBooking, TestPeer, TestWorker};
 use std::hint::black_box;
 use std::time::Instant;
 
-fn booking(hashes: u64) -> TestBooking {
+/// A booking whose one peer holds `hashes` blocks, named by small numbers, or
+/// (`wide`) by full-width hashes that look random, as engines' do.
+fn booking(hashes: u64, wide: bool) -> TestBooking {
+    let peer_hash = |i: u64| {
+        if wide {
+            // splitmix64's finalizer: distinct, and spread over the whole range.
+            let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        } else {
+            (1 << 40) + i
+        }
+    };
     TestBooking {
         request_id: "req-1".into(),
         worker: TestWorker::capable(1),
@@ -35,7 +51,7 @@ fn booking(hashes: u64) -> TestBooking {
         block_hashes: (0..hashes).collect(),
         peers: vec![TestPeer {
             worker: TestWorker::capable(7),
-            block_hashes: (1 << 40..(1 << 40) + hashes).collect(),
+            block_hashes: (0..hashes).map(peer_hash).collect(),
         }],
         ..Default::default()
     }
@@ -61,13 +77,14 @@ fn benches(c: &mut Criterion) {
     let mut group = c.benchmark_group("hint_stage");
     for policies in [1, 4, 8] {
         let stage = stage(&registry, policies);
-        for hashes in [16u64, 256, 4096] {
-            let booking = booking(hashes);
+        for (hashes, wide) in [(16u64, false), (256, false), (4096, false), (256, true)] {
+            let booking = booking(hashes, wide);
+            let kind = if wide { "engine_hashes" } else { "hashes" };
             booking.with_raw_context(|context| {
                 assert_eq!(stage.run(context).action_types.len(), policies);
                 group.throughput(Throughput::Elements(policies as u64));
                 group.bench_with_input(
-                    BenchmarkId::new(format!("{policies}_policies"), format!("{hashes}_hashes")),
+                    BenchmarkId::new(format!("{policies}_policies"), format!("{hashes}_{kind}")),
                     context,
                     |b, context| b.iter(|| black_box(stage.run(black_box(context)))),
                 );
@@ -82,7 +99,7 @@ fn benches(c: &mut Criterion) {
     // made during build_hints, so they count as inside.
     let stage = stage(&registry, 4);
     let runs = if is_bench() { 200_000 } else { 200 };
-    booking(256).with_raw_context(|context| {
+    booking(256, false).with_raw_context(|context| {
         let inside = || -> u64 {
             stage
                 .policies()
@@ -127,7 +144,7 @@ fn benches(c: &mut Criterion) {
             .collect(),
         HintLimits::default(),
     );
-    booking(256).with_raw_context(|context| {
+    booking(256, false).with_raw_context(|context| {
         let mut total: Vec<f64> = (0..runs)
             .map(|_| {
                 let started = Instant::now();
