@@ -530,7 +530,7 @@ impl Router {
             let worker = &entry.worker;
             let cached_blocks = matches.cached_in_slot(entry.slot);
             let peer_copy = if wants_peer_copies && worker.router_hint {
-                best_peer(table, ranked, worker, cached_blocks)
+                best_peer(table, ranked, entry, cached_blocks)
             } else {
                 None
             };
@@ -799,19 +799,11 @@ impl PeerHashSource for IndexRows<'_> {
 fn best_peer(
     table: &WorkerTable,
     ranked: &[Ranked],
-    worker: &Worker,
+    worker: &WorkerEntry,
     cached_blocks: usize,
 ) -> Option<usize> {
     ranked
         .iter()
         .take_while(|r| r.cached > cached_blocks)
-        .position(|r| {
-            r.key != worker.key
-                && table.by_slot(r.slot).is_some_and(|e| {
-                    let peer = &e.worker;
-                    peer.router_hint
-                        && peer.worker_type == worker.worker_type
-                        && !peer.source_control_endpoint.is_empty()
-                })
-        })
+        .position(|r| r.key != worker.worker.key && table.can_supply(r.slot, worker.slot))
 }

@@ -83,6 +83,12 @@ pub struct WorkerTable {
     by_role: [Vec<Arc<WorkerEntry>>; 3],
     /// Indexed by KV-index slot, so a lookup's matches map to workers without a search.
     by_slot: Vec<Option<Arc<WorkerEntry>>>,
+    /// By slot: the worker's `worker_type` as a number (equal numbers, equal types), so
+    /// a booking matches a worker with its peers without comparing strings.
+    type_by_slot: Vec<u32>,
+    /// By slot: whether the worker can be a copy's source (it takes hints and names a
+    /// control endpoint peers pull from).
+    donor_by_slot: Vec<bool>,
 }
 
 fn role_index(role: Role) -> usize {
@@ -106,11 +112,37 @@ impl WorkerTable {
             }
             by_slot[slot] = Some(Arc::clone(entry));
         }
+        // Few distinct types (usually one), so a scan interns them.
+        let mut types: Vec<&str> = Vec::new();
+        let mut type_by_slot = vec![u32::MAX; by_slot.len()];
+        let mut donor_by_slot = vec![false; by_slot.len()];
+        for entry in &all {
+            let worker = &entry.worker;
+            let id = match types.iter().position(|t| **t == *worker.worker_type) {
+                Some(id) => id,
+                None => {
+                    types.push(&worker.worker_type);
+                    types.len() - 1
+                }
+            };
+            type_by_slot[entry.slot as usize] = id as u32;
+            donor_by_slot[entry.slot as usize] =
+                worker.router_hint && !worker.source_control_endpoint.is_empty();
+        }
         Self {
             all,
             by_role,
             by_slot,
+            type_by_slot,
+            donor_by_slot,
         }
+    }
+
+    /// Whether the worker in `slot` could supply a copy to `to` (in the table): a
+    /// donor of the same worker type.
+    pub fn can_supply(&self, slot: Slot, to: Slot) -> bool {
+        self.donor_by_slot.get(slot as usize) == Some(&true)
+            && self.type_by_slot.get(slot as usize) == self.type_by_slot.get(to as usize)
     }
 
     pub fn by_slot(&self, slot: Slot) -> Option<&Arc<WorkerEntry>> {
