@@ -318,6 +318,54 @@ fn r9_kv_fetch_sends_the_committed_copy() {
     );
 }
 
+/// A committed copy comes only from a peer that could send it: one of the booked
+/// worker's own worker type, taking hints, with a control endpoint for its rank.
+/// Longer prefixes on peers missing any one of those are passed over.
+#[test]
+fn r6_a_committed_copy_comes_only_from_an_eligible_peer() {
+    let fixture = config_file(
+        "router: {block_size: 4}\nworker_selection:\n  decode:\n    type: kvcr\n    parameters: {shared_cache_multiplier: 0.75}\n",
+    );
+    let (snapshot, _loader) = snapshot_of(&fixture, None).unwrap();
+    let prompt = tokens(500, 32);
+    let records = vec![
+        worker(1, 0, "decode", true, "decode"),
+        // Wins on its own cache unless a peer's copy is credited to worker 1.
+        worker(2, 0, "decode", false, ""),
+        stored(2, 0, &prompt[..4], BS, 2000),
+        // The whole prompt, but another worker type.
+        worker(3, 0, "prefill", true, "other"),
+        stored(3, 0, &prompt, BS, 3000),
+        // The whole prompt and the right type, but no router_hint.
+        json!({"type": "worker", "worker_id": 4, "dp_rank": 0, "role": "prefill",
+               "runtime_data": {"router_hint": false, "router_hint_worker_type": "decode",
+                                "router_hint_source_control_endpoints": {"0": "tcp://10.0.0.4:23280"}}}),
+        stored(4, 0, &prompt, BS, 4000),
+        // The whole prompt, the right type and router_hint, but no endpoint for its rank.
+        json!({"type": "worker", "worker_id": 6, "dp_rank": 0, "role": "prefill",
+               "runtime_data": {"router_hint": true, "router_hint_worker_type": "decode",
+                                "router_hint_source_control_endpoints": {"1": "tcp://10.0.0.6:23281"}}}),
+        stored(6, 0, &prompt, BS, 6000),
+        // Half of it, from an eligible peer.
+        worker(5, 0, "prefill", true, "decode"),
+        stored(5, 0, &prompt[..16], BS, 5000),
+        request("r", "decode", &prompt),
+    ];
+    let (bookings, errors) = replay_records(&snapshot, &records);
+    assert!(errors.is_empty(), "{errors}");
+    let booking = bookings.last().unwrap();
+    assert_eq!(booking["worker_id"], 1, "{booking}");
+    assert_eq!(
+        booking["committed_copy"],
+        json!({"source_worker_id": 5, "source_dp_rank": 0, "first_block": 0, "last_block": 4}),
+        "{booking}"
+    );
+    assert_eq!(
+        fetch_payload(booking)["source_control_endpoint"],
+        "tcp://10.0.0.5:23280"
+    );
+}
+
 /// Worker 10 (aggregated, default cost fn: no commitments) holds one block of
 /// the prompt and is booked; peers hold more, and kv_fetch picks one best
 /// effort.
