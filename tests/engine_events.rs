@@ -3,7 +3,7 @@
 //! events do to bookings, and random and mutated bytes (no panic, every error an `Err`).
 
 use kvhint::engine_events::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
-use kvhint::router::index::KvEvent;
+use kvhint::router::index::{block_content, identity_seed, HashedBlock, KvEvent};
 use kvhint::router::{BookRequest, Router};
 use kvhint_e2e::{kvcr_snapshot, workspace_root};
 use serde_json::json;
@@ -33,18 +33,27 @@ fn decode(payload: &[u8]) -> DecodedBatch {
     out
 }
 
-fn stored_hashes(event: &KvEvent) -> (Option<u64>, Vec<u64>) {
+/// A decoded store: (parent, identity seed, blocks). The decoder hashes each block's
+/// tokens (and any extra keys) where it decodes them (`KvEvent::Hashed`).
+fn hashed(event: &KvEvent) -> (Option<u64>, Option<u64>, &[HashedBlock]) {
     match event {
-        KvEvent::Stored {
+        KvEvent::Hashed {
             parent_block_hash,
+            identity,
             blocks,
-            ..
-        } => (
-            *parent_block_hash,
-            blocks.iter().map(|b| b.block_hash).collect(),
-        ),
+        } => (*parent_block_hash, *identity, blocks),
         other => panic!("expected a stored event, got {other:?}"),
     }
+}
+
+fn stored_hashes(event: &KvEvent) -> (Option<u64>, Vec<u64>) {
+    let (parent, _, blocks) = hashed(event);
+    (parent, blocks.iter().map(|b| b.block_hash).collect())
+}
+
+/// The content hash of a block of `tokens` with no inputs besides its tokens.
+fn plain(tokens: impl IntoIterator<Item = u32>) -> u64 {
+    block_content(&tokens.into_iter().collect::<Vec<u32>>(), None)
 }
 
 /// The same four events — a root store, a continuation, a removal, a clear — in every
@@ -67,12 +76,13 @@ fn assert_chain(engine: &str, case: &str, hashes: [u64; 3]) {
         (Some(hashes[1]), vec![hashes[2]]),
         "{engine}/{case}"
     );
-    if let KvEvent::Stored { blocks, .. } = &batch.events[0] {
-        assert_eq!(
-            blocks[1].token_ids.as_slice(),
-            (16..32).collect::<Vec<u32>>()
-        );
-    }
+    let (_, identity, blocks) = hashed(&batch.events[0]);
+    assert_eq!(identity, None, "{engine}/{case}: no LoRA, no salt");
+    assert_eq!(
+        (blocks[0].content, blocks[1].content),
+        (plain(0..16), plain(16..32)),
+        "{engine}/{case}: each block's tokens"
+    );
     assert_eq!(
         batch.events[2],
         KvEvent::Removed {
@@ -139,19 +149,18 @@ fn digest_hashes_become_the_integer_vllm_publishes_in_its_default_mode() {
 fn lora_and_salt_come_from_each_engines_own_fields() {
     for engine in ENGINES {
         let batch = decode(&fixture(engine, "lora-salt").unwrap());
-        let [KvEvent::Stored {
-            lora_name,
-            cache_salt,
-            extra_keys,
-            ..
-        }] = batch.events.as_slice()
-        else {
+        let [event] = batch.events.as_slice() else {
             panic!("{engine}: {:?}", batch.events);
         };
-        assert_eq!(lora_name.as_deref(), Some("adapter-a"), "{engine}");
-        assert_eq!(cache_salt.as_deref(), Some("salt-1"), "{engine}");
-        assert!(
-            extra_keys.is_empty(),
+        let (_, identity, blocks) = hashed(event);
+        assert_eq!(
+            identity,
+            identity_seed(Some("adapter-a"), Some("salt-1")),
+            "{engine}: the LoRA name and the salt seed the hashes"
+        );
+        assert_eq!(
+            (blocks[0].content, blocks[1].content),
+            (plain(100..116), plain(116..132)),
             "{engine}: the LoRA name and salt are identity, not extra keys"
         );
     }
@@ -161,17 +170,17 @@ fn lora_and_salt_come_from_each_engines_own_fields() {
 fn multimodal_extra_keys_are_hashed_into_their_block() {
     for engine in ["vllm-0.33.0", "vllm-0.23.0"] {
         let batch = decode(&fixture(engine, "multimodal").unwrap());
-        let [KvEvent::Stored {
-            extra_keys,
-            cache_salt,
-            ..
-        }] = batch.events.as_slice()
-        else {
+        let [event] = batch.events.as_slice() else {
             panic!("{engine}: {:?}", batch.events);
         };
-        assert_eq!(extra_keys.len(), 1, "{engine}");
-        assert_eq!(extra_keys[0].0, 0);
-        assert_eq!(cache_salt, &None, "{engine}: an mm pair is not a salt");
+        let (_, identity, blocks) = hashed(event);
+        assert_eq!(blocks.len(), 1, "{engine}");
+        assert_ne!(
+            blocks[0].content,
+            plain(200..216),
+            "{engine}: the image's key is hashed into its block"
+        );
+        assert_eq!(identity, None, "{engine}: an mm pair is not a salt");
     }
 }
 
@@ -416,13 +425,10 @@ fn sglang_eagle_bigram_tokens_decode_to_their_first_token() {
         json!([{"type": "BlockStored", "block_hashes": [-1],
         "parent_block_hash": null, "token_ids": pairs, "block_size": 16, "lora_id": null}]),
     ));
-    let [KvEvent::Stored { blocks, .. }] = batch.events.as_slice() else {
+    let [event] = batch.events.as_slice() else {
         panic!("{:?}", batch.events);
     };
-    assert_eq!(
-        blocks[0].token_ids.as_slice(),
-        (0..16).collect::<Vec<u32>>()
-    );
+    assert_eq!(hashed(event).2[0].content, plain(0..16));
 }
 
 #[test]

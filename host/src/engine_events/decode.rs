@@ -26,7 +26,7 @@
 //! [`DecodeCounts`]; anything malformed fails the whole batch with a [`DecodeError`]
 //! that says where — the subscriber counts it and resynchronises, never panics.
 
-use crate::router::index::{BlockTokens, KvEvent, StoredBlock};
+use crate::router::index::{block_content, identity_seed, HashedBlock, KvEvent};
 use rmp::decode as mp;
 use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
@@ -688,24 +688,29 @@ fn finish(
             .fold_salt(fields.cache_salt),
     };
     counts.stored += 1;
+    // Each block is hashed here, on the source's own thread, straight from the
+    // decoded token ids: the ingestion thread that every source shares only chains
+    // the hashes, and the event carries 16 bytes a block, not its tokens.
+    let mut extras = extra_keys.iter().peekable();
     let stored = fields
         .block_hashes
         .iter()
         .zip(fields.token_ids.chunks_exact(settings.block_size))
-        .map(|(hash, tokens)| StoredBlock {
-            block_hash: *hash,
-            token_ids: BlockTokens::from_slice(tokens),
+        .enumerate()
+        .map(|(index, (hash, tokens))| {
+            let extra = extras
+                .next_if(|(at, _)| *at as usize == index)
+                .map(|&(_, extra)| extra);
+            HashedBlock {
+                block_hash: *hash,
+                content: block_content(tokens, extra),
+            }
         })
         .collect();
-    out.events.push(KvEvent::Stored {
+    out.events.push(KvEvent::Hashed {
         parent_block_hash: fields.parent,
+        identity: identity_seed(fields.lora_name, cache_salt),
         blocks: stored,
-        lora_name: fields
-            .lora_name
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned),
-        cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
-        extra_keys,
     });
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! `/admin/status` without a lock.
 
 use super::decode::DecodedBatch;
+use crate::router::index::KvEvent;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -191,8 +192,9 @@ impl SourceStats {
             .events
             .iter()
             .map(|e| match e {
-                crate::router::index::KvEvent::Stored { blocks, .. } => blocks.len(),
-                _ => 0,
+                KvEvent::Stored { blocks, .. } => blocks.len(),
+                KvEvent::Hashed { blocks, .. } => blocks.len(),
+                KvEvent::Removed { .. } | KvEvent::Cleared => 0,
             })
             .sum();
         add(&self.blocks_stored, blocks as u64);

@@ -78,6 +78,29 @@ pub enum RouterError {
     TooManyOpenBookings { open: usize },
 }
 
+impl RouterError {
+    /// The index's refusal of an event, for its worker (each refusal names it).
+    fn from_event(refused: index::KvEventError) -> Self {
+        let worker = match &refused {
+            index::KvEventError::WrongBlockSize { worker, .. }
+            | index::KvEventError::UnknownParent { worker, .. }
+            | index::KvEventError::UnknownWorker { worker } => *worker,
+        };
+        match refused {
+            index::KvEventError::UnknownWorker { .. } => Self::UnknownWorker {
+                worker_id: worker.worker_id,
+                dp_rank: worker.dp_rank,
+            },
+            refused => Self::KvEvent {
+                worker_id: worker.worker_id,
+                dp_rank: worker.dp_rank,
+                unknown_parent: matches!(refused, index::KvEventError::UnknownParent { .. }),
+                message: refused.to_string(),
+            },
+        }
+    }
+}
+
 /// The role `request` asks for in `snapshot`, or why it cannot be booked.
 pub fn configured_role(snapshot: &Snapshot, role: Role) -> Result<&RoleRuntime, RouterError> {
     snapshot
@@ -317,37 +340,29 @@ impl Router {
         events: impl IntoIterator<Item = (WorkerKey, KvEvent)>,
     ) -> Vec<Result<index::ApplyStats, RouterError>> {
         let table = self.workers.load();
+        // An event for an unknown worker is answered here; the others go to the index
+        // in order, and their results fill the places kept for them.
         let mut results: Vec<Result<index::ApplyStats, RouterError>> = Vec::new();
-        let mut accepted = Vec::new();
-        for (key, event) in events {
-            if table.get(key).is_none() {
-                results.push(Err(RouterError::UnknownWorker {
-                    worker_id: key.worker_id,
-                    dp_rank: key.dp_rank,
-                }));
-            } else {
-                results.push(Ok(index::ApplyStats::default()));
-                accepted.push((results.len() - 1, key, event));
-            }
-        }
-        let positions: Vec<(usize, WorkerKey)> =
-            accepted.iter().map(|(i, key, _)| (*i, *key)).collect();
         let applied = self
             .index
-            .apply_batch(accepted.into_iter().map(|(_, key, event)| (key, event)));
-        for ((at, key), result) in positions.into_iter().zip(applied) {
-            results[at] = result.map_err(|e| match e {
-                index::KvEventError::UnknownWorker { .. } => RouterError::UnknownWorker {
-                    worker_id: key.worker_id,
-                    dp_rank: key.dp_rank,
-                },
-                e => RouterError::KvEvent {
-                    worker_id: key.worker_id,
-                    dp_rank: key.dp_rank,
-                    unknown_parent: matches!(e, index::KvEventError::UnknownParent { .. }),
-                    message: e.to_string(),
-                },
-            });
+            .apply_batch(events.into_iter().filter_map(|(key, event)| {
+                if table.get(key).is_none() {
+                    results.push(Err(RouterError::UnknownWorker {
+                        worker_id: key.worker_id,
+                        dp_rank: key.dp_rank,
+                    }));
+                    None
+                } else {
+                    results.push(Ok(index::ApplyStats::default()));
+                    Some((key, event))
+                }
+            }));
+        let mut applied = applied.into_iter();
+        for slot in results.iter_mut().filter(|r| r.is_ok()) {
+            let Some(result) = applied.next() else {
+                break;
+            };
+            *slot = result.map_err(RouterError::from_event);
         }
         results
     }

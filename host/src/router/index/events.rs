@@ -37,6 +37,20 @@ pub enum KvEvent {
         #[serde(skip)]
         extra_keys: Vec<(u32, u64)>,
     },
+    /// A `stored` event whose blocks were hashed where it was decoded: what an engine
+    /// subscription hands the index. The decoder reads each block's token ids once and
+    /// keeps only their [`block_content`](super::hashing::block_content), so the
+    /// ingestion thread, which every source shares, chains hashes instead of hashing
+    /// tokens, and an event carries 16 bytes a block instead of its token ids. Not on
+    /// the JSON wire (`POST /kv_events` sends tokens, as [`KvEvent::Stored`]).
+    #[serde(skip)]
+    Hashed {
+        parent_block_hash: Option<u64>,
+        /// [`identity_seed`](super::hashing::identity_seed) of the event's LoRA name
+        /// and cache salt.
+        identity: Option<u64>,
+        blocks: Vec<HashedBlock>,
+    },
     /// Blocks the engine evicted, by engine hash.
     Removed { block_hashes: Vec<u64> },
     /// The engine dropped its whole cache (restart, reset).
@@ -63,6 +77,15 @@ impl KvEvent {
 pub struct StoredBlock {
     pub block_hash: u64,
     pub token_ids: BlockTokens,
+}
+
+/// One block of a [`KvEvent::Hashed`]: its engine hash and the router's hash of its
+/// content ([`block_content`](super::hashing::block_content): its tokens, and any
+/// other inputs the engine hashed into it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HashedBlock {
+    pub block_hash: u64,
+    pub content: u64,
 }
 
 /// A block's token ids: inline up to 16 (the usual block size), so decoding an engine

@@ -99,7 +99,28 @@ pub fn chained_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
 /// matches no prompt of tokens alone, as it matches none in the engine.
 #[inline]
 pub fn chained_hash_with_extra(parent: Option<u64>, tokens: &[u32], extra: u64) -> u64 {
-    chained(parent, chain(content_hash(tokens), extra ^ EXTRA_TAG))
+    chained(parent, block_content(tokens, Some(extra)))
+}
+
+/// What a block contributes to its sequence hash, before the chain: its
+/// [`content_hash`], or, for a block whose engine hash also covers other inputs
+/// hashed to `extra`, `chain(content_hash, extra ^ 0x6d6d6b6579730001)`. An engine
+/// subscription computes it where it decodes the event ([`super::KvEvent::Hashed`]),
+/// and [`chained_content`] finishes the sequence hash on the ingestion thread, to the
+/// same value [`chained_hash`] / [`chained_hash_with_extra`] give.
+#[inline]
+pub fn block_content(tokens: &[u32], extra: Option<u64>) -> u64 {
+    match extra {
+        None => content_hash(tokens),
+        Some(extra) => chain(content_hash(tokens), extra ^ EXTRA_TAG),
+    }
+}
+
+/// The sequence hash of a block whose [`block_content`] is `content`, following
+/// `parent` (`None` for block 0; the request identity seed there, if any).
+#[inline]
+pub fn chained_content(parent: Option<u64>, content: u64) -> u64 {
+    chained(parent, content)
 }
 
 const EXTRA_TAG: u64 = 0x6d6d_6b65_7973_0001;

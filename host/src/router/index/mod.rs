@@ -55,10 +55,10 @@ mod rows;
 pub mod shared;
 
 pub use crate::domain::WorkerKey;
-pub use events::{ApplyStats, BlockTokens, KvEvent, KvEventError, StoredBlock};
+pub use events::{ApplyStats, BlockTokens, HashedBlock, KvEvent, KvEventError, StoredBlock};
 pub use hashing::{
-    block_hashes, chained_hash, chained_hash_with_extra, identity_seed, seeded_block_hashes,
-    HASH_SEED,
+    block_content, block_hashes, chained_content, chained_hash, chained_hash_with_extra,
+    identity_seed, seeded_block_hashes, HASH_SEED,
 };
 pub use holders::Slot;
 pub use lookup::{Found, Matches, RowScratch};
@@ -172,7 +172,10 @@ struct Node {
     parent: NodeId,
     children: Children,
     /// The `offset` its blocks' [`BlockAt`] entries count from, so that splitting a node
-    /// rewrites only the moved blocks' entries.
+    /// rewrites only the moved blocks' entries. It only grows along a sequence that
+    /// keeps growing at its end while losing its head, so after 2^32 blocks through one
+    /// sequence it wraps: offsets and positions are computed modulo 2^32 (wrapping
+    /// arithmetic), which is exact while a node holds fewer than 2^32 blocks.
     first: u32,
     live: bool,
 }
@@ -216,6 +219,21 @@ impl Node {
     }
 }
 
+/// Splits `v` before `k` like [`Vec::split_off`], but copies the shorter side out: the
+/// longer side keeps the buffer and its spare room. A worker that evicts the head of a
+/// sequence it is still extending splits off a short head, so the tail, where its next
+/// blocks are appended, keeps the capacity it grew instead of starting again from an
+/// exact-size copy.
+fn split_buffer<T: Copy>(v: &mut Vec<T>, k: usize) -> Vec<T> {
+    if k <= v.len() - k {
+        let head = v[..k].to_vec();
+        v.drain(..k);
+        std::mem::replace(v, head)
+    } else {
+        v.split_off(k)
+    }
+}
+
 /// Where a block is: its node and `first + position` in it.
 #[derive(Debug, Clone, Copy)]
 struct BlockAt {
@@ -250,14 +268,64 @@ pub struct KvIndex {
     resolved: Vec<(u64, u64)>,
 }
 
-/// The parts of a `stored` event [`KvIndex::apply_stored`] hashes, besides its parent.
+/// The parts of a stored event [`KvIndex::resolve`] hashes, besides its parent.
 #[derive(Clone, Copy)]
 pub(crate) struct Stored<'a> {
     /// [`identity_seed`] of the event's LoRA name and cache salt.
     pub identity: Option<u64>,
-    pub blocks: &'a [StoredBlock],
-    /// (block index, hash of its other inputs), ascending by index.
-    pub extra_keys: &'a [(u32, u64)],
+    pub contents: Contents<'a>,
+}
+
+/// A stored event's blocks: their tokens ([`KvEvent::Stored`]), or their content
+/// hashes, computed where the event was decoded ([`KvEvent::Hashed`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Contents<'a> {
+    Tokens {
+        blocks: &'a [StoredBlock],
+        /// (block index, hash of its other inputs), ascending by index.
+        extra_keys: &'a [(u32, u64)],
+    },
+    Hashed(&'a [HashedBlock]),
+}
+
+impl<'a> Stored<'a> {
+    /// The parts of `event` to resolve and its parent, if it stores blocks.
+    pub(crate) fn of(event: &'a KvEvent) -> Option<(Option<u64>, Self)> {
+        match event {
+            KvEvent::Stored {
+                parent_block_hash,
+                blocks,
+                lora_name,
+                cache_salt,
+                extra_keys,
+            } => Some((
+                *parent_block_hash,
+                Stored {
+                    identity: identity_seed(lora_name.as_deref(), cache_salt.as_deref()),
+                    contents: Contents::Tokens { blocks, extra_keys },
+                },
+            )),
+            KvEvent::Hashed {
+                parent_block_hash,
+                identity,
+                blocks,
+            } => Some((
+                *parent_block_hash,
+                Stored {
+                    identity: *identity,
+                    contents: Contents::Hashed(blocks),
+                },
+            )),
+            KvEvent::Removed { .. } | KvEvent::Cleared => None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self.contents {
+            Contents::Tokens { blocks, .. } => blocks.len(),
+            Contents::Hashed(blocks) => blocks.len(),
+        }
+    }
 }
 
 impl KvIndex {
@@ -368,33 +436,17 @@ impl KvIndex {
     ) -> Result<ApplyStats, KvEventError> {
         let book = self.book();
         let mut book = book.lock();
-        match event {
-            KvEvent::Stored {
-                parent_block_hash,
-                blocks,
-                lora_name,
-                cache_salt,
-                extra_keys,
-            } => {
-                let mut resolved = std::mem::take(&mut self.resolved);
-                let identity = identity_seed(lora_name.as_deref(), cache_salt.as_deref());
-                let result = self.resolve(
-                    &book,
-                    worker,
-                    *parent_block_hash,
-                    Stored {
-                        identity,
-                        blocks,
-                        extra_keys,
-                    },
-                    &mut resolved,
-                );
-                if result.is_ok() {
-                    self.store_resolved(&mut *book, worker, *parent_block_hash, &resolved);
-                }
-                self.resolved = resolved;
-                result
+        if let Some((parent, stored)) = Stored::of(event) {
+            let mut resolved = std::mem::take(&mut self.resolved);
+            let result = self.resolve(&book, worker, parent, stored, &mut resolved);
+            if result.is_ok() {
+                self.store_resolved(&mut *book, worker, parent, &resolved);
             }
+            self.resolved = resolved;
+            return result;
+        }
+        match event {
+            KvEvent::Stored { .. } | KvEvent::Hashed { .. } => Ok(ApplyStats::default()),
             KvEvent::Removed { block_hashes } => {
                 Ok(self.apply_removed(&mut *book, worker, block_hashes))
             }
@@ -417,60 +469,111 @@ impl KvIndex {
         stored: Stored<'_>,
         resolved: &mut Vec<(u64, u64)>,
     ) -> Result<ApplyStats, KvEventError> {
-        let blocks = stored.blocks;
         resolved.clear();
         // Every check happens before the first change, which is what makes the event
-        // atomic without an undo log.
-        if let Some((index, block)) = blocks
-            .iter()
-            .enumerate()
-            .find(|(_, b)| b.token_ids.len() != self.block_size)
-        {
-            return Err(KvEventError::WrongBlockSize {
-                worker,
-                index,
-                block_hash: block.block_hash,
-                tokens: block.token_ids.len(),
-                block_size: self.block_size,
-            });
+        // atomic without an undo log. (A hashed event's block size was checked where it
+        // was decoded, against the same setting.)
+        if let Contents::Tokens { blocks, .. } = stored.contents {
+            if let Some((index, block)) = blocks
+                .iter()
+                .enumerate()
+                .find(|(_, b)| b.token_ids.len() != self.block_size)
+            {
+                return Err(KvEventError::WrongBlockSize {
+                    worker,
+                    index,
+                    block_hash: block.block_hash,
+                    tokens: block.token_ids.len(),
+                    block_size: self.block_size,
+                });
+            }
         }
-        // A sequence's first block carries the request identity; a continuation
-        // inherits it through its parent's hash.
-        let mut parent = match parent_block_hash {
-            None => stored.identity,
+        let mut parent = self.first_parent(book, worker, parent_block_hash, stored.identity)?;
+        resolved.reserve(stored.len());
+        match stored.contents {
+            Contents::Tokens { blocks, extra_keys } => {
+                let mut extras = extra_keys.iter().peekable();
+                for (index, block) in blocks.iter().enumerate() {
+                    let seq = match extras.next_if(|(at, _)| *at as usize == index) {
+                        Some(&(_, extra)) => {
+                            chained_hash_with_extra(parent, &block.token_ids, extra)
+                        }
+                        None => chained_hash(parent, &block.token_ids),
+                    };
+                    resolved.push((block.block_hash, seq));
+                    parent = Some(seq);
+                }
+            }
+            Contents::Hashed(blocks) => {
+                for block in blocks {
+                    let seq = chained_content(parent, block.content);
+                    resolved.push((block.block_hash, seq));
+                    parent = Some(seq);
+                }
+            }
+        }
+        Ok(ApplyStats {
+            stored: stored.len(),
+            ..ApplyStats::default()
+        })
+    }
+
+    /// What a stored event's first block chains onto: the sequence hash of the block
+    /// its engine calls `parent_block_hash`, or for a sequence's first block the
+    /// request identity (a continuation inherits it through its parent's hash).
+    fn first_parent(
+        &self,
+        book: &Book,
+        worker: WorkerKey,
+        parent_block_hash: Option<u64>,
+        identity: Option<u64>,
+    ) -> Result<Option<u64>, KvEventError> {
+        match parent_block_hash {
+            None => Ok(identity),
             Some(parent_hash) => match self
                 .slot_of(worker)
                 .and_then(|slot| book.copy(slot, parent_hash))
             {
-                Some(copy) => Some(self.seq_of(copy.block)),
-                None => {
-                    return Err(KvEventError::UnknownParent {
-                        worker,
-                        parent_block_hash: parent_hash,
-                    })
-                }
+                Some(copy) => Ok(Some(self.seq_of(copy.block))),
+                None => Err(KvEventError::UnknownParent {
+                    worker,
+                    parent_block_hash: parent_hash,
+                }),
             },
-        };
-        resolved.reserve(blocks.len());
-        let mut extras = stored.extra_keys.iter().peekable();
-        for (index, block) in blocks.iter().enumerate() {
-            let seq = match extras.next_if(|(at, _)| *at as usize == index) {
-                Some(&(_, extra)) => chained_hash_with_extra(parent, &block.token_ids, extra),
-                None => chained_hash(parent, &block.token_ids),
-            };
-            resolved.push((block.block_hash, seq));
-            parent = Some(seq);
         }
-        Ok(ApplyStats {
+    }
+
+    /// [`resolve`](Self::resolve) of a [`KvEvent::Hashed`] that hands over its blocks:
+    /// they become its (engine hash, sequence hash) pairs in their own buffer, with no
+    /// copy and no allocation.
+    fn resolve_hashed(
+        &self,
+        book: &Book,
+        worker: WorkerKey,
+        parent_block_hash: Option<u64>,
+        identity: Option<u64>,
+        blocks: Vec<HashedBlock>,
+    ) -> Result<(ApplyStats, Vec<(u64, u64)>), KvEventError> {
+        let mut parent = self.first_parent(book, worker, parent_block_hash, identity)?;
+        let stats = ApplyStats {
             stored: blocks.len(),
             ..ApplyStats::default()
-        })
+        };
+        let resolved = blocks
+            .into_iter()
+            .map(|block| {
+                let seq = chained_content(parent, block.content);
+                parent = Some(seq);
+                (block.block_hash, seq)
+            })
+            .collect();
+        Ok((stats, resolved))
     }
 
     fn at(&self, block: BlockId) -> (NodeId, usize) {
         let at = self.blocks[block as usize];
         let node = &self.nodes[at.node as usize];
-        (at.node, (at.offset - node.first) as usize)
+        (at.node, at.offset.wrapping_sub(node.first) as usize)
     }
 
     fn seq_of(&self, block: BlockId) -> u64 {
@@ -589,7 +692,7 @@ impl KvIndex {
             let n = &mut self.nodes[node as usize];
             self.blocks[block as usize] = BlockAt {
                 node,
-                offset: n.first + n.len() as u32,
+                offset: n.first.wrapping_add(n.len() as u32),
             };
             n.push_block(slot, seq, block, engine);
             added += 1;
@@ -682,7 +785,7 @@ impl KvIndex {
         if parent != NO_NODE {
             let p = &mut self.nodes[parent as usize];
             if p.children.is_empty() && p.holders.len() == 1 && p.holders.contains(slot) {
-                let offset = p.first + p.len() as u32;
+                let offset = p.first.wrapping_add(p.len() as u32);
                 p.push_block(slot, seq, block, engine);
                 self.blocks[block as usize] = BlockAt {
                     node: parent,
@@ -746,12 +849,12 @@ impl KvIndex {
     fn split(&mut self, node: NodeId, k: usize) -> NodeId {
         let tail_id = self.new_node(node);
         let n = &mut self.nodes[node as usize];
-        let seqs = n.seqs.split_off(k);
-        let ids = n.ids.split_off(k);
+        let seqs = split_buffer(&mut n.seqs, k);
+        let ids = split_buffer(&mut n.ids, k);
         let holders = n.holders.clone();
         let engines = n.engines.split_off(k);
         let children = std::mem::take(&mut n.children);
-        let first = n.first + k as u32;
+        let first = n.first.wrapping_add(k as u32);
         let head_seq = seqs[0];
         n.children.insert(head_seq, tail_id);
         for child in children.nodes() {
@@ -796,12 +899,12 @@ impl KvIndex {
         }
         let c = std::mem::take(&mut self.nodes[child as usize]);
         let p = &mut self.nodes[parent as usize];
-        let base = p.first + p.len() as u32;
+        let base = p.first.wrapping_add(p.len() as u32);
         p.engines.append(c.engines);
         for (j, &block) in c.ids.iter().enumerate() {
             self.blocks[block as usize] = BlockAt {
                 node: parent,
-                offset: base + j as u32,
+                offset: base.wrapping_add(j as u32),
             };
         }
         p.seqs.extend_from_slice(&c.seqs);

@@ -257,6 +257,12 @@ impl Tape {
         self.blocks.clear();
         self.answers.reserve(answers);
     }
+
+    /// Entries the tape has room for (for keeping spare tapes): its answers and the
+    /// blocks of a drained worker.
+    pub fn capacity(&self) -> usize {
+        self.answers.capacity() + self.blocks.capacity()
+    }
 }
 
 // The tape holds an answer per block an event touches: keep it small.

@@ -141,7 +141,7 @@ impl EngineRows {
     /// result has the rest.
     pub(super) fn split_off(&mut self, k: usize) -> Self {
         let len = self.common.len();
-        let common = self.common.split_off(k);
+        let common = super::split_buffer(&mut self.common, k);
         let Some(odd) = &mut self.odd else {
             return Self { common, odd: None };
         };

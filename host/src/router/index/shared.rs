@@ -19,14 +19,35 @@
 //! event and then books sees it.
 
 use super::names::{Recording, Replay, Tape};
-use super::{identity_seed, ApplyStats, KvEvent, KvEventError, KvIndex, Slot, Stored, WorkerKey};
+use super::{ApplyStats, KvEvent, KvEventError, KvIndex, Slot, Stored, WorkerKey};
 use left_right::{Absorb, ReadHandle, ReadHandleFactory, WriteHandle};
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-type Outcome = Arc<OnceLock<Result<ApplyStats, KvEventError>>>;
+/// The outcomes of one batch's events, in the order the first copy applied them: one
+/// allocation per batch, not one per event.
+type Outcomes = Arc<Mutex<Vec<Result<ApplyStats, KvEventError>>>>;
+
+/// Tapes the second copy has replayed, kept for the next ops: a steady stream of events
+/// allocates no tape per event. Bounded in count and in each tape's size, so one huge
+/// event (a clear of a large cache) does not keep its tape's memory forever.
+#[derive(Default)]
+struct Spares {
+    tapes: Vec<Tape>,
+}
+
+const SPARE_TAPES: usize = 1024;
+const SPARE_TAPE_ENTRIES: usize = 4096;
+
+impl Spares {
+    fn keep(&mut self, tape: Tape) {
+        if self.tapes.len() < SPARE_TAPES && tape.capacity() <= SPARE_TAPE_ENTRIES {
+            self.tapes.push(tape);
+        }
+    }
+}
 
 /// One change to the index, as the writer's log holds it until both copies have it.
 pub enum Op {
@@ -36,10 +57,12 @@ pub enum Op {
         /// resolved copies so the second copy does not hash again.
         event: Option<KvEvent>,
         parent: Option<u64>,
+        /// A stored event's (engine hash, sequence hash) pairs; a hashed event's own
+        /// buffer, resolved in place.
         resolved: Vec<(u64, u64)>,
         /// The book's answers to the first application, for the second.
         tape: Tape,
-        outcome: Outcome,
+        outcomes: Outcomes,
     },
     AddWorker {
         worker: WorkerKey,
@@ -55,17 +78,23 @@ pub enum Op {
 /// One of the two copies `left-right` keeps. Both share one book of names: the copy
 /// that applies an op first asks it and records the answers, the other replays them.
 /// Only `left-right` clones it, once, while the index is still empty.
-pub struct Twin(KvIndex);
+pub struct Twin {
+    index: KvIndex,
+    spares: Arc<Mutex<Spares>>,
+}
 
 impl Clone for Twin {
     fn clone(&self) -> Self {
-        Self(self.0.twin())
+        Self {
+            index: self.index.twin(),
+            spares: Arc::clone(&self.spares),
+        }
     }
 }
 
 impl Absorb<Op> for Twin {
     fn absorb_first(&mut self, op: &mut Op, _: &Self) {
-        let index = &mut self.0;
+        let index = &mut self.index;
         let book = index.book();
         let mut book = book.lock();
         match op {
@@ -75,11 +104,12 @@ impl Absorb<Op> for Twin {
                 parent,
                 resolved,
                 tape,
-                outcome,
+                outcomes,
             } => {
                 // About one answer per block, and two more per event.
                 let blocks = match event {
                     Some(KvEvent::Stored { blocks, .. }) => blocks.len(),
+                    Some(KvEvent::Hashed { blocks, .. }) => blocks.len(),
                     Some(KvEvent::Removed { block_hashes }) => block_hashes.len(),
                     _ => 0,
                 };
@@ -95,31 +125,44 @@ impl Absorb<Op> for Twin {
                     Some(_) if index.slot_of(*worker).is_none() => {
                         Err(KvEventError::UnknownWorker { worker: *worker })
                     }
-                    Some(KvEvent::Stored {
+                    Some(KvEvent::Hashed {
                         parent_block_hash,
+                        identity,
                         blocks,
-                        lora_name,
-                        cache_salt,
-                        extra_keys,
                     }) => {
                         *parent = parent_block_hash;
-                        let identity = identity_seed(lora_name.as_deref(), cache_salt.as_deref());
-                        let result = index.resolve(
+                        match index.resolve_hashed(
                             names.book,
                             *worker,
                             parent_block_hash,
-                            Stored {
-                                identity,
-                                blocks: &blocks,
-                                extra_keys: &extra_keys,
-                            },
-                            resolved,
-                        );
-                        if result.is_ok() {
-                            index.store_resolved(&mut names, *worker, *parent, resolved);
+                            identity,
+                            blocks,
+                        ) {
+                            Ok((stats, pairs)) => {
+                                *resolved = pairs;
+                                index.store_resolved(&mut names, *worker, *parent, resolved);
+                                Ok(stats)
+                            }
+                            Err(refused) => Err(refused),
                         }
-                        result
                     }
+                    Some(stored @ KvEvent::Stored { .. }) => match Stored::of(&stored) {
+                        Some((parent_block_hash, contents)) => {
+                            *parent = parent_block_hash;
+                            let result = index.resolve(
+                                names.book,
+                                *worker,
+                                parent_block_hash,
+                                contents,
+                                resolved,
+                            );
+                            if result.is_ok() {
+                                index.store_resolved(&mut names, *worker, *parent, resolved);
+                            }
+                            result
+                        }
+                        None => Ok(ApplyStats::default()),
+                    },
                     Some(KvEvent::Removed { block_hashes }) => {
                         let stats = index.apply_removed(&mut names, *worker, &block_hashes);
                         *event = Some(KvEvent::Removed { block_hashes });
@@ -139,7 +182,7 @@ impl Absorb<Op> for Twin {
                     resolved.clear();
                     *event = None;
                 }
-                let _ = outcome.set(result);
+                outcomes.lock().push(result);
             }
             Op::AddWorker { worker, slot } => {
                 let _ = slot.set(index.add_worker_with(&mut *book, *worker));
@@ -156,7 +199,7 @@ impl Absorb<Op> for Twin {
     }
 
     fn absorb_second(&mut self, op: Op, _: &Self) {
-        let index = &mut self.0;
+        let index = &mut self.index;
         match op {
             Op::Event {
                 worker,
@@ -176,10 +219,11 @@ impl Absorb<Op> for Twin {
                     }
                     // A stored event was resolved by the first application, and a
                     // refused one left nothing to replay.
-                    Some(KvEvent::Stored { .. }) | None => {
+                    Some(KvEvent::Stored { .. } | KvEvent::Hashed { .. }) | None => {
                         index.store_resolved(&mut names, worker, parent, &resolved)
                     }
                 }
+                self.spares.lock().keep(tape);
             }
             Op::AddWorker { worker, .. } => {
                 index.add_worker_with(&mut Replay::new(&Tape::default()), worker);
@@ -210,12 +254,17 @@ pub struct SharedIndex {
     readers: ReadHandleFactory<Twin>,
     block_size: usize,
     publishes: AtomicU64,
+    /// Shared with both copies ([`Spares`]).
+    spares: Arc<Mutex<Spares>>,
 }
 
 impl SharedIndex {
     pub fn new(block_size: usize) -> Self {
-        let (writer, reader) =
-            left_right::new_from_empty::<Twin, Op>(Twin(KvIndex::new(block_size)));
+        let spares = Arc::new(Mutex::new(Spares::default()));
+        let (writer, reader) = left_right::new_from_empty::<Twin, Op>(Twin {
+            index: KvIndex::new(block_size),
+            spares: Arc::clone(&spares),
+        });
         let readers = reader.factory();
         let mut writer = writer;
         // The first publish makes the copies distinct; do it before anyone reads.
@@ -226,6 +275,7 @@ impl SharedIndex {
             readers,
             block_size,
             publishes: AtomicU64::new(0),
+            spares,
         }
     }
 
@@ -267,31 +317,29 @@ impl SharedIndex {
         &self,
         events: impl IntoIterator<Item = (WorkerKey, KvEvent)>,
     ) -> Vec<Result<ApplyStats, KvEventError>> {
-        let outcomes: Vec<Outcome> = {
+        let outcomes = Outcomes::default();
+        {
             let mut writer = self.writer.lock();
-            let outcomes: Vec<Outcome> = events
-                .into_iter()
-                .map(|(worker, event)| {
-                    let outcome = Outcome::default();
+            {
+                // Not held across the publish: the second copy hands tapes back there.
+                let mut spares = self.spares.lock();
+                for (worker, event) in events {
                     writer.append(Op::Event {
                         worker,
                         event: Some(event),
                         parent: None,
                         resolved: Vec::new(),
-                        tape: Tape::default(),
-                        outcome: Arc::clone(&outcome),
+                        tape: spares.tapes.pop().unwrap_or_default(),
+                        outcomes: Arc::clone(&outcomes),
                     });
-                    outcome
-                })
-                .collect();
+                }
+            }
             writer.publish();
-            outcomes
-        };
+        }
         self.publishes.fetch_add(1, Ordering::Relaxed);
-        outcomes
-            .into_iter()
-            .map(|o| o.get().cloned().unwrap_or(Ok(ApplyStats::default())))
-            .collect()
+        // The first copy applied every event of the batch in this publish, in order.
+        let results = std::mem::take(&mut *outcomes.lock());
+        results
     }
 
     /// Gives `worker` a slot (or returns the one it has) and publishes.
@@ -329,7 +377,7 @@ impl SharedIndex {
 
 fn read_with<R>(handle: &ReadHandle<Twin>, block_size: usize, f: impl FnOnce(&KvIndex) -> R) -> R {
     match handle.enter() {
-        Some(index) => f(&index.0),
+        Some(twin) => f(&twin.index),
         // Only while the index is being dropped: nothing is held then.
         None => f(&KvIndex::new(block_size.max(1))),
     }

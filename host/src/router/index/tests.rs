@@ -33,6 +33,38 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
     )
 }
 
+/// `event` as an engine subscription hands it over ([`KvEvent::Hashed`]): each block
+/// hashed where it was decoded, with its extra keys, and the identity as a seed.
+fn hashed_form(event: &KvEvent) -> KvEvent {
+    match event {
+        KvEvent::Stored {
+            parent_block_hash,
+            blocks,
+            lora_name,
+            cache_salt,
+            extra_keys,
+        } => {
+            let mut extras = extra_keys.iter().peekable();
+            KvEvent::Hashed {
+                parent_block_hash: *parent_block_hash,
+                identity: identity_seed(lora_name.as_deref(), cache_salt.as_deref()),
+                blocks: blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| HashedBlock {
+                        block_hash: b.block_hash,
+                        content: block_content(
+                            &b.token_ids,
+                            extras.next_if(|(at, _)| *at as usize == i).map(|e| e.1),
+                        ),
+                    })
+                    .collect(),
+            }
+        }
+        other => other.clone(),
+    }
+}
+
 /// A xorshift generator: `next(bound)` is the next value below `bound`. Seeded, so a
 /// failing random test fails the same way again.
 fn xorshift(seed: u64) -> impl FnMut(u64) -> u64 {
@@ -488,6 +520,112 @@ fn chained_stored_events_continue_the_request_hashes() {
     assert_eq!(out.engine_hashes(w(1, 0)), &[1, 2, 3]);
 }
 
+/// An engine subscription hashes each block where it decodes the event: stored that
+/// way, a sequence (with a LoRA name, a salt and a block with an extra key) is the
+/// same sequence as stored from its tokens.
+#[test]
+fn a_store_hashed_where_it_was_decoded_lands_where_its_tokens_would() {
+    let tokens = prompt(6);
+    let event = |parent: Option<u64>, range: std::ops::Range<usize>, extra_keys| {
+        let blocks = tokens[range.start * BS..range.end * BS]
+            .chunks(BS)
+            .zip(range.clone())
+            .map(|(t, i)| StoredBlock {
+                block_hash: 1 + i as u64,
+                token_ids: t.into(),
+            })
+            .collect();
+        KvEvent::Stored {
+            parent_block_hash: parent,
+            blocks,
+            lora_name: Some("adapter".into()),
+            cache_salt: Some("salt".into()),
+            extra_keys,
+        }
+    };
+    // The second event's second block (block 4) also covers an image.
+    let events = [
+        event(None, 0..3, vec![]),
+        event(Some(3), 3..6, vec![(1, 77)]),
+    ];
+    let (mut by_tokens, mut by_content) = (KvIndex::new(BS), KvIndex::new(BS));
+    for e in &events {
+        let expected = by_tokens.apply(w(1, 0), e);
+        assert_eq!(by_content.apply(w(1, 0), &hashed_form(e)), expected);
+    }
+    let mut query = Vec::new();
+    seeded_block_hashes(
+        &tokens,
+        BS,
+        identity_seed(Some("adapter"), Some("salt")),
+        &mut query,
+    );
+    let answer = |index: &KvIndex, query: &[u64]| {
+        let mut out = Overlaps::new();
+        index.overlaps(query, &mut out);
+        as_vec(&out)
+    };
+    // Tokens alone match up to the block with the image, under the same identity only.
+    assert_eq!(
+        answer(&by_content, &query),
+        vec![(w(1, 0), vec![1, 2, 3, 4])]
+    );
+    assert_eq!(answer(&by_content, &query), answer(&by_tokens, &query));
+    assert!(answer(&by_content, &hashes(&tokens)).is_empty());
+    by_content.check_invariants();
+}
+
+/// A node's offsets only grow along a sequence that keeps growing at its end while
+/// losing its head; after 2^32 blocks through it they wrap, and the index must keep
+/// working (a debug build used to panic on the overflow). The wrap is staged by moving
+/// a sequence's offsets to just below 2^32, then growing, splitting and evicting it.
+#[test]
+fn node_offsets_that_wrap_past_u32_max_keep_every_answer() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(8);
+    let engines: Vec<u64> = (1..=8).collect();
+    index
+        .apply(w(1, 0), &stored(None, &tokens[..3 * BS], &engines[..3]))
+        .unwrap();
+    let node = index.blocks[0].node;
+    let base = u32::MAX - 1;
+    index.nodes[node as usize].first = base;
+    for (j, &block) in index.nodes[node as usize].ids.clone().iter().enumerate() {
+        index.blocks[block as usize].offset = base.wrapping_add(j as u32);
+    }
+    index.check_invariants();
+    // Appends past the wrap, a branch that splits the node, and an eviction of its head.
+    index
+        .apply(w(1, 0), &stored(Some(3), &tokens[3 * BS..], &engines[3..]))
+        .unwrap();
+    let mut branch = tokens.clone();
+    branch[5 * BS] += 1;
+    index
+        .apply(
+            w(2, 0),
+            &stored(None, &branch[..6 * BS], &[1, 2, 3, 4, 5, 60]),
+        )
+        .unwrap();
+    index.check_invariants();
+    assert_eq!(
+        as_vec(&overlaps(&index, &tokens)),
+        vec![(w(1, 0), engines.clone()), (w(2, 0), vec![1, 2, 3, 4, 5])]
+    );
+    index
+        .apply(
+            w(1, 0),
+            &KvEvent::Removed {
+                block_hashes: vec![1],
+            },
+        )
+        .unwrap();
+    index.check_invariants();
+    assert_eq!(
+        as_vec(&overlaps(&index, &branch)),
+        vec![(w(2, 0), vec![1, 2, 3, 4, 5, 60])]
+    );
+}
+
 #[test]
 fn overlaps_are_ordered_longest_then_worker_then_rank() {
     let mut index = KvIndex::new(BS);
@@ -743,7 +881,11 @@ impl KvIndex {
             for (j, &block) in node.ids.iter().enumerate() {
                 let at = self.blocks[block as usize];
                 assert_eq!(at.node, id, "block {block} points at another node");
-                assert_eq!(at.offset, node.first + j as u32, "block {block} offset");
+                assert_eq!(
+                    at.offset,
+                    node.first.wrapping_add(j as u32),
+                    "block {block} offset"
+                );
             }
             assert_eq!(
                 node.engines.common().len(),
@@ -1108,6 +1250,11 @@ fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
             batch.push((k, event));
         }
         let expected: Vec<_> = batch.iter().map(|(k, e)| plain.apply(*k, e)).collect();
+        // Half the stores come as an engine subscription hands them over, hashed.
+        let batch = batch.into_iter().map(|(k, e)| match next(2) {
+            0 => (k, hashed_form(&e)),
+            _ => (k, e),
+        });
         assert_eq!(shared.apply_batch(batch), expected, "round {round}");
         publishes += 1;
         if round % 250 == 249 {
