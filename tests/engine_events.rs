@@ -418,6 +418,51 @@ fn batch_of(events: serde_json::Value) -> Vec<u8> {
     out
 }
 
+/// Token ids in every msgpack width (fixint, u8, u16, u32) and at each width's edges,
+/// in the map form and in the array form with the ids as the payload's last bytes
+/// (where fewer than 8 bytes remain and the decoder reads them another way).
+#[test]
+fn token_ids_of_every_width_decode_exactly_up_to_the_payloads_last_byte() {
+    let edges = [
+        0u32,
+        1,
+        127,
+        128,
+        200,
+        255,
+        256,
+        1_000,
+        65_535,
+        65_536,
+        70_000,
+        16_777_215,
+        16_777_216,
+        1 << 31,
+        u32::MAX - 1,
+        u32::MAX,
+    ];
+    let tokens: Vec<u32> = edges.iter().chain(edges.iter().rev()).copied().collect();
+    let expected = vec![plain(tokens[..16].to_vec()), plain(tokens[16..].to_vec())];
+    let map_form = batch_of(json!([{"type": "BlockStored", "block_hashes": [1, 2],
+        "parent_block_hash": null, "token_ids": tokens, "block_size": 16}]));
+    let mut array_form = Vec::new();
+    msgpack(
+        &mut array_form,
+        &json!([1.7e9, [["BlockStored", [1, 2], null, tokens]]]),
+    );
+    let mut ids = Vec::new();
+    msgpack(&mut ids, &json!(tokens));
+    assert!(array_form.ends_with(&ids), "the ids end the payload");
+    for payload in [map_form, array_form] {
+        let batch = decode(&payload);
+        let [event] = batch.events.as_slice() else {
+            panic!("{:?}", batch.events);
+        };
+        let contents: Vec<u64> = hashed(event).2.iter().map(|b| b.content).collect();
+        assert_eq!(contents, expected);
+    }
+}
+
 #[test]
 fn sglang_eagle_bigram_tokens_decode_to_their_first_token() {
     let pairs: Vec<serde_json::Value> = (0..16u32).map(|t| json!([t, t + 1])).collect();

@@ -108,19 +108,24 @@ pub struct GroupFilter {
     skipped: Vec<i64>,
 }
 
-/// Bytes after the marker of a token id: 0 for a positive fixint, 1/2/4 for
-/// u8/u16/u32; anything else is [`INVALID`] (read the slow way).
-const INVALID: u8 = 0xff;
-const TOKEN_WIDTH: [u8; 256] = {
-    let mut table = [INVALID; 256];
+/// How to read a token id from the 8 bytes at its marker, loaded as one big-endian
+/// word: by marker, `advance | shift << 8 | mask << 16`, the id being
+/// `(word >> shift) as u32 & mask`. A positive fixint is its marker (1 byte); u8, u16
+/// and u32 take their 1, 2 or 4 bytes after it. 0 for any other marker (read the slow
+/// way).
+const TOKEN_READ: [u64; 256] = {
+    const fn read(advance: u64, shift: u64, mask: u32) -> u64 {
+        advance | shift << 8 | (mask as u64) << 16
+    }
+    let mut table = [0; 256];
     let mut m = 0;
     while m < 0x80 {
-        table[m] = 0;
+        table[m] = read(1, 56, 0xff);
         m += 1;
     }
-    table[0xcc] = 1;
-    table[0xcd] = 2;
-    table[0xce] = 4;
+    table[0xcc] = read(2, 48, 0xff);
+    table[0xcd] = read(3, 40, 0xffff);
+    table[0xce] = read(5, 24, u32::MAX);
     table
 };
 
@@ -385,47 +390,47 @@ impl<'a> Reader<'a> {
     fn tokens(&mut self, out: &mut Vec<u32>) -> Result<(), DecodeError> {
         let len = self.array_len("token_ids")? as usize;
         out.clear();
-        out.reserve(len.min(MAX_LEN as usize));
+        // Every token id takes at least a byte: a count past the end of the payload is
+        // malformed, and refusing it bounds what is allocated for the ids.
+        if len > self.rest.len() {
+            return Err(self.fail(format!(
+                "token_ids promises {len} ids but {} bytes remain",
+                self.rest.len()
+            )));
+        }
+        out.resize(len, 0);
         // Token ids are non-negative integers below 2^32, and a vocabulary mixes their
         // one-, two-, three- and five-byte encodings at random, so a branch per width
-        // would mispredict about every other token: the width comes from a table and
-        // the value from one 4-byte load shifted into place. Other encodings, and the
-        // last few bytes of the payload, take `rmp`'s path.
-        let mut rest = self.rest;
-        for _ in 0..len {
-            let width = rest
-                .first()
-                .map_or(INVALID, |m| TOKEN_WIDTH[usize::from(*m)]);
-            let token = match rest.get(..5) {
-                Some(&[marker, a, b, c, d]) if width != INVALID => {
-                    let word = u64::from(u32::from_be_bytes([a, b, c, d]));
-                    let shifted = (word >> (32 - 8 * u32::from(width))) as u32;
-                    rest = &rest[1 + usize::from(width)..];
-                    if width == 0 {
-                        u32::from(marker)
-                    } else {
-                        shifted
-                    }
+        // would mispredict about every other token: one 8-byte load at the token's
+        // position, and a table by its marker says how to shift and mask the id out
+        // of it and how far to move on. Other encodings, and the last few bytes of the
+        // payload, take `rmp`'s path.
+        let bytes = self.rest;
+        let mut at = 0;
+        for slot in out.iter_mut() {
+            if let Some(word) = bytes.get(at..).and_then(<[u8]>::first_chunk::<8>) {
+                let word = u64::from_be_bytes(*word);
+                let read = TOKEN_READ[(word >> 56) as usize];
+                if read != 0 {
+                    *slot = (word >> (read >> 8 & 0x3f)) as u32 & (read >> 16) as u32;
+                    at += (read & 0xff) as usize;
+                    continue;
                 }
-                _ => {
-                    self.rest = rest;
-                    let token = if self.peek() == Some(Marker::FixArray(2)) {
-                        // SGLang under EAGLE publishes each token as a bigram (the
-                        // token, the next one): the first is the token.
-                        self.rest = &self.rest[1..];
-                        let token = self.int::<u32>("a token id")?;
-                        self.value()?;
-                        token
-                    } else {
-                        self.int::<u32>("a token id")?
-                    };
-                    rest = self.rest;
-                    token
-                }
+            }
+            self.rest = bytes.get(at..).unwrap_or_default();
+            *slot = if self.peek() == Some(Marker::FixArray(2)) {
+                // SGLang under EAGLE publishes each token as a bigram (the token, the
+                // next one): the first is the token.
+                self.rest = &self.rest[1..];
+                let token = self.int::<u32>("a token id")?;
+                self.value()?;
+                token
+            } else {
+                self.int::<u32>("a token id")?
             };
-            out.push(token);
+            at = bytes.len() - self.rest.len();
         }
-        self.rest = rest;
+        self.rest = bytes.get(at..).unwrap_or_default();
         Ok(())
     }
 
