@@ -266,6 +266,32 @@ pub struct KvIndex {
     book: Arc<Mutex<Book>>,
     /// Reused by [`KvIndex::apply`] for a stored event's resolved hashes.
     resolved: Vec<(u64, u64)>,
+    scratch: Scratch,
+}
+
+/// Lists the writer fills and empties within one event, kept so that a steady stream
+/// of removals allocates none (each was a fresh allocation per event, and a costly
+/// one: glibc's allocator sorting its bins on the write path).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// [`KvIndex::release_blocks`]: (node, position, block) of each block left.
+    at: Vec<(NodeId, usize, BlockId)>,
+    /// [`KvIndex::release_blocks`]: a block of each run left.
+    touched: Vec<BlockId>,
+    /// [`KvIndex::apply_removed`]: the blocks a worker leaves.
+    leaving: Vec<BlockId>,
+    /// Blocks whose nodes may be left empty by an event, pruned at its end.
+    prune: Vec<BlockId>,
+}
+
+impl Scratch {
+    /// Puts a list back for the next event, unless one huge event (a clear of a large
+    /// cache) grew it past what a usual one needs: that memory is given back.
+    fn keep<T>(slot: &mut Vec<T>, list: Vec<T>) {
+        if list.capacity() <= 1 << 16 {
+            *slot = list;
+        }
+    }
 }
 
 /// The parts of a stored event [`KvIndex::resolve`] hashes, besides its parent.
@@ -350,6 +376,7 @@ impl KvIndex {
             entries: 0,
             book: Arc::default(),
             resolved: Vec::new(),
+            scratch: Scratch::default(),
         }
     }
 
@@ -369,6 +396,7 @@ impl KvIndex {
             entries: self.entries,
             book: Arc::clone(&self.book),
             resolved: Vec::new(),
+            scratch: Scratch::default(),
         }
     }
 
@@ -606,7 +634,8 @@ impl KvIndex {
         };
         // Nodes that may have lost their last holder; pruned once the store is done, so
         // no block the cursor names is freed under it.
-        let mut prune = Vec::new();
+        let mut prune = std::mem::take(&mut self.scratch.prune);
+        prune.clear();
         let mut i = 0;
         while i < items.len() {
             let (engine, seq) = items[i];
@@ -946,7 +975,7 @@ impl KvIndex {
             None => false,
             Some(None) => true,
             Some(Some(block)) => {
-                self.release_blocks(slot, vec![block], prune);
+                self.release_blocks(slot, &[block], prune);
                 true
             }
         }
@@ -984,16 +1013,16 @@ impl KvIndex {
     /// or two splits whatever its length (splitting keeps the lower positions where
     /// they are), and a node the worker leaves whole is not split at all. The nodes
     /// touched are then merged where they agree, and their blocks added to `prune`.
-    fn release_blocks(&mut self, slot: Slot, blocks: Vec<BlockId>, prune: &mut Vec<BlockId>) {
-        let mut at: Vec<(NodeId, usize, BlockId)> = blocks
-            .into_iter()
-            .map(|block| {
-                let (node, pos) = self.at(block);
-                (node, pos, block)
-            })
-            .collect();
+    fn release_blocks(&mut self, slot: Slot, blocks: &[BlockId], prune: &mut Vec<BlockId>) {
+        let mut at = std::mem::take(&mut self.scratch.at);
+        at.clear();
+        at.extend(blocks.iter().map(|&block| {
+            let (node, pos) = self.at(block);
+            (node, pos, block)
+        }));
         at.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        let mut touched = Vec::new();
+        let mut touched = std::mem::take(&mut self.scratch.touched);
+        touched.clear();
         let mut k = 0;
         while k < at.len() {
             let (node, high, block) = at[k];
@@ -1013,13 +1042,16 @@ impl KvIndex {
                 self.merge_around(node);
             }
         }
-        prune.extend(touched);
+        prune.extend_from_slice(&touched);
+        Scratch::keep(&mut self.scratch.at, at);
+        Scratch::keep(&mut self.scratch.touched, touched);
     }
 
     /// Frees nodes no worker holds and no longer lead anywhere, then their parents in
     /// turn, merging what is left where it agrees.
+    /// `candidates` is the event's prune list, kept for the next event afterwards.
     fn prune_all(&mut self, candidates: Vec<BlockId>) {
-        for block in candidates {
+        for &block in &candidates {
             // A candidate's node may be gone already (pruned with an earlier one); a
             // stale entry then names a free or reused node, and pruning only ever
             // removes a node that is empty and leads nowhere, which is right for any.
@@ -1029,6 +1061,7 @@ impl KvIndex {
                 }
             }
         }
+        Scratch::keep(&mut self.scratch.prune, candidates);
     }
 
     fn prune(&mut self, mut node: NodeId) {
@@ -1069,7 +1102,8 @@ impl KvIndex {
             stats.missing_removals = engine_hashes.len();
             return stats;
         };
-        let mut leaving = Vec::new();
+        let mut leaving = std::mem::take(&mut self.scratch.leaving);
+        leaving.clear();
         for &engine in engine_hashes {
             match self.take_copy(names, slot, engine) {
                 None => stats.missing_removals += 1,
@@ -1079,8 +1113,10 @@ impl KvIndex {
                 }
             }
         }
-        let mut prune = Vec::new();
-        self.release_blocks(slot, leaving, &mut prune);
+        let mut prune = std::mem::take(&mut self.scratch.prune);
+        prune.clear();
+        self.release_blocks(slot, &leaving, &mut prune);
+        Scratch::keep(&mut self.scratch.leaving, leaving);
         self.prune_all(prune);
         stats
     }
