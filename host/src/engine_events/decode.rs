@@ -5,7 +5,10 @@
 //! SGLang, TRT-LLM) or a tagged array (vLLM ≤ 0.23). The decoder reads the bytes in one
 //! pass with `rmp`'s primitives, borrowing strings from the payload, and turns each
 //! event straight into the index's form, so a block costs one hash read and its token
-//! ids, not a tree of dynamic values. What it decides per event:
+//! ids, not a tree of dynamic values. A stored block leaves as its engine hash and the
+//! router's hash of its content ([`KvEvent::Hashed`]): hashing here, on the source's
+//! own thread, keeps that work off the ingestion thread that every source shares.
+//! What it decides per event:
 //! - **Hashes.** A u64 is kept as is; a negative integer (SGLang's signed i64) keeps its
 //!   64 bits (so a `kv.fetch` can give the engine back exactly what it published); a
 //!   byte string (vLLM's 32-byte digest when `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`)
