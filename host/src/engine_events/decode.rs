@@ -29,7 +29,7 @@
 //! [`DecodeCounts`]; anything malformed fails the whole batch with a [`DecodeError`]
 //! that says where — the subscriber counts it and resynchronises, never panics.
 
-use crate::router::index::{block_content, identity_seed, HashedBlock, KvEvent};
+use crate::router::index::{hashed_blocks, identity_seed, KvEvent};
 use rmp::decode as mp;
 use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
@@ -699,22 +699,14 @@ fn finish(
     // Each block is hashed here, on the source's own thread, straight from the
     // decoded token ids: the ingestion thread that every source shares only chains
     // the hashes, and the event carries 16 bytes a block, not its tokens.
-    let mut extras = extra_keys.iter().peekable();
-    let stored = fields
-        .block_hashes
-        .iter()
-        .zip(fields.token_ids.chunks_exact(settings.block_size))
-        .enumerate()
-        .map(|(index, (hash, tokens))| {
-            let extra = extras
-                .next_if(|(at, _)| *at as usize == index)
-                .map(|&(_, extra)| extra);
-            HashedBlock {
-                block_hash: *hash,
-                content: block_content(tokens, extra),
-            }
-        })
-        .collect();
+    let stored = hashed_blocks(
+        fields
+            .block_hashes
+            .iter()
+            .copied()
+            .zip(fields.token_ids.chunks_exact(settings.block_size)),
+        &extra_keys,
+    );
     out.events.push(KvEvent::Hashed {
         parent_block_hash: fields.parent,
         identity: identity_seed(fields.lora_name, cache_salt),

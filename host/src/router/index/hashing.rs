@@ -5,6 +5,7 @@
 //! ([`block_hashes`]) and for the blocks a `stored` event reports: an xxh3 of each block's
 //! tokens, chained by a cheap mix with the hash before it.
 
+use super::events::HashedBlock;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// Seed of every router block hash. Fixed so that hashes agree across router restarts
@@ -114,6 +115,28 @@ pub fn block_content(tokens: &[u32], extra: Option<u64>) -> u64 {
         None => content_hash(tokens),
         Some(extra) => chain(content_hash(tokens), extra ^ EXTRA_TAG),
     }
+}
+
+/// The [`HashedBlock`]s of a stored event's blocks, given as (engine hash, token ids),
+/// with `extra_keys` as (block index, hash of the block's other inputs), ascending by
+/// index: what an engine subscription hands the index ([`super::KvEvent::Hashed`]).
+pub fn hashed_blocks<'t>(
+    blocks: impl Iterator<Item = (u64, &'t [u32])>,
+    extra_keys: &[(u32, u64)],
+) -> Vec<HashedBlock> {
+    let mut extras = extra_keys.iter().peekable();
+    blocks
+        .enumerate()
+        .map(|(index, (block_hash, tokens))| {
+            let extra = extras
+                .next_if(|(at, _)| *at as usize == index)
+                .map(|&(_, extra)| extra);
+            HashedBlock {
+                block_hash,
+                content: block_content(tokens, extra),
+            }
+        })
+        .collect()
 }
 
 /// The sequence hash of a block whose [`block_content`] is `content`, following

@@ -58,7 +58,7 @@ pub use crate::domain::WorkerKey;
 pub use events::{ApplyStats, BlockTokens, HashedBlock, KvEvent, KvEventError, StoredBlock};
 pub use hashing::{
     block_content, block_hashes, chained_content, chained_hash, chained_hash_with_extra,
-    identity_seed, seeded_block_hashes, HASH_SEED,
+    hashed_blocks, identity_seed, seeded_block_hashes, HASH_SEED,
 };
 pub use holders::Slot;
 pub use lookup::{Found, Matches, RowScratch};

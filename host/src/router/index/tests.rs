@@ -36,32 +36,22 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
 /// `event` as an engine subscription hands it over ([`KvEvent::Hashed`]): each block
 /// hashed where it was decoded, with its extra keys, and the identity as a seed.
 fn hashed_form(event: &KvEvent) -> KvEvent {
-    match event {
-        KvEvent::Stored {
+    match Stored::of(event) {
+        Some((
             parent_block_hash,
-            blocks,
-            lora_name,
-            cache_salt,
-            extra_keys,
-        } => {
-            let mut extras = extra_keys.iter().peekable();
-            KvEvent::Hashed {
-                parent_block_hash: *parent_block_hash,
-                identity: identity_seed(lora_name.as_deref(), cache_salt.as_deref()),
-                blocks: blocks
-                    .iter()
-                    .enumerate()
-                    .map(|(i, b)| HashedBlock {
-                        block_hash: b.block_hash,
-                        content: block_content(
-                            &b.token_ids,
-                            extras.next_if(|(at, _)| *at as usize == i).map(|e| e.1),
-                        ),
-                    })
-                    .collect(),
-            }
-        }
-        other => other.clone(),
+            Stored {
+                identity,
+                contents: Contents::Tokens { blocks, extra_keys },
+            },
+        )) => KvEvent::Hashed {
+            parent_block_hash,
+            identity,
+            blocks: hashed_blocks(
+                blocks.iter().map(|b| (b.block_hash, &b.token_ids[..])),
+                extra_keys,
+            ),
+        },
+        _ => event.clone(),
     }
 }
 
