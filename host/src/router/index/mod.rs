@@ -285,8 +285,8 @@ struct Scratch {
 }
 
 impl Scratch {
-    /// Puts a list back for the next event, unless one huge event (a clear of a large
-    /// cache) grew it past what a usual one needs: that memory is given back.
+    /// Puts a list back for the next event, unless one huge event (a removal of much
+    /// of a large cache) grew it past what a usual one needs: that memory is given back.
     fn keep<T>(slot: &mut Vec<T>, list: Vec<T>) {
         if list.capacity() <= 1 << 16 {
             *slot = list;
