@@ -463,6 +463,32 @@ fn token_ids_of_every_width_decode_exactly_up_to_the_payloads_last_byte() {
     }
 }
 
+/// A hostile count: a `token_ids` array that promises two billion ids in a few
+/// bytes is refused as malformed at its count, which comes ahead of the ids' buffer.
+#[test]
+fn a_token_count_past_the_end_of_the_payload_is_refused_at_the_count() {
+    let mut payload = Vec::new();
+    rmp::encode::write_array_len(&mut payload, 2).unwrap();
+    rmp::encode::write_f64(&mut payload, 1.7e9).unwrap();
+    rmp::encode::write_array_len(&mut payload, 1).unwrap();
+    rmp::encode::write_array_len(&mut payload, 4).unwrap();
+    rmp::encode::write_str(&mut payload, "BlockStored").unwrap();
+    msgpack(&mut payload, &json!([1]));
+    rmp::encode::write_nil(&mut payload).unwrap();
+    // token_ids: an array32 header of 2^31 ids, then three bytes.
+    payload.extend_from_slice(&[0xdd, 0x80, 0, 0, 0, 1, 2, 3]);
+    let mut out = DecodedBatch::default();
+    let error = decode_batch(&payload, &settings(), &mut GroupFilter::default(), &mut out)
+        .expect_err("a count past the end is malformed");
+    assert!(
+        error
+            .problem
+            .contains("token_ids promises 2147483648 ids but 3 bytes remain"),
+        "{error}"
+    );
+    assert!(error.offset <= payload.len());
+}
+
 #[test]
 fn sglang_eagle_bigram_tokens_decode_to_their_first_token() {
     let pairs: Vec<serde_json::Value> = (0..16u32).map(|t| json!([t, t + 1])).collect();

@@ -284,11 +284,14 @@ struct Scratch {
     prune: Vec<BlockId>,
 }
 
+/// The most entries a scratch list keeps between events.
+const SCRATCH_KEEP: usize = 1 << 16;
+
 impl Scratch {
     /// Puts a list back for the next event, unless one huge event (a removal of much
     /// of a large cache) grew it past what a usual one needs: that memory is given back.
     fn keep<T>(slot: &mut Vec<T>, list: Vec<T>) {
-        if list.capacity() <= 1 << 16 {
+        if list.capacity() <= SCRATCH_KEEP {
             *slot = list;
         }
     }
