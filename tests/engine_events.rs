@@ -463,6 +463,75 @@ fn token_ids_of_every_width_decode_exactly_up_to_the_payloads_last_byte() {
     }
 }
 
+/// A long list read in stretches, where ids in encodings the fast loop does not read
+/// (a u64, or signed widths for non-negative ids, as some encoders write them) and
+/// SGLang's EAGLE bigrams turn up in the middle of a stretch, at its first id and at
+/// its last: every id still lands in its block, and an event field named by bytes
+/// that are not UTF-8 is skipped like any unknown field.
+#[test]
+fn ids_in_any_encoding_anywhere_in_a_long_list_decode_exactly() {
+    const BLOCKS: usize = 24;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let tokens: Vec<u32> = (0..BLOCKS * 16)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Every width, at random: fixint, u8, u16, u32.
+            (state % 4) as u32 * 8 + ((state >> 8) as u32 >> ((state >> 40) % 4 * 8))
+        })
+        .collect();
+    let mut ids = Vec::new();
+    rmp::encode::write_array_len(&mut ids, tokens.len() as u32).unwrap();
+    for (i, &t) in tokens.iter().enumerate() {
+        match i % 37 {
+            // The fast loop reads 16 ids a stretch: these land at a stretch's start,
+            // in its middle and at its end, in turn.
+            0 => rmp::encode::write_u64(&mut ids, u64::from(t)).unwrap(),
+            5 => rmp::encode::write_i64(&mut ids, i64::from(t)).unwrap(),
+            15 if t < 1 << 15 => rmp::encode::write_i16(&mut ids, t as i16).unwrap(),
+            16 | 21 => {
+                rmp::encode::write_array_len(&mut ids, 2).unwrap();
+                rmp::encode::write_uint(&mut ids, u64::from(t)).unwrap();
+                rmp::encode::write_uint(&mut ids, 7).unwrap();
+            }
+            _ => {
+                rmp::encode::write_uint(&mut ids, u64::from(t)).unwrap();
+            }
+        }
+    }
+    let hashes: Vec<u64> = (1..=BLOCKS as u64).collect();
+    let mut payload = Vec::new();
+    rmp::encode::write_array_len(&mut payload, 2).unwrap();
+    rmp::encode::write_f64(&mut payload, 1.7e9).unwrap();
+    rmp::encode::write_array_len(&mut payload, 1).unwrap();
+    rmp::encode::write_map_len(&mut payload, 6).unwrap();
+    rmp::encode::write_str(&mut payload, "type").unwrap();
+    rmp::encode::write_str(&mut payload, "BlockStored").unwrap();
+    // A key that is not UTF-8, with a value: an unknown field.
+    payload.extend_from_slice(&[0xa2, 0xff, 0xfe]);
+    rmp::encode::write_str(&mut payload, "ignored").unwrap();
+    rmp::encode::write_str(&mut payload, "block_hashes").unwrap();
+    msgpack(&mut payload, &json!(hashes));
+    rmp::encode::write_str(&mut payload, "parent_block_hash").unwrap();
+    rmp::encode::write_nil(&mut payload).unwrap();
+    rmp::encode::write_str(&mut payload, "token_ids").unwrap();
+    payload.extend_from_slice(&ids);
+    rmp::encode::write_str(&mut payload, "block_size").unwrap();
+    rmp::encode::write_uint(&mut payload, 16).unwrap();
+    let batch = decode(&payload);
+    assert_eq!(batch.counts.malformed, 0, "{:?}", batch.counts);
+    let [event] = batch.events.as_slice() else {
+        panic!("{:?}", batch.events);
+    };
+    let contents: Vec<u64> = hashed(event).2.iter().map(|b| b.content).collect();
+    let expected: Vec<u64> = tokens
+        .chunks(16)
+        .map(|block| plain(block.to_vec()))
+        .collect();
+    assert_eq!(contents, expected);
+}
+
 /// A hostile count: a `token_ids` array that promises two billion ids in a few
 /// bytes is refused as malformed at its count, which comes ahead of the ids' buffer.
 #[test]

@@ -112,25 +112,57 @@ pub struct GroupFilter {
 }
 
 /// How to read a token id from the 8 bytes at its marker, loaded as one big-endian
-/// word: by marker, `advance | shift << 8 | mask << 16`, the id being
-/// `(word >> shift) as u32 & mask`. A positive fixint is its marker (1 byte); u8, u16
-/// and u32 take their 1, 2 or 4 bytes after it. 0 for any other marker (read the slow
-/// way).
-const TOKEN_READ: [u64; 256] = {
-    const fn read(advance: u64, shift: u64, mask: u32) -> u64 {
-        advance | shift << 8 | (mask as u64) << 16
-    }
+/// word, by marker: the id takes `TOKEN_ADVANCE` bytes and is `(word >> TOKEN_SHIFT) as
+/// u32 & TOKEN_MASK`. A positive fixint is its marker (1 byte); u8, u16 and u32 take
+/// their 1, 2 or 4 bytes after it. An advance of 0 marks any other encoding (read the
+/// slow way). Three tables rather than one packed word: each field is then one load,
+/// not a load, shifts and masks, in a loop that runs for every token id of every event.
+const TOKEN_ADVANCE: [u8; 256] = {
     let mut table = [0; 256];
     let mut m = 0;
     while m < 0x80 {
-        table[m] = read(1, 56, 0xff);
+        table[m] = 1;
         m += 1;
     }
-    table[0xcc] = read(2, 48, 0xff);
-    table[0xcd] = read(3, 40, 0xffff);
-    table[0xce] = read(5, 24, u32::MAX);
+    table[0xcc] = 2;
+    table[0xcd] = 3;
+    table[0xce] = 5;
     table
 };
+
+/// See [`TOKEN_ADVANCE`].
+const TOKEN_SHIFT: [u8; 256] = {
+    let mut table = [0; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        table[m] = 56;
+        m += 1;
+    }
+    table[0xcc] = 48;
+    table[0xcd] = 40;
+    table[0xce] = 24;
+    table
+};
+
+/// See [`TOKEN_ADVANCE`].
+const TOKEN_MASK: [u32; 256] = {
+    let mut table = [0; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        table[m] = 0xff;
+        m += 1;
+    }
+    table[0xcc] = 0xff;
+    table[0xcd] = 0xffff;
+    table[0xce] = u32::MAX;
+    table
+};
+
+/// Token ids read per stretch of [`Reader::tokens`]' fast loop, and the bytes a stretch
+/// may span (a power of two, at least five bytes an id).
+const TOKEN_STRETCH: usize = 16;
+const TOKEN_SPAN: usize = 128;
+const _: () = assert!(TOKEN_STRETCH * 5 <= TOKEN_SPAN && TOKEN_SPAN.is_power_of_two());
 
 /// Groups a hybrid model may have that are not full attention, remembered at most.
 const MAX_GROUPS: usize = 64;
@@ -286,6 +318,26 @@ impl<'a> Reader<'a> {
         Ok(text)
     }
 
+    /// A map key as bytes: keys are only compared with the fields this decoder knows,
+    /// so one that is not UTF-8 is just another unknown field, and no key needs the
+    /// UTF-8 check that [`str`](Self::str) makes (a few dozen bytes of every event).
+    fn key(&mut self, what: &str) -> Result<&'a [u8], DecodeError> {
+        let before = self.rest;
+        let len = match mp::read_str_len(&mut self.rest) {
+            Ok(len) => len as usize,
+            Err(_) => {
+                self.rest = before;
+                return Err(self.expected(&format!("a string ({what})")));
+            }
+        };
+        if self.rest.len() < len {
+            return Err(self.fail(format!("{what}: a string of {len} bytes runs past the end")));
+        }
+        let (key, rest) = self.rest.split_at(len);
+        self.rest = rest;
+        Ok(key)
+    }
+
     fn optional_str(&mut self, what: &str) -> Result<Option<&'a str>, DecodeError> {
         if self.is_nil() {
             Ok(None)
@@ -337,6 +389,11 @@ impl<'a> Reader<'a> {
 
     /// One engine hash: an unsigned or signed integer, or a byte string.
     fn hash(&mut self, forms: &mut HashForms, what: &str) -> Result<u64, DecodeError> {
+        // vLLM's and TRT-LLM's hashes are nearly all full-width u64s: read those first.
+        if let Some(([0xcf, value @ ..], rest)) = self.rest.split_first_chunk::<9>() {
+            self.rest = rest;
+            return Ok(u64::from_be_bytes(*value));
+        }
         match self.peek() {
             Some(Marker::FixNeg(_) | Marker::I8 | Marker::I16 | Marker::I32 | Marker::I64) => {
                 let value = self.int::<i64>(what)?;
@@ -358,11 +415,6 @@ impl<'a> Reader<'a> {
                 forms.digest = true;
                 let tail = &digest[len.saturating_sub(8)..];
                 Ok(tail.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
-            }
-            Some(Marker::U64) if self.rest.len() >= 9 => {
-                let value = u64::from_be_bytes(self.rest[1..9].try_into().unwrap_or_default());
-                self.rest = &self.rest[9..];
-                Ok(value)
             }
             _ => self.int::<u64>(what),
         }
@@ -405,23 +457,53 @@ impl<'a> Reader<'a> {
         // Token ids are non-negative integers below 2^32, and a vocabulary mixes their
         // one-, two-, three- and five-byte encodings at random, so a branch per width
         // would mispredict about every other token: one 8-byte load at the token's
-        // position, and a table by its marker says how to shift and mask the id out
-        // of it and how far to move on. Other encodings, and the last few bytes of the
-        // payload, take `rmp`'s path.
+        // position, and tables by its marker say how to shift and mask the id out of
+        // it and how far to move on. Where the payload holds a whole stretch of ids'
+        // worth of bytes (and 8 to spare), no load in the stretch needs a bounds check
+        // of its own: its offset is masked into the span, which it never leaves. Other
+        // encodings, and the last few bytes of the payload, take `rmp`'s path.
         let bytes = self.rest;
         let mut at = 0;
-        for slot in out.iter_mut() {
-            if let Some(word) = bytes.get(at..).and_then(<[u8]>::first_chunk::<8>) {
+        let mut i = 0;
+        while i < len {
+            if let Some(span) = bytes
+                .get(at..)
+                .and_then(<[u8]>::first_chunk::<{ TOKEN_SPAN + 8 }>)
+            {
+                let stretch = (len - i).min(TOKEN_STRETCH);
+                let mut p = 0;
+                let mut read = 0;
+                for slot in &mut out[i..i + stretch] {
+                    let word = span[p & (TOKEN_SPAN - 1)..]
+                        .first_chunk::<8>()
+                        .map_or(0, |w| u64::from_be_bytes(*w));
+                    let marker = (word >> 56) as usize;
+                    let advance = TOKEN_ADVANCE[marker];
+                    if advance == 0 {
+                        break;
+                    }
+                    *slot = (word >> TOKEN_SHIFT[marker]) as u32 & TOKEN_MASK[marker];
+                    p += usize::from(advance);
+                    read += 1;
+                }
+                at += p;
+                i += read;
+                if read == stretch {
+                    continue;
+                }
+            } else if let Some(word) = bytes.get(at..).and_then(<[u8]>::first_chunk::<8>) {
                 let word = u64::from_be_bytes(*word);
-                let read = TOKEN_READ[(word >> 56) as usize];
-                if read != 0 {
-                    *slot = (word >> (read >> 8 & 0x3f)) as u32 & (read >> 16) as u32;
-                    at += (read & 0xff) as usize;
+                let marker = (word >> 56) as usize;
+                let advance = TOKEN_ADVANCE[marker];
+                if advance != 0 {
+                    out[i] = (word >> TOKEN_SHIFT[marker]) as u32 & TOKEN_MASK[marker];
+                    at += usize::from(advance);
+                    i += 1;
                     continue;
                 }
             }
             self.rest = bytes.get(at..).unwrap_or_default();
-            *slot = if self.peek() == Some(Marker::FixArray(2)) {
+            out[i] = if self.peek() == Some(Marker::FixArray(2)) {
                 // SGLang under EAGLE publishes each token as a bigram (the token, the
                 // next one): the first is the token.
                 self.rest = &self.rest[1..];
@@ -432,6 +514,7 @@ impl<'a> Reader<'a> {
                 self.int::<u32>("a token id")?
             };
             at = bytes.len() - self.rest.len();
+            i += 1;
         }
         self.rest = bytes.get(at..).unwrap_or_default();
         Ok(())
@@ -541,22 +624,22 @@ impl<'a> Reader<'a> {
         let len = self.map_len("an event")?;
         let mut kind = None;
         for _ in 0..len {
-            let key = self.str("an event field name")?;
+            let key = self.key("an event field name")?;
             match key {
-                "type" => kind = Some(Type::parse(self.str("the event type")?)),
-                "block_hashes" => self.hashes(forms, &mut fields.block_hashes)?,
-                "parent_block_hash" => {
+                b"type" => kind = Some(Type::parse(self.str("the event type")?)),
+                b"block_hashes" => self.hashes(forms, &mut fields.block_hashes)?,
+                b"parent_block_hash" => {
                     fields.parent = self.optional_hash(forms, "parent_block_hash")?
                 }
-                "token_ids" => self.tokens(&mut fields.token_ids)?,
-                "block_size" => fields.block_size = self.optional_int("block_size")?,
-                "medium" => fields.medium = self.optional_str("medium")?,
-                "lora_name" => fields.lora_name = self.optional_str("lora_name")?,
-                "cache_salt" => fields.cache_salt = self.optional_str("cache_salt")?,
-                "extra_keys" => fields.extra_keys = Some(self.value()?),
-                "group_idx" => fields.group_idx = self.optional_int("group_idx")?,
-                "kv_cache_spec_kind" => fields.kind = self.optional_str("kv_cache_spec_kind")?,
-                "locality" => fields.locality = self.optional_str("locality")?,
+                b"token_ids" => self.tokens(&mut fields.token_ids)?,
+                b"block_size" => fields.block_size = self.optional_int("block_size")?,
+                b"medium" => fields.medium = self.optional_str("medium")?,
+                b"lora_name" => fields.lora_name = self.optional_str("lora_name")?,
+                b"cache_salt" => fields.cache_salt = self.optional_str("cache_salt")?,
+                b"extra_keys" => fields.extra_keys = Some(self.value()?),
+                b"group_idx" => fields.group_idx = self.optional_int("group_idx")?,
+                b"kv_cache_spec_kind" => fields.kind = self.optional_str("kv_cache_spec_kind")?,
+                b"locality" => fields.locality = self.optional_str("locality")?,
                 _ => {
                     self.value()?;
                 }
