@@ -148,11 +148,12 @@ impl Children {
         }
     }
 
-    fn nodes(&self) -> Vec<NodeId> {
-        match self {
-            Self::Few(list) => list.iter().map(|(_, n)| *n).collect(),
-            Self::Many(map) => map.values().copied().collect(),
-        }
+    fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        let (few, many) = match self {
+            Self::Few(list) => (Some(list.iter().map(|(_, n)| *n)), None),
+            Self::Many(map) => (None, Some(map.values().copied())),
+        };
+        few.into_iter().flatten().chain(many.into_iter().flatten())
     }
 }
 
@@ -219,18 +220,66 @@ impl Node {
     }
 }
 
-/// Splits `v` before `k` like [`Vec::split_off`], but copies the shorter side out: the
-/// longer side keeps the buffer and its spare room. A worker that evicts the head of a
-/// sequence it is still extending splits off a short head, so the tail, where its next
-/// blocks are appended, keeps the capacity it grew instead of starting again from an
-/// exact-size copy.
-fn split_buffer<T: Copy>(v: &mut Vec<T>, k: usize) -> Vec<T> {
+/// Splits `v` before `k` like [`Vec::split_off`], but into `spare` (a pooled buffer,
+/// see [`Buffers`]), and copies the shorter side out: the longer side keeps the buffer
+/// and its spare room. A worker that evicts the head of a sequence it is still
+/// extending splits off a short head, so the tail, where its next blocks are appended,
+/// keeps the capacity it grew instead of starting again from an exact-size copy.
+fn split_buffer<T: Copy>(v: &mut Vec<T>, k: usize, mut spare: Vec<T>) -> Vec<T> {
+    spare.clear();
     if k <= v.len() - k {
-        let head = v[..k].to_vec();
+        spare.extend_from_slice(&v[..k]);
         v.drain(..k);
-        std::mem::replace(v, head)
+        std::mem::replace(v, spare)
     } else {
-        v.split_off(k)
+        spare.extend_from_slice(&v[k..]);
+        v.truncate(k);
+        spare
+    }
+}
+
+/// Buffers of the nodes this copy of the tree freed, for the nodes it makes next.
+///
+/// In a steady stream an engine stores new sequences as fast as it evicts old ones,
+/// so nodes are freed (pruned, or merged into their parent) and made (new sequences,
+/// splits) at the same rate. Each made node used to allocate its arrays and grow them
+/// block by block as its sequence grew (a `realloc` and a copy at each doubling), and
+/// each freed one gave them back: a tenth of the instructions of applying the stream
+/// went to the allocator. Reused, a buffer keeps the room its last node grew.
+/// Bounded: at most [`BUFFERS_KEEP`] of each kind, none larger than [`BUFFER_MAX`]
+/// entries, so an index that shrinks gives nearly all of its memory back.
+#[derive(Debug, Default)]
+struct Buffers {
+    /// Sequence hashes' and engine hashes' arrays.
+    wide: Vec<Vec<u64>>,
+    /// Block ids' arrays.
+    ids: Vec<Vec<BlockId>>,
+}
+
+const BUFFERS_KEEP: usize = 256;
+const BUFFER_MAX: usize = 4096;
+
+impl Buffers {
+    fn keep<T>(pool: &mut Vec<Vec<T>>, mut buffer: Vec<T>) {
+        if buffer.capacity() > 0 && buffer.capacity() <= BUFFER_MAX && pool.len() < BUFFERS_KEEP {
+            buffer.clear();
+            pool.push(buffer);
+        }
+    }
+
+    /// Keeps the arrays of a node being freed.
+    fn keep_node(&mut self, node: Node) {
+        Self::keep(&mut self.wide, node.seqs);
+        Self::keep(&mut self.ids, node.ids);
+        Self::keep(&mut self.wide, node.engines.into_common());
+    }
+
+    fn wide(&mut self) -> Vec<u64> {
+        self.wide.pop().unwrap_or_default()
+    }
+
+    fn ids(&mut self) -> Vec<BlockId> {
+        self.ids.pop().unwrap_or_default()
     }
 }
 
@@ -267,6 +316,7 @@ pub struct KvIndex {
     /// Reused by [`KvIndex::apply`] for a stored event's resolved hashes.
     resolved: Vec<(u64, u64)>,
     scratch: Scratch,
+    buffers: Buffers,
 }
 
 /// Lists the writer fills and empties within one event, kept so that a steady stream
@@ -380,6 +430,7 @@ impl KvIndex {
             book: Arc::default(),
             resolved: Vec::new(),
             scratch: Scratch::default(),
+            buffers: Buffers::default(),
         }
     }
 
@@ -400,6 +451,7 @@ impl KvIndex {
             book: Arc::clone(&self.book),
             resolved: Vec::new(),
             scratch: Scratch::default(),
+            buffers: Buffers::default(),
         }
     }
 
@@ -861,6 +913,9 @@ impl KvIndex {
         let node = Node {
             parent,
             live: true,
+            seqs: self.buffers.wide(),
+            ids: self.buffers.ids(),
+            engines: EngineRows::with_common(self.buffers.wide()),
             ..Node::default()
         };
         match self.free_nodes.pop() {
@@ -880,11 +935,17 @@ impl KvIndex {
     /// the moved blocks' entries are rewritten. Returns the new node.
     fn split(&mut self, node: NodeId, k: usize) -> NodeId {
         let tail_id = self.new_node(node);
+        let t = &mut self.nodes[tail_id as usize];
+        let (spare_seqs, spare_ids, spare_engines) = (
+            std::mem::take(&mut t.seqs),
+            std::mem::take(&mut t.ids),
+            t.engines.take_common(),
+        );
         let n = &mut self.nodes[node as usize];
-        let seqs = split_buffer(&mut n.seqs, k);
-        let ids = split_buffer(&mut n.ids, k);
+        let seqs = split_buffer(&mut n.seqs, k, spare_seqs);
+        let ids = split_buffer(&mut n.ids, k, spare_ids);
         let holders = n.holders.clone();
-        let engines = n.engines.split_off(k);
+        let engines = n.engines.split_off(k, spare_engines);
         let children = std::mem::take(&mut n.children);
         let first = n.first.wrapping_add(k as u32);
         let head_seq = seqs[0];
@@ -929,10 +990,10 @@ impl KvIndex {
         if p.children.only() != Some(child) || !p.holders.same_members(&c.holders) {
             return false;
         }
-        let c = std::mem::take(&mut self.nodes[child as usize]);
+        let mut c = std::mem::take(&mut self.nodes[child as usize]);
         let p = &mut self.nodes[parent as usize];
         let base = p.first.wrapping_add(p.len() as u32);
-        p.engines.append(c.engines);
+        p.engines.append(&c.engines);
         for (j, &block) in c.ids.iter().enumerate() {
             self.blocks[block as usize] = BlockAt {
                 node: parent,
@@ -944,7 +1005,8 @@ impl KvIndex {
         for grandchild in c.children.nodes() {
             self.nodes[grandchild as usize].parent = parent;
         }
-        self.nodes[parent as usize].children = c.children;
+        self.nodes[parent as usize].children = std::mem::take(&mut c.children);
+        self.buffers.keep_node(c);
         self.free_nodes.push(child);
         true
     }
@@ -1077,6 +1139,7 @@ impl KvIndex {
             let first_seq = n.seqs[0];
             let n = std::mem::take(&mut self.nodes[node as usize]);
             self.free_blocks.extend_from_slice(&n.ids);
+            self.buffers.keep_node(n);
             self.free_nodes.push(node);
             if parent == NO_NODE {
                 self.roots.remove(&first_seq);

@@ -137,11 +137,27 @@ impl EngineRows {
         self.common.push(engine);
     }
 
+    /// Empty rows whose shared row fills `common` (a pooled buffer).
+    pub(super) fn with_common(common: Vec<u64>) -> Self {
+        Self { common, odd: None }
+    }
+
+    /// The shared row's buffer, leaving it empty (for [`split_off`](Self::split_off)'s
+    /// spare).
+    pub(super) fn take_common(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.common)
+    }
+
+    /// The shared row's buffer, for reuse once its node is freed.
+    pub(super) fn into_common(self) -> Vec<u64> {
+        self.common
+    }
+
     /// Splits before position `k`: `self` keeps the first `k` names of every row, the
-    /// result has the rest.
-    pub(super) fn split_off(&mut self, k: usize) -> Self {
+    /// result has the rest (its shared row in `spare`'s buffer, or this one's).
+    pub(super) fn split_off(&mut self, k: usize, spare: Vec<u64>) -> Self {
         let len = self.common.len();
-        let common = super::split_buffer(&mut self.common, k);
+        let common = super::split_buffer(&mut self.common, k, spare);
         let Some(odd) = &mut self.odd else {
             return Self { common, odd: None };
         };
@@ -166,8 +182,9 @@ impl EngineRows {
         tail
     }
 
-    /// Appends the rows of `next`, a node with the same holders that follows this one.
-    pub(super) fn append(&mut self, next: Self) {
+    /// Appends the rows of `next`, a node with the same holders that follows this one
+    /// (whose buffers stay with it, for reuse).
+    pub(super) fn append(&mut self, next: &Self) {
         if self.odd.is_some() || next.odd.is_some() {
             let mut slots = Holders::default();
             for odd in [&self.odd, &next.odd].into_iter().flatten() {
@@ -231,7 +248,7 @@ mod tests {
 
         let tail = {
             let mut r = rows.clone();
-            let tail = r.split_off(2);
+            let tail = r.split_off(2, Vec::new());
             assert_eq!(
                 (r.row(9), r.row(70), r.row(3)),
                 (&[1, 7][..], &[4, 2][..], &[1, 2][..])
@@ -262,7 +279,7 @@ mod tests {
         let mut tail = EngineRows::default();
         tail.add(2, [13].into_iter(), true);
         tail.add(1, [14].into_iter(), false);
-        head.append(tail);
+        head.append(&tail);
         assert_eq!(head.row(1), &[10, 11, 14]);
         assert_eq!(head.row(2), &[10, 12, 13]);
         assert_eq!(head.common(), &[10, 11, 13]);

@@ -1273,3 +1273,53 @@ fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
     assert_eq!(shared.publishes(), publishes);
     assert!(compared > 1000 && renamed > 50, "{compared} {renamed}");
 }
+
+/// Freed nodes' arrays are kept for reuse (`Buffers`), but an index that shrinks gives
+/// its memory back: at most `BUFFERS_KEEP` arrays of each kind, none over `BUFFER_MAX`
+/// entries, are kept, and a node made from kept arrays starts empty.
+#[test]
+fn freed_nodes_arrays_are_kept_bounded_and_reused_empty() {
+    let mut index = KvIndex::new(BS);
+    let mut next = xorshift(7);
+    // 600 sequences of 4 blocks under one shared first block (many nodes), and one
+    // sequence longer than `BUFFER_MAX`.
+    let shared = prompt(1);
+    for s in 0..600u64 {
+        let mut tokens = shared.clone();
+        tokens.extend((0..3 * BS).map(|_| next(50_000) as u32));
+        let engine = [1, 10 + 3 * s, 11 + 3 * s, 12 + 3 * s];
+        index
+            .apply(w(s % 4, 0), &stored(None, &tokens, &engine))
+            .unwrap();
+    }
+    let long = BUFFER_MAX + 10;
+    let tokens: Vec<u32> = (0..long * BS).map(|_| next(50_000) as u32).collect();
+    let engine: Vec<u64> = (0..long as u64).map(|i| 1_000_000 + i).collect();
+    index
+        .apply(w(9, 0), &stored(None, &tokens, &engine))
+        .unwrap();
+    index.check_invariants();
+    for s in [0, 1, 2, 3, 9] {
+        index.apply(w(s, 0), &KvEvent::Cleared).unwrap();
+    }
+    assert!(index.is_empty());
+    let kept = &index.buffers;
+    assert!(kept.wide.len() <= BUFFERS_KEEP && kept.ids.len() <= BUFFERS_KEEP);
+    assert!(!kept.wide.is_empty(), "freed arrays are kept");
+    assert!(kept
+        .wide
+        .iter()
+        .all(|b| b.is_empty() && b.capacity() <= BUFFER_MAX));
+    assert!(kept
+        .ids
+        .iter()
+        .all(|b| b.is_empty() && b.capacity() <= BUFFER_MAX));
+    // Reused, they hold the new blocks only.
+    let tokens = prompt(5);
+    index
+        .apply(w(1, 0), &stored(None, &tokens, &[1, 2, 3, 4, 5]))
+        .unwrap();
+    index.check_invariants();
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[1, 2, 3, 4, 5]);
+}
