@@ -387,9 +387,17 @@ fn main() {
             .and_then(|b| b.parse().ok())
             .unwrap_or(40_000usize)
             .max(1);
-        report(trials, batches, true);
-        report(trials, batches, false);
-        latency(500);
+        // ENGINE_EVENTS_STREAMS=steady or =stores runs that stream alone (for a
+        // profile of one of them), without the latency probe.
+        match std::env::var("ENGINE_EVENTS_STREAMS").as_deref() {
+            Ok("steady") => report(trials, batches, true),
+            Ok("stores") => report(trials, batches, false),
+            _ => {
+                report(trials, batches, true);
+                report(trials, batches, false);
+                latency(500);
+            }
+        }
     } else {
         println!("engine_events quick mode: debug build, figures are not measurements");
         report(1, 200, true);

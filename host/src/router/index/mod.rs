@@ -981,6 +981,10 @@ impl KvIndex {
 
     /// Merges `child` into `parent` if it is the parent's only child and both have the
     /// same holders: a run that holder sets no longer divide becomes one node again.
+    ///
+    /// The check is inlined and the merge is not: a store that joins a stretch tries
+    /// two merges per node it passes, and nearly all of them fail at the check.
+    #[inline(always)]
     fn try_merge(&mut self, parent: NodeId, child: NodeId) -> bool {
         if parent == NO_NODE {
             return false;
@@ -990,6 +994,13 @@ impl KvIndex {
         if p.children.only() != Some(child) || !p.holders.same_members(&c.holders) {
             return false;
         }
+        self.merge(parent, child);
+        true
+    }
+
+    /// Merges `child`, the only child of `parent`, with the same holders, into it.
+    #[inline(never)]
+    fn merge(&mut self, parent: NodeId, child: NodeId) {
         let mut c = std::mem::take(&mut self.nodes[child as usize]);
         let p = &mut self.nodes[parent as usize];
         let base = p.first.wrapping_add(p.len() as u32);
@@ -1008,7 +1019,6 @@ impl KvIndex {
         self.nodes[parent as usize].children = std::mem::take(&mut c.children);
         self.buffers.keep_node(c);
         self.free_nodes.push(child);
-        true
     }
 
     /// After `node`'s holders changed: merges it with its parent and its only child
