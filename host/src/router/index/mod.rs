@@ -212,7 +212,9 @@ impl Node {
         }
     }
 
-    /// Appends a block held by `slot`, the node's only holder.
+    /// Appends a block held by `slot`, the node's only holder. Inlined: it runs for
+    /// every block appended, and as a call it spilled registers around three pushes.
+    #[inline(always)]
     fn push_block(&mut self, slot: Slot, seq: u64, block: BlockId, engine: u64) {
         self.seqs.push(seq);
         self.ids.push(block);
@@ -765,6 +767,14 @@ impl KvIndex {
         items: &[(u64, u64)],
     ) -> usize {
         let node = self.blocks[last as usize].node;
+        // Room for the whole run at once: the pushes below then never grow an array
+        // (each push that may grow is a call that spills registers around it).
+        {
+            let n = &mut self.nodes[node as usize];
+            n.seqs.reserve(items.len());
+            n.ids.reserve(items.len());
+            n.engines.reserve(items.len());
+        }
         let mut added = 0;
         for &(engine, seq) in items {
             let block = self.reserve_block();

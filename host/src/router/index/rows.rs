@@ -63,8 +63,10 @@ impl EngineRows {
         &self.common
     }
 
+    /// Room for `additional` more blocks (amortized: a node appended to event after
+    /// event grows its row by doubling, like its other arrays).
     pub(super) fn reserve(&mut self, additional: usize) {
-        self.common.reserve_exact(additional);
+        self.common.reserve(additional);
     }
 
     /// `slot` joins the node naming its blocks `names`; `first`: it is the only
@@ -127,14 +129,22 @@ impl EngineRows {
     }
 
     /// Appends a block that `slot`, the node's only holder, names `engine`.
+    /// Inlined, with the rare case out of line: it runs for every block appended.
+    #[inline(always)]
     pub(super) fn push_sole(&mut self, slot: Slot, engine: u64) {
         if self.odd.is_some() {
-            // The sole holder's own row, if it has one, becomes the shared row.
-            let own = self.row(slot).to_vec();
-            self.common = own;
-            self.odd = None;
+            self.make_sole(slot);
         }
         self.common.push(engine);
+    }
+
+    /// The sole holder's own row, if it has one, becomes the shared row.
+    #[cold]
+    #[inline(never)]
+    fn make_sole(&mut self, slot: Slot) {
+        let own = self.row(slot).to_vec();
+        self.common = own;
+        self.odd = None;
     }
 
     /// Empty rows whose shared row fills `common` (a pooled buffer).
