@@ -13,36 +13,8 @@ use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{block_hashes, KvEvent, Matches, StoredBlock};
 use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
+use kvhint_e2e::allocations::{counted, Counting};
 use kvhint_e2e::{config_file, snapshot_of};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-/// Counts the bytes allocated while `COUNTING` is on.
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: defers every call to the system allocator unchanged; it only adds to a counter.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCATED.fetch_add(layout.size(), Ordering::Relaxed);
-        }
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCATED.fetch_add(new_size, Ordering::Relaxed);
-        }
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
@@ -155,13 +127,10 @@ fn duplicate_engine_hashes_cannot_blow_up_a_maximum_length_booking() {
             lora_name: None,
             cache_salt: None,
         };
-        ALLOCATED.store(0, Ordering::Relaxed);
-        COUNTING.store(true, Ordering::Relaxed);
         let started = std::time::Instant::now();
-        let booking = router.book(role, &request);
+        let (booking, allocated) = counted(|| router.book(role, &request));
         let elapsed = started.elapsed();
-        COUNTING.store(false, Ordering::Relaxed);
-        let bytes = ALLOCATED.load(Ordering::Relaxed);
+        let bytes = allocated.bytes;
         let booking = booking.expect("books");
         println!(
             "{total} duplicate names: booking took {elapsed:?}, allocated {bytes} bytes, booked {:?}, cached {}",

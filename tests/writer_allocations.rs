@@ -9,35 +9,7 @@
 
 use kvhint::domain::WorkerKey;
 use kvhint::router::index::{KvEvent, KvIndex, StoredBlock};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-/// Counts allocation calls (fresh and grown) while `COUNTING` is on.
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static CALLS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: defers every call to the system allocator unchanged; it only adds to a counter.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            CALLS.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            CALLS.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use kvhint_e2e::allocations::{counted, Counting};
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
@@ -95,29 +67,28 @@ fn stream(events: usize) -> Vec<(WorkerKey, KvEvent)> {
 #[test]
 fn a_warm_steady_stream_of_stores_and_evictions_allocates_no_node_arrays() {
     let events = stream(4_000);
-    let (warm_up, counted) = events.split_at(events.len() / 2);
+    let (warm_up, measured) = events.split_at(events.len() / 2);
     let mut index = KvIndex::new(BLOCK);
     for (worker, event) in warm_up {
         index.apply(*worker, event).expect("applies");
     }
     let blocks = index.len();
-    CALLS.store(0, Ordering::Relaxed);
-    COUNTING.store(true, Ordering::Relaxed);
-    for (worker, event) in counted {
-        let _ = index.apply(*worker, event);
-    }
-    COUNTING.store(false, Ordering::Relaxed);
-    let calls = CALLS.load(Ordering::Relaxed);
+    let ((), allocated) = counted(|| {
+        for (worker, event) in measured {
+            let _ = index.apply(*worker, event);
+        }
+    });
+    let calls = allocated.calls;
     // The index stays level: what is evicted is what was stored 64 events earlier.
     assert_eq!(index.len(), blocks);
     assert_eq!(index.len(), KEPT * BLOCKS_PER_EVENT);
-    println!("{calls} allocations over {} events", counted.len());
+    println!("{calls} allocations over {} events", measured.len());
     // Without the pool each new sequence allocated its three arrays and grew them
     // three times, and each split allocated three more: 10,416 allocations here.
     assert_eq!(
         calls,
         0,
         "allocations for {} stores and their evictions",
-        counted.len() / 2
+        measured.len() / 2
     );
 }

@@ -115,61 +115,42 @@ pub struct GroupFilter {
 /// word, by marker: the id takes `TOKEN_ADVANCE` bytes and is `(word >> TOKEN_SHIFT) as
 /// u32 & TOKEN_MASK`. A positive fixint is its marker (1 byte); u8, u16 and u32 take
 /// their 1, 2 or 4 bytes after it. An advance of 0 marks any other encoding (read the
-/// slow way). Three tables rather than one packed word: each field is then one load,
-/// not a load, shifts and masks, in a loop that runs for every token id of every event.
-const TOKEN_ADVANCE: [u8; 256] = {
-    let mut table = [0; 256];
-    let mut m = 0;
-    while m < 0x80 {
-        table[m] = 1;
-        m += 1;
-    }
-    table[0xcc] = 2;
-    table[0xcd] = 3;
-    table[0xce] = 5;
-    table
-};
+/// slow way). Separate tables rather than one packed word: each field is then one
+/// load, not a load, shifts and masks, in a loop that runs for every token id of
+/// every event.
+const TOKEN_ADVANCE: [u8; 256] = by_marker(0, [1, 2, 3, 5]);
 
 /// See [`TOKEN_ADVANCE`].
-const TOKEN_SHIFT: [u8; 256] = {
-    let mut table = [0; 256];
-    let mut m = 0;
-    while m < 0x80 {
-        table[m] = 56;
-        m += 1;
-    }
-    table[0xcc] = 48;
-    table[0xcd] = 40;
-    table[0xce] = 24;
-    table
-};
+const TOKEN_SHIFT: [u8; 256] = by_marker(0, [56, 48, 40, 24]);
+
+/// See [`TOKEN_ADVANCE`].
+const TOKEN_MASK: [u32; 256] = by_marker(0, [0xff, 0xff, 0xffff, u32::MAX]);
 
 /// See [`TOKEN_ADVANCE`]: the shift that brings the next marker, `advance` bytes into
 /// the word, to its low byte (`56 - 8 * advance`).
-const TOKEN_NEXT: [u8; 256] = {
-    let mut table = [0; 256];
-    let mut m = 0;
-    while m < 256 {
-        if TOKEN_ADVANCE[m] != 0 {
-            table[m] = 56 - 8 * TOKEN_ADVANCE[m];
-        }
-        m += 1;
-    }
-    table
-};
+const TOKEN_NEXT: [u8; 256] = by_marker(0, [48, 40, 32, 16]);
 
-/// See [`TOKEN_ADVANCE`].
-const TOKEN_MASK: [u32; 256] = {
-    let mut table = [0; 256];
+/// A table by msgpack marker: `[fixint, u8, u16, u32]` for a positive fixint and the
+/// unsigned markers 0xcc, 0xcd and 0xce, `other` for every other marker.
+const fn by_marker<T: Copy>(other: T, [fixint, u8, u16, u32]: [T; 4]) -> [T; 256] {
+    let mut table = [other; 256];
     let mut m = 0;
     while m < 0x80 {
-        table[m] = 0xff;
+        table[m] = fixint;
         m += 1;
     }
-    table[0xcc] = 0xff;
-    table[0xcd] = 0xffff;
-    table[0xce] = u32::MAX;
+    table[0xcc] = u8;
+    table[0xcd] = u16;
+    table[0xce] = u32;
     table
+}
+
+const _: () = {
+    let mut m = 0;
+    while m < 256 {
+        assert!(TOKEN_ADVANCE[m] == 0 || TOKEN_NEXT[m] == 56 - 8 * TOKEN_ADVANCE[m]);
+        m += 1;
+    }
 };
 
 /// Token ids read per stretch of [`Reader::tokens`]' fast loop, and the bytes a stretch
