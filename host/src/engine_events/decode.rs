@@ -296,26 +296,18 @@ impl<'a> Reader<'a> {
 
     fn str(&mut self, what: &str) -> Result<&'a str, DecodeError> {
         let before = self.rest;
-        let len = match mp::read_str_len(&mut self.rest) {
-            Ok(len) => len as usize,
-            Err(_) => {
-                self.rest = before;
-                return Err(self.expected(&format!("a string ({what})")));
-            }
-        };
-        if self.rest.len() < len {
-            return Err(self.fail(format!("{what}: a string of {len} bytes runs past the end")));
-        }
-        let (text, rest) = self.rest.split_at(len);
-        let text = std::str::from_utf8(text)
-            .map_err(|_| self.fail(format!("{what} is not valid UTF-8")))?;
-        self.rest = rest;
-        Ok(text)
+        let text = self.key(what)?;
+        std::str::from_utf8(text).map_err(|_| {
+            // The error's offset names where the string starts.
+            self.rest = before;
+            self.fail(format!("{what} is not valid UTF-8"))
+        })
     }
 
-    /// A map key as bytes: keys are only compared with the fields this decoder knows,
-    /// so one that is not UTF-8 is just another unknown field, and no key needs the
-    /// UTF-8 check that [`str`](Self::str) makes (a few dozen bytes of every event).
+    /// A string's bytes, for a map key: keys are only compared with the fields this
+    /// decoder knows, so one that is not UTF-8 is just another unknown field, and no
+    /// key needs the UTF-8 check that [`str`](Self::str) makes (a few dozen bytes of
+    /// every event).
     fn key(&mut self, what: &str) -> Result<&'a [u8], DecodeError> {
         let before = self.rest;
         let len = match mp::read_str_len(&mut self.rest) {
