@@ -45,6 +45,7 @@ impl Holders {
     }
 
     /// The word `slot` is in (`Ok`), or where that word would go (`Err`).
+    #[inline(always)]
     fn find(&self, slot: Slot) -> Result<usize, usize> {
         let index = slot / 64;
         // Past the last word (a worker registered after the others): no search.
@@ -56,6 +57,7 @@ impl Holders {
         }
     }
 
+    #[inline(always)]
     pub fn contains(&self, slot: Slot) -> bool {
         let bit = 1u64 << (slot % 64);
         self.find(slot)
@@ -85,6 +87,7 @@ impl Holders {
     }
 
     /// Adds `slot`; returns false (and changes nothing) if it is a member.
+    #[inline(always)]
     pub fn insert(&mut self, slot: Slot) -> bool {
         let bit = 1u64 << (slot % 64);
         match self.find(slot) {
@@ -119,6 +122,7 @@ impl Holders {
     }
 
     /// Whether both sets have the same members.
+    #[inline]
     pub fn same_members(&self, other: &Holders) -> bool {
         // The member counts first: sets that differ usually differ in size, and the
         // count is known without touching the words.

@@ -801,6 +801,7 @@ impl KvIndex {
     }
 
     /// The block after `cursor` (or a first block, for `None`) named `seq`, if any.
+    #[inline(always)]
     fn child_of(&self, cursor: Option<BlockId>, seq: u64) -> Option<BlockId> {
         let node = match cursor {
             None => *self.roots.get(&seq)?,
@@ -1033,6 +1034,7 @@ impl KvIndex {
 
     /// After `node`'s holders changed: merges it with its parent and its only child
     /// where they now agree. Returns the node its blocks are in now.
+    #[inline(always)]
     fn merge_around(&mut self, node: NodeId) -> NodeId {
         let parent = self.nodes[node as usize].parent;
         let node = if self.try_merge(parent, node) {

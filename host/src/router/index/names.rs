@@ -136,6 +136,7 @@ impl Names for Book {
         self.copy(slot, engine)
     }
 
+    #[inline(always)]
     fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> Option<Copy> {
         let w = self.worker_mut(slot)?;
         match w.by_engine.entry(engine) {
