@@ -432,6 +432,25 @@ fn intersect(
         }
         return;
     }
+    // A dense fleet: the same words on both sides (each word still matching is one
+    // the node has, as along a prefix many workers share), so one AND a word, and a
+    // record only where workers drop out, without the merge by index below.
+    if alive.len() == other.len() && alive.iter().zip(other).all(|(a, b)| a.index == b.index) {
+        let mut emptied = false;
+        for (a, b) in alive.iter_mut().zip(other) {
+            let bits = a.bits & b.bits;
+            let dropped = a.bits ^ bits;
+            if dropped != 0 {
+                record(a.index, dropped, depth, found, by_slot);
+            }
+            a.bits = bits;
+            emptied |= bits == 0;
+        }
+        if emptied {
+            alive.retain(|w| w.bits != 0);
+        }
+        return;
+    }
     let mut keep = 0;
     let mut j = 0;
     for i in 0..alive.len() {

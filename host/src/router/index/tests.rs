@@ -696,16 +696,29 @@ fn same_tokens_under_two_engine_hashes_survive_one_removal() {
 /// it holds; a worker's overlap is the leading run of a request's hashes in its set.
 #[test]
 fn random_event_streams_match_a_naive_model() {
+    let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0), w(4, 2)];
+    streams_against_the_naive_model(&workers, 3000, 0x2545_f491_4f6c_dd1d_u64);
+}
+
+/// The same with 200 workers: holder sets of four 64-slot words, so a lookup meets
+/// nodes whose words line up with the ones still matching (the dense path) and nodes
+/// that lack some of them (the merge by word index).
+#[test]
+fn random_event_streams_over_many_workers_match_a_naive_model() {
+    let workers: Vec<WorkerKey> = (0..200).map(|i| w(100 + i / 2, (i % 2) as u32)).collect();
+    streams_against_the_naive_model(&workers, 4000, 0x9e37_79b9_7f4a_7c15);
+}
+
+fn streams_against_the_naive_model(workers: &[WorkerKey], steps: usize, seed: u64) {
     use std::collections::{BTreeMap, HashSet};
 
-    let mut next = xorshift(0x2545_f491_4f6c_dd1d_u64);
+    let mut next = xorshift(seed);
     let base = prompt(8);
     let mut docs = [base.clone(), base.clone(), base, prompt(8)];
     docs[1][3 * BS] += 1; // shares 3 blocks with doc 0
     docs[2][6 * BS + 1] += 1; // shares 6 blocks
     docs[3].reverse(); // shares nothing
     let doc_hashes: Vec<Vec<u64>> = docs.iter().map(|d| hashes(d)).collect();
-    let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0), w(4, 2)];
     // Engines name blocks by content, but each worker differently.
     let engine = |k: WorkerKey, seq: u64| seq ^ (k.worker_id << 40) ^ u64::from(k.dp_rank);
 
@@ -713,7 +726,7 @@ fn random_event_streams_match_a_naive_model() {
     let mut model: BTreeMap<WorkerKey, HashSet<u64>> = BTreeMap::new();
     let mut out = Overlaps::new();
     let (mut chained, mut refused, mut longest) = (0, 0, 0);
-    for _ in 0..3000 {
+    for _ in 0..steps {
         let k = workers[next(workers.len() as u64) as usize];
         let held = model.entry(k).or_default();
         match next(10) {
@@ -1322,4 +1335,41 @@ fn freed_nodes_arrays_are_kept_bounded_and_reused_empty() {
     index.check_invariants();
     let out = overlaps(&index, &tokens);
     assert_eq!(out.engine_hashes(w(1, 0)), &[1, 2, 3, 4, 5]);
+}
+
+/// A lookup that carries three 64-slot words of matching workers into a node whose
+/// holders lack one of them, then into a node that has all three again: the words no
+/// longer line up by position, and each worker's count still stops at its gap.
+#[test]
+fn holder_words_that_stop_lining_up_keep_every_count() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(3);
+    let workers: Vec<WorkerKey> = (0..130).map(|i| w(1_000 + i, 0)).collect();
+    for &k in &workers {
+        index
+            .apply(k, &stored(None, &tokens, &[11, 12, 13]))
+            .unwrap();
+    }
+    // The second word's workers (slots 64..128) lose block 1 and keep blocks 0 and 2,
+    // but for the first two (bits 0 and 1, as the third word's two workers), which
+    // lose block 2 as well.
+    for (i, &k) in workers.iter().enumerate().take(128).skip(64) {
+        let lost = if i < 66 { vec![12, 13] } else { vec![12] };
+        let stats = index
+            .apply(
+                k,
+                &KvEvent::Removed {
+                    block_hashes: lost.clone(),
+                },
+            )
+            .unwrap();
+        assert_eq!(stats.removed, lost.len());
+    }
+    index.check_invariants();
+    let out = overlaps(&index, &tokens);
+    for (i, &k) in workers.iter().enumerate() {
+        let expected = if (64..128).contains(&i) { 1 } else { 3 };
+        assert_eq!(out.cached_blocks(k), expected, "worker {i}");
+    }
+    assert_eq!(out.len(), 130);
 }
