@@ -418,6 +418,15 @@ fn batch_of(events: serde_json::Value) -> Vec<u8> {
     out
 }
 
+/// The start of a batch `[ts, [event]]` whose one event the caller writes by hand.
+fn one_event_batch() -> Vec<u8> {
+    let mut payload = Vec::new();
+    rmp::encode::write_array_len(&mut payload, 2).unwrap();
+    rmp::encode::write_f64(&mut payload, 1.7e9).unwrap();
+    rmp::encode::write_array_len(&mut payload, 1).unwrap();
+    payload
+}
+
 /// Token ids in every msgpack width (fixint, u8, u16, u32) and at each width's edges,
 /// in the map form and in the array form with the ids as the payload's last bytes
 /// (where fewer than 8 bytes remain and the decoder reads them another way).
@@ -501,10 +510,7 @@ fn ids_in_any_encoding_anywhere_in_a_long_list_decode_exactly() {
         }
     }
     let hashes: Vec<u64> = (1..=BLOCKS as u64).collect();
-    let mut payload = Vec::new();
-    rmp::encode::write_array_len(&mut payload, 2).unwrap();
-    rmp::encode::write_f64(&mut payload, 1.7e9).unwrap();
-    rmp::encode::write_array_len(&mut payload, 1).unwrap();
+    let mut payload = one_event_batch();
     rmp::encode::write_map_len(&mut payload, 6).unwrap();
     rmp::encode::write_str(&mut payload, "type").unwrap();
     rmp::encode::write_str(&mut payload, "BlockStored").unwrap();
@@ -536,10 +542,7 @@ fn ids_in_any_encoding_anywhere_in_a_long_list_decode_exactly() {
 /// bytes is refused as malformed at its count, which comes ahead of the ids' buffer.
 #[test]
 fn a_token_count_past_the_end_of_the_payload_is_refused_at_the_count() {
-    let mut payload = Vec::new();
-    rmp::encode::write_array_len(&mut payload, 2).unwrap();
-    rmp::encode::write_f64(&mut payload, 1.7e9).unwrap();
-    rmp::encode::write_array_len(&mut payload, 1).unwrap();
+    let mut payload = one_event_batch();
     rmp::encode::write_array_len(&mut payload, 4).unwrap();
     rmp::encode::write_str(&mut payload, "BlockStored").unwrap();
     msgpack(&mut payload, &json!([1]));
