@@ -555,30 +555,30 @@ impl KvIndex {
         resolved: &mut Vec<(u64, u64)>,
     ) -> Result<ApplyStats, KvEventError> {
         resolved.clear();
-        // Every check happens before the first change, which is what makes the event
-        // atomic without an undo log. (A hashed event's block size was checked where it
-        // was decoded, against the same setting.)
-        if let Contents::Tokens { blocks, .. } = stored.contents {
-            if let Some((index, block)) = blocks
-                .iter()
-                .enumerate()
-                .find(|(_, b)| b.token_ids.len() != self.block_size)
-            {
-                return Err(KvEventError::WrongBlockSize {
-                    worker,
-                    index,
-                    block_hash: block.block_hash,
-                    tokens: block.token_ids.len(),
-                    block_size: self.block_size,
-                });
-            }
-        }
-        let mut parent = self.first_parent(book, worker, parent_block_hash, stored.identity)?;
+        // Nothing changes here (`resolved` is scratch), so the event stays atomic
+        // without an undo log: every check is done before `store_resolved` changes
+        // anything. (A hashed event's block size was checked where it was decoded,
+        // against the same setting.) A wrong block size is reported before an unknown
+        // parent, as the event's own fault.
+        let mut parent = match self.first_parent(book, worker, parent_block_hash, stored.identity) {
+            Ok(parent) => parent,
+            Err(unknown) => return Err(self.wrong_block_size(worker, &stored).unwrap_or(unknown)),
+        };
         resolved.reserve(stored.len());
         match stored.contents {
             Contents::Tokens { blocks, extra_keys } => {
                 let mut extras = extra_keys.iter().peekable();
                 for (index, block) in blocks.iter().enumerate() {
+                    // The size is checked in the same pass as the hashing.
+                    if block.token_ids.len() != self.block_size {
+                        return Err(KvEventError::WrongBlockSize {
+                            worker,
+                            index,
+                            block_hash: block.block_hash,
+                            tokens: block.token_ids.len(),
+                            block_size: self.block_size,
+                        });
+                    }
                     let seq = match extras.next_if(|(at, _)| *at as usize == index) {
                         Some(&(_, extra)) => {
                             chained_hash_with_extra(parent, &block.token_ids, extra)
@@ -600,6 +600,26 @@ impl KvIndex {
         Ok(ApplyStats {
             stored: stored.len(),
             ..ApplyStats::default()
+        })
+    }
+
+    /// The first block of a stored event whose token count is not the block size, as
+    /// the error that refuses the event.
+    #[cold]
+    fn wrong_block_size(&self, worker: WorkerKey, stored: &Stored<'_>) -> Option<KvEventError> {
+        let Contents::Tokens { blocks, .. } = stored.contents else {
+            return None;
+        };
+        let (index, block) = blocks
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.token_ids.len() != self.block_size)?;
+        Some(KvEventError::WrongBlockSize {
+            worker,
+            index,
+            block_hash: block.block_hash,
+            tokens: block.token_ids.len(),
+            block_size: self.block_size,
         })
     }
 

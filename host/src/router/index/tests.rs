@@ -477,6 +477,17 @@ fn wrong_token_count_is_refused_and_changes_nothing() {
     // Even the valid first block was not stored.
     assert!(index.is_empty());
     assert!(overlaps(&index, &[1, 2, 3, 4]).is_empty());
+    // With a parent the worker does not hold as well, the block size is still what
+    // is reported: the event's own fault before the index's state.
+    let KvEvent::Stored { blocks, .. } = event else {
+        unreachable!("a stored event")
+    };
+    let orphan = KvEvent::stored(Some(99), blocks);
+    assert!(matches!(
+        index.apply(w(1, 0), &orphan),
+        Err(KvEventError::WrongBlockSize { index: 1, .. })
+    ));
+    assert!(index.is_empty());
 }
 
 #[test]
