@@ -81,17 +81,13 @@ pub enum RouterError {
 impl RouterError {
     /// The index's refusal of an event, for its worker (each refusal names it).
     fn from_event(refused: index::KvEventError) -> Self {
-        let worker = match &refused {
-            index::KvEventError::WrongBlockSize { worker, .. }
-            | index::KvEventError::UnknownParent { worker, .. }
-            | index::KvEventError::UnknownWorker { worker } => *worker,
-        };
-        match refused {
-            index::KvEventError::UnknownWorker { .. } => Self::UnknownWorker {
+        match &refused {
+            index::KvEventError::UnknownWorker { worker } => Self::UnknownWorker {
                 worker_id: worker.worker_id,
                 dp_rank: worker.dp_rank,
             },
-            refused => Self::KvEvent {
+            index::KvEventError::WrongBlockSize { worker, .. }
+            | index::KvEventError::UnknownParent { worker, .. } => Self::KvEvent {
                 worker_id: worker.worker_id,
                 dp_rank: worker.dp_rank,
                 unknown_parent: matches!(refused, index::KvEventError::UnknownParent { .. }),

@@ -562,7 +562,7 @@ impl KvIndex {
         // parent, as the event's own fault.
         let mut parent = match self.first_parent(book, worker, parent_block_hash, stored.identity) {
             Ok(parent) => parent,
-            Err(unknown) => return Err(self.wrong_block_size(worker, &stored).unwrap_or(unknown)),
+            Err(unknown) => return Err(self.first_wrong_size(worker, &stored).unwrap_or(unknown)),
         };
         resolved.reserve(stored.len());
         match stored.contents {
@@ -571,13 +571,7 @@ impl KvIndex {
                 for (index, block) in blocks.iter().enumerate() {
                     // The size is checked in the same pass as the hashing.
                     if block.token_ids.len() != self.block_size {
-                        return Err(KvEventError::WrongBlockSize {
-                            worker,
-                            index,
-                            block_hash: block.block_hash,
-                            tokens: block.token_ids.len(),
-                            block_size: self.block_size,
-                        });
+                        return Err(self.wrong_size(worker, index, block));
                     }
                     let seq = match extras.next_if(|(at, _)| *at as usize == index) {
                         Some(&(_, extra)) => {
@@ -606,21 +600,27 @@ impl KvIndex {
     /// The first block of a stored event whose token count is not the block size, as
     /// the error that refuses the event.
     #[cold]
-    fn wrong_block_size(&self, worker: WorkerKey, stored: &Stored<'_>) -> Option<KvEventError> {
+    fn first_wrong_size(&self, worker: WorkerKey, stored: &Stored<'_>) -> Option<KvEventError> {
         let Contents::Tokens { blocks, .. } = stored.contents else {
             return None;
         };
-        let (index, block) = blocks
+        blocks
             .iter()
             .enumerate()
-            .find(|(_, b)| b.token_ids.len() != self.block_size)?;
-        Some(KvEventError::WrongBlockSize {
+            .find(|(_, b)| b.token_ids.len() != self.block_size)
+            .map(|(index, block)| self.wrong_size(worker, index, block))
+    }
+
+    /// The refusal of a stored event whose block `index` has the wrong token count.
+    #[cold]
+    fn wrong_size(&self, worker: WorkerKey, index: usize, block: &StoredBlock) -> KvEventError {
+        KvEventError::WrongBlockSize {
             worker,
             index,
             block_hash: block.block_hash,
             tokens: block.token_ids.len(),
             block_size: self.block_size,
-        })
+        }
     }
 
     /// What a stored event's first block chains onto: the sequence hash of the block

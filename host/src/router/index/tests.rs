@@ -33,6 +33,11 @@ fn stored(parent: Option<u64>, tokens: &[u32], engine: &[u64]) -> KvEvent {
     )
 }
 
+/// A `removed` event for `block_hashes` (engine hashes).
+fn removed(block_hashes: Vec<u64>) -> KvEvent {
+    KvEvent::Removed { block_hashes }
+}
+
 /// `event` as an engine subscription hands it over ([`KvEvent::Hashed`]): each block
 /// hashed where it was decoded, with its extra keys, and the identity as a seed.
 fn hashed_form(event: &KvEvent) -> KvEvent {
@@ -273,14 +278,7 @@ fn prefix_stops_at_a_gap() {
     index
         .apply(w(1, 0), &stored(None, &tokens, &[1, 2, 3, 4]))
         .unwrap();
-    let stats = index
-        .apply(
-            w(1, 0),
-            &KvEvent::Removed {
-                block_hashes: vec![2],
-            },
-        )
-        .unwrap();
+    let stats = index.apply(w(1, 0), &removed(vec![2])).unwrap();
     assert_eq!(
         stats,
         ApplyStats {
@@ -305,14 +303,7 @@ fn removed_counts_missing_hashes_and_cleared_drops_everything() {
         .apply(w(2, 0), &stored(None, &tokens, &[1, 2, 3]))
         .unwrap();
 
-    let stats = index
-        .apply(
-            w(1, 0),
-            &KvEvent::Removed {
-                block_hashes: vec![3, 3, 99],
-            },
-        )
-        .unwrap();
+    let stats = index.apply(w(1, 0), &removed(vec![3, 3, 99])).unwrap();
     assert_eq!(
         stats,
         ApplyStats {
@@ -334,14 +325,7 @@ fn removed_counts_missing_hashes_and_cleared_drops_everything() {
     assert_eq!(out.cached_blocks(w(2, 0)), 0);
 
     // Removals from a worker the index never saw are all missing, not errors.
-    let stats = index
-        .apply(
-            w(9, 0),
-            &KvEvent::Removed {
-                block_hashes: vec![1],
-            },
-        )
-        .unwrap();
+    let stats = index.apply(w(9, 0), &removed(vec![1])).unwrap();
     assert_eq!(stats.missing_removals, 1);
 
     index.apply(w(1, 0), &KvEvent::Cleared).unwrap();
@@ -612,14 +596,7 @@ fn node_offsets_that_wrap_past_u32_max_keep_every_answer() {
         as_vec(&overlaps(&index, &tokens)),
         vec![(w(1, 0), engines.clone()), (w(2, 0), vec![1, 2, 3, 4, 5])]
     );
-    index
-        .apply(
-            w(1, 0),
-            &KvEvent::Removed {
-                block_hashes: vec![1],
-            },
-        )
-        .unwrap();
+    index.apply(w(1, 0), &removed(vec![1])).unwrap();
     index.check_invariants();
     assert_eq!(
         as_vec(&overlaps(&index, &branch)),
@@ -680,14 +657,7 @@ fn same_tokens_under_two_engine_hashes_survive_one_removal() {
     let out = overlaps(&index, &tokens);
     assert_eq!(out.len(), 1);
     assert_eq!(out.cached_blocks(w(1, 0)), 1);
-    index
-        .apply(
-            w(1, 0),
-            &KvEvent::Removed {
-                block_hashes: vec![1],
-            },
-        )
-        .unwrap();
+    index.apply(w(1, 0), &removed(vec![1])).unwrap();
     assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[2]);
 
     // Storing the same engine hash again is idempotent.
@@ -1366,14 +1336,7 @@ fn holder_words_that_stop_lining_up_keep_every_count() {
     // lose block 2 as well.
     for (i, &k) in workers.iter().enumerate().take(128).skip(64) {
         let lost = if i < 66 { vec![12, 13] } else { vec![12] };
-        let stats = index
-            .apply(
-                k,
-                &KvEvent::Removed {
-                    block_hashes: lost.clone(),
-                },
-            )
-            .unwrap();
+        let stats = index.apply(k, &removed(lost.clone())).unwrap();
         assert_eq!(stats.removed, lost.len());
     }
     index.check_invariants();
