@@ -15,6 +15,12 @@
 //! stored [`KEEP_BATCHES`] batches earlier. It paces to a deadline (sleeping, never
 //! spinning, so it takes no more of a core than the work); the achieved rate is printed.
 //!
+//! With two threads a third stream runs as a control: the same thread on the same
+//! schedule, building the same batches, applying nothing (`wakeups only`). On a machine
+//! with as many booking threads as cores, every wakeup of another thread preempts a
+//! booking; the control shows how much of the p99 under events is that, and how much
+//! is the index's writer.
+//!
 //! Each line also gives `other_processes_cores`: the CPU other processes used during the
 //! window (from `/proc`), since on a small shared machine a figure taken while something
 //! else ran is not a measurement of the router.
@@ -115,6 +121,8 @@ struct Measurement {
     bookings_per_s: f64,
     p50_us: f64,
     p99_us: f64,
+    /// Where the rare preempted bookings show.
+    p999_us: f64,
     /// Cores' worth of CPU other processes used during the window (the machine may be
     /// shared), if `/proc` says.
     others_cores: Option<f64>,
@@ -234,6 +242,7 @@ fn measure(
         bookings_per_s,
         p50_us: at(0.50),
         p99_us: at(0.99),
+        p999_us: at(0.999),
         others_cores: others,
     }
 }
@@ -248,8 +257,9 @@ struct Stream {
     cpu_cores: Option<f64>,
 }
 
-/// Applies the paced event stream until `stop`.
-fn event_stream(router: &Router, stop: &AtomicBool) -> Stream {
+/// Applies the paced event stream until `stop`; with `apply` false, builds each batch
+/// on the same schedule and drops it (the control).
+fn event_stream(router: &Router, stop: &AtomicBool, apply: bool) -> Stream {
     let mut counter: u64 = 0;
     let mut worker = BACKGROUND.start;
     let mut kept: VecDeque<Vec<(WorkerKey, Vec<u64>)>> = VecDeque::new();
@@ -287,6 +297,16 @@ fn event_stream(router: &Router, stop: &AtomicBool) -> Stream {
             names.push((k, blocks.iter().map(|b| b.block_hash).collect::<Vec<_>>()));
             batch.push((k, KvEvent::stored(None, blocks)));
         }
+        if !apply {
+            black_box(batch);
+            stream.batches += 1;
+            deadline += EVENT_PERIOD;
+            let now = Instant::now();
+            if deadline > now {
+                thread::sleep(deadline - now);
+            }
+            continue;
+        }
         kept.push_back(names);
         if kept.len() > KEEP_BATCHES {
             for (k, block_hashes) in kept.pop_front().unwrap_or_default() {
@@ -312,10 +332,24 @@ fn event_stream(router: &Router, stop: &AtomicBool) -> Stream {
     stream
 }
 
-fn line(threads: usize, stream: Option<&Stream>, m: &Measurement) {
+/// The event stream a measurement ran beside.
+#[derive(Clone, Copy, PartialEq)]
+enum Beside {
+    Quiet,
+    Events,
+    /// The control: the event thread's wakeups, nothing applied.
+    Wakeups,
+}
+
+fn line(threads: usize, beside: Beside, stream: Option<&Stream>, m: &Measurement) {
     let events = stream.map_or("quiet".to_string(), |s| {
         format!(
-            "events_per_s={:.0} removed_per_s={:.0} batches_per_s={:.0} event_thread_cores={}",
+            "{}events_per_s={:.0} removed_per_s={:.0} batches_per_s={:.0} event_thread_cores={}",
+            if beside == Beside::Wakeups {
+                "wakeups_only "
+            } else {
+                ""
+            },
             s.stored_blocks as f64 / s.took.as_secs_f64(),
             s.removed_blocks as f64 / s.took.as_secs_f64(),
             s.batches as f64 / s.took.as_secs_f64(),
@@ -326,8 +360,8 @@ fn line(threads: usize, stream: Option<&Stream>, m: &Measurement) {
         .others_cores
         .map_or(String::new(), |c| format!(" other_processes_cores={c:.2}"));
     println!(
-        "concurrency threads={threads} {events} bookings_per_s={:.0} p50_us={:.2} p99_us={:.2}{others}",
-        m.bookings_per_s, m.p50_us, m.p99_us
+        "concurrency threads={threads} {events} bookings_per_s={:.0} p50_us={:.2} p99_us={:.2} p999_us={:.2}{others}",
+        m.bookings_per_s, m.p50_us, m.p99_us, m.p999_us
     );
 }
 
@@ -373,21 +407,30 @@ fn main() {
     let index_before = router.index_len();
 
     let mut run = 0;
-    let mut results: Vec<(usize, Measurement, Measurement)> = Vec::new();
+    // Per thread count: quiet, under events, and (two threads) beside the control.
+    let mut results: Vec<(usize, Measurement, Measurement, Option<Measurement>)> = Vec::new();
     for threads in [1, 2] {
         run += 1;
         let quiet = measure(&router, role, &prompts, threads, warmup, window, run);
-        line(threads, None, &quiet);
+        line(threads, Beside::Quiet, None, &quiet);
+        let beside = |what: Beside, run: usize| {
+            let stop = AtomicBool::new(false);
+            let (busy, stream) = thread::scope(|s| {
+                let events = s.spawn(|| event_stream(&router, &stop, what == Beside::Events));
+                let busy = measure(&router, role, &prompts, threads, warmup, window, run);
+                stop.store(true, Ordering::Relaxed);
+                (busy, events.join().unwrap())
+            });
+            line(threads, what, Some(&stream), &busy);
+            busy
+        };
         run += 1;
-        let stop = AtomicBool::new(false);
-        let (busy, stream) = thread::scope(|s| {
-            let events = s.spawn(|| event_stream(&router, &stop));
-            let busy = measure(&router, role, &prompts, threads, warmup, window, run);
-            stop.store(true, Ordering::Relaxed);
-            (busy, events.join().unwrap())
+        let busy = beside(Beside::Events, run);
+        let control = (threads == 2).then(|| {
+            run += 1;
+            beside(Beside::Wakeups, run)
         });
-        line(threads, Some(&stream), &busy);
-        results.push((threads, quiet, busy));
+        results.push((threads, quiet, busy, control));
     }
     let one = &results[0];
     let two = &results[1];
@@ -399,11 +442,17 @@ fn main() {
         "concurrency scaling two_threads/one_thread={:.2} under events",
         two.2.bookings_per_s / one.2.bookings_per_s
     );
-    for (threads, quiet, busy) in &results {
+    for (threads, quiet, busy, control) in &results {
         println!(
             "concurrency p99 under events / quiet={:.2} (target <= 2) threads={threads}",
             busy.p99_us / quiet.p99_us
         );
+        if let Some(control) = control {
+            println!(
+                "concurrency p99 beside wakeups only / quiet={:.2} threads={threads} (the control: the event thread's schedule, nothing applied)",
+                control.p99_us / quiet.p99_us
+            );
+        }
     }
 
     // Everything booked was released; the event stream left the index as it found it
