@@ -290,7 +290,7 @@ fn quoted_numbers_invalid_names_and_null_parameters() {
 #[test]
 fn kv_events_sources_errors_name_the_field_and_what_to_write() {
     let roles = "worker_selection:\n  decode: kvcr\n";
-    let cases: [(&str, &str); 7] = [
+    let cases: [(&str, &str); 8] = [
         (
             "kv_events:\n  sources:\n    - {worker_id: 1, role: decode, endpoint: \"tcp://*:5557\"}\n",
             "kvhint.yaml:3:46: kv_events.sources[0].endpoint: `tcp://*:5557` is the engine's bind address; the router connects to the engine, so name the engine's host (tcp://ENGINE_HOST:PORT), or set `bind: true`",
@@ -319,13 +319,17 @@ fn kv_events_sources_errors_name_the_field_and_what_to_write() {
             "kv_events:\n  replay_timout_ms: 5\n",
             "kvhint.yaml:2:3: kv_events.replay_timout_ms: unknown key `replay_timout_ms` (did you mean `replay_timeout_ms`?)",
         ),
+        (
+            "kv_events:\n  thread_policy: idle\n",
+            "kvhint.yaml:2:18: kv_events.thread_policy: unknown thread policy `idle`; expected one of: batch, normal",
+        ),
     ];
     for (yaml, expected) in cases {
         assert_one(&format!("{yaml}{roles}"), expected);
     }
     assert!(
         errors(&format!(
-            "kv_events:\n  media: [GPU, CPU]\n  sources:\n    - {{worker_id: 1, dp_size: 2, role: decode, endpoint: \"tcp://h:5557\", replay_endpoint: \"tcp://h:5600\", bind: false}}\n{roles}"
+            "kv_events:\n  media: [GPU, CPU]\n  thread_policy: normal\n  sources:\n    - {{worker_id: 1, dp_size: 2, role: decode, endpoint: \"tcp://h:5557\", replay_endpoint: \"tcp://h:5600\", bind: false}}\n{roles}"
         ))
         .is_empty(),
         "a correct section passes"

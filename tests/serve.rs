@@ -579,3 +579,87 @@ fn hot_add_a_selection_plugin_then_reload_it_away_without_restart() {
                 .is_some_and(|r| r.iter().any(|r| r["selection"] == "dynamo-default-cost-fn"))
     });
 }
+
+/// The scheduling policy (`/proc/PID/task/TID/stat` field 41) of the server's thread
+/// named `name`, if it runs.
+fn thread_policy_of(server: &Server, name: &str) -> Option<u32> {
+    let tasks = format!("/proc/{}/task", server.child.id());
+    std::fs::read_dir(&tasks).ok()?.flatten().find_map(|task| {
+        let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+        if comm.trim_end() != name {
+            return None;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+        // Fields after the command name (in parentheses) start at field 3.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(41 - 3)?
+            .parse()
+            .ok()
+    })
+}
+
+#[test]
+fn the_event_paths_threads_run_under_the_configured_policy_and_a_reload_moves_them() {
+    const SCHED_OTHER: u32 = 0;
+    const SCHED_BATCH: u32 = 3;
+    let setup = Setup::with_prefetch(&prefetch_roles(1));
+    // A source nobody publishes on: its thread connects and waits, following the
+    // setting as it polls.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = |policy: &str| {
+        format!(
+            "plugins:\n  directory: plugins\n  cache_dir: cache\nrouter:\n  block_size: 4\n  max_prompt_tokens: 256\nkv_events:\n{policy}  sources:\n    - {{worker_id: 7, role: decode, endpoint: \"tcp://127.0.0.1:{port}\"}}\nworker_selection:\n{}",
+            prefetch_roles(1)
+        )
+    };
+    drop_in(
+        &setup.config(),
+        config("  thread_policy: normal\n").as_bytes(),
+    );
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    // The ingestion thread follows the setting when it next wakes: an event wakes it.
+    let event = |hash: u64| {
+        let (status, body) = server.post(
+            "/kv_events",
+            &json!({"worker_id": 7, "event": {"stored": {"parent_block_hash": null,
+                "blocks": [{"block_hash": hash, "token_ids": [1, 2, 3, 4]}]}}}),
+        );
+        assert_eq!(status, 200, "{body}");
+    };
+    event(1);
+    let policies = |server: &Server| {
+        (
+            thread_policy_of(server, "kvhint-ingest"),
+            thread_policy_of(server, "kvhint-kv-7-0"),
+        )
+    };
+    server.wait_for("both threads under SCHED_OTHER", |s| {
+        policies(s) == (Some(SCHED_OTHER), Some(SCHED_OTHER))
+    });
+
+    // Without the key: the default, batch, at each thread's next batch.
+    drop_in(&setup.config(), config("").as_bytes());
+    let hup = Command::new("kill")
+        .args(["-HUP", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    server.wait_for("the reload", |s| s.status()["generation"] == 2);
+    event(2);
+    server.wait_for("both threads under SCHED_BATCH", |s| {
+        policies(s) == (Some(SCHED_BATCH), Some(SCHED_BATCH))
+    });
+    // Still routing: the stored block is the booked worker's cached prefix.
+    let (status, body) = server.post(
+        "/book",
+        &json!({"request_id": "after", "role": "decode", "token_ids": [1, 2, 3, 4]}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["worker_id"], 7, "{body}");
+}

@@ -61,6 +61,38 @@ impl fmt::Display for RouterMode {
     }
 }
 
+/// `kv_events.thread_policy`: how the threads of the event path (engine subscriptions,
+/// the ingestion thread) are scheduled beside booking threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ThreadPolicy {
+    /// Linux's `SCHED_BATCH`: the same share of the CPU, but a thread that wakes never
+    /// preempts one that is running; it runs at the next scheduler tick when every
+    /// core is busy.
+    #[default]
+    Batch,
+    /// The default policy (`SCHED_OTHER`): a thread that wakes may preempt a booking.
+    Normal,
+}
+
+impl ThreadPolicy {
+    pub const NAMES: &'static [&'static str] = &["batch", "normal"];
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "batch" => Some(Self::Batch),
+            "normal" => Some(Self::Normal),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Batch => "batch",
+            Self::Normal => "normal",
+        }
+    }
+}
+
 /// The roles a worker can serve and a request can ask for.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,

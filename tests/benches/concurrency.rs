@@ -15,11 +15,14 @@
 //! stored [`KEEP_BATCHES`] batches earlier. It paces to a deadline (sleeping, never
 //! spinning, so it takes no more of a core than the work); the achieved rate is printed.
 //!
-//! With two threads a third stream runs as a control: the same thread on the same
-//! schedule, building the same batches, applying nothing (`wakeups only`). On a machine
-//! with as many booking threads as cores, every wakeup of another thread preempts a
-//! booking; the control shows how much of the p99 under events is that, and how much
-//! is the index's writer.
+//! The stream's thread runs under the router's event-path policy
+//! (`kv_events.thread_policy`, `batch` by default: see `kvhint::router::background`), as
+//! the router's subscription and ingestion threads do. With two threads two more streams
+//! run: the same under `normal`, and a control on the same schedule under `normal` that
+//! builds each batch and applies nothing (`wakeups_only`). With as many booking threads
+//! as cores, every wakeup of another thread under `normal` preempts a booking; the
+//! control shows how much of the p99 that is. Each stream line gives how late its batches
+//! began (`batch_late_us`): what `batch` costs in freshness.
 //!
 //! Each line also gives `other_processes_cores`: the CPU other processes used during the
 //! window (from `/proc`), since on a small shared machine a figure taken while something
@@ -29,7 +32,8 @@
 //! warm-up). Under `cargo test --benches` it runs a quick mode (0.2 s each) whose figures
 //! are not measurements.
 
-use kvhint::domain::{Role, WorkerKey};
+use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
+use kvhint::router::background::{Follower, Scheduling};
 use kvhint::router::index::{KvEvent, StoredBlock};
 use kvhint::router::workers::{Load, WorkerRegistration};
 use kvhint::router::{BookRequest, Router};
@@ -255,11 +259,34 @@ struct Stream {
     took: Duration,
     /// CPU the stream's thread used, in cores.
     cpu_cores: Option<f64>,
+    /// How long after its due time each batch began, sorted (ns): what a thread
+    /// policy that waits for the scheduler's tick costs in freshness.
+    late_ns: Vec<u64>,
 }
 
-/// Applies the paced event stream until `stop`; with `apply` false, builds each batch
-/// on the same schedule and drops it (the control).
-fn event_stream(router: &Router, stop: &AtomicBool, apply: bool) -> Stream {
+/// A measurement and the stream it ran beside.
+type Measured = (Beside, Measurement);
+
+/// The event stream a measurement ran beside.
+#[derive(Clone, Copy, PartialEq)]
+enum Beside {
+    Quiet,
+    /// The stream, its thread under `policy` (as the router's event path runs).
+    Events(ThreadPolicy),
+    /// The control: the stream's thread on the same schedule under `normal`, applying
+    /// nothing.
+    Wakeups,
+}
+
+/// Applies the paced event stream until `stop`; beside [`Beside::Wakeups`], builds
+/// each batch on the same schedule and drops it.
+fn event_stream(router: &Router, stop: &AtomicBool, beside: Beside) -> Stream {
+    let (apply, policy) = match beside {
+        Beside::Events(policy) => (true, policy),
+        _ => (false, ThreadPolicy::Normal),
+    };
+    // The router's own event-path threads follow the setting the same way.
+    Follower::default().follow(&Scheduling::new(policy));
     let mut counter: u64 = 0;
     let mut worker = BACKGROUND.start;
     let mut kept: VecDeque<Vec<(WorkerKey, Vec<u64>)>> = VecDeque::new();
@@ -269,11 +296,17 @@ fn event_stream(router: &Router, stop: &AtomicBool, apply: bool) -> Stream {
         batches: 0,
         took: Duration::ZERO,
         cpu_cores: None,
+        late_ns: Vec::with_capacity(1 << 16),
     };
     let cpu_start = stat_ticks("/proc/thread-self/stat");
     let start = Instant::now();
     let mut deadline = start;
     while !stop.load(Ordering::Relaxed) {
+        stream.late_ns.push(
+            Instant::now()
+                .saturating_duration_since(deadline)
+                .as_nanos() as u64,
+        );
         let mut batch = Vec::with_capacity(2 * EVENTS_PER_BATCH);
         let mut names = Vec::with_capacity(EVENTS_PER_BATCH);
         for _ in 0..EVENTS_PER_BATCH {
@@ -297,26 +330,20 @@ fn event_stream(router: &Router, stop: &AtomicBool, apply: bool) -> Stream {
             names.push((k, blocks.iter().map(|b| b.block_hash).collect::<Vec<_>>()));
             batch.push((k, KvEvent::stored(None, blocks)));
         }
-        if !apply {
+        if apply {
+            kept.push_back(names);
+            if kept.len() > KEEP_BATCHES {
+                for (k, block_hashes) in kept.pop_front().unwrap_or_default() {
+                    stream.removed_blocks += block_hashes.len() as u64;
+                    batch.push((k, KvEvent::Removed { block_hashes }));
+                }
+            }
+            stream.stored_blocks += (EVENTS_PER_BATCH * BLOCKS_PER_EVENT) as u64;
+            for result in router.apply_kv_events(batch) {
+                result.expect("event applies");
+            }
+        } else {
             black_box(batch);
-            stream.batches += 1;
-            deadline += EVENT_PERIOD;
-            let now = Instant::now();
-            if deadline > now {
-                thread::sleep(deadline - now);
-            }
-            continue;
-        }
-        kept.push_back(names);
-        if kept.len() > KEEP_BATCHES {
-            for (k, block_hashes) in kept.pop_front().unwrap_or_default() {
-                stream.removed_blocks += block_hashes.len() as u64;
-                batch.push((k, KvEvent::Removed { block_hashes }));
-            }
-        }
-        stream.stored_blocks += (EVENTS_PER_BATCH * BLOCKS_PER_EVENT) as u64;
-        for result in router.apply_kv_events(batch) {
-            result.expect("event applies");
         }
         stream.batches += 1;
         deadline += EVENT_PERIOD;
@@ -329,31 +356,30 @@ fn event_stream(router: &Router, stop: &AtomicBool, apply: bool) -> Stream {
     stream.cpu_cores = cpu_start
         .zip(stat_ticks("/proc/thread-self/stat"))
         .map(|(a, b)| (b - a) as f64 / 100.0 / stream.took.as_secs_f64());
+    stream.late_ns.sort_unstable();
     stream
-}
-
-/// The event stream a measurement ran beside.
-#[derive(Clone, Copy, PartialEq)]
-enum Beside {
-    Quiet,
-    Events,
-    /// The control: the event thread's wakeups, nothing applied.
-    Wakeups,
 }
 
 fn line(threads: usize, beside: Beside, stream: Option<&Stream>, m: &Measurement) {
     let events = stream.map_or("quiet".to_string(), |s| {
+        let late = |q: f64| {
+            s.late_ns
+                .get(((s.late_ns.len().saturating_sub(1)) as f64 * q).round() as usize)
+                .map_or(0.0, |ns| *ns as f64 / 1e3)
+        };
         format!(
-            "{}events_per_s={:.0} removed_per_s={:.0} batches_per_s={:.0} event_thread_cores={}",
-            if beside == Beside::Wakeups {
-                "wakeups_only "
-            } else {
-                ""
+            "{} events_per_s={:.0} removed_per_s={:.0} batches_per_s={:.0} event_thread_cores={} batch_late_us_p50={:.0} p99={:.0} max={:.0}",
+            match beside {
+                Beside::Events(policy) => format!("thread_policy={}", policy.as_str()),
+                _ => "wakeups_only thread_policy=normal".to_string(),
             },
             s.stored_blocks as f64 / s.took.as_secs_f64(),
             s.removed_blocks as f64 / s.took.as_secs_f64(),
             s.batches as f64 / s.took.as_secs_f64(),
             s.cpu_cores.map_or("?".to_string(), |c| format!("{c:.2}")),
+            late(0.5),
+            late(0.99),
+            late(1.0),
         )
     });
     let others = m
@@ -407,30 +433,30 @@ fn main() {
     let index_before = router.index_len();
 
     let mut run = 0;
-    // Per thread count: quiet, under events, and (two threads) beside the control.
-    let mut results: Vec<(usize, Measurement, Measurement, Option<Measurement>)> = Vec::new();
+    // Per thread count: quiet, then each stream beside it.
+    let mut results: Vec<(usize, Measurement, Vec<Measured>)> = Vec::new();
     for threads in [1, 2] {
         run += 1;
         let quiet = measure(&router, role, &prompts, threads, warmup, window, run);
         line(threads, Beside::Quiet, None, &quiet);
-        let beside = |what: Beside, run: usize| {
-            let stop = AtomicBool::new(false);
-            let (busy, stream) = thread::scope(|s| {
-                let events = s.spawn(|| event_stream(&router, &stop, what == Beside::Events));
-                let busy = measure(&router, role, &prompts, threads, warmup, window, run);
-                stop.store(true, Ordering::Relaxed);
-                (busy, events.join().unwrap())
-            });
-            line(threads, what, Some(&stream), &busy);
-            busy
-        };
-        run += 1;
-        let busy = beside(Beside::Events, run);
-        let control = (threads == 2).then(|| {
+        let mut streams = vec![Beside::Events(ThreadPolicy::Batch)];
+        if threads == 2 {
+            streams.extend([Beside::Events(ThreadPolicy::Normal), Beside::Wakeups]);
+        }
+        let mut busy = Vec::new();
+        for beside in streams {
             run += 1;
-            beside(Beside::Wakeups, run)
-        });
-        results.push((threads, quiet, busy, control));
+            let stop = AtomicBool::new(false);
+            let (measured, stream) = thread::scope(|s| {
+                let events = s.spawn(|| event_stream(&router, &stop, beside));
+                let measured = measure(&router, role, &prompts, threads, warmup, window, run);
+                stop.store(true, Ordering::Relaxed);
+                (measured, events.join().unwrap())
+            });
+            line(threads, beside, Some(&stream), &measured);
+            busy.push((beside, measured));
+        }
+        results.push((threads, quiet, busy));
     }
     let one = &results[0];
     let two = &results[1];
@@ -440,17 +466,20 @@ fn main() {
     );
     println!(
         "concurrency scaling two_threads/one_thread={:.2} under events",
-        two.2.bookings_per_s / one.2.bookings_per_s
+        two.2[0].1.bookings_per_s / one.2[0].1.bookings_per_s
     );
-    for (threads, quiet, busy, control) in &results {
-        println!(
-            "concurrency p99 under events / quiet={:.2} (target <= 2) threads={threads}",
-            busy.p99_us / quiet.p99_us
-        );
-        if let Some(control) = control {
+    for (threads, quiet, busy) in &results {
+        for (beside, measured) in busy {
+            let (what, target) = match beside {
+                Beside::Events(ThreadPolicy::Batch) => {
+                    ("under events thread_policy=batch", " (target <= 2)")
+                }
+                Beside::Events(ThreadPolicy::Normal) => ("under events thread_policy=normal", ""),
+                _ => ("beside wakeups only (the control)", ""),
+            };
             println!(
-                "concurrency p99 beside wakeups only / quiet={:.2} threads={threads} (the control: the event thread's schedule, nothing applied)",
-                control.p99_us / quiet.p99_us
+                "concurrency p99 {what} / quiet={:.2}{target} threads={threads}",
+                measured.p99_us / quiet.p99_us
             );
         }
     }

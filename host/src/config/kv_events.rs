@@ -3,7 +3,7 @@
 
 use super::yaml::{join, key_location, location, node_location, to_json, Walker};
 use super::Location;
-use crate::domain::Role;
+use crate::domain::{Role, ThreadPolicy};
 use crate::event_source::{Endpoints, KvEventSource};
 use marked_yaml::Node;
 
@@ -16,6 +16,8 @@ pub struct KvEventsConfig {
     pub receive_hwm: u64,
     /// How long one replay may take before the worker is resynchronised instead.
     pub replay_timeout_ms: u64,
+    /// How the event path's threads are scheduled beside booking threads.
+    pub thread_policy: ThreadPolicy,
     pub sources: Vec<ConfiguredSource>,
 }
 
@@ -25,6 +27,7 @@ impl Default for KvEventsConfig {
             media: vec!["GPU".to_string()],
             receive_hwm: 100_000,
             replay_timeout_ms: 5_000,
+            thread_policy: ThreadPolicy::default(),
             sources: Vec::new(),
         }
     }
@@ -50,7 +53,13 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
     walker.known_keys(
         map,
         "kv_events",
-        &["media", "receive_hwm", "replay_timeout_ms", "sources"],
+        &[
+            "media",
+            "receive_hwm",
+            "replay_timeout_ms",
+            "thread_policy",
+            "sources",
+        ],
     );
     if let Some(node) = map.get_node("media") {
         match node.as_sequence() {
@@ -78,6 +87,21 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
     if let Some(node) = map.get_node("replay_timeout_ms") {
         if let Some(n) = walker.unsigned(node, "kv_events.replay_timeout_ms", 1, 600_000) {
             out.replay_timeout_ms = n;
+        }
+    }
+    if let Some(node) = map.get_node("thread_policy") {
+        if let Some(text) = walker.string(node, "kv_events.thread_policy") {
+            match ThreadPolicy::parse(&text) {
+                Some(policy) => out.thread_policy = policy,
+                None => walker.error(
+                    location("kv_events.thread_policy", node.span()),
+                    format!(
+                        "unknown thread policy `{text}`; expected one of: {} (`batch` keeps \
+                         the event path from preempting bookings, `normal` lets it)",
+                        ThreadPolicy::NAMES.join(", ")
+                    ),
+                ),
+            }
         }
     }
     if let Some(node) = map.get_node("sources") {

@@ -278,13 +278,15 @@ impl Drop for EngineEvents {
 }
 
 impl EngineEvents {
-    /// Follows the config's `kv_events` section: the media setting (at once, for every
-    /// source), the socket and replay settings (for subscriptions started from now on),
+    /// Follows the config's `kv_events` section: the media setting and the thread
+    /// policy (at once, for every source and the ingestion thread), the socket and
+    /// replay settings (for subscriptions started from now on),
     /// and its sources —
     /// each listed worker registered (every rank) and subscribed, a worker no longer
     /// listed deregistered. Returns what failed, already logged.
     pub fn apply_config(&self, router: &Router, config: &KvEventsConfig) -> Vec<String> {
         let _membership = self.membership.lock();
+        self.ingest.set_thread_policy(config.thread_policy);
         self.set_settings(DecodeSettings {
             block_size: router.block_size(),
             media: config.media.clone(),

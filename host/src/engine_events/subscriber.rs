@@ -22,6 +22,7 @@ use super::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use super::stats::{SourceState, SourceStats};
 use crate::domain::WorkerKey;
 use crate::event_source::Endpoints;
+use crate::router::background::Follower;
 use crate::router::index::{ApplyStats, KvEvent};
 use crate::router::ingest::Ingest;
 use crate::router::{Router, RouterError};
@@ -185,6 +186,7 @@ impl Subscriber {
             warnings: Warnings { last: [None; 6] },
             pending_clear: false,
             parent_rebuilt: false,
+            follower: Follower::default(),
         };
         thread.run();
         self.shared.stats.set_state(SourceState::Stopped);
@@ -206,6 +208,8 @@ struct Thread<'a> {
     pending_clear: bool,
     /// An unknown parent already rebuilt the worker since the last loss.
     parent_rebuilt: bool,
+    /// This thread's scheduling policy, as the ingestion path's setting says.
+    follower: Follower,
 }
 
 impl Thread<'_> {
@@ -234,6 +238,7 @@ impl Thread<'_> {
         let mut backoff = first;
         let mut replayed_history = false;
         while !self.stopped() {
+            self.follower.follow(self.sub.ingest.scheduling());
             self.stats().set_state(SourceState::Connecting);
             let socket = match self.open() {
                 Ok(sockets) => sockets,
@@ -324,6 +329,7 @@ impl Thread<'_> {
     fn receive(&mut self, (socket, monitor): &(zmq::Socket, zmq::Socket)) {
         let mut dropped_peer = false;
         while !self.stopped() {
+            self.follower.follow(self.sub.ingest.scheduling());
             let mut items = [
                 socket.as_poll_item(zmq::POLLIN),
                 monitor.as_poll_item(zmq::POLLIN),

@@ -7,9 +7,14 @@
 //! under a heavy one, batching amortises the publish (one wait for the readers in flight
 //! per batch). Bookings never wait for it: they read the published copy of the index.
 //! A full queue refuses new events at once instead of growing without bound.
+//!
+//! The thread runs under the event path's scheduling policy ([`super::background`]):
+//! by default it never preempts a booking when it wakes.
 
+use super::background::{Follower, Scheduling};
 use super::index::{ApplyStats, KvEvent};
 use super::{Router, RouterError};
+use crate::domain::ThreadPolicy;
 use crate::domain::WorkerKey;
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,6 +71,8 @@ pub struct Ingest {
     queue: Sender<Job>,
     capacity: usize,
     pub stats: Arc<IngestStats>,
+    /// The policy this thread and the engine subscriptions feeding it run under.
+    scheduling: Arc<Scheduling>,
 }
 
 impl Ingest {
@@ -75,17 +82,30 @@ impl Ingest {
         let (queue, jobs) = crossbeam_channel::bounded(capacity.max(1));
         let stats = Arc::new(IngestStats::default());
         let thread_stats = Arc::clone(&stats);
+        let scheduling = Arc::new(Scheduling::default());
+        let thread_scheduling = Arc::clone(&scheduling);
         let thread = std::thread::Builder::new()
             .name("kvhint-ingest".into())
-            .spawn(move || run(&router, &jobs, &thread_stats))?;
+            .spawn(move || run(&router, &jobs, &thread_stats, &thread_scheduling))?;
         Ok((
             Self {
                 queue,
                 capacity: capacity.max(1),
                 stats,
+                scheduling,
             },
             thread,
         ))
+    }
+
+    /// The event path's threads take `policy` up at their next batch.
+    pub fn set_thread_policy(&self, policy: ThreadPolicy) {
+        self.scheduling.set(policy);
+    }
+
+    /// What the event path's threads follow (the engine subscriptions too).
+    pub fn scheduling(&self) -> &Scheduling {
+        &self.scheduling
     }
 
     /// Queues one event; the receiver gets its result once it is visible to bookings.
@@ -146,9 +166,12 @@ impl Ingest {
     }
 }
 
-fn run(router: &Router, jobs: &Receiver<Job>, stats: &IngestStats) {
+fn run(router: &Router, jobs: &Receiver<Job>, stats: &IngestStats, scheduling: &Scheduling) {
     let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    let mut follower = Follower::default();
+    follower.follow(scheduling);
     while let Ok(first) = jobs.recv() {
+        follower.follow(scheduling);
         let mut events = first.len();
         batch.push(first);
         while events < MAX_BATCH {

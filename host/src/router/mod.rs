@@ -22,6 +22,7 @@
 //! replaces (config, plugins, constructed policies) is the snapshot, whose role a
 //! booking is handed, so a booking runs wholly on the policies it started with.
 
+pub mod background;
 pub mod bookings;
 pub mod index;
 pub mod ingest;
