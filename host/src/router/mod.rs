@@ -160,8 +160,12 @@ impl Booking {
 
 /// What select-and-reserve decided: the booked worker, what it holds, and the copy
 /// it was committed to. The load is reserved by the time a plan exists.
-struct Plan {
-    booked: Arc<WorkerEntry>,
+///
+/// It borrows the booked worker from the worker table the booking read: a clone of
+/// its `Arc` would write the entry's reference count, a cache line every booking on
+/// every core reads.
+struct Plan<'t> {
+    booked: &'t WorkerEntry,
     cached_blocks: usize,
     committed_copy: Option<CommittedCopy>,
     selection_fallback: Option<&'static str>,
@@ -465,11 +469,11 @@ impl Router {
         // on a worker that is gone; so once reserved, it checks the table again and
         // books afresh if its worker left meanwhile (rare: a few tries at most).
         let mut tries = 0;
-        let (plan, table) = loop {
+        loop {
             let table = self.workers.load();
             let plan = self.select_and_reserve(role, request, &table, scratch)?;
             if self.workers.load().get(plan.booked.worker.key).is_some() {
-                break (plan, table);
+                return Ok(self.booking(role, request, &plan, &table, scratch));
             }
             self.bookings.remove(request.request_id);
             tries += 1;
@@ -477,7 +481,18 @@ impl Router {
                 // Workers leave faster than this request can be booked.
                 return Err(RouterError::NoWorkers(request.role));
             }
-        };
+        }
+    }
+
+    /// Steps 3 and 4: the hint stage on a reserved plan, and the booking.
+    fn booking(
+        &self,
+        role: &RoleRuntime,
+        request: &BookRequest<'_>,
+        plan: &Plan<'_>,
+        table: &WorkerTable,
+        scratch: &mut Scratch,
+    ) -> Booking {
         let mut booking = Booking {
             selection_fallback: plan.selection_fallback,
             request_id: request.request_id.to_string(),
@@ -490,19 +505,19 @@ impl Router {
             dropped_actions: 0,
             policy_failures: Vec::new(),
         };
-        self.hint(role, request, &plan, &table, scratch, &mut booking);
-        Ok(booking)
+        self.hint(role, request, plan, table, scratch, &mut booking);
+        booking
     }
 
     /// Step 2: candidates with their cached prefixes → the selection policy → the
     /// load reserved.
-    fn select_and_reserve(
+    fn select_and_reserve<'t>(
         &self,
         role: &RoleRuntime,
         request: &BookRequest<'_>,
-        table: &WorkerTable,
+        table: &'t WorkerTable,
         scratch: &mut Scratch,
-    ) -> Result<Plan, RouterError> {
+    ) -> Result<Plan<'t>, RouterError> {
         let entries = table.role(request.role);
         if entries.is_empty() {
             return Err(RouterError::NoWorkers(request.role));
@@ -582,7 +597,7 @@ impl Router {
         );
         let chosen_cached = candidates[chosen.index].cached_blocks as usize;
         *spare = reuse(candidates);
-        let booked = Arc::clone(&entries[chosen.index]);
+        let booked: &WorkerEntry = &entries[chosen.index];
         // A copy is only ever committed to a worker that can receive the hint
         // carrying it (rule R6).
         let committed_copy = peer_copies[chosen.index]
@@ -641,7 +656,7 @@ impl Router {
         &self,
         role: &RoleRuntime,
         request: &BookRequest<'_>,
-        plan: &Plan,
+        plan: &Plan<'_>,
         table: &WorkerTable,
         scratch: &mut Scratch,
         booking: &mut Booking,
