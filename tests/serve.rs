@@ -580,26 +580,34 @@ fn hot_add_a_selection_plugin_then_reload_it_away_without_restart() {
     });
 }
 
-/// The scheduling policy (`/proc/PID/task/TID/stat` field 41) of the server's thread
-/// named `name`, if it runs.
-fn thread_policy_of(server: &Server, name: &str) -> Option<u32> {
+/// The scheduling policy (`/proc/PID/task/TID/stat` field 41) of each of the server's
+/// threads whose name (as `comm` holds it, with its newline) starts with `name`.
+#[cfg(target_os = "linux")]
+fn thread_policies(server: &Server, name: &str) -> Vec<u32> {
     let tasks = format!("/proc/{}/task", server.child.id());
-    std::fs::read_dir(&tasks).ok()?.flatten().find_map(|task| {
-        let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
-        if comm.trim_end() != name {
-            return None;
-        }
-        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
-        // Fields after the command name (in parentheses) start at field 3.
-        stat.rsplit_once(')')?
-            .1
-            .split_whitespace()
-            .nth(41 - 3)?
-            .parse()
-            .ok()
-    })
+    let Ok(tasks) = std::fs::read_dir(&tasks) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| {
+            let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+            if !comm.starts_with(name) {
+                return None;
+            }
+            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+            // Fields after the command name (in parentheses) start at field 3.
+            stat.rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(41 - 3)?
+                .parse()
+                .ok()
+        })
+        .collect()
 }
 
+#[cfg(target_os = "linux")]
 #[test]
 fn the_event_paths_threads_run_under_the_configured_policy_and_a_reload_moves_them() {
     const SCHED_OTHER: u32 = 0;
@@ -618,47 +626,56 @@ fn the_event_paths_threads_run_under_the_configured_policy_and_a_reload_moves_th
             prefetch_roles(1)
         )
     };
+    // Without the key: the default, batch.
+    drop_in(&setup.config(), config("").as_bytes());
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    let policies = |server: &Server| {
+        (
+            thread_policies(server, "kvhint-ingest"),
+            thread_policies(server, "kvhint-kv-7-0"),
+        )
+    };
+    server.wait_for("both threads under SCHED_BATCH", |s| {
+        policies(s) == (vec![SCHED_BATCH], vec![SCHED_BATCH])
+    });
+    assert_eq!(server.status()["kv_events_thread_policy"], "batch");
+    assert_eq!(server.status()["thread_policy_refusals"], 0);
+    // libzmq's I/O and reaper threads (unnamed, so `kvhint` like the main thread) start
+    // with the router, not with the first subscription: they keep the process's policy.
+    let unnamed = thread_policies(&server, "kvhint\n");
+    assert!(
+        unnamed.len() >= 3,
+        "the main thread and libzmq's: {unnamed:?}"
+    );
+    assert!(unnamed.iter().all(|p| *p == SCHED_OTHER), "{unnamed:?}");
+
+    // A reload to normal reaches both threads without an event to wake them.
     drop_in(
         &setup.config(),
         config("  thread_policy: normal\n").as_bytes(),
     );
-    let server = Server::start(&setup.config(), &[], setup.dir.path());
-    // The ingestion thread follows the setting when it next wakes: an event wakes it.
-    let event = |hash: u64| {
-        let (status, body) = server.post(
-            "/kv_events",
-            &json!({"worker_id": 7, "event": {"stored": {"parent_block_hash": null,
-                "blocks": [{"block_hash": hash, "token_ids": [1, 2, 3, 4]}]}}}),
-        );
-        assert_eq!(status, 200, "{body}");
-    };
-    event(1);
-    let policies = |server: &Server| {
-        (
-            thread_policy_of(server, "kvhint-ingest"),
-            thread_policy_of(server, "kvhint-kv-7-0"),
-        )
-    };
-    server.wait_for("both threads under SCHED_OTHER", |s| {
-        policies(s) == (Some(SCHED_OTHER), Some(SCHED_OTHER))
-    });
-
-    // Without the key: the default, batch, at each thread's next batch.
-    drop_in(&setup.config(), config("").as_bytes());
     let hup = Command::new("kill")
         .args(["-HUP", &server.child.id().to_string()])
         .status()
         .unwrap();
     assert!(hup.success());
     server.wait_for("the reload", |s| s.status()["generation"] == 2);
-    event(2);
-    server.wait_for("both threads under SCHED_BATCH", |s| {
-        policies(s) == (Some(SCHED_BATCH), Some(SCHED_BATCH))
+    server.wait_for("both threads under SCHED_OTHER", |s| {
+        policies(s) == (vec![SCHED_OTHER], vec![SCHED_OTHER])
     });
-    // Still routing: the stored block is the booked worker's cached prefix.
+    assert_eq!(server.status()["kv_events_thread_policy"], "normal");
+
+    // Still routing: an event stored on worker 7 makes it the booked worker over 8.
+    register_decode_worker(&server, 8);
+    let (status, body) = server.post(
+        "/kv_events",
+        &json!({"worker_id": 7, "event": {"stored": {"parent_block_hash": null,
+            "blocks": [{"block_hash": 1, "token_ids": [1, 2, 3, 4]}]}}}),
+    );
+    assert_eq!(status, 200, "{body}");
     let (status, body) = server.post(
         "/book",
-        &json!({"request_id": "after", "role": "decode", "token_ids": [1, 2, 3, 4]}),
+        &json!({"request_id": "after", "role": "decode", "token_ids": [1, 2, 3, 4, 5]}),
     );
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["worker_id"], 7, "{body}");

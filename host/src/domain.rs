@@ -65,9 +65,9 @@ impl fmt::Display for RouterMode {
 /// the ingestion thread) are scheduled beside booking threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ThreadPolicy {
-    /// Linux's `SCHED_BATCH`: the same share of the CPU, but a thread that wakes never
-    /// preempts one that is running; it runs at the next scheduler tick when every
-    /// core is busy.
+    /// Linux's `SCHED_BATCH`: the same share of the CPU, but a thread that wakes does
+    /// not preempt one that is running; when every core is busy it runs when the
+    /// scheduler next preempts (at its tick, every few milliseconds).
     #[default]
     Batch,
     /// The default policy (`SCHED_OTHER`): a thread that wakes may preempt a booking.

@@ -15,11 +15,11 @@
 //! stored [`KEEP_BATCHES`] batches earlier. It paces to a deadline (sleeping, never
 //! spinning, so it takes no more of a core than the work); the achieved rate is printed.
 //!
-//! The stream's thread runs under the router's event-path policy
-//! (`kv_events.thread_policy`, `batch` by default: see `kvhint::router::background`), as
-//! the router's subscription and ingestion threads do. With two threads two more streams
-//! run: the same under `normal`, and a control on the same schedule under `normal` that
-//! builds each batch and applies nothing (`wakeups_only`). With as many booking threads
+//! The stream's thread runs under `batch`, the policy the router's subscription and
+//! ingestion threads take by default (`kv_events.thread_policy`; see
+//! `kvhint::router::background`). With two threads two more streams run: the same under
+//! `normal`, and a control on the same schedule under `normal` that builds each batch
+//! and applies nothing (`wakeups_only`). With as many booking threads
 //! as cores, every wakeup of another thread under `normal` preempts a booking; the
 //! control shows how much of the p99 that is. Each stream line gives how late its batches
 //! began (`batch_late_us`): what `batch` costs in freshness.
@@ -33,7 +33,7 @@
 //! are not measurements.
 
 use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
-use kvhint::router::background::{Follower, Scheduling};
+use kvhint::router::background::set_current_thread;
 use kvhint::router::index::{KvEvent, StoredBlock};
 use kvhint::router::workers::{Load, WorkerRegistration};
 use kvhint::router::{BookRequest, Router};
@@ -285,8 +285,8 @@ fn event_stream(router: &Router, stop: &AtomicBool, beside: Beside) -> Stream {
         Beside::Events(policy) => (true, policy),
         _ => (false, ThreadPolicy::Normal),
     };
-    // The router's own event-path threads follow the setting the same way.
-    Follower::default().follow(&Scheduling::new(policy));
+    // As the router's event threads take `kv_events.thread_policy` up.
+    set_current_thread(policy).expect("the event thread takes its scheduling policy");
     let mut counter: u64 = 0;
     let mut worker = BACKGROUND.start;
     let mut kept: VecDeque<Vec<(WorkerKey, Vec<u64>)>> = VecDeque::new();

@@ -104,8 +104,16 @@ impl EngineEvents {
         settings: DecodeSettings,
         options: SubscriberOptions,
     ) -> Self {
+        let context = zmq::Context::new();
+        // libzmq starts its I/O and reaper threads with a context's first socket, and a
+        // new thread takes its creator's scheduling policy. Opening one here, on the
+        // thread that builds the router, starts them under the process's own policy,
+        // not under whatever `kv_events.thread_policy` was when the first subscription
+        // opened (which they would then keep through reloads). A failure here is the
+        // first subscription's to report.
+        drop(context.socket(zmq::SUB));
         Self {
-            context: zmq::Context::new(),
+            context,
             router,
             ingest,
             settings: Arc::new(ArcSwap::from_pointee(settings)),
@@ -278,9 +286,10 @@ impl Drop for EngineEvents {
 }
 
 impl EngineEvents {
-    /// Follows the config's `kv_events` section: the media setting and the thread
-    /// policy (at once, for every source and the ingestion thread), the socket and
-    /// replay settings (for subscriptions started from now on),
+    /// Follows the config's `kv_events` section: the media setting (at once, for every
+    /// source), the thread policy (every source's thread and the ingestion thread,
+    /// within its next wait), the socket and replay settings (for subscriptions started
+    /// from now on),
     /// and its sources —
     /// each listed worker registered (every rank) and subscribed, a worker no longer
     /// listed deregistered. Returns what failed, already logged.

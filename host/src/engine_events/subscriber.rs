@@ -226,9 +226,10 @@ impl Thread<'_> {
     }
 
     /// Sleeps `wait`, waking early when stopped.
-    fn pause(&self, wait: Duration) {
+    fn pause(&mut self, wait: Duration) {
         let until = Instant::now() + wait;
         while !self.stopped() && Instant::now() < until {
+            self.follower.follow(self.sub.ingest.scheduling());
             std::thread::sleep(POLL.min(until.saturating_duration_since(Instant::now())));
         }
     }
@@ -772,7 +773,7 @@ impl Thread<'_> {
     /// Asks the replay socket for every batch from `from`: `[b"", seq]` out; replies
     /// `[b"", topic, seq, payload]` (or `[b"", seq, payload]` from vLLM before 0.26)
     /// until the end marker (`seq` all ones, in either form).
-    fn fetch_replay(&self, replay: &str, from: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    fn fetch_replay(&mut self, replay: &str, from: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
         let dealer = self
             .sub
             .context
@@ -795,6 +796,7 @@ impl Thread<'_> {
             if self.stopped() {
                 return Err("the source was stopped".into());
             }
+            self.follower.follow(self.sub.ingest.scheduling());
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(format!(

@@ -40,6 +40,8 @@ enum Job {
         events: Vec<(WorkerKey, KvEvent)>,
         reply: BatchReply,
     },
+    /// Nothing to apply: the thread wakes to take up a new scheduling policy.
+    Wake,
 }
 
 impl Job {
@@ -47,6 +49,7 @@ impl Job {
         match self {
             Self::One { .. } => 1,
             Self::Batch { events, .. } => events.len(),
+            Self::Wake => 0,
         }
     }
 }
@@ -98,9 +101,13 @@ impl Ingest {
         ))
     }
 
-    /// The event path's threads take `policy` up at their next batch.
+    /// The event path's threads take `policy` up within their next wait: the
+    /// ingestion thread is woken for it (unless its queue is full, when it is busy and
+    /// takes it up at its next batch).
     pub fn set_thread_policy(&self, policy: ThreadPolicy) {
-        self.scheduling.set(policy);
+        if self.scheduling.set(policy) {
+            let _ = self.queue.try_send(Job::Wake);
+        }
     }
 
     /// What the event path's threads follow (the engine subscriptions too).
@@ -146,6 +153,7 @@ impl Ingest {
             .map_err(|(full, job)| match job {
                 Job::Batch { events, .. } => (full, events),
                 Job::One { worker, event, .. } => (full, vec![(worker, event)]),
+                Job::Wake => (full, Vec::new()),
             })
     }
 
@@ -199,7 +207,12 @@ fn run(router: &Router, jobs: &Receiver<Job>, stats: &IngestStats, scheduling: &
                     replies.push((events.len(), Pending::Batch(reply)));
                     all.extend(events);
                 }
+                Job::Wake => {}
             }
+        }
+        if all.is_empty() && replies.is_empty() {
+            // Only wakes: nothing to publish.
+            continue;
         }
         let mut results = router.apply_kv_events(all).into_iter();
         stats.batches.fetch_add(1, Ordering::Relaxed);

@@ -338,6 +338,8 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "booking_ttl_s": snapshot.booking_ttl_s,
         "auth": snapshot.tokens.is_some(),
         "kv_event_sources": kv_event_sources(&app),
+        "kv_events_thread_policy": app.ingest.scheduling().get().as_str(),
+        "thread_policy_refusals": app.ingest.scheduling().refusals(),
     }))
 }
 
