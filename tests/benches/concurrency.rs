@@ -19,7 +19,10 @@
 //! ingestion threads take by default (`kv_events.thread_policy`; see
 //! `kvhint::router::background`). With two threads two more streams run: the same under
 //! `normal`, and a control on the same schedule under `normal` that builds each batch
-//! and applies nothing (`wakeups_only`). With as many booking threads
+//! and applies nothing (`wakeups_only`). The stream also runs as the router runs an
+//! engine subscription (`via_ingestion_thread`): each batch handed to the router's
+//! ingestion thread, waiting until it is visible before the next, both threads under
+//! the line's policy. With as many booking threads
 //! as cores, every wakeup of another thread under `normal` preempts a booking; the
 //! control shows how much of the p99 that is. Each stream line gives how late its batches
 //! began (`batch_late_us`): what `batch` costs in freshness.
@@ -35,6 +38,7 @@
 use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
 use kvhint::router::background::set_current_thread;
 use kvhint::router::index::{KvEvent, StoredBlock};
+use kvhint::router::ingest::Ingest;
 use kvhint::router::workers::{Load, WorkerRegistration};
 use kvhint::router::{BookRequest, Router};
 use kvhint::snapshot::{RoleRuntime, Snapshot};
@@ -43,7 +47,7 @@ use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Barrier, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -271,8 +275,12 @@ type Measured = (Beside, Measurement);
 #[derive(Clone, Copy, PartialEq)]
 enum Beside {
     Quiet,
-    /// The stream, its thread under `policy` (as the router's event path runs).
+    /// The stream, its thread under `policy`, applying each batch itself.
     Events(ThreadPolicy),
+    /// The stream as the router runs it: its thread (an engine subscription's stand-in)
+    /// hands each batch to the router's ingestion thread and waits until it is
+    /// visible, both threads under `policy`.
+    Ingested(ThreadPolicy),
     /// The control: the stream's thread on the same schedule under `normal`, applying
     /// nothing.
     Wakeups,
@@ -280,11 +288,13 @@ enum Beside {
 
 /// Applies the paced event stream until `stop`; beside [`Beside::Wakeups`], builds
 /// each batch on the same schedule and drops it.
-fn event_stream(router: &Router, stop: &AtomicBool, beside: Beside) -> Stream {
+fn event_stream(router: &Router, ingest: &Ingest, stop: &AtomicBool, beside: Beside) -> Stream {
     let (apply, policy) = match beside {
-        Beside::Events(policy) => (true, policy),
+        Beside::Events(policy) | Beside::Ingested(policy) => (true, policy),
         _ => (false, ThreadPolicy::Normal),
     };
+    ingest.set_thread_policy(policy);
+    let (reply, replies) = crossbeam_channel::bounded(1);
     // As the router's event threads take `kv_events.thread_policy` up.
     set_current_thread(policy).expect("the event thread takes its scheduling policy");
     let mut counter: u64 = 0;
@@ -339,7 +349,15 @@ fn event_stream(router: &Router, stop: &AtomicBool, beside: Beside) -> Stream {
                 }
             }
             stream.stored_blocks += (EVENTS_PER_BATCH * BLOCKS_PER_EVENT) as u64;
-            for result in router.apply_kv_events(batch) {
+            let results = if let Beside::Ingested(_) = beside {
+                if ingest.submit_batch(batch, reply.clone()).is_err() {
+                    panic!("the ingestion queue is full");
+                }
+                replies.recv().expect("the ingestion thread answers")
+            } else {
+                router.apply_kv_events(batch)
+            };
+            for result in results {
                 result.expect("event applies");
             }
         } else {
@@ -371,6 +389,9 @@ fn line(threads: usize, beside: Beside, stream: Option<&Stream>, m: &Measurement
             "{} events_per_s={:.0} removed_per_s={:.0} batches_per_s={:.0} event_thread_cores={} batch_late_us_p50={:.0} p99={:.0} max={:.0}",
             match beside {
                 Beside::Events(policy) => format!("thread_policy={}", policy.as_str()),
+                Beside::Ingested(policy) => {
+                    format!("via_ingestion_thread thread_policy={}", policy.as_str())
+                }
                 _ => "wakeups_only thread_policy=normal".to_string(),
             },
             s.stored_blocks as f64 / s.took.as_secs_f64(),
@@ -409,7 +430,9 @@ fn main() {
     let (snapshot, _loader, _fixture) = snapshot();
     let role = snapshot.role(Role::Decode).expect("decode role");
     let prompts: Vec<Vec<u32>> = (0..PROMPTS).map(prompt).collect();
-    let router = router(&prompts);
+    let router = Arc::new(router(&prompts));
+    let (ingest, _ingest_thread) =
+        Ingest::start(Arc::clone(&router), 1024).expect("the ingestion thread starts");
     // The whole path runs: kvcr commits a peer's copy and kv_fetch sends it.
     for (j, p) in prompts.iter().enumerate() {
         let id = format!("check-{j}");
@@ -439,16 +462,23 @@ fn main() {
         run += 1;
         let quiet = measure(&router, role, &prompts, threads, warmup, window, run);
         line(threads, Beside::Quiet, None, &quiet);
-        let mut streams = vec![Beside::Events(ThreadPolicy::Batch)];
+        let mut streams = vec![
+            Beside::Events(ThreadPolicy::Batch),
+            Beside::Ingested(ThreadPolicy::Batch),
+        ];
         if threads == 2 {
-            streams.extend([Beside::Events(ThreadPolicy::Normal), Beside::Wakeups]);
+            streams.extend([
+                Beside::Events(ThreadPolicy::Normal),
+                Beside::Wakeups,
+                Beside::Ingested(ThreadPolicy::Normal),
+            ]);
         }
         let mut busy = Vec::new();
         for beside in streams {
             run += 1;
             let stop = AtomicBool::new(false);
             let (measured, stream) = thread::scope(|s| {
-                let events = s.spawn(|| event_stream(&router, &stop, beside));
+                let events = s.spawn(|| event_stream(&router, &ingest, &stop, beside));
                 let measured = measure(&router, role, &prompts, threads, warmup, window, run);
                 stop.store(true, Ordering::Relaxed);
                 (measured, events.join().unwrap())
@@ -475,6 +505,14 @@ fn main() {
                     ("under events thread_policy=batch", " (target <= 2)")
                 }
                 Beside::Events(ThreadPolicy::Normal) => ("under events thread_policy=normal", ""),
+                Beside::Ingested(ThreadPolicy::Batch) => (
+                    "under events via the ingestion thread thread_policy=batch",
+                    "",
+                ),
+                Beside::Ingested(ThreadPolicy::Normal) => (
+                    "under events via the ingestion thread thread_policy=normal",
+                    "",
+                ),
                 _ => ("beside wakeups only (the control)", ""),
             };
             println!(
