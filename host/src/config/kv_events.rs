@@ -90,18 +90,14 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
         }
     }
     if let Some(node) = map.get_node("thread_policy") {
-        if let Some(text) = walker.string(node, "kv_events.thread_policy") {
-            match ThreadPolicy::parse(&text) {
-                Some(policy) => out.thread_policy = policy,
-                None => walker.error(
-                    location("kv_events.thread_policy", node.span()),
-                    format!(
-                        "unknown thread policy `{text}`; expected one of: {} (`batch` keeps \
-                         the event path from preempting bookings, `normal` lets it)",
-                        ThreadPolicy::NAMES.join(", ")
-                    ),
-                ),
-            }
+        if let Some(policy) = walker.one_of(
+            node,
+            "kv_events.thread_policy",
+            "thread policy",
+            ThreadPolicy::NAMES,
+            ThreadPolicy::parse,
+        ) {
+            out.thread_policy = policy;
         }
     }
     if let Some(node) = map.get_node("sources") {
@@ -171,20 +167,8 @@ fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<Configured
             .map(|n| n as u32),
         None => Some(1),
     };
-    let role = required(walker, "role", "aggregated, prefill or decode").and_then(|n| {
-        let text = walker.string(n, &join(path, "role"))?;
-        let role = Role::parse(&text);
-        if role.is_none() {
-            walker.error(
-                location(&join(path, "role"), n.span()),
-                format!(
-                    "unknown role `{text}`; expected one of: {}",
-                    Role::NAMES.join(", ")
-                ),
-            );
-        }
-        role
-    });
+    let role = required(walker, "role", "aggregated, prefill or decode")
+        .and_then(|n| walker.one_of(n, &join(path, "role"), "role", Role::NAMES, Role::parse));
     let runtime_data = match map.get_node("runtime_data") {
         None => Some(serde_json::Map::new()),
         Some(n) => match to_json(n) {

@@ -689,17 +689,14 @@ fn router(walker: &mut Walker, node: &Node) -> RouterConfig {
         ],
     );
     if let Some(node) = map.get_node("mode") {
-        if let Some(mode) = walker.string(node, "router.mode") {
-            match RouterMode::parse(&mode) {
-                Some(mode) => out.mode = mode,
-                None => walker.error(
-                    location("router.mode", node.span()),
-                    format!(
-                        "unknown router mode `{mode}`; expected one of: {}",
-                        RouterMode::NAMES.join(", ")
-                    ),
-                ),
-            }
+        if let Some(mode) = walker.one_of(
+            node,
+            "router.mode",
+            "router mode",
+            RouterMode::NAMES,
+            RouterMode::parse,
+        ) {
+            out.mode = mode;
         }
     }
     if let Some(node) = map.get_node("block_size") {

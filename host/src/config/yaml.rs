@@ -124,6 +124,30 @@ impl<'a> Walker<'a> {
         }
     }
 
+    /// A string naming one of `names`, as `parse` reads it: `what` names the kind in
+    /// the error (`unknown router mode `x`; expected one of: kv, …`).
+    pub fn one_of<T>(
+        &mut self,
+        node: &Node,
+        path: &str,
+        what: &str,
+        names: &[&str],
+        parse: impl FnOnce(&str) -> Option<T>,
+    ) -> Option<T> {
+        let text = self.string(node, path)?;
+        let value = parse(&text);
+        if value.is_none() {
+            self.error(
+                location(path, node.span()),
+                format!(
+                    "unknown {what} `{text}`; expected one of: {}",
+                    names.join(", ")
+                ),
+            );
+        }
+        value
+    }
+
     /// A whole number in `min..=max`.
     pub fn unsigned(&mut self, node: &Node, path: &str, min: u64, max: u64) -> Option<u64> {
         let range = if max == u64::MAX {

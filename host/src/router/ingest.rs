@@ -14,8 +14,7 @@
 use super::background::{Follower, Scheduling};
 use super::index::{ApplyStats, KvEvent};
 use super::{Router, RouterError};
-use crate::domain::ThreadPolicy;
-use crate::domain::WorkerKey;
+use crate::domain::{ThreadPolicy, WorkerKey};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

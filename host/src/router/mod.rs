@@ -171,6 +171,24 @@ struct Plan<'t> {
     selection_fallback: Option<&'static str>,
 }
 
+impl Plan<'_> {
+    /// The booking this plan makes, before the hint stage fills in its hint.
+    fn booking(&self, request: &BookRequest<'_>, request_blocks: usize) -> Booking {
+        Booking {
+            selection_fallback: self.selection_fallback,
+            request_id: request.request_id.to_string(),
+            role: request.role,
+            worker: self.booked.worker.key,
+            cached_blocks: self.cached_blocks,
+            request_blocks,
+            committed_copy: self.committed_copy,
+            hint: Hint::Skipped(HintSkip::NoActions),
+            dropped_actions: 0,
+            policy_failures: Vec::new(),
+        }
+    }
+}
+
 /// A matching worker as the booking ranks peers: longest prefix first, then by key.
 /// By slot, not by `Arc`: cloning every matched worker's `Arc` per booking would make
 /// their reference counts cache lines that every core writes.
@@ -473,7 +491,9 @@ impl Router {
             let table = self.workers.load();
             let plan = self.select_and_reserve(role, request, &table, scratch)?;
             if self.workers.load().get(plan.booked.worker.key).is_some() {
-                return Ok(self.booking(role, request, &plan, &table, scratch));
+                let mut booking = plan.booking(request, scratch.hashes.len());
+                self.hint(role, request, &plan, &table, scratch, &mut booking);
+                return Ok(booking);
             }
             self.bookings.remove(request.request_id);
             tries += 1;
@@ -482,31 +502,6 @@ impl Router {
                 return Err(RouterError::NoWorkers(request.role));
             }
         }
-    }
-
-    /// Steps 3 and 4: the hint stage on a reserved plan, and the booking.
-    fn booking(
-        &self,
-        role: &RoleRuntime,
-        request: &BookRequest<'_>,
-        plan: &Plan<'_>,
-        table: &WorkerTable,
-        scratch: &mut Scratch,
-    ) -> Booking {
-        let mut booking = Booking {
-            selection_fallback: plan.selection_fallback,
-            request_id: request.request_id.to_string(),
-            role: request.role,
-            worker: plan.booked.worker.key,
-            cached_blocks: plan.cached_blocks,
-            request_blocks: scratch.hashes.len(),
-            committed_copy: plan.committed_copy,
-            hint: Hint::Skipped(HintSkip::NoActions),
-            dropped_actions: 0,
-            policy_failures: Vec::new(),
-        };
-        self.hint(role, request, plan, table, scratch, &mut booking);
-        booking
     }
 
     /// Step 2: candidates with their cached prefixes → the selection policy → the
