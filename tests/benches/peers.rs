@@ -20,10 +20,16 @@
 //!
 //! Figures:
 //! - `ingest`: ns per stored block over building the whole index of a case (background and
-//!   layout), hashing of the token ids included on every side (kvhint hashes inside `apply`;
-//!   Dynamo `compute_block_hash_for_seq` per event; kv-index `compute_content_hash` per block).
-//!   Each side's event structures are allocated before the clock starts (a decoder's work), with
-//!   the token hashes filled in inside the timed loop. Median of 5 builds after one warm-up.
+//!   layout), hashing of the token ids included on every side: kvhint `block_content` per block
+//!   into a `KvEvent::Hashed` (the form an engine subscription hands the index; `apply` chains
+//!   the hashes), Dynamo `compute_block_hash_for_seq` per event, kv-index `compute_content_hash`
+//!   per block. Each side's event structures are allocated before the clock starts (a decoder's
+//!   work), with the token hashes filled in inside the timed loop from the workload's texts, the
+//!   same token memory for all three. Median of 5 builds after one warm-up.
+//!   `PEERS_KVHINT_EVENTS=stored` feeds kvhint `KvEvent::Stored` instead, each event carrying
+//!   its own copy of the token ids (the form `POST /kv_events` decodes), hashed inside `apply`:
+//!   the peers' events carry no tokens, so that run reads a copy of every block's tokens from
+//!   memory that the peers read from one shared, cached text.
 //! - `lookup`: ns per query for the case's prompt (query hashes computed beforehand), full
 //!   per-worker prefix counts, no early exit: kvhint `KvIndex::lookup` (counts only; engine
 //!   hashes are `KvIndex::engine_hashes`, on demand and not timed), Dynamo
@@ -96,11 +102,23 @@ trait Side: Sized {
 /// kvhint's index. The only module that names kvhint's API.
 mod kvhint_side {
     use super::{Side, Workload, BLOCK};
-    use kvhint::router::index::{block_hashes, KvEvent, KvIndex, Matches, StoredBlock, WorkerKey};
+    use kvhint::router::index::{
+        block_content, block_hashes, HashedBlock, KvEvent, KvIndex, Matches, StoredBlock, WorkerKey,
+    };
 
     pub struct Kvhint {
         index: KvIndex,
         matches: Matches,
+    }
+
+    /// Whether kvhint is fed `KvEvent::Stored` (`PEERS_KVHINT_EVENTS=stored`) instead of
+    /// `KvEvent::Hashed` (`hashed`, the default); see the module documentation.
+    fn stored_events() -> bool {
+        match std::env::var("PEERS_KVHINT_EVENTS").as_deref() {
+            Ok("stored") => true,
+            Ok("hashed") | Err(_) => false,
+            Ok(other) => panic!("PEERS_KVHINT_EVENTS={other}: expected `hashed` or `stored`"),
+        }
     }
 
     fn key(worker: u64) -> WorkerKey {
@@ -123,27 +141,50 @@ mod kvhint_side {
         }
 
         fn prepare(workload: &Workload) -> Self::Events {
+            let stored = stored_events();
             workload
                 .events
                 .iter()
                 .map(|e| {
-                    let blocks = workload
-                        .tokens(e)
-                        .chunks_exact(BLOCK)
-                        .zip(&e.engine)
-                        .map(|(tokens, &block_hash)| StoredBlock {
-                            block_hash,
-                            token_ids: tokens.into(),
-                        })
-                        .collect();
-                    let event = KvEvent::stored(e.parent, blocks);
+                    let event = if stored {
+                        let blocks = workload
+                            .tokens(e)
+                            .chunks_exact(BLOCK)
+                            .zip(&e.engine)
+                            .map(|(tokens, &block_hash)| StoredBlock {
+                                block_hash,
+                                token_ids: tokens.into(),
+                            })
+                            .collect();
+                        KvEvent::stored(e.parent, blocks)
+                    } else {
+                        KvEvent::Hashed {
+                            parent_block_hash: e.parent,
+                            identity: None,
+                            blocks: e
+                                .engine
+                                .iter()
+                                .map(|&block_hash| HashedBlock {
+                                    block_hash,
+                                    // Filled in by `ingest`.
+                                    content: 0,
+                                })
+                                .collect(),
+                        }
+                    };
                     (key(e.worker), event)
                 })
                 .collect()
         }
 
-        fn ingest(&mut self, _workload: &Workload, events: &mut Self::Events) {
-            for (worker, event) in events.iter() {
+        fn ingest(&mut self, workload: &Workload, events: &mut Self::Events) {
+            for ((worker, event), e) in events.iter_mut().zip(&workload.events) {
+                if let KvEvent::Hashed { blocks, .. } = event {
+                    let tokens = workload.tokens(e).chunks_exact(BLOCK);
+                    for (block, tokens) in blocks.iter_mut().zip(tokens) {
+                        block.content = block_content(tokens, None);
+                    }
+                }
                 self.index.apply(*worker, event).expect("kvhint applies");
             }
         }
