@@ -716,7 +716,7 @@ impl KvIndex {
         let mut i = 0;
         while i < items.len() {
             let (engine, seq) = items[i];
-            let Some(block) = self.child_of(cursor, seq) else {
+            let Some((block, node, pos)) = self.child_of(cursor, seq) else {
                 // A new block: one probe of the engine-hash map claims the name for it
                 // (the common case, a sequence no one holds yet).
                 let block = self.reserve_block();
@@ -728,9 +728,9 @@ impl KvIndex {
                     // The rest of the event follows a block no one else holds, which
                     // has no children yet: each is new too, and goes at the end of
                     // the same node (this worker's alone). No lookups but the name.
-                    let added = self.append_run(names, slot, block, &items[i..]);
+                    let (added, last) = self.append_run(names, slot, block, &items[i..]);
                     if added > 0 {
-                        cursor = Some(self.nodes_block(block, added + 1));
+                        cursor = Some(last);
                         i += added;
                     }
                 } else {
@@ -741,7 +741,6 @@ impl KvIndex {
                 }
                 continue;
             };
-            let (node, pos) = self.at(block);
             let held = self.nodes[node as usize].holders.contains(slot);
             // One probe of the worker's names: a new name is recorded at once (as
             // an extra copy of a block it holds, or the first of a stretch it joins).
@@ -757,8 +756,8 @@ impl KvIndex {
                     i += 1;
                 }
                 None => {
-                    let taken = self.hold_stretch(names, slot, node, pos, &items[i..]);
-                    cursor = Some(self.nodes_block(block, taken));
+                    let (taken, last) = self.hold_stretch(names, slot, node, pos, &items[i..]);
+                    cursor = Some(last);
                     i += taken;
                 }
                 // Stored again: nothing changes (engines re-announce on prefix hits).
@@ -778,14 +777,14 @@ impl KvIndex {
 
     /// Appends `items` to the node that ends with `last` (held by `slot` alone, no
     /// children) as new blocks, up to the first whose engine hash is already in use;
-    /// returns how many it appended.
+    /// returns how many it appended and the last block.
     fn append_run(
         &mut self,
         names: &mut impl Names,
         slot: Slot,
-        last: BlockId,
+        mut last: BlockId,
         items: &[(u64, u64)],
-    ) -> usize {
+    ) -> (usize, BlockId) {
         let node = self.blocks[last as usize].node;
         // Room for the whole run at once: the pushes below then never grow an array
         // (each push that may grow is a call that spills registers around it).
@@ -810,37 +809,35 @@ impl KvIndex {
             };
             n.push_block(slot, seq, block, engine);
             added += 1;
+            last = block;
         }
-        added
+        (added, last)
     }
 
-    /// The block `taken - 1` places after `block` in its node (the stretch just held).
-    fn nodes_block(&self, block: BlockId, taken: usize) -> BlockId {
-        let (node, pos) = self.at(block);
-        self.nodes[node as usize].ids[pos + taken - 1]
-    }
-
-    /// The block after `cursor` (or a first block, for `None`) named `seq`, if any.
+    /// The block after `cursor` (or a first block, for `None`) named `seq`, if any,
+    /// with its node and position. The position comes with the block because a store
+    /// that joins a long chain of short nodes meets a node per block or two: looking
+    /// the block up again in `blocks` put one more dependent load in every step.
     #[inline(always)]
-    fn child_of(&self, cursor: Option<BlockId>, seq: u64) -> Option<BlockId> {
+    fn child_of(&self, cursor: Option<BlockId>, seq: u64) -> Option<(BlockId, NodeId, usize)> {
         let node = match cursor {
             None => *self.roots.get(&seq)?,
             Some(block) => {
                 let (node, pos) = self.at(block);
                 let n = &self.nodes[node as usize];
                 if pos + 1 < n.len() {
-                    return (n.seqs[pos + 1] == seq).then(|| n.ids[pos + 1]);
+                    return (n.seqs[pos + 1] == seq).then(|| (n.ids[pos + 1], node, pos + 1));
                 }
                 n.children.get(seq)?
             }
         };
-        Some(self.nodes[node as usize].ids[0])
+        Some((self.nodes[node as usize].ids[0], node, 0))
     }
 
     /// Adds `slot` as a holder of the blocks of `node` from `pos` on that `items`
     /// continue (as far as the node goes and no item's engine hash is already in use);
     /// the first item's name is already claimed for the block at `pos`. Returns how
-    /// many items it took (at least one).
+    /// many items it took (at least one) and the last block it took.
     fn hold_stretch(
         &mut self,
         names: &mut impl Names,
@@ -848,13 +845,13 @@ impl KvIndex {
         node: NodeId,
         pos: usize,
         items: &[(u64, u64)],
-    ) -> usize {
+    ) -> (usize, BlockId) {
         // The first item's name is claimed; claim each next one's as the stretch grows:
         // one probe per block. A name already in use (reused for other tokens, or
         // repeated within this event) ends the stretch; the caller deals with that item
         // next.
         let mut taken = 1;
-        {
+        let last = {
             let n = &self.nodes[node as usize];
             while taken < items.len()
                 && pos + taken < n.len()
@@ -865,12 +862,13 @@ impl KvIndex {
             {
                 taken += 1;
             }
-        }
+            n.ids[pos + taken - 1]
+        };
         self.entries += taken;
         let m = self.isolate(node, pos, pos + taken);
         self.nodes[m as usize].add_holder(slot, items[..taken].iter().map(|(e, _)| *e));
         self.merge_around(m);
-        taken
+        (taken, last)
     }
 
     /// Places the new block `block` (reserved, its name claimed) after `cursor`, held by
