@@ -285,6 +285,16 @@ impl Buffers {
     }
 }
 
+/// A block with its node and position in it, as a store's walk carries it: a store
+/// that joins a long chain of short nodes meets a node per block or two, and looking
+/// each block up again in `blocks` put one more dependent load in every step.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    block: BlockId,
+    node: NodeId,
+    pos: usize,
+}
+
 /// Where a block is: its node and `first + position` in it.
 #[derive(Debug, Clone, Copy)]
 struct BlockAt {
@@ -701,9 +711,9 @@ impl KvIndex {
         }
         let slot = self.add_worker_with(names, worker);
         names.reserve(slot, items.len());
-        let mut cursor: Option<BlockId> = match parent_engine {
+        let mut cursor: Option<Place> = match parent_engine {
             Some(p) => match names.get(slot, p) {
-                Some(copy) => Some(copy.block),
+                Some(copy) => Some(self.place(copy.block)),
                 // Resolved before: only a replay of a refused event lands here.
                 None => return,
             },
@@ -716,21 +726,22 @@ impl KvIndex {
         let mut i = 0;
         while i < items.len() {
             let (engine, seq) = items[i];
-            let Some((block, node, pos)) = self.child_of(cursor, seq) else {
+            let Some(here) = self.child_of(cursor, seq) else {
                 // A new block: one probe of the engine-hash map claims the name for it
                 // (the common case, a sequence no one holds yet).
                 let block = self.reserve_block();
                 if names.claim(slot, engine, block).is_none() {
                     self.entries += 1;
-                    self.attach_new(slot, cursor, block, engine, seq, items.len() - i);
-                    cursor = Some(block);
+                    let after = cursor.map(|c| c.block);
+                    self.attach_new(slot, after, block, engine, seq, items.len() - i);
+                    cursor = Some(self.place(block));
                     i += 1;
                     // The rest of the event follows a block no one else holds, which
                     // has no children yet: each is new too, and goes at the end of
                     // the same node (this worker's alone). No lookups but the name.
                     let (added, last) = self.append_run(names, slot, block, &items[i..]);
                     if added > 0 {
-                        cursor = Some(last);
+                        cursor = Some(self.place(last));
                         i += added;
                     }
                 } else {
@@ -738,9 +749,11 @@ impl KvIndex {
                     // gone; then this item again.
                     self.free_blocks.push(block);
                     self.remove_copy(names, slot, engine, &mut prune);
+                    cursor = cursor.map(|c| self.place(c.block));
                 }
                 continue;
             };
+            let Place { block, node, pos } = here;
             let held = self.nodes[node as usize].holders.contains(slot);
             // One probe of the worker's names: a new name is recorded at once (as
             // an extra copy of a block it holds, or the first of a stretch it joins).
@@ -752,7 +765,7 @@ impl KvIndex {
             match existing {
                 None if held => {
                     self.entries += 1;
-                    cursor = Some(block);
+                    cursor = Some(here);
                     i += 1;
                 }
                 None => {
@@ -762,13 +775,15 @@ impl KvIndex {
                 }
                 // Stored again: nothing changes (engines re-announce on prefix hits).
                 Some(copy) if copy.block == block => {
-                    cursor = Some(block);
+                    cursor = Some(here);
                     i += 1;
                 }
                 // Reused for other tokens: the old block loses it, then this item again
-                // (removing a copy restructures nodes, never the blocks' chain).
+                // (removing a copy restructures nodes, never the blocks' chain, so the
+                // cursor's block stays but its place may move).
                 Some(_) => {
                     self.remove_copy(names, slot, engine, &mut prune);
+                    cursor = cursor.map(|c| self.place(c.block));
                 }
             }
         }
@@ -814,30 +829,41 @@ impl KvIndex {
         (added, last)
     }
 
-    /// The block after `cursor` (or a first block, for `None`) named `seq`, if any,
-    /// with its node and position. The position comes with the block because a store
-    /// that joins a long chain of short nodes meets a node per block or two: looking
-    /// the block up again in `blocks` put one more dependent load in every step.
+    /// `block` with its node and position.
+    fn place(&self, block: BlockId) -> Place {
+        let (node, pos) = self.at(block);
+        Place { block, node, pos }
+    }
+
+    /// The block after `cursor` (or a first block, for `None`) named `seq`, if any.
     #[inline(always)]
-    fn child_of(&self, cursor: Option<BlockId>, seq: u64) -> Option<(BlockId, NodeId, usize)> {
+    fn child_of(&self, cursor: Option<Place>, seq: u64) -> Option<Place> {
         let node = match cursor {
             None => *self.roots.get(&seq)?,
-            Some(block) => {
-                let (node, pos) = self.at(block);
+            Some(Place { block, node, pos }) => {
+                debug_assert_eq!(self.at(block), (node, pos), "a stale cursor");
                 let n = &self.nodes[node as usize];
                 if pos + 1 < n.len() {
-                    return (n.seqs[pos + 1] == seq).then(|| (n.ids[pos + 1], node, pos + 1));
+                    return (n.seqs[pos + 1] == seq).then(|| Place {
+                        block: n.ids[pos + 1],
+                        node,
+                        pos: pos + 1,
+                    });
                 }
                 n.children.get(seq)?
             }
         };
-        Some((self.nodes[node as usize].ids[0], node, 0))
+        Some(Place {
+            block: self.nodes[node as usize].ids[0],
+            node,
+            pos: 0,
+        })
     }
 
     /// Adds `slot` as a holder of the blocks of `node` from `pos` on that `items`
     /// continue (as far as the node goes and no item's engine hash is already in use);
     /// the first item's name is already claimed for the block at `pos`. Returns how
-    /// many items it took (at least one) and the last block it took.
+    /// many items it took (at least one) and where the last of them is now.
     fn hold_stretch(
         &mut self,
         names: &mut impl Names,
@@ -845,7 +871,7 @@ impl KvIndex {
         node: NodeId,
         pos: usize,
         items: &[(u64, u64)],
-    ) -> (usize, BlockId) {
+    ) -> (usize, Place) {
         // The first item's name is claimed; claim each next one's as the stretch grows:
         // one probe per block. A name already in use (reused for other tokens, or
         // repeated within this event) ends the stretch; the caller deals with that item
@@ -867,8 +893,16 @@ impl KvIndex {
         self.entries += taken;
         let m = self.isolate(node, pos, pos + taken);
         self.nodes[m as usize].add_holder(slot, items[..taken].iter().map(|(e, _)| *e));
-        self.merge_around(m);
-        (taken, last)
+        // `m` holds just the stretch; merged into its parent, it follows the parent's
+        // blocks (merging its child in appends after it and moves nothing).
+        let parent = self.nodes[m as usize].parent;
+        let before = match parent {
+            NO_NODE => 0,
+            parent => self.nodes[parent as usize].len(),
+        };
+        let now = self.merge_around(m);
+        let pos = if now == m { taken - 1 } else { before + taken - 1 };
+        (taken, Place { block: last, node: now, pos })
     }
 
     /// Places the new block `block` (reserved, its name claimed) after `cursor`, held by
