@@ -901,8 +901,19 @@ impl KvIndex {
             parent => self.nodes[parent as usize].len(),
         };
         let now = self.merge_around(m);
-        let pos = if now == m { taken - 1 } else { before + taken - 1 };
-        (taken, Place { block: last, node: now, pos })
+        let pos = if now == m {
+            taken - 1
+        } else {
+            before + taken - 1
+        };
+        (
+            taken,
+            Place {
+                block: last,
+                node: now,
+                pos,
+            },
+        )
     }
 
     /// Places the new block `block` (reserved, its name claimed) after `cursor`, held by

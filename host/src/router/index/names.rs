@@ -20,16 +20,15 @@
 use super::holders::Slot;
 use super::BlockId;
 use rustc_hash::FxHashMap;
-use smallvec::SmallVec;
 use std::collections::hash_map::Entry;
 
 /// One of a worker's copies of a block, named by an engine hash: the block's *named*
-/// copy, or one of its extra copies, by position in the block's extras. Nearly every
-/// block has one copy, so the entry is kept to 16 bytes with the map key.
+/// copy, or one of its extra copies, by its entry in the worker's [`Extras`]. Nearly
+/// every block has one copy, so the entry is kept to 16 bytes with the map key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Copy {
     pub block: BlockId,
-    /// [`NAMED`], or the copy's position in its block's extras.
+    /// [`NAMED`], or the copy's entry in its worker's [`Extras`].
     pub extra: u32,
 }
 
@@ -39,11 +38,175 @@ pub(super) const NAMED: u32 = u32::MAX;
 pub(super) struct WorkerNames {
     /// Engine hash → its block: removals and parents arrive as engine hashes.
     pub by_engine: FxHashMap<u64, Copy>,
-    /// Block → the engine hashes of its copies besides the named one, for blocks this
-    /// worker stored under more than one. Adding or removing one is O(1) (a removal
-    /// moves the last extra into its place), so tens of thousands of names for one
-    /// block cost no more per name than a handful.
-    pub extras: FxHashMap<BlockId, SmallVec<[u64; 2]>>,
+    /// The engine hashes of its copies besides the named one, for blocks this worker
+    /// stored under more than one.
+    pub extras: Extras,
+}
+
+/// A worker's extra copies: for each block it stored under more than one engine hash,
+/// the names besides the named one, newest first, as a list linked through one array.
+///
+/// Adding or removing one is O(1), so tens of thousands of names for one block cost no
+/// more per name than a handful. One array rather than a vector per block: a worker
+/// that stores a long prompt under many salts adds an extra to each of thousands of
+/// blocks in turn, and per-block vectors put each of those writes on another cache line
+/// and grew each vector by reallocation several times over; here a new extra goes at
+/// the end of the array (or in a freed entry), and only the block's previous newest
+/// extra is touched, to link it.
+#[derive(Debug, Clone)]
+pub(super) struct Extras {
+    /// Block → its newest extra copy in `list`.
+    heads: FxHashMap<BlockId, u32>,
+    list: Vec<Extra>,
+    /// First free entry of `list`, the free ones chained through `next`; [`END`] if none.
+    free: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Extra {
+    engine: u64,
+    /// The block's next newer extra, or [`END`] for the newest.
+    newer: u32,
+    /// The block's next older extra, or [`END`] for the oldest; for a free entry, the
+    /// next free one.
+    older: u32,
+}
+
+/// No entry (a list's end, or no free entry).
+const END: u32 = u32::MAX;
+
+impl Default for Extras {
+    fn default() -> Self {
+        Self {
+            heads: FxHashMap::default(),
+            list: Vec::new(),
+            free: END,
+        }
+    }
+}
+
+/// Entries an emptied list of extras keeps (of 16 bytes) for the next ones.
+const EXTRAS_KEEP: usize = 1 << 12;
+
+impl Extras {
+    pub(super) fn is_empty(&self) -> bool {
+        self.heads.is_empty()
+    }
+
+    /// Records `engine` as `block`'s newest extra; returns its entry.
+    fn add(&mut self, block: BlockId, engine: u64) -> u32 {
+        let at = match self.free {
+            END => {
+                self.list.push(Extra {
+                    engine,
+                    newer: END,
+                    older: END,
+                });
+                (self.list.len() - 1) as u32
+            }
+            free => {
+                self.free = self.list[free as usize].older;
+                free
+            }
+        };
+        let older = match self.heads.entry(block) {
+            Entry::Occupied(mut head) => {
+                let older = *head.get();
+                self.list[older as usize].newer = at;
+                *head.get_mut() = at;
+                older
+            }
+            Entry::Vacant(head) => {
+                head.insert(at);
+                END
+            }
+        };
+        self.list[at as usize] = Extra {
+            engine,
+            newer: END,
+            older,
+        };
+        at
+    }
+
+    /// Unlinks entry `at`, one of `block`'s extras.
+    fn remove(&mut self, block: BlockId, at: u32) {
+        let Some(&Extra { newer, older, .. }) = self.list.get(at as usize) else {
+            return;
+        };
+        match newer {
+            END if older == END => {
+                self.heads.remove(&block);
+            }
+            END => {
+                self.heads.insert(block, older);
+            }
+            newer => self.list[newer as usize].older = older,
+        }
+        if older != END {
+            self.list[older as usize].newer = newer;
+        }
+        self.release(at);
+    }
+
+    /// Takes `block`'s newest extra out of the list; returns its engine hash.
+    fn pop_newest(&mut self, block: BlockId) -> Option<u64> {
+        let at = *self.heads.get(&block)?;
+        let Extra { engine, older, .. } = self.list[at as usize];
+        if older == END {
+            self.heads.remove(&block);
+        } else {
+            self.heads.insert(block, older);
+            self.list[older as usize].newer = END;
+        }
+        self.release(at);
+        Some(engine)
+    }
+
+    /// Frees entry `at`; once no block has extras, the array starts again from empty.
+    fn release(&mut self, at: u32) {
+        if self.heads.is_empty() {
+            self.clear();
+            return;
+        }
+        self.list[at as usize].older = self.free;
+        self.free = at;
+    }
+
+    fn clear(&mut self) {
+        self.heads.clear();
+        self.list.clear();
+        if self.list.capacity() > EXTRAS_KEEP {
+            self.list.shrink_to(EXTRAS_KEEP);
+        }
+        self.free = END;
+    }
+
+    /// Each block with extras and its extras, newest first, as (entry, engine hash),
+    /// checking the links both ways (for invariant checks).
+    #[cfg(test)]
+    pub(super) fn lists(&self) -> Vec<(BlockId, Vec<(u32, u64)>)> {
+        self.heads
+            .iter()
+            .map(|(&block, &head)| {
+                let mut out = Vec::new();
+                let (mut at, mut newer) = (head, END);
+                while at != END {
+                    let e = self.list[at as usize];
+                    assert_eq!(e.newer, newer, "extra {at} of block {block} links back");
+                    out.push((at, e.engine));
+                    (newer, at) = (at, e.older);
+                }
+                (block, out)
+            })
+            .collect()
+    }
+
+    /// The engine hash of entry `at` (for invariant checks).
+    #[cfg(test)]
+    pub(super) fn engine(&self, at: u32) -> Option<u64> {
+        self.list.get(at as usize).map(|e| e.engine)
+    }
 }
 
 /// What taking one copy out of a worker's names left.
@@ -155,12 +318,10 @@ impl Names for Book {
         let w = self.worker_mut(slot)?;
         match w.by_engine.entry(engine) {
             Entry::Vacant(v) => {
-                let extras = w.extras.entry(block).or_default();
                 v.insert(Copy {
                     block,
-                    extra: extras.len() as u32,
+                    extra: w.extras.add(block, engine),
                 });
-                extras.push(engine);
                 None
             }
             Entry::Occupied(o) => Some(*o.get()),
@@ -175,36 +336,17 @@ impl Names for Book {
             return Taken::Missing;
         };
         if copy.extra != NAMED {
-            if let Some(extras) = w.extras.get_mut(&copy.block) {
-                let at = copy.extra as usize;
-                if at < extras.len() {
-                    extras.swap_remove(at);
-                    if let Some(&moved) = extras.get(at) {
-                        if let Some(c) = w.by_engine.get_mut(&moved) {
-                            c.extra = at as u32;
-                        }
-                    }
-                }
-                if extras.is_empty() {
-                    w.extras.remove(&copy.block);
-                }
-            }
+            w.extras.remove(copy.block, copy.extra);
             return Taken::Extra;
         }
         // Most workers never store a block twice: no probe of the extras for them.
         if w.extras.is_empty() {
             return Taken::Last(copy.block);
         }
-        let Some(extras) = w.extras.get_mut(&copy.block) else {
+        // The newest extra still held names the block now.
+        let Some(named) = w.extras.pop_newest(copy.block) else {
             return Taken::Last(copy.block);
         };
-        let Some(named) = extras.pop() else {
-            w.extras.remove(&copy.block);
-            return Taken::Last(copy.block);
-        };
-        if extras.is_empty() {
-            w.extras.remove(&copy.block);
-        }
         if let Some(c) = w.by_engine.get_mut(&named) {
             c.extra = NAMED;
         }

@@ -271,6 +271,41 @@ fn workers_keep_their_own_engine_hashes_for_the_same_tokens() {
     assert_eq!(out.engine_hashes(w(2, 0)), &[21, 22]);
 }
 
+/// A worker that stores a block under several engine hashes (cache salts) keeps it
+/// while any of them is held; when the name a fetch uses goes, the newest name still
+/// held takes its place, whichever older ones went before.
+#[test]
+fn the_newest_name_still_held_takes_over_when_the_named_copy_goes() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(1);
+    for name in [1, 2, 3, 4, 5] {
+        index
+            .apply(w(1, 0), &stored(None, &tokens, &[name]))
+            .unwrap();
+    }
+    assert_eq!(index.len(), 5);
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[1]);
+    // An older extra goes first; then the named copy: the newest left, 5, names it.
+    index.apply(w(1, 0), &removed(vec![3, 1])).unwrap();
+    index.check_invariants();
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[5]);
+    // The newest goes while named: then 4, then 2.
+    index.apply(w(1, 0), &removed(vec![5])).unwrap();
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[4]);
+    index.apply(w(1, 0), &removed(vec![4])).unwrap();
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[2]);
+    // A name stored again after others went is the newest.
+    index.apply(w(1, 0), &stored(None, &tokens, &[5])).unwrap();
+    index.apply(w(1, 0), &stored(None, &tokens, &[6])).unwrap();
+    index.apply(w(1, 0), &removed(vec![2])).unwrap();
+    index.check_invariants();
+    assert_eq!(overlaps(&index, &tokens).engine_hashes(w(1, 0)), &[6]);
+    index.apply(w(1, 0), &removed(vec![6, 5])).unwrap();
+    assert!(overlaps(&index, &tokens).is_empty(), "the last name went");
+    assert_eq!(index.len(), 0);
+    index.check_invariants();
+}
+
 #[test]
 fn prefix_stops_at_a_gap() {
     let mut index = KvIndex::new(BS);
@@ -939,24 +974,18 @@ impl KvIndex {
                 if copy.extra == names::NAMED {
                     assert_eq!(row[pos], engine, "the named copy is the node's");
                 } else {
-                    let extras = &w.extras[&copy.block];
                     assert_eq!(
-                        extras[copy.extra as usize], engine,
-                        "an extra knows its place"
+                        w.extras.engine(copy.extra),
+                        Some(engine),
+                        "an extra knows its entry"
                     );
                     assert_ne!(row[pos], engine, "an extra is not the named copy");
                 }
             }
-            for (&block, extras) in &w.extras {
+            for (block, extras) in w.extras.lists() {
                 assert!(!extras.is_empty(), "no empty extras list is kept");
-                for (i, engine) in extras.iter().enumerate() {
-                    assert_eq!(
-                        w.by_engine[engine],
-                        names::Copy {
-                            block,
-                            extra: i as u32
-                        }
-                    );
+                for (at, engine) in extras {
+                    assert_eq!(w.by_engine[&engine], names::Copy { block, extra: at });
                 }
             }
         }
@@ -968,9 +997,9 @@ impl KvIndex {
 /// hashes reused for other tokens, chained stores, removals, clears, deregistrations —
 /// against a reference model that keeps, per worker, each block's named copy and its
 /// extra copies. A worker's overlap is the leading run of a request's blocks it holds;
-/// the name a fetch uses is the first copy stored while it lasts, then the last of the
-/// extras (a removed extra's place is taken by the last one). Every answer is
-/// compared, and the tree's invariants are checked after every event.
+/// the name a fetch uses is the first copy stored while it lasts, then the newest of the
+/// extras still held. Every answer is compared, and the tree's invariants are checked
+/// after every event.
 #[test]
 fn random_events_with_copies_match_a_reference_model() {
     for seed in [
@@ -985,8 +1014,7 @@ fn random_events_with_copies_match_a_reference_model() {
 fn events_against_the_model(seed: u64) {
     use std::collections::BTreeMap;
 
-    /// A copy goes: an extra's place is taken by the last extra; if the named copy goes,
-    /// the last extra becomes the named one.
+    /// A copy goes; if it is the named copy, the newest extra becomes the named one.
     fn drop_name(h: &mut BTreeMap<u64, (u64, Vec<u64>)>, seq: u64, engine: u64) {
         if let Some((named, extras)) = h.get_mut(&seq) {
             if *named == engine {
@@ -997,7 +1025,7 @@ fn events_against_the_model(seed: u64) {
                     }
                 }
             } else if let Some(at) = extras.iter().position(|&e| e == engine) {
-                extras.swap_remove(at);
+                extras.remove(at);
             }
         }
     }
