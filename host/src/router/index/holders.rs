@@ -44,24 +44,26 @@ impl Holders {
         self.len == 0
     }
 
-    /// The word `slot` is in (`Ok`), or where that word would go (`Err`).
+    /// The word `slot` is in (`Ok`), or where that word would go (`Err`), in `words`
+    /// (the set's words as one slice: each access to a `SmallVec` first checks where
+    /// its items are, and a store that joins a chain of nodes asks each node twice).
     #[inline(always)]
-    fn find(&self, slot: Slot) -> Result<usize, usize> {
+    fn find(words: &[Word], slot: Slot) -> Result<usize, usize> {
         let index = slot / 64;
         // Past the last word (a worker registered after the others): no search.
-        match self.words.last() {
+        match words.last() {
             None => Err(0),
-            Some(last) if last.index < index => Err(self.words.len()),
-            Some(last) if last.index == index => Ok(self.words.len() - 1),
-            Some(_) => self.words.binary_search_by_key(&index, |w| w.index),
+            Some(last) if last.index < index => Err(words.len()),
+            Some(last) if last.index == index => Ok(words.len() - 1),
+            Some(_) => words.binary_search_by_key(&index, |w| w.index),
         }
     }
 
     #[inline(always)]
     pub fn contains(&self, slot: Slot) -> bool {
         let bit = 1u64 << (slot % 64);
-        self.find(slot)
-            .is_ok_and(|at| self.words[at].bits & bit != 0)
+        let words = self.words.as_slice();
+        Self::find(words, slot).is_ok_and(|at| words[at].bits & bit != 0)
     }
 
     /// How many members come before `slot` (its position, if it is one or joins).
@@ -90,9 +92,10 @@ impl Holders {
     #[inline(always)]
     pub fn insert(&mut self, slot: Slot) -> bool {
         let bit = 1u64 << (slot % 64);
-        match self.find(slot) {
-            Ok(at) if self.words[at].bits & bit != 0 => return false,
-            Ok(at) => self.words[at].bits |= bit,
+        let words = self.words.as_mut_slice();
+        match Self::find(words, slot) {
+            Ok(at) if words[at].bits & bit != 0 => return false,
+            Ok(at) => words[at].bits |= bit,
             Err(at) => self.words.insert(
                 at,
                 Word {
@@ -108,7 +111,7 @@ impl Holders {
     /// Removes `slot`; returns whether it was a member.
     pub fn remove(&mut self, slot: Slot) -> bool {
         let bit = 1u64 << (slot % 64);
-        match self.find(slot) {
+        match Self::find(&self.words, slot) {
             Ok(at) if self.words[at].bits & bit != 0 => {
                 self.words[at].bits &= !bit;
                 if self.words[at].bits == 0 {
