@@ -41,18 +41,39 @@ pub enum Refused {
     Full { open: usize },
 }
 
+/// One shard, on cache lines of its own: packed side by side (40 bytes each), two
+/// threads booking requests of neighbouring shards wrote the same line (the lock byte,
+/// the map's length) and took turns with it. 128 bytes, not 64, because x86 cores also
+/// fetch a line's neighbour.
+#[derive(Default)]
+#[repr(align(128))]
+struct Shard(Mutex<FxHashMap<String, Reservation>>);
+
 #[derive(Default)]
 pub struct Bookings {
-    shards: [Mutex<FxHashMap<String, Reservation>>; SHARDS],
+    shards: [Shard; SHARDS],
     hasher: rustc_hash::FxBuildHasher,
-    open: AtomicUsize,
+    /// Its own lines too, for the same reason.
+    open: Padded<AtomicUsize>,
     expired: AtomicU64,
+}
+
+/// A value on cache lines of its own (see [`Shard`]).
+#[derive(Default)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 impl Bookings {
     fn shard(&self, request_id: &str) -> &Mutex<FxHashMap<String, Reservation>> {
         // The high bits: FxHash's low bits are its weakest.
-        &self.shards[(self.hasher.hash_one(request_id) >> 59) as usize % SHARDS]
+        &self.shards[(self.hasher.hash_one(request_id) >> 59) as usize % SHARDS].0
     }
 
     pub fn contains(&self, request_id: &str) -> bool {
@@ -108,7 +129,7 @@ impl Bookings {
             return 0;
         };
         let mut expired = 0;
-        for shard in &self.shards {
+        for Shard(shard) in &self.shards {
             shard.lock().retain(|_, r| {
                 let keep = r.booked_at > cutoff;
                 if !keep {
@@ -131,7 +152,7 @@ impl Bookings {
     /// Drops every booking on `worker` (it was deregistered; its load goes with it).
     pub fn forget_worker(&self, worker: WorkerKey) {
         let mut dropped = 0;
-        for shard in &self.shards {
+        for Shard(shard) in &self.shards {
             shard.lock().retain(|_, r| {
                 let keep = r.worker != worker;
                 if !keep {
