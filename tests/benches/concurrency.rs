@@ -31,6 +31,13 @@
 //! window (from `/proc`), since on a small shared machine a figure taken while something
 //! else ran is not a measurement of the router.
 //!
+//! Around the two-thread quiet window the bench also prints `line_handoff_ns`, measured
+//! just before and just after it: how long a cache line takes to pass from one core to the other (half a
+//! ping-pong round trip of two threads). On a VM it moves with where the host runs the
+//! vCPUs (41–322 ns on this one within a minute), and every line both booking threads
+//! write (a worker's load, the open-bookings count, policy counters) costs that much
+//! per booking; a scaling figure is only comparable with one taken at a like handoff.
+//!
 //! `cargo bench -p kvhint-e2e --bench concurrency` (3 s per measurement after 0.5 s of
 //! warm-up). Under `cargo test --benches` it runs a quick mode (0.2 s each) whose figures
 //! are not measurements.
@@ -46,7 +53,7 @@ use kvhint_e2e::bench::is_bench;
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::hint::black_box;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -378,6 +385,35 @@ fn event_stream(router: &Router, ingest: &Ingest, stop: &AtomicBool, beside: Bes
     stream
 }
 
+/// How long a cache line takes to pass between two cores, one way: two threads hand a
+/// counter back and forth (see the module documentation). Both spin, so it needs two
+/// cores: with one it would time the scheduler's slices, and the caller skips it.
+fn line_handoff_ns(bench: bool) -> f64 {
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    let line = Line(AtomicU64::new(0));
+    let trips: u64 = if bench { 20_000 } else { 200 };
+    let started = thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0..trips {
+                while line.0.load(Ordering::Acquire) != 2 * i + 1 {
+                    std::hint::spin_loop();
+                }
+                line.0.store(2 * i + 2, Ordering::Release);
+            }
+        });
+        let started = Instant::now();
+        for i in 0..trips {
+            line.0.store(2 * i + 1, Ordering::Release);
+            while line.0.load(Ordering::Acquire) != 2 * i + 2 {
+                std::hint::spin_loop();
+            }
+        }
+        started.elapsed()
+    });
+    started.as_nanos() as f64 / (2 * trips) as f64
+}
+
 fn line(threads: usize, beside: Beside, stream: Option<&Stream>, m: &Measurement) {
     let events = stream.map_or("quiet".to_string(), |s| {
         let late = |q: f64| {
@@ -456,12 +492,22 @@ fn main() {
     let index_before = router.index_len();
 
     let mut run = 0;
+    let mut handoff = String::new();
     // Per thread count: quiet, then each stream beside it.
     let mut results: Vec<(usize, Measurement, Vec<Measured>)> = Vec::new();
     for threads in [1, 2] {
         run += 1;
+        let cores = thread::available_parallelism().map_or(1, |n| n.get());
+        let handoff_before = (threads > 1 && cores > 1).then(|| line_handoff_ns(bench));
         let quiet = measure(&router, role, &prompts, threads, warmup, window, run);
         line(threads, Beside::Quiet, None, &quiet);
+        if let Some(before) = handoff_before {
+            let after = line_handoff_ns(bench);
+            handoff = format!(" line_handoff_ns={before:.0}/{after:.0}");
+            println!(
+                "concurrency line_handoff_ns={before:.0}/{after:.0} (one way, before/after the two-thread quiet window)"
+            );
+        }
         let mut streams = vec![
             Beside::Events(ThreadPolicy::Batch),
             Beside::Ingested(ThreadPolicy::Batch),
@@ -491,7 +537,7 @@ fn main() {
     let one = &results[0];
     let two = &results[1];
     println!(
-        "concurrency scaling two_threads/one_thread={:.2} (target >= 1.7) quiet",
+        "concurrency scaling two_threads/one_thread={:.2} (target >= 1.7) quiet{handoff}",
         two.1.bookings_per_s / one.1.bookings_per_s
     );
     println!(
