@@ -58,7 +58,7 @@ pub(super) struct Extras {
     /// Block → its newest extra copy in `list`.
     heads: FxHashMap<BlockId, u32>,
     list: Vec<Extra>,
-    /// First free entry of `list`, the free ones chained through `next`; [`END`] if none.
+    /// First free entry of `list`, the free ones chained through `older`; [`END`] if none.
     free: u32,
 }
 
