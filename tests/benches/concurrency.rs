@@ -42,6 +42,7 @@
 //! warm-up). Under `cargo test --benches` it runs a quick mode (0.2 s each) whose figures
 //! are not measurements.
 
+use crossbeam_utils::CachePadded;
 use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
 use kvhint::router::background::set_current_thread;
 use kvhint::router::index::{KvEvent, StoredBlock};
@@ -389,23 +390,21 @@ fn event_stream(router: &Router, ingest: &Ingest, stop: &AtomicBool, beside: Bes
 /// counter back and forth (see the module documentation). Both spin, so it needs two
 /// cores: with one it would time the scheduler's slices, and the caller skips it.
 fn line_handoff_ns(bench: bool) -> f64 {
-    #[repr(align(128))]
-    struct Line(AtomicU64);
-    let line = Line(AtomicU64::new(0));
+    let line = CachePadded::new(AtomicU64::new(0));
     let trips: u64 = if bench { 20_000 } else { 200 };
     let started = thread::scope(|s| {
         s.spawn(|| {
             for i in 0..trips {
-                while line.0.load(Ordering::Acquire) != 2 * i + 1 {
+                while line.load(Ordering::Acquire) != 2 * i + 1 {
                     std::hint::spin_loop();
                 }
-                line.0.store(2 * i + 2, Ordering::Release);
+                line.store(2 * i + 2, Ordering::Release);
             }
         });
         let started = Instant::now();
         for i in 0..trips {
-            line.0.store(2 * i + 1, Ordering::Release);
-            while line.0.load(Ordering::Acquire) != 2 * i + 2 {
+            line.store(2 * i + 1, Ordering::Release);
+            while line.load(Ordering::Acquire) != 2 * i + 2 {
                 std::hint::spin_loop();
             }
         }

@@ -11,6 +11,7 @@
 
 use super::workers::{Load, LoadCell};
 use crate::domain::WorkerKey;
+use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::hash::BuildHasher;
@@ -41,39 +42,22 @@ pub enum Refused {
     Full { open: usize },
 }
 
-/// One shard, on cache lines of its own: packed side by side (40 bytes each), two
-/// threads booking requests of neighbouring shards wrote the same line (the lock byte,
-/// the map's length) and took turns with it. 128 bytes, not 64, because x86 cores also
-/// fetch a line's neighbour.
-#[derive(Default)]
-#[repr(align(128))]
-struct Shard(Mutex<FxHashMap<String, Reservation>>);
-
 #[derive(Default)]
 pub struct Bookings {
-    shards: [Shard; SHARDS],
+    /// Each shard on cache lines of its own: packed side by side (40 bytes each), two
+    /// threads booking requests of neighbouring shards wrote the same line (the lock
+    /// byte, the map's length) and took turns with it.
+    shards: [CachePadded<Mutex<FxHashMap<String, Reservation>>>; SHARDS],
     hasher: rustc_hash::FxBuildHasher,
     /// Its own lines too, for the same reason.
-    open: Padded<AtomicUsize>,
+    open: CachePadded<AtomicUsize>,
     expired: AtomicU64,
-}
-
-/// A value on cache lines of its own (see [`Shard`]).
-#[derive(Default)]
-#[repr(align(128))]
-struct Padded<T>(T);
-
-impl<T> std::ops::Deref for Padded<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 impl Bookings {
     fn shard(&self, request_id: &str) -> &Mutex<FxHashMap<String, Reservation>> {
         // The high bits: FxHash's low bits are its weakest.
-        &self.shards[(self.hasher.hash_one(request_id) >> 59) as usize % SHARDS].0
+        &self.shards[(self.hasher.hash_one(request_id) >> 59) as usize % SHARDS]
     }
 
     pub fn contains(&self, request_id: &str) -> bool {
@@ -129,7 +113,7 @@ impl Bookings {
             return 0;
         };
         let mut expired = 0;
-        for Shard(shard) in &self.shards {
+        for shard in &self.shards {
             shard.lock().retain(|_, r| {
                 let keep = r.booked_at > cutoff;
                 if !keep {
@@ -152,7 +136,7 @@ impl Bookings {
     /// Drops every booking on `worker` (it was deregistered; its load goes with it).
     pub fn forget_worker(&self, worker: WorkerKey) {
         let mut dropped = 0;
-        for Shard(shard) in &self.shards {
+        for shard in &self.shards {
             shard.lock().retain(|_, r| {
                 let keep = r.worker != worker;
                 if !keep {
