@@ -62,7 +62,7 @@ fn a_plugin_selection_policy_books_its_own_choice() {
         .iter()
         .all(|b| b.get("selection_fallback").is_none()));
     let stats = &role.booking_selection().stats;
-    assert_eq!(stats.calls.load(std::sync::atomic::Ordering::Relaxed), 3);
+    assert_eq!(stats.calls.get(), 3);
     for reason in FallbackReason::ALL {
         assert_eq!(stats.fallbacks(reason), 0);
     }
@@ -202,10 +202,7 @@ fn a_selection_plugin_that_keeps_panicking_is_quarantined_until_reload() {
         Some("panics"),
         "the reason status reports"
     );
-    assert_eq!(
-        stage.stats.calls.load(std::sync::atomic::Ordering::Relaxed),
-        3
-    );
+    assert_eq!(stage.stats.calls.get(), 3);
     assert_eq!(
         stage
             .stats

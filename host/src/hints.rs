@@ -21,6 +21,7 @@
 //!   in flight at once. An overrunning call's actions still go out: it did
 //!   finish.
 
+use crate::counters::Counter;
 use crate::domain::Worker;
 use crate::registry::{ConstructedPolicy, ErrorKind, Origin};
 use crate::selection::SelectionStats;
@@ -42,63 +43,20 @@ use std::time::Instant;
 /// The hard cap on actions in one message (rule R7).
 pub const MAX_ACTIONS: usize = 32;
 
-/// Upper bounds (in microseconds) of the policy-latency histogram buckets.
-pub const LATENCY_BUCKETS_US: [f64; 12] = [
-    0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
-];
-
-/// A lock-free latency histogram: one atomic add per observation, so timing a
-/// policy costs the booking path no lock.
-#[derive(Debug, Default)]
-pub struct LatencyHistogram {
-    /// Counts per bucket of [`LATENCY_BUCKETS_US`], plus one for +Inf.
-    buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
-    sum_nanos: AtomicU64,
-}
-
-impl LatencyHistogram {
-    pub fn observe(&self, nanos: u64) {
-        let micros = nanos as f64 / 1000.0;
-        let bucket = LATENCY_BUCKETS_US
-            .iter()
-            .position(|&bound| micros <= bound)
-            .unwrap_or(LATENCY_BUCKETS_US.len());
-        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
-    }
-
-    /// Cumulative counts per bucket (the last is +Inf, i.e. the total count).
-    pub fn cumulative(&self) -> Vec<u64> {
-        let mut total = 0;
-        self.buckets
-            .iter()
-            .map(|b| {
-                total += b.load(Ordering::Relaxed);
-                total
-            })
-            .collect()
-    }
-
-    /// Total time observed, in nanoseconds.
-    pub fn sum_nanos(&self) -> u64 {
-        self.sum_nanos.load(Ordering::Relaxed)
-    }
-
-    pub fn sum_seconds(&self) -> f64 {
-        self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9
-    }
-}
+pub use crate::counters::{LatencyHistogram, LATENCY_BUCKETS_US};
 
 /// Counters of one policy of one role. They outlive reloads (a reload hands the
 /// new instance the same counters), so metrics stay monotonic.
 #[derive(Debug, Default)]
 pub struct PolicyStats {
-    pub calls: AtomicU64,
+    /// Counted per thread ([`crate::counters`]): every booking adds to it.
+    pub calls: Counter,
     pub failures: AtomicU64,
     pub errors: AtomicU64,
     pub panics: AtomicU64,
     pub malformed: AtomicU64,
-    pub actions: AtomicU64,
+    /// Counted per thread, like `calls`.
+    pub actions: Counter,
     pub skipped_quarantined: AtomicU64,
     pub quarantines: AtomicU64,
     /// Calls that took longer than the time budget.
@@ -399,7 +357,7 @@ impl HintStage {
             stats.skipped_quarantined.fetch_add(1, Ordering::Relaxed);
             return 0;
         }
-        stats.calls.fetch_add(1, Ordering::Relaxed);
+        stats.calls.add(1);
         writer.begin_policy();
         let started = Instant::now();
         let result = instance.policy.build_hints(context, &mut writer.ffi());
@@ -436,7 +394,7 @@ impl HintStage {
                 fail(FailureKind::Malformed, problem)
             }
             (RResult::ROk(()), PolicyOutput::Kept(kept)) => {
-                stats.actions.fetch_add(kept as u64, Ordering::Relaxed);
+                stats.actions.add(kept as u64);
                 kept
             }
             (RResult::RErr(e), _) => match ErrorKind::of(&e) {

@@ -9,6 +9,7 @@
 
 pub mod catalog;
 pub mod config;
+pub mod counters;
 pub mod domain;
 pub mod engine_events;
 pub mod envelope;

@@ -22,6 +22,7 @@
 //! (reason `quarantined`), so a broken plugin neither floods the log with a
 //! warning per booking nor keeps every booking waiting on it.
 
+use crate::counters::Counter;
 use crate::hints::{HintLimits, LatencyHistogram, Quarantine, QuarantineState};
 use crate::registry::{ConstructedSelection, ErrorKind, Origin};
 use abi_stable::std_types::{RResult, RSlice};
@@ -64,7 +65,8 @@ impl FallbackReason {
 /// Counters of one role's selection policy, kept across reloads.
 #[derive(Debug, Default)]
 pub struct SelectionStats {
-    pub calls: AtomicU64,
+    /// Counted per thread ([`crate::counters`]): every booking adds to it.
+    pub calls: Counter,
     /// By [`FallbackReason`].
     pub fallbacks: [AtomicU64; 4],
     /// Calls that took longer than the time budget.
@@ -176,7 +178,7 @@ impl SelectionStage {
         if self.is_quarantined() {
             return self.fall_back(request, candidates, FallbackReason::Quarantined);
         }
-        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        self.stats.calls.add(1);
         let started = Instant::now();
         let answer = self.policy.select(request, RSlice::from_slice(candidates));
         let took = started.elapsed().as_nanos() as u64;

@@ -48,6 +48,9 @@
 //! Quick mode (no `--bench`, as `cargo test -p kvhint-e2e --benches` runs it): the 1k-token
 //! cases with 2 and 64 workers, a small background, one or two iterations, all checks.
 //!
+//! `PEERS_PROFILE_BUILDS=N` builds only kvhint's index, `N` times per case, and prints its
+//! median ingest: for a profiler (`perf record`, callgrind) to see kvhint's ingest alone.
+//!
 //! `cargo bench -p kvhint-e2e --bench peers`
 
 use std::collections::{HashMap, HashSet};
@@ -825,6 +828,17 @@ fn measure(w: &Workload, quick: bool) -> Timing {
     }
 }
 
+/// `PEERS_PROFILE_BUILDS=N`: only kvhint's index, built `N` times, with no checks and no
+/// lookups, for a profiler to see its ingest alone.
+fn profile_kvhint(w: &Workload, builds: usize) {
+    let mut times: Vec<f64> = (0..builds).map(|_| build::<Kvhint>(w).0).collect();
+    println!(
+        "peers {} ingest kvhint={:.1} (profile: {builds} builds, median)",
+        w.case,
+        median(&mut times)
+    );
+}
+
 fn line(case: &str, kind: &str, [k, d, s]: [f64; 3]) {
     println!(
         "peers {case} {kind} kvhint={k:.1} dynamo={d:.1} smg={s:.1} ratio={:.2}",
@@ -865,6 +879,10 @@ fn main() {
     };
     // PEERS_CASES=sparse/64w/4k,shared/1024w/1k measures only those cases.
     let only = std::env::var("PEERS_CASES").ok();
+    let profile = std::env::var("PEERS_PROFILE_BUILDS").ok().map(|n| {
+        n.parse::<usize>()
+            .expect("PEERS_PROFILE_BUILDS: a number of builds")
+    });
     for layout in [Layout::Sparse, Layout::Shared, Layout::Salted] {
         for &n in workers {
             for &tokens in prompts {
@@ -876,6 +894,10 @@ fn main() {
                     continue;
                 }
                 let workload = Workload::new(layout, n, tokens, background);
+                if let Some(builds) = profile {
+                    profile_kvhint(&workload, builds);
+                    continue;
+                }
                 let timing = measure(&workload, quick);
                 line(&workload.case, "ingest", timing.ingest);
                 line(&workload.case, "lookup", timing.lookup);

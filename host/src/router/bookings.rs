@@ -8,15 +8,21 @@
 //!
 //! Each booking keeps when it was made, so one a client never releases (it crashed,
 //! or forgot) is released by [`Bookings::expire`] after `router.booking_ttl`.
+//!
+//! A booking names the load cell it added to by the cell's id, not by a reference
+//! count: cloning an `Arc` of the cell was a write to a line of its own, shared by
+//! every thread booking that worker, on each booking and each release. A release finds
+//! the cell in the current worker table, and frees the load only if it is the same
+//! cell: a worker deregistered since took its load with it, and one registered again
+//! under the same key has a new cell that this booking never added to.
 
-use super::workers::{Load, LoadCell};
+use super::workers::{Load, LoadCell, WorkerTable};
 use crate::domain::WorkerKey;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const SHARDS: usize = 32;
@@ -26,9 +32,8 @@ const SHARDS: usize = 32;
 pub struct Reservation {
     pub worker: WorkerKey,
     pub load: Load,
-    /// The booked worker's load cell, so a release frees the load it added even if
-    /// the worker re-registered meanwhile.
-    pub cell: Arc<LoadCell>,
+    /// [`LoadCell::id`] of the booked worker's load cell, which `load` was added to.
+    pub cell: u64,
     /// When it was booked, for [`Bookings::expire`].
     pub booked_at: Instant,
 }
@@ -64,12 +69,14 @@ impl Bookings {
         self.shard(request_id).lock().contains_key(request_id)
     }
 
-    /// Records a booking and adds its load; refused (nothing changes) if the id is
-    /// open, or if `max_open` bookings are.
+    /// Records a booking and adds its load to `cell` (the cell `reservation.cell`
+    /// names); refused (nothing changes) if the id is open, or if `max_open`
+    /// bookings are.
     pub fn insert(
         &self,
         request_id: &str,
         reservation: Reservation,
+        cell: &LoadCell,
         max_open: usize,
     ) -> Result<(), Refused> {
         let open = self.open.fetch_add(1, Ordering::AcqRel);
@@ -83,32 +90,38 @@ impl Bookings {
             self.open.fetch_sub(1, Ordering::AcqRel);
             return Err(Refused::Duplicate);
         }
-        reservation.cell.add(reservation.load);
+        debug_assert_eq!(cell.id(), reservation.cell);
+        cell.add(reservation.load);
         shard.insert(request_id.to_string(), reservation);
         Ok(())
     }
 
-    /// Grows an open booking's reservation (and its worker's load) by `extra`.
-    pub fn grow(&self, request_id: &str, extra: Load) {
+    /// Grows an open booking's reservation (and its worker's load, if `table`
+    /// still has its cell) by `extra`.
+    pub fn grow(&self, request_id: &str, extra: Load, table: &WorkerTable) {
         if let Some(r) = self.shard(request_id).lock().get_mut(request_id) {
             r.load.active_requests += extra.active_requests;
             r.load.active_blocks += extra.active_blocks;
             r.load.prefill_blocks += extra.prefill_blocks;
-            r.cell.add(extra);
+            if let Some(cell) = table.load_cell(r.worker, r.cell) {
+                cell.add(extra);
+            }
         }
     }
 
-    /// Removes a booking and frees its load.
-    pub fn remove(&self, request_id: &str) -> Option<Reservation> {
+    /// Removes a booking and frees its load (if `table` still has its cell).
+    pub fn remove(&self, request_id: &str, table: &WorkerTable) -> Option<Reservation> {
         let reservation = self.shard(request_id).lock().remove(request_id)?;
         self.open.fetch_sub(1, Ordering::AcqRel);
-        reservation.cell.sub(reservation.load);
+        if let Some(cell) = table.load_cell(reservation.worker, reservation.cell) {
+            cell.sub(reservation.load);
+        }
         Some(reservation)
     }
 
     /// Releases every booking older than `ttl`, as a release would; returns how
     /// many. Each shard's lock is held for one pass over that shard.
-    pub fn expire(&self, ttl: Duration) -> usize {
+    pub fn expire(&self, ttl: Duration, table: &WorkerTable) -> usize {
         let Some(cutoff) = Instant::now().checked_sub(ttl) else {
             return 0;
         };
@@ -117,7 +130,9 @@ impl Bookings {
             shard.lock().retain(|_, r| {
                 let keep = r.booked_at > cutoff;
                 if !keep {
-                    r.cell.sub(r.load);
+                    if let Some(cell) = table.load_cell(r.worker, r.cell) {
+                        cell.sub(r.load);
+                    }
                     expired += 1;
                 }
                 keep
@@ -133,16 +148,14 @@ impl Bookings {
         self.expired.load(Ordering::Relaxed)
     }
 
-    /// Drops every booking on `worker` (it was deregistered; its load goes with it).
+    /// Drops every booking on `worker` (it was deregistered; its load cell went
+    /// with it, so there is no load to free).
     pub fn forget_worker(&self, worker: WorkerKey) {
         let mut dropped = 0;
         for shard in &self.shards {
             shard.lock().retain(|_, r| {
                 let keep = r.worker != worker;
-                if !keep {
-                    r.cell.sub(r.load);
-                    dropped += 1;
-                }
+                dropped += usize::from(!keep);
                 keep
             });
         }
@@ -155,5 +168,75 @@ impl Bookings {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::Worker;
+    use crate::router::workers::{WorkerEntry, WorkerRegistration};
+    use std::sync::Arc;
+
+    fn table(key: WorkerKey, cell: &Arc<LoadCell>) -> WorkerTable {
+        let registration: WorkerRegistration = serde_json::from_value(serde_json::json!({
+            "worker_id": key.worker_id, "dp_rank": key.dp_rank, "role": "decode",
+        }))
+        .expect("registration");
+        let worker = Worker::from_registration(registration).expect("worker");
+        WorkerTable::from_entries(vec![Arc::new(WorkerEntry {
+            worker: Arc::new(worker),
+            slot: 0,
+            load: Arc::clone(cell),
+            signed_hashes: Arc::default(),
+        })])
+    }
+
+    /// A booking frees its load from the cell it added to, and only from that one: a
+    /// worker registered again under the same key after a deregistration has a new
+    /// cell, which a booking made before must leave alone (it never added to it).
+    #[test]
+    fn a_release_frees_the_load_from_the_cell_it_was_added_to_and_no_other() {
+        let key = WorkerKey {
+            worker_id: 7,
+            dp_rank: 0,
+        };
+        let load = Load {
+            active_requests: 1,
+            active_blocks: 16,
+            prefill_blocks: 4,
+        };
+        let bookings = Bookings::default();
+        let (first, second) = (Arc::new(LoadCell::default()), Arc::new(LoadCell::default()));
+        let (before, after) = (table(key, &first), table(key, &second));
+        for id in ["a", "b"] {
+            let reservation = Reservation {
+                worker: key,
+                load,
+                cell: first.id(),
+                booked_at: Instant::now(),
+            };
+            assert_eq!(bookings.insert(id, reservation, &first, 10), Ok(()));
+        }
+        assert_eq!(first.get().active_blocks, 32);
+
+        // The worker came back with a new cell: releasing leaves it at zero.
+        second.add(Load {
+            active_requests: 1,
+            ..Load::default()
+        });
+        assert!(bookings.remove("a", &after).is_some());
+        assert_eq!(second.get().active_requests, 1, "the new cell is untouched");
+        assert_eq!(
+            first.get().active_blocks,
+            32,
+            "the old cell is not in that table"
+        );
+
+        // Released against the table that holds its cell, the load is freed.
+        assert!(bookings.remove("b", &before).is_some());
+        assert_eq!(first.get().active_blocks, 16);
+        assert_eq!(bookings.len(), 0);
+        assert!(bookings.remove("b", &before).is_none());
     }
 }

@@ -389,7 +389,7 @@ impl Router {
     /// Frees the load a booking reserved.
     pub fn release(&self, request_id: &str) -> Result<WorkerKey, RouterError> {
         self.bookings
-            .remove(request_id)
+            .remove(request_id, &self.workers.load())
             .map(|r| r.worker)
             .ok_or_else(|| RouterError::UnknownRequest(request_id.to_string()))
     }
@@ -421,7 +421,7 @@ impl Router {
     /// Releases the bookings open longer than `ttl` (`router.booking_ttl`); returns
     /// how many.
     pub fn expire_bookings(&self, ttl: std::time::Duration) -> usize {
-        self.bookings.expire(ttl)
+        self.bookings.expire(ttl, &self.workers.load())
     }
 
     /// Bookings [`Self::expire_bookings`] released since start.
@@ -495,7 +495,8 @@ impl Router {
                 self.hint(role, request, &plan, &table, scratch, &mut booking);
                 return Ok(booking);
             }
-            self.bookings.remove(request.request_id);
+            self.bookings
+                .remove(request.request_id, &self.workers.load());
             tries += 1;
             if tries == 3 {
                 // Workers leave faster than this request can be booked.
@@ -622,9 +623,10 @@ impl Router {
             Reservation {
                 worker: booked.worker.key,
                 load,
-                cell: Arc::clone(&booked.load),
+                cell: booked.load.id(),
                 booked_at: std::time::Instant::now(),
             },
+            &booked.load,
             role.limits.max_open_bookings,
         );
         match reserved {
@@ -790,6 +792,7 @@ impl Router {
                 prefill_blocks: lost,
                 ..Load::default()
             },
+            &self.workers.load(),
         );
     }
 }

@@ -27,15 +27,34 @@ pub struct Load {
 }
 
 /// A worker's load as atomics; aligned so two workers' counters never share a line.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 #[repr(align(64))]
 pub struct LoadCell {
     active_requests: AtomicU64,
     active_blocks: AtomicU64,
     prefill_blocks: AtomicU64,
+    /// Which cell this is, never reused: an open booking names the cell it added its
+    /// load to by this, so a release frees the load from that cell only.
+    id: u64,
+}
+
+impl Default for LoadCell {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self {
+            active_requests: AtomicU64::new(0),
+            active_blocks: AtomicU64::new(0),
+            prefill_blocks: AtomicU64::new(0),
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 impl LoadCell {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     pub fn get(&self) -> Load {
         Load {
             active_requests: self.active_requests.load(Ordering::Relaxed),
@@ -155,6 +174,12 @@ impl WorkerTable {
 
     pub fn role(&self, role: Role) -> &[Arc<WorkerEntry>] {
         &self.by_role[role_index(role)]
+    }
+
+    /// `key`'s load cell if it is still the cell `id` (the worker was not
+    /// deregistered since; re-registering keeps the cell).
+    pub fn load_cell(&self, key: WorkerKey, id: u64) -> Option<&LoadCell> {
+        self.get(key).map(|e| &*e.load).filter(|c| c.id() == id)
     }
 
     pub fn get(&self, key: WorkerKey) -> Option<&Arc<WorkerEntry>> {

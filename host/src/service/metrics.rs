@@ -301,7 +301,7 @@ impl Metrics {
             policy_family(
                 "kvhint_policy_calls_total",
                 "Calls of a hint policy.",
-                &|s| s.calls.load(Ordering::Relaxed),
+                &|s| s.calls.get(),
             ),
             policy_family(
                 "kvhint_policy_failures_total",
@@ -316,7 +316,7 @@ impl Metrics {
             policy_family(
                 "kvhint_policy_actions_total",
                 "Actions a policy returned (before the per-booking cap).",
-                &|s| s.actions.load(Ordering::Relaxed),
+                &|s| s.actions.get(),
             ),
             policy_family(
                 "kvhint_policy_panics_total",
@@ -390,7 +390,7 @@ impl Metrics {
                 .map(|((role, policy), stats)| {
                     (
                         format!("{{{}}}", labels_of(role, policy)),
-                        stats.calls.load(Ordering::Relaxed) as f64,
+                        stats.calls.get() as f64,
                     )
                 })
                 .collect::<Vec<_>>(),
