@@ -140,9 +140,15 @@ impl Children {
         self.len() == 0
     }
 
+    #[inline]
     fn only(&self) -> Option<NodeId> {
         match self {
-            Self::Few(list) if list.len() == 1 => Some(list[0].1),
+            // One look at where the list's items are, not one for its length and
+            // one more for its item.
+            Self::Few(list) => match list.as_slice() {
+                [(_, node)] => Some(*node),
+                _ => None,
+            },
             Self::Many(map) if map.len() == 1 => map.values().next().copied(),
             _ => None,
         }
@@ -198,11 +204,13 @@ impl Node {
         }
     }
 
-    /// Adds `slot` with its engine hashes of every block (`len()` of them).
-    fn add_holder(&mut self, slot: Slot, names: impl Iterator<Item = u64> + Clone) {
+    /// Adds `slot` with its engine hashes of every block: the first of each of
+    /// `items` (`len()` of them).
+    #[inline(always)]
+    fn add_holder(&mut self, slot: Slot, items: &[(u64, u64)]) {
         let first = self.holders.is_empty();
         if self.holders.insert(slot) {
-            self.engines.add(slot, names, first);
+            self.engines.add_pairs(slot, items, first);
         }
     }
 
@@ -892,7 +900,7 @@ impl KvIndex {
         };
         self.entries += taken;
         let m = self.isolate(node, pos, pos + taken);
-        self.nodes[m as usize].add_holder(slot, items[..taken].iter().map(|(e, _)| *e));
+        self.nodes[m as usize].add_holder(slot, &items[..taken]);
         // `m` holds just the stretch; merged into its parent, it follows the parent's
         // blocks (merging its child in appends after it and moves nothing).
         let parent = self.nodes[m as usize].parent;
@@ -1065,7 +1073,13 @@ impl KvIndex {
         }
         let p = &self.nodes[parent as usize];
         let c = &self.nodes[child as usize];
-        if p.children.only() != Some(child) || !p.holders.same_members(&c.holders) {
+        // The holder counts first: known without touching the children or the words,
+        // and a store joining a chain of nodes leaves each with one holder more than
+        // its child, so nearly every check ends here.
+        if p.holders.len() != c.holders.len()
+            || p.children.only() != Some(child)
+            || !p.holders.same_members(&c.holders)
+        {
             return false;
         }
         self.merge(parent, child);
