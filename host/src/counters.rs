@@ -4,8 +4,10 @@
 //! times them into latency histograms. As plain shared atomics those counters were
 //! cache lines that every booking thread wrote: with two threads booking, each add
 //! had to take the line from the other core first. On a VM whose two vCPUs the host
-//! placed apart, a line took 200–1,000 ns to move, and those lines (five or six per
-//! booking) cut two threads' bookings/s from 1.9× one thread's to 1.6×. Here each
+//! placed apart, a line took 200–1,000 ns to move. Those lines (four to six per
+//! booking, with one policy of each kind) were most of the shared writes that pulled
+//! two threads' bookings/s from about 1.9× one thread's down to 1.5–1.65× there
+//! (BENCHMARKS.md has the runs). Here each
 //! thread adds to a copy of its own, on lines of its own ([`CachePadded`]), and a
 //! read (a metrics scrape, a test) sums the copies: an add never waits for another
 //! core, and a read costs one pass over the threads that ever counted.

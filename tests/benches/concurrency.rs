@@ -32,16 +32,17 @@
 //! else ran is not a measurement of the router.
 //!
 //! Around the two-thread quiet window the bench also prints `line_handoff_ns`, measured
-//! just before and just after it: how long a cache line takes to pass from one core to the other (half a
-//! ping-pong round trip of two threads). On a VM it moves with where the host runs the
-//! vCPUs (24–1,000 ns on this one), and every line both booking threads write (the
-//! booked worker's load, the open-bookings count; policy counters are per thread) costs
-//! that much per booking; a scaling figure is only comparable with one taken at a like
-//! handoff.
+//! just before and just after it: how long a cache line takes to pass from one core to
+//! the other (half a ping-pong round trip of two threads). On a VM it moves with where
+//! the host runs the vCPUs (24–1,000 ns on this one), and every line both booking
+//! threads write (the booked worker's load, the open-bookings count, a reservation
+//! shard; policy counters are per thread) costs that much per booking; a scaling figure
+//! is only comparable with one taken at a like handoff.
 //!
 //! `cargo bench -p kvhint-e2e --bench concurrency` (3 s per measurement after 0.5 s of
-//! warm-up; `CONCURRENCY_QUIET_ONLY=1` measures only the quiet windows and the scaling). Under `cargo test --benches` it runs a quick mode (0.2 s each) whose figures
-//! are not measurements.
+//! warm-up; `CONCURRENCY_QUIET_ONLY=1` measures only the quiet windows and the
+//! scaling). Under `cargo test --benches` it runs a quick mode (0.2 s each) whose
+//! figures are not measurements.
 
 use crossbeam_utils::CachePadded;
 use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
@@ -511,13 +512,14 @@ fn main() {
                 "concurrency line_handoff_ns={before:.0}/{after:.0} (one way, before/after the two-thread quiet window)"
             );
         }
-        let mut streams = vec![
-            Beside::Events(ThreadPolicy::Batch),
-            Beside::Ingested(ThreadPolicy::Batch),
-        ];
-        if quiet_only {
-            streams.clear();
-        } else if threads == 2 {
+        let mut streams = Vec::new();
+        if !quiet_only {
+            streams.extend([
+                Beside::Events(ThreadPolicy::Batch),
+                Beside::Ingested(ThreadPolicy::Batch),
+            ]);
+        }
+        if !quiet_only && threads == 2 {
             streams.extend([
                 Beside::Events(ThreadPolicy::Normal),
                 Beside::Wakeups,
