@@ -731,10 +731,14 @@ impl KvIndex {
         // no block the cursor names is freed under it.
         let mut prune = std::mem::take(&mut self.scratch.prune);
         prune.clear();
+        // The node the last step joined `slot` to, if the last step was a join: a
+        // join that goes on into its child need not try to merge the two.
+        let mut joined = NO_NODE;
         let mut i = 0;
         while i < items.len() {
             let (engine, seq) = items[i];
             let Some(here) = self.child_of(cursor, seq) else {
+                joined = NO_NODE;
                 // A new block: one probe of the engine-hash map claims the name for it
                 // (the common case, a sequence no one holds yet).
                 let block = self.reserve_block();
@@ -762,6 +766,8 @@ impl KvIndex {
                 continue;
             };
             let Place { block, node, pos } = here;
+            let after = joined;
+            joined = NO_NODE;
             let held = self.nodes[node as usize].holders.contains(slot);
             // One probe of the worker's names: a new name is recorded at once (as
             // an extra copy of a block it holds, or the first of a stretch it joins).
@@ -777,8 +783,10 @@ impl KvIndex {
                     i += 1;
                 }
                 None => {
-                    let (taken, last) = self.hold_stretch(names, slot, node, pos, &items[i..]);
+                    let (taken, last) =
+                        self.hold_stretch(names, slot, node, pos, &items[i..], after);
                     cursor = Some(last);
+                    joined = last.node;
                     i += taken;
                 }
                 // Stored again: nothing changes (engines re-announce on prefix hits).
@@ -872,6 +880,12 @@ impl KvIndex {
     /// continue (as far as the node goes and no item's engine hash is already in use);
     /// the first item's name is already claimed for the block at `pos`. Returns how
     /// many items it took (at least one) and where the last of them is now.
+    ///
+    /// `joined`: the node this event's previous step joined `slot` to, or `NO_NODE`.
+    /// When that is the parent of the stretch (the store goes on from the parent's
+    /// last block into this node), the two cannot merge: they had different holders
+    /// before (or they would be one node) and both gained `slot`. Nearly every join
+    /// of a store that follows a chain of nodes is such a one.
     fn hold_stretch(
         &mut self,
         names: &mut impl Names,
@@ -879,6 +893,7 @@ impl KvIndex {
         node: NodeId,
         pos: usize,
         items: &[(u64, u64)],
+        joined: NodeId,
     ) -> (usize, Place) {
         // The first item's name is claimed; claim each next one's as the stretch grows:
         // one probe per block. A name already in use (reused for other tokens, or
@@ -904,16 +919,27 @@ impl KvIndex {
         // `m` holds just the stretch; merged into its parent, it follows the parent's
         // blocks (merging its child in appends after it and moves nothing).
         let parent = self.nodes[m as usize].parent;
-        let before = match parent {
-            NO_NODE => 0,
-            parent => self.nodes[parent as usize].len(),
-        };
-        let now = self.merge_around(m);
-        let pos = if now == m {
-            taken - 1
+        let now = if pos == 0 && parent == joined && parent != NO_NODE {
+            self.merge_child(m)
         } else {
-            before + taken - 1
+            let before = match parent {
+                NO_NODE => 0,
+                parent => self.nodes[parent as usize].len(),
+            };
+            let now = self.merge_around(m);
+            if now != m {
+                return (
+                    taken,
+                    Place {
+                        block: last,
+                        node: now,
+                        pos: before + taken - 1,
+                    },
+                );
+            }
+            now
         };
+        let pos = taken - 1;
         (
             taken,
             Place {
@@ -1119,6 +1145,12 @@ impl KvIndex {
         } else {
             node
         };
+        self.merge_child(node)
+    }
+
+    /// Merges `node`'s only child into it if they now agree; returns `node`.
+    #[inline(always)]
+    fn merge_child(&mut self, node: NodeId) -> NodeId {
         if let Some(child) = self.nodes[node as usize].children.only() {
             self.try_merge(node, child);
         }
