@@ -185,6 +185,13 @@ struct Node {
     /// arithmetic), which is exact while a node holds fewer than 2^32 blocks.
     first: u32,
     live: bool,
+    /// Every name of the shared row is entered in the book's shared names for its
+    /// block ([`names::Shared`]): a holder joining with the same names holds the
+    /// blocks through them and writes nothing in its own names.
+    entered: bool,
+    /// Some names of the shared row may be entered: the node's names are taken out
+    /// when it is freed or its shared row renamed.
+    listed: bool,
 }
 
 impl Node {
@@ -224,6 +231,8 @@ impl Node {
     /// every block appended, and as a call it spilled registers around three pushes.
     #[inline(always)]
     fn push_block(&mut self, slot: Slot, seq: u64, block: BlockId, engine: u64) {
+        // The new block's name is not entered.
+        self.entered = false;
         self.seqs.push(seq);
         self.ids.push(block);
         self.engines.push_sole(slot, engine);
@@ -350,8 +359,14 @@ struct Scratch {
     touched: Vec<BlockId>,
     /// [`KvIndex::apply_removed`]: the blocks a worker leaves.
     leaving: Vec<BlockId>,
+    /// [`KvIndex::append_run`]: the ids of the blocks it appends.
+    ids: Vec<BlockId>,
     /// Blocks whose nodes may be left empty by an event, pruned at its end.
     prune: Vec<BlockId>,
+    /// [`KvIndex::apply_removed`]: blocks whose last copy it took, which the tree
+    /// still shows held until the worker leaves them at the end (a second removal of
+    /// the same name in the event must not find it there as a backed copy).
+    left: rustc_hash::FxHashSet<BlockId>,
 }
 
 /// The most entries a scratch list keeps between events.
@@ -655,7 +670,7 @@ impl KvIndex {
             None => Ok(identity),
             Some(parent_hash) => match self
                 .slot_of(worker)
-                .and_then(|slot| book.copy(slot, parent_hash))
+                .and_then(|slot| self.copy_in(book, slot, parent_hash))
             {
                 Some(copy) => Ok(Some(self.seq_of(copy.block))),
                 None => Err(KvEventError::UnknownParent {
@@ -720,7 +735,7 @@ impl KvIndex {
         let slot = self.add_worker_with(names, worker);
         names.reserve(slot, items.len());
         let mut cursor: Option<Place> = match parent_engine {
-            Some(p) => match names.get(slot, p) {
+            Some(p) => match self.copy_of(names, slot, p) {
                 Some(copy) => Some(self.place(copy.block)),
                 // Resolved before: only a replay of a refused event lands here.
                 None => return,
@@ -742,10 +757,12 @@ impl KvIndex {
                 // A new block: one probe of the engine-hash map claims the name for it
                 // (the common case, a sequence no one holds yet).
                 let block = self.reserve_block();
-                if names.claim(slot, engine, block).is_none() {
+                if self.backed_copy(names, slot, engine).is_none()
+                    && names.claim(slot, engine, block).is_none()
+                {
                     self.entries += 1;
                     let after = cursor.map(|c| c.block);
-                    self.attach_new(slot, after, block, engine, seq, items.len() - i);
+                    self.attach_new(names, slot, after, block, (engine, seq), items.len() - i);
                     cursor = Some(self.place(block));
                     i += 1;
                     // The rest of the event follows a block no one else holds, which
@@ -771,20 +788,26 @@ impl KvIndex {
             let held = self.nodes[node as usize].holders.contains(slot);
             // One probe of the worker's names: a new name is recorded at once (as
             // an extra copy of a block it holds, or the first of a stretch it joins).
+            let mut backed = false;
             let existing = if held {
-                names.add_extra(slot, block, engine)
+                self.held_name(names, slot, engine, block)
             } else {
-                names.claim(slot, engine, block)
+                let (existing, through_shared) =
+                    self.join_name(names, slot, node, pos, engine, block);
+                backed = through_shared;
+                existing
             };
             match existing {
                 None if held => {
                     self.entries += 1;
-                    cursor = Some(here);
                     i += 1;
+                    let (more, last) = self.extra_run(names, slot, here, &items[i..]);
+                    cursor = Some(last);
+                    i += more;
                 }
                 None => {
                     let (taken, last) =
-                        self.hold_stretch(names, slot, node, pos, &items[i..], after);
+                        self.hold_stretch(names, slot, here, &items[i..], after, backed);
                     cursor = Some(last);
                     joined = last.node;
                     i += taken;
@@ -803,7 +826,43 @@ impl KvIndex {
                 }
             }
         }
-        self.prune_all(prune);
+        self.prune_all(names, prune);
+    }
+
+    /// After an extra copy of the block at `at` (which `slot` holds): records `items`
+    /// as extra copies of the node's next blocks, as far as they follow them and are
+    /// new names. The same tokens stored again under
+    /// another salt name a whole run of a node this way, and one pass over the node
+    /// spares each the walk's child lookup and holder check. Returns how many it
+    /// recorded and the place of the last block with a copy.
+    fn extra_run(
+        &mut self,
+        names: &mut impl Names,
+        slot: Slot,
+        at: Place,
+        items: &[(u64, u64)],
+    ) -> (usize, Place) {
+        let Place { node, pos, .. } = at;
+        let n = &self.nodes[node as usize];
+        let mut k = 0;
+        while k < items.len()
+            && pos + 1 + k < n.len()
+            && n.seqs[pos + 1 + k] == items[k].1
+            // A name held already (stored again, or reused) ends the run: the walk
+            // deals with that item.
+            && self
+                .held_name(names, slot, items[k].0, n.ids[pos + 1 + k])
+                .is_none()
+        {
+            k += 1;
+        }
+        let last = Place {
+            block: n.ids[pos + k],
+            node,
+            pos: pos + k,
+        };
+        self.entries += k;
+        (k, last)
     }
 
     /// Appends `items` to the node that ends with `last` (held by `slot` alone, no
@@ -817,31 +876,43 @@ impl KvIndex {
         items: &[(u64, u64)],
     ) -> (usize, BlockId) {
         let node = self.blocks[last as usize].node;
-        // Room for the whole run at once: the pushes below then never grow an array
-        // (each push that may grow is a call that spills registers around it).
-        {
-            let n = &mut self.nodes[node as usize];
-            n.seqs.reserve(items.len());
-            n.ids.reserve(items.len());
-            n.engines.reserve(items.len());
-        }
-        let mut added = 0;
-        for &(engine, seq) in items {
+        self.before_push(names, node);
+        // The run's names are claimed first, an id reserved for each, up to the first
+        // name in use; then the node's arrays grow once by the whole run, as copies of
+        // slices rather than a push per array per block.
+        let mut ids = std::mem::take(&mut self.scratch.ids);
+        ids.clear();
+        self.blocks.reserve(items.len());
+        for &(engine, _) in items {
             let block = self.reserve_block();
-            if names.claim(slot, engine, block).is_some() {
+            if self.backed_copy(names, slot, engine).is_some()
+                || names.claim(slot, engine, block).is_some()
+            {
                 self.free_blocks.push(block);
                 break;
             }
-            self.entries += 1;
-            let n = &mut self.nodes[node as usize];
-            self.blocks[block as usize] = BlockAt {
-                node,
-                offset: n.first.wrapping_add(n.len() as u32),
-            };
-            n.push_block(slot, seq, block, engine);
-            added += 1;
-            last = block;
+            ids.push(block);
         }
+        let added = ids.len();
+        if let Some(&end) = ids.last() {
+            self.entries += added;
+            let n = &mut self.nodes[node as usize];
+            let base = n.first.wrapping_add(n.len() as u32);
+            // The new blocks' names are not entered.
+            n.entered = false;
+            n.seqs.extend(items[..added].iter().map(|&(_, seq)| seq));
+            n.ids.extend_from_slice(&ids);
+            n.engines
+                .extend_sole(slot, items[..added].iter().map(|&(engine, _)| engine));
+            for (j, &block) in ids.iter().enumerate() {
+                self.blocks[block as usize] = BlockAt {
+                    node,
+                    offset: base.wrapping_add(j as u32),
+                };
+            }
+            last = end;
+        }
+        Scratch::keep(&mut self.scratch.ids, ids);
         (added, last)
     }
 
@@ -876,10 +947,11 @@ impl KvIndex {
         })
     }
 
-    /// Adds `slot` as a holder of the blocks of `node` from `pos` on that `items`
+    /// Adds `slot` as a holder of the blocks of `at`'s node from `at` on that `items`
     /// continue (as far as the node goes and no item's engine hash is already in use);
-    /// the first item's name is already claimed for the block at `pos`. Returns how
-    /// many items it took (at least one) and where the last of them is now.
+    /// the first item's name is already claimed for the block at `at`
+    /// (`first_backed`: held through the shared names). Returns how many items it
+    /// took (at least one) and where the last of them is now.
     ///
     /// `joined`: the node this event's previous step joined `slot` to, or `NO_NODE`.
     /// When that is the parent of the stretch (the store goes on from the parent's
@@ -890,30 +962,73 @@ impl KvIndex {
         &mut self,
         names: &mut impl Names,
         slot: Slot,
-        node: NodeId,
-        pos: usize,
+        at: Place,
         items: &[(u64, u64)],
         joined: NodeId,
+        first_backed: bool,
     ) -> (usize, Place) {
+        let Place { node, pos, .. } = at;
         // The first item's name is claimed; claim each next one's as the stretch grows:
         // one probe per block. A name already in use (reused for other tokens, or
         // repeated within this event) ends the stretch; the caller deals with that item
         // next.
         let mut taken = 1;
+        let mut backed = usize::from(first_backed);
         let last = {
             let n = &self.nodes[node as usize];
+            // Names the shared row has, entered, are held through the shared names:
+            // only the worker's own names need asking whether it has them already.
+            let entered = n.entered && !n.holders.is_empty();
+            let common = n.engines.common();
             while taken < items.len()
                 && pos + taken < n.len()
                 && n.seqs[pos + taken] == items[taken].1
-                && names
-                    .claim(slot, items[taken].0, n.ids[pos + taken])
-                    .is_none()
             {
+                let (engine, block) = (items[taken].0, n.ids[pos + taken]);
+                let through_shared = entered && common[pos + taken] == engine;
+                let existing = if through_shared {
+                    names.get(slot, engine)
+                } else {
+                    // A name this stretch already took through the shared names (an
+                    // event naming two blocks alike) is not in the tree or the count
+                    // yet: look for it in the stretch.
+                    let entered_for = match backed {
+                        0 => names.backed(slot, engine),
+                        _ => names.shared(engine),
+                    };
+                    match entered_for {
+                        Some(b)
+                            if self.names_block(slot, b, engine)
+                                || (self.blocks[b as usize].node == node && {
+                                    let q = self.blocks[b as usize].offset.wrapping_sub(n.first)
+                                        as usize;
+                                    q >= pos && q < pos + taken && items[q - pos].0 == engine
+                                }) =>
+                        {
+                            Some(names::Copy {
+                                block: b,
+                                extra: names::NAMED,
+                            })
+                        }
+                        _ => names.claim(slot, engine, block),
+                    }
+                };
+                if existing.is_some() {
+                    break;
+                }
+                backed += usize::from(through_shared);
                 taken += 1;
             }
             n.ids[pos + taken - 1]
         };
         self.entries += taken;
+        if backed > 0 {
+            names.back(slot, backed);
+        }
+        if self.nodes[node as usize].holders.is_empty() {
+            // `slot`'s names become the shared row: the old one's go.
+            self.take_out_row(names, node, |_| true);
+        }
         let m = self.isolate(node, pos, pos + taken);
         self.nodes[m as usize].add_holder(slot, &items[..taken]);
         // `m` holds just the stretch; merged into its parent, it follows the parent's
@@ -950,18 +1065,19 @@ impl KvIndex {
         )
     }
 
-    /// Places the new block `block` (reserved, its name claimed) after `cursor`, held by
-    /// `slot` alone: appended to the cursor's node when that node is `slot`'s alone and
-    /// ends there (a worker extending its own sequence), else the start of a new node.
+    /// Places the new block `block` (reserved, its name claimed; `(engine, seq)` its
+    /// hashes) after `cursor`, held by `slot` alone: appended to the cursor's node when
+    /// that node is `slot`'s alone and ends there (a worker extending its own
+    /// sequence), else the start of a new node.
     /// `rest`: blocks of the event from this one on, for which a new node reserves room
     /// (the rest of an event's new blocks all land in it).
     fn attach_new(
         &mut self,
+        names: &mut impl Names,
         slot: Slot,
         cursor: Option<BlockId>,
         block: BlockId,
-        engine: u64,
-        seq: u64,
+        (engine, seq): (u64, u64),
         rest: usize,
     ) {
         let parent = match cursor {
@@ -977,6 +1093,8 @@ impl KvIndex {
         if parent != NO_NODE {
             let p = &mut self.nodes[parent as usize];
             if p.children.is_empty() && p.holders.len() == 1 && p.holders.contains(slot) {
+                self.before_push(names, parent);
+                let p = &mut self.nodes[parent as usize];
                 let offset = p.first.wrapping_add(p.len() as u32);
                 p.push_block(slot, seq, block, engine);
                 self.blocks[block as usize] = BlockAt {
@@ -1001,6 +1119,148 @@ impl KvIndex {
         } else {
             self.nodes[parent as usize].children.insert(seq, node);
         }
+    }
+
+    /// Whether `slot` holds `block` and its row names it `engine`: the tree's half of
+    /// a backed copy (the shared names give the other).
+    fn names_block(&self, slot: Slot, block: BlockId, engine: u64) -> bool {
+        let Some(at) = self.blocks.get(block as usize) else {
+            return false;
+        };
+        let Some(n) = self.nodes.get(at.node as usize) else {
+            return false;
+        };
+        let pos = at.offset.wrapping_sub(n.first) as usize;
+        n.live && n.holders.contains(slot) && n.row(slot).get(pos) == Some(&engine)
+    }
+
+    /// The backed copy `slot` holds under `engine`, if any.
+    #[inline(always)]
+    fn backed_copy(&self, names: &mut impl Names, slot: Slot, engine: u64) -> Option<names::Copy> {
+        let block = names.backed(slot, engine)?;
+        self.names_block(slot, block, engine)
+            .then_some(names::Copy {
+                block,
+                extra: names::NAMED,
+            })
+    }
+
+    /// The copy `slot` holds under `engine`: in its own names, or backed.
+    fn copy_of(&self, names: &mut impl Names, slot: Slot, engine: u64) -> Option<names::Copy> {
+        names
+            .get(slot, engine)
+            .or_else(|| self.backed_copy(names, slot, engine))
+    }
+
+    /// [`copy_of`](Self::copy_of), asking the book directly (nothing recorded).
+    fn copy_in(&self, book: &Book, slot: Slot, engine: u64) -> Option<names::Copy> {
+        book.copy(slot, engine).or_else(|| {
+            let block = book.backed_block(slot, engine)?;
+            self.names_block(slot, block, engine)
+                .then_some(names::Copy {
+                    block,
+                    extra: names::NAMED,
+                })
+        })
+    }
+
+    /// A name for `block`, which `slot` holds: a copy it holds already under that
+    /// name (backed, or in its own names), or else a new extra copy.
+    #[inline(always)]
+    fn held_name(
+        &self,
+        names: &mut impl Names,
+        slot: Slot,
+        engine: u64,
+        block: BlockId,
+    ) -> Option<names::Copy> {
+        self.backed_copy(names, slot, engine)
+            .or_else(|| names.add_extra(slot, block, engine))
+    }
+
+    /// The name of the first block of a stretch `slot` joins, at `pos` of `node`:
+    /// held through the shared names when the node's shared row has it and is
+    /// entered (entering it first if the node has holders and is not), else claimed in
+    /// `slot`'s own names. Returns the copy `slot` already holds under `engine`, if
+    /// any, and whether the new copy is backed.
+    #[inline(always)]
+    fn join_name(
+        &mut self,
+        names: &mut impl Names,
+        slot: Slot,
+        node: NodeId,
+        pos: usize,
+        engine: u64,
+        block: BlockId,
+    ) -> (Option<names::Copy>, bool) {
+        let n = &self.nodes[node as usize];
+        if !n.holders.is_empty() && n.engines.common()[pos] == engine {
+            if !n.entered {
+                self.enter_row(names, node);
+            }
+            if self.nodes[node as usize].entered {
+                return (names.get(slot, engine), true);
+            }
+        }
+        let existing = self
+            .backed_copy(names, slot, engine)
+            .or_else(|| names.claim(slot, engine, block));
+        (existing, false)
+    }
+
+    /// Enters `node`'s shared row in the shared names, block by block; the node is
+    /// entered if every name is (a name another block has stays with it).
+    #[cold]
+    #[inline(never)]
+    fn enter_row(&mut self, names: &mut impl Names, node: NodeId) {
+        let n = &self.nodes[node as usize];
+        let mut all = true;
+        for (&engine, &block) in n.engines.common().iter().zip(&n.ids) {
+            all &= names.enter(engine, block);
+        }
+        let n = &mut self.nodes[node as usize];
+        n.listed = true;
+        n.entered = all;
+    }
+
+    /// Takes the names of `node`'s shared row out of the shared names, at the
+    /// positions `which` picks (all of them when the node is freed or its row
+    /// replaced).
+    fn take_out_row(
+        &mut self,
+        names: &mut impl Names,
+        node: NodeId,
+        which: impl Fn(usize) -> bool,
+    ) {
+        let n = &mut self.nodes[node as usize];
+        if !n.listed {
+            return;
+        }
+        for (pos, (&engine, &block)) in n.engines.common().iter().zip(&n.ids).enumerate() {
+            if which(pos) {
+                names.take_out(engine, block);
+            }
+        }
+        n.entered = false;
+        n.listed = false;
+    }
+
+    /// Before a block is appended to `node`, its sole holder's: if that holder has a
+    /// row of its own, it becomes the shared row, so the shared names that row does
+    /// not have go.
+    fn before_push(&mut self, names: &mut impl Names, node: NodeId) {
+        let n = &self.nodes[node as usize];
+        if !n.listed || !n.engines.has_odd() {
+            return;
+        }
+        let Some(slot) = n.holders.slots().next() else {
+            return;
+        };
+        let own: Vec<u64> = n.row(slot).to_vec();
+        let common: Vec<u64> = n.engines.common().to_vec();
+        self.take_out_row(names, node, |pos| own[pos] != common[pos]);
+        // Names both rows have stay entered; the node is listed still.
+        self.nodes[node as usize].listed = true;
     }
 
     /// A block id for a block about to be placed.
@@ -1064,6 +1324,10 @@ impl KvIndex {
         for &block in &ids {
             self.blocks[block as usize].node = tail_id;
         }
+        let (entered, listed) = (
+            self.nodes[node as usize].entered,
+            self.nodes[node as usize].listed,
+        );
         let t = &mut self.nodes[tail_id as usize];
         t.seqs = seqs;
         t.ids = ids;
@@ -1071,6 +1335,8 @@ impl KvIndex {
         t.engines = engines;
         t.children = children;
         t.first = first;
+        t.entered = entered;
+        t.listed = listed;
         tail_id
     }
 
@@ -1118,6 +1384,8 @@ impl KvIndex {
         let mut c = std::mem::take(&mut self.nodes[child as usize]);
         let p = &mut self.nodes[parent as usize];
         let base = p.first.wrapping_add(p.len() as u32);
+        p.entered &= c.entered;
+        p.listed |= c.listed;
         p.engines.append(&c.engines);
         for (j, &block) in c.ids.iter().enumerate() {
             self.blocks[block as usize] = BlockAt {
@@ -1172,6 +1440,7 @@ impl KvIndex {
             Some(None) => true,
             Some(Some(block)) => {
                 self.release_blocks(slot, &[block], prune);
+                self.scratch.left.clear();
                 true
             }
         }
@@ -1188,7 +1457,17 @@ impl KvIndex {
         slot: Slot,
         engine: u64,
     ) -> Option<Option<BlockId>> {
-        let taken = names.take(slot, engine);
+        let mut taken = names.take(slot, engine);
+        if taken == Taken::Missing {
+            if let Some(copy) = self.backed_copy(names, slot, engine) {
+                if !self.scratch.left.contains(&copy.block) {
+                    taken = names.take_backed(slot, copy.block);
+                }
+            }
+        }
+        if let Taken::Last(block) = taken {
+            self.scratch.left.insert(block);
+        }
         if taken != Taken::Missing {
             self.entries -= 1;
         }
@@ -1198,7 +1477,14 @@ impl KvIndex {
             Taken::Last(block) => Some(Some(block)),
             Taken::Renamed { block, named } => {
                 let (node, pos) = self.at(block);
-                self.nodes[node as usize].set_engine(slot, pos, named);
+                let n = &mut self.nodes[node as usize];
+                let old = n.engines.common()[pos];
+                n.set_engine(slot, pos, named);
+                if n.engines.common()[pos] != old {
+                    // The sole holder renamed it: the old name is no one's now.
+                    n.entered = false;
+                    names.take_out(old, block);
+                }
                 Some(None)
             }
         }
@@ -1246,26 +1532,28 @@ impl KvIndex {
     /// Frees nodes no worker holds and no longer lead anywhere, then their parents in
     /// turn, merging what is left where it agrees.
     /// `candidates` is the event's prune list, kept for the next event afterwards.
-    fn prune_all(&mut self, candidates: Vec<BlockId>) {
+    fn prune_all(&mut self, names: &mut impl Names, candidates: Vec<BlockId>) {
         for &block in &candidates {
             // A candidate's node may be gone already (pruned with an earlier one); a
             // stale entry then names a free or reused node, and pruning only ever
             // removes a node that is empty and leads nowhere, which is right for any.
             if let Some(at) = self.blocks.get(block as usize) {
                 if (at.node as usize) < self.nodes.len() {
-                    self.prune(at.node);
+                    self.prune(names, at.node);
                 }
             }
         }
         Scratch::keep(&mut self.scratch.prune, candidates);
     }
 
-    fn prune(&mut self, mut node: NodeId) {
+    fn prune(&mut self, names: &mut impl Names, mut node: NodeId) {
         loop {
             let n = &self.nodes[node as usize];
             if !n.live || !n.holders.is_empty() || !n.children.is_empty() {
                 return;
             }
+            self.take_out_row(names, node, |_| true);
+            let n = &self.nodes[node as usize];
             let parent = n.parent;
             let first_seq = n.seqs[0];
             let n = std::mem::take(&mut self.nodes[node as usize]);
@@ -1313,8 +1601,9 @@ impl KvIndex {
         let mut prune = std::mem::take(&mut self.scratch.prune);
         prune.clear();
         self.release_blocks(slot, &leaving, &mut prune);
+        self.scratch.left.clear();
         Scratch::keep(&mut self.scratch.leaving, leaving);
-        self.prune_all(prune);
+        self.prune_all(names, prune);
         stats
     }
 
@@ -1343,11 +1632,23 @@ impl KvIndex {
             return 0;
         };
         let mut blocks = Vec::new();
-        let dropped = names.drain(slot, &mut blocks);
+        let (own, backed) = names.drain(slot, &mut blocks);
+        let dropped = own + backed;
         let mut nodes: Vec<NodeId> = blocks
             .into_iter()
             .map(|block| self.blocks[block as usize].node)
             .collect();
+        if backed > 0 {
+            // Backed copies are in no list of the worker's: their nodes are found by
+            // their holders (a clear is rare; the walk is one look per node).
+            nodes.extend(
+                self.nodes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, n)| n.live && n.holders.contains(slot))
+                    .map(|(id, _)| id as NodeId),
+            );
+        }
         nodes.sort_unstable();
         nodes.dedup();
         for &node in &nodes {
@@ -1356,7 +1657,7 @@ impl KvIndex {
         self.entries -= dropped;
         // Merging frees nodes, so first prune, then merge what is still there.
         for &node in &nodes {
-            self.prune(node);
+            self.prune(names, node);
         }
         for node in nodes {
             if self.nodes[node as usize].live {

@@ -16,6 +16,19 @@
 //! hashes holds the block once: one copy *names* it (the one its node row holds, which
 //! a `kv.fetch` sends), the others are extras kept aside, any of them removed in O(1),
 //! and the block stays held until the last copy goes.
+//!
+//! **Shared names.** Engines of one model and hash seed name the same tokens alike, so
+//! a fleet's workers mostly hold a popular block under one engine hash: its node's
+//! shared row ([`super::rows`]). Such a name is entered once for the block, in the
+//! book's [`Shared`] names, instead of once per worker: a worker that joins a node whose
+//! shared row is entered, naming its blocks alike, writes nothing in its own map (a
+//! store that joins a long chain of such nodes was mostly those writes, and the maps
+//! growing under them). Its copy is *backed*: the worker holds the block, its row names
+//! the block that engine hash, and the shared names give that block for it. The tree
+//! checks the first two, so a question about a worker's copy is its own map, then the
+//! shared names and the tree. The first holder of a block still records its name in its
+//! own map (most blocks have one holder), as does any worker whose name for a block is
+//! not the entered one.
 
 use super::holders::Slot;
 use super::BlockId;
@@ -41,6 +54,126 @@ pub(super) struct WorkerNames {
     /// The engine hashes of its copies besides the named one, for blocks this worker
     /// stored under more than one.
     pub extras: Extras,
+    /// Its backed copies (held through the [`Shared`] names, not in `by_engine`): while
+    /// there are none, no question about its copies looks there.
+    pub backed: usize,
+}
+
+/// Engine hash → the block whose node's shared row names it so, entered when a second
+/// worker joins the node (see the [module documentation](self)).
+///
+/// Kept exact: an entry's block is live and its node's shared row names it by that
+/// hash. The tree takes entries out when that stops being so (a node freed, a shared
+/// row renamed). A bit filter in front answers most "is this hash entered?" questions
+/// for a worker with backed copies without probing the map: each stored block asks it
+/// once, to be sure its worker does not hold that hash already through the entries.
+#[derive(Debug, Clone)]
+pub(super) struct Shared {
+    pub by_engine: FxHashMap<u64, BlockId>,
+    /// `FILTER_BITS_PER_NAME` bits per entered name at least (a power of two of
+    /// them), set for every entered hash; bits of hashes taken out stay set until the
+    /// filter is rebuilt. Never empty, so a question costs one multiply, one shift
+    /// and one load.
+    filter: Vec<u64>,
+    /// The filter's words − 1 (a power of two of them).
+    mask: usize,
+    /// Hashes taken out since the filter was last built.
+    stale: usize,
+}
+
+/// Filter bits per entered name: with one bit looked at per question, about one hash
+/// in 16 not entered still finds its bit set (and then probes the map).
+const FILTER_BITS_PER_NAME: usize = 16;
+
+/// Filter words of an empty [`Shared`] (its smallest filter).
+const FILTER_MIN_WORDS: usize = 64;
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            by_engine: FxHashMap::default(),
+            filter: vec![0; FILTER_MIN_WORDS],
+            mask: FILTER_MIN_WORDS - 1,
+            stale: 0,
+        }
+    }
+}
+
+impl Shared {
+    /// The filter's word and bit for `engine`: a multiply by an odd constant first,
+    /// since engine hashes may be anything, small integers too.
+    #[inline(always)]
+    fn bit(&self, engine: u64) -> (usize, u32) {
+        let h = engine.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        ((h >> 32) as usize & self.mask, (h & 63) as u32)
+    }
+
+    /// Whether `engine` may be entered (the filter's answer).
+    #[inline(always)]
+    pub(super) fn may_have(&self, engine: u64) -> bool {
+        let (word, bit) = self.bit(engine);
+        // In bounds by construction (`mask` is set with the filter); `get` keeps a
+        // bad index from panicking all the same.
+        self.filter.get(word).is_some_and(|w| (w >> bit) & 1 != 0)
+    }
+
+    /// The block `engine` is entered for, if any.
+    #[inline(always)]
+    pub(super) fn get(&self, engine: u64) -> Option<BlockId> {
+        if !self.may_have(engine) {
+            return None;
+        }
+        self.by_engine.get(&engine).copied()
+    }
+
+    /// Enters `engine` for `block` unless another block has it; returns whether
+    /// `engine` is entered for `block` now.
+    fn enter(&mut self, engine: u64, block: BlockId) -> bool {
+        match self.by_engine.entry(engine) {
+            Entry::Occupied(o) => *o.get() == block,
+            Entry::Vacant(v) => {
+                v.insert(block);
+                if self.filter.len() * 64 < self.by_engine.len() * FILTER_BITS_PER_NAME {
+                    self.rebuild();
+                } else {
+                    let (word, bit) = self.bit(engine);
+                    self.filter[word] |= 1 << bit;
+                }
+                true
+            }
+        }
+    }
+
+    /// Takes `engine` out if it is entered for `block`.
+    fn take_out(&mut self, engine: u64, block: BlockId) {
+        if let Entry::Occupied(o) = self.by_engine.entry(engine) {
+            if *o.get() == block {
+                o.remove();
+                self.stale += 1;
+                if self.stale > self.by_engine.len().max(1024) {
+                    self.rebuild();
+                }
+            }
+        }
+    }
+
+    /// Sizes the filter for the entries and sets their bits afresh.
+    fn rebuild(&mut self) {
+        let words = (self.by_engine.len() * FILTER_BITS_PER_NAME)
+            .div_ceil(64)
+            .next_power_of_two()
+            .max(FILTER_MIN_WORDS);
+        self.filter.clear();
+        self.filter.resize(words, 0);
+        self.mask = words - 1;
+        self.stale = 0;
+        let mut filter = std::mem::take(&mut self.filter);
+        for &engine in self.by_engine.keys() {
+            let (word, bit) = self.bit(engine);
+            filter[word] |= 1 << bit;
+        }
+        self.filter = filter;
+    }
 }
 
 /// A worker's extra copies: for each block it stored under more than one engine hash,
@@ -239,15 +372,33 @@ pub(super) trait Names {
     /// copy it holds. One probe of the engine-hash map either way.
     fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) -> Option<Copy>;
     fn take(&mut self, slot: Slot, engine: u64) -> Taken;
-    /// Forgets every copy `slot` holds; appends each block it held to `blocks` and
-    /// returns how many copies there were.
-    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> usize;
+    /// Forgets every copy `slot` holds in its own names; appends the block of each of
+    /// its own named copies to `blocks`. Returns how many own copies there were and
+    /// how many backed ones (whose blocks the tree knows).
+    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> (usize, usize);
+    /// The block the shared names give `engine`, if `slot` holds any backed copy at
+    /// all (else `None`, usually without a probe). The tree checks whether `slot`'s
+    /// row names that block so.
+    fn backed(&mut self, slot: Slot, engine: u64) -> Option<BlockId>;
+    /// The block the shared names give `engine`, whoever asks.
+    fn shared(&mut self, engine: u64) -> Option<BlockId>;
+    /// Enters `engine` for `block` in the shared names unless another block has it;
+    /// whether it is entered for `block` now.
+    fn enter(&mut self, engine: u64, block: BlockId) -> bool;
+    /// Takes `engine` out of the shared names if it is entered for `block`.
+    fn take_out(&mut self, engine: u64, block: BlockId);
+    /// `slot` holds `copies` more backed copies.
+    fn back(&mut self, slot: Slot, copies: usize);
+    /// `slot`'s backed copy of `block` goes: [`Taken::Last`], or, if `slot` holds
+    /// extras of the block, [`Taken::Renamed`] with the newest (now its named copy).
+    fn take_backed(&mut self, slot: Slot, block: BlockId) -> Taken;
 }
 
 /// The names themselves, indexed by slot.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Book {
     workers: Vec<Option<WorkerNames>>,
+    pub shared: Shared,
 }
 
 impl Book {
@@ -259,9 +410,20 @@ impl Book {
         self.workers.get_mut(slot as usize)?.as_mut()
     }
 
-    /// The copy `slot` holds under `engine`, without recording the question.
+    /// The copy `slot` holds under `engine` in its own names, without recording the
+    /// question.
     pub(super) fn copy(&self, slot: Slot, engine: u64) -> Option<Copy> {
         self.worker(slot)?.by_engine.get(&engine).copied()
+    }
+
+    /// [`Names::backed`], without recording the question. The filter first: a new
+    /// name is nearly never entered, and that answer needs no look at the worker.
+    #[inline(always)]
+    pub(super) fn backed_block(&self, slot: Slot, engine: u64) -> Option<BlockId> {
+        if !self.shared.may_have(engine) || self.worker(slot)?.backed == 0 {
+            return None;
+        }
+        self.shared.by_engine.get(&engine).copied()
     }
 
     /// Every worker's names, by slot (for invariant checks).
@@ -356,20 +518,62 @@ impl Names for Book {
         }
     }
 
-    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> usize {
+    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> (usize, usize) {
         let Some(w) = self.worker_mut(slot) else {
-            return 0;
+            return (0, 0);
         };
-        let dropped = w.by_engine.len();
+        let own = w.by_engine.len();
+        let backed = std::mem::take(&mut w.backed);
         w.extras.clear();
-        // An extra's block is its named copy's too: the named copies list every block.
+        // An extra's block is its named copy's too (own or backed): the own named
+        // copies and the backed ones list every block.
         blocks.extend(
             w.by_engine
                 .drain()
                 .filter(|(_, copy)| copy.extra == NAMED)
                 .map(|(_, copy)| copy.block),
         );
-        dropped
+        (own, backed)
+    }
+
+    #[inline(always)]
+    fn backed(&mut self, slot: Slot, engine: u64) -> Option<BlockId> {
+        self.backed_block(slot, engine)
+    }
+
+    fn shared(&mut self, engine: u64) -> Option<BlockId> {
+        self.shared.get(engine)
+    }
+
+    fn enter(&mut self, engine: u64, block: BlockId) -> bool {
+        self.shared.enter(engine, block)
+    }
+
+    fn take_out(&mut self, engine: u64, block: BlockId) {
+        self.shared.take_out(engine, block);
+    }
+
+    fn back(&mut self, slot: Slot, copies: usize) {
+        if let Some(w) = self.worker_mut(slot) {
+            w.backed += copies;
+        }
+    }
+
+    fn take_backed(&mut self, slot: Slot, block: BlockId) -> Taken {
+        let Some(w) = self.worker_mut(slot) else {
+            return Taken::Missing;
+        };
+        w.backed = w.backed.saturating_sub(1);
+        if w.extras.is_empty() {
+            return Taken::Last(block);
+        }
+        let Some(named) = w.extras.pop_newest(block) else {
+            return Taken::Last(block);
+        };
+        if let Some(c) = w.by_engine.get_mut(&named) {
+            c.extra = NAMED;
+        }
+        Taken::Renamed { block, named }
     }
 }
 
@@ -378,12 +582,16 @@ impl Names for Book {
 enum Answer {
     Copy(Option<Copy>),
     Taken(Taken),
-    /// `count` copies; their blocks are `Tape::blocks[start..start + len]`.
+    /// `own` and `backed` copies; the own named copies' blocks are
+    /// `Tape::blocks[start..start + len]`.
     Drained {
-        count: u32,
+        own: u32,
+        backed: u32,
         start: u32,
         len: u32,
     },
+    Block(Option<BlockId>),
+    Entered(bool),
 }
 
 /// The answers one application of an event got from the book, for the second copy.
@@ -454,17 +662,50 @@ impl Names for Recording<'_> {
         answer
     }
 
-    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> usize {
+    fn drain(&mut self, slot: Slot, blocks: &mut Vec<BlockId>) -> (usize, usize) {
         let start = self.tape.blocks.len();
-        let count = self.book.drain(slot, &mut self.tape.blocks);
+        let (own, backed) = self.book.drain(slot, &mut self.tape.blocks);
         blocks.extend_from_slice(&self.tape.blocks[start..]);
         // A worker's copies are counted in u32 like its blocks' ids.
         self.tape.answers.push(Answer::Drained {
-            count: count as u32,
+            own: own as u32,
+            backed: backed as u32,
             start: start as u32,
             len: (self.tape.blocks.len() - start) as u32,
         });
-        count
+        (own, backed)
+    }
+
+    fn backed(&mut self, slot: Slot, engine: u64) -> Option<BlockId> {
+        let answer = self.book.backed(slot, engine);
+        self.tape.answers.push(Answer::Block(answer));
+        answer
+    }
+
+    fn shared(&mut self, engine: u64) -> Option<BlockId> {
+        let answer = self.book.shared(engine);
+        self.tape.answers.push(Answer::Block(answer));
+        answer
+    }
+
+    fn enter(&mut self, engine: u64, block: BlockId) -> bool {
+        let answer = self.book.enter(engine, block);
+        self.tape.answers.push(Answer::Entered(answer));
+        answer
+    }
+
+    fn take_out(&mut self, engine: u64, block: BlockId) {
+        self.book.take_out(engine, block);
+    }
+
+    fn back(&mut self, slot: Slot, copies: usize) {
+        self.book.back(slot, copies);
+    }
+
+    fn take_backed(&mut self, slot: Slot, block: BlockId) -> Taken {
+        let answer = self.book.take_backed(slot, block);
+        self.tape.answers.push(Answer::Taken(answer));
+        answer
     }
 }
 
@@ -518,14 +759,51 @@ impl Names for Replay<'_> {
         }
     }
 
-    fn drain(&mut self, _: Slot, blocks: &mut Vec<BlockId>) -> usize {
+    fn drain(&mut self, _: Slot, blocks: &mut Vec<BlockId>) -> (usize, usize) {
         match self.next() {
-            Some(Answer::Drained { count, start, len }) => {
+            Some(Answer::Drained {
+                own,
+                backed,
+                start,
+                len,
+            }) => {
                 let (start, len) = (start as usize, len as usize);
                 blocks.extend_from_slice(&self.tape.blocks[start..start + len]);
-                count as usize
+                (own as usize, backed as usize)
             }
-            other => mismatch(other, 0),
+            other => mismatch(other, (0, 0)),
+        }
+    }
+
+    fn backed(&mut self, _: Slot, _: u64) -> Option<BlockId> {
+        match self.next() {
+            Some(Answer::Block(answer)) => answer,
+            other => mismatch(other, None),
+        }
+    }
+
+    fn shared(&mut self, _: u64) -> Option<BlockId> {
+        match self.next() {
+            Some(Answer::Block(answer)) => answer,
+            other => mismatch(other, None),
+        }
+    }
+
+    fn enter(&mut self, _: u64, _: BlockId) -> bool {
+        match self.next() {
+            Some(Answer::Entered(answer)) => answer,
+            other => mismatch(other, false),
+        }
+    }
+
+    fn take_out(&mut self, _: u64, _: BlockId) {}
+
+    fn back(&mut self, _: Slot, _: usize) {}
+
+    fn take_backed(&mut self, _: Slot, _: BlockId) -> Taken {
+        match self.next() {
+            Some(Answer::Taken(answer)) => answer,
+            other => mismatch(other, Taken::Missing),
         }
     }
 }

@@ -58,7 +58,13 @@ impl EngineRows {
             .collect()
     }
 
-    #[cfg(test)]
+    /// Whether some holder has a row of its own.
+    pub(super) fn has_odd(&self) -> bool {
+        self.odd.is_some()
+    }
+
+    /// The shared row.
+    #[inline(always)]
     pub(super) fn common(&self) -> &[u64] {
         &self.common
     }
@@ -152,6 +158,14 @@ impl EngineRows {
             self.make_sole(slot);
         }
         self.common.push(engine);
+    }
+
+    /// Appends blocks that `slot`, the node's only holder, names `engines`.
+    pub(super) fn extend_sole(&mut self, slot: Slot, engines: impl Iterator<Item = u64>) {
+        if self.odd.is_some() {
+            self.make_sole(slot);
+        }
+        self.common.extend(engines);
     }
 
     /// The sole holder's own row, if it has one, becomes the shared row.
