@@ -226,27 +226,19 @@ impl Extras {
         self.heads.is_empty()
     }
 
-    /// Records `engine` as `block`'s newest extra; returns its entry.
+    /// Records `engine` as `block`'s newest extra; returns its entry (written once,
+    /// with its link: a salted store adds one for each block of a long run).
     fn add(&mut self, block: BlockId, engine: u64) -> u32 {
-        let at = match self.free {
-            END => {
-                self.list.push(Extra {
-                    engine,
-                    newer: END,
-                    older: END,
-                });
-                (self.list.len() - 1) as u32
-            }
-            free => {
-                self.free = self.list[free as usize].older;
-                free
-            }
+        let reused = self.free != END;
+        let at = if reused {
+            self.free
+        } else {
+            self.list.len() as u32
         };
         let older = match self.heads.entry(block) {
             Entry::Occupied(mut head) => {
-                let older = *head.get();
+                let older = std::mem::replace(head.get_mut(), at);
                 self.list[older as usize].newer = at;
-                *head.get_mut() = at;
                 older
             }
             Entry::Vacant(head) => {
@@ -254,11 +246,17 @@ impl Extras {
                 END
             }
         };
-        self.list[at as usize] = Extra {
+        let entry = Extra {
             engine,
             newer: END,
             older,
         };
+        if reused {
+            self.free = self.list[at as usize].older;
+            self.list[at as usize] = entry;
+        } else {
+            self.list.push(entry);
+        }
         at
     }
 
