@@ -1291,6 +1291,7 @@ fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
     }
     // Each registration publishes.
     let (mut publishes, mut compared, mut renamed) = (workers.len() as u64, 0, 0);
+    let mut most_backed = 0;
     for round in 0..1500 {
         let mut batch = Vec::new();
         for _ in 0..1 + next(4) {
@@ -1349,6 +1350,7 @@ fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
         }
         shared.read(|copy| {
             copy.check_invariants();
+            most_backed = most_backed.max(copy.backed_copies());
             assert_eq!(copy.len(), plain.len(), "round {round}: copies held");
             assert_eq!(
                 copy.node_count(),
@@ -1364,6 +1366,9 @@ fn both_copies_of_a_shared_index_agree_with_a_plain_one() {
     }
     assert_eq!(shared.publishes(), publishes);
     assert!(compared > 1000 && renamed > 50, "{compared} {renamed}");
+    // Workers naming blocks alike held many copies through the shared names, and the
+    // second copy replayed their stores, removals and clears.
+    assert!(most_backed >= 10, "backed copies at most {most_backed}");
 }
 
 /// Freed nodes' arrays are kept for reuse (`Buffers`), but an index that shrinks gives
