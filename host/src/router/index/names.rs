@@ -186,13 +186,24 @@ impl Shared {
 /// and grew each vector by reallocation several times over; here a new extra goes at
 /// the end of the array (or in a freed entry), and only the block's previous newest
 /// extra is touched, to link it.
+///
+/// Linked when first needed: an extra appended at the end of the array is only
+/// recorded there (with its block), and the lists are linked, in the order the
+/// extras came, the next time one is removed or a named copy with extras goes. A
+/// worker storing a prompt under salt after salt, which only adds, pays a push per
+/// name instead of a probe of `heads` and two writes; one whose engine also evicts
+/// links at each removal what came since the last, the same work as before.
 #[derive(Debug, Clone)]
 pub(super) struct Extras {
-    /// Block → its newest extra copy in `list`.
+    /// Block → its newest extra copy in `list` (of the linked ones).
     heads: FxHashMap<BlockId, u32>,
     list: Vec<Extra>,
     /// First free entry of `list`, the free ones chained through `older`; [`END`] if none.
     free: u32,
+    /// Entries from here to the end of `list` are not linked yet: each holds its
+    /// block in `newer`. (A free entry exists only once everything is linked, so the
+    /// unlinked ones are always the last ones added, in order.)
+    linked: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -214,6 +225,7 @@ impl Default for Extras {
             heads: FxHashMap::default(),
             list: Vec::new(),
             free: END,
+            linked: 0,
         }
     }
 }
@@ -223,18 +235,39 @@ const EXTRAS_KEEP: usize = 1 << 12;
 
 impl Extras {
     pub(super) fn is_empty(&self) -> bool {
-        self.heads.is_empty()
+        self.heads.is_empty() && self.linked == self.list.len()
     }
 
-    /// Records `engine` as `block`'s newest extra; returns its entry (written once,
-    /// with its link: a salted store adds one for each block of a long run).
+    /// Records `engine` as `block`'s newest extra; returns its entry.
     fn add(&mut self, block: BlockId, engine: u64) -> u32 {
-        let reused = self.free != END;
-        let at = if reused {
-            self.free
-        } else {
-            self.list.len() as u32
-        };
+        if self.free == END {
+            // At the end, unlinked: the block in `newer` until the lists are linked.
+            self.list.push(Extra {
+                engine,
+                newer: block,
+                older: END,
+            });
+            return (self.list.len() - 1) as u32;
+        }
+        let at = self.free;
+        self.link(block, at, engine);
+        at
+    }
+
+    /// Links every entry added since the lists were last linked, oldest first.
+    fn link_all(&mut self) {
+        while self.linked < self.list.len() {
+            let at = self.linked as u32;
+            let Extra { engine, newer, .. } = self.list[self.linked];
+            self.link(newer, at, engine);
+            self.linked += 1;
+        }
+    }
+
+    /// Writes entry `at` (the first free one, or the first unlinked one) as
+    /// `block`'s newest extra, `engine`, linked to the one that was.
+    fn link(&mut self, block: BlockId, at: u32, engine: u64) {
+        let reused = at == self.free;
         let older = match self.heads.entry(block) {
             Entry::Occupied(mut head) => {
                 let older = std::mem::replace(head.get_mut(), at);
@@ -246,22 +279,19 @@ impl Extras {
                 END
             }
         };
-        let entry = Extra {
+        if reused {
+            self.free = self.list[at as usize].older;
+        }
+        self.list[at as usize] = Extra {
             engine,
             newer: END,
             older,
         };
-        if reused {
-            self.free = self.list[at as usize].older;
-            self.list[at as usize] = entry;
-        } else {
-            self.list.push(entry);
-        }
-        at
     }
 
     /// Unlinks entry `at`, one of `block`'s extras.
     fn remove(&mut self, block: BlockId, at: u32) {
+        self.link_all();
         let Some(&Extra { newer, older, .. }) = self.list.get(at as usize) else {
             return;
         };
@@ -282,6 +312,7 @@ impl Extras {
 
     /// Takes `block`'s newest extra out of the list; returns its engine hash.
     fn pop_newest(&mut self, block: BlockId) -> Option<u64> {
+        self.link_all();
         let at = *self.heads.get(&block)?;
         let Extra { engine, older, .. } = self.list[at as usize];
         if older == END {
@@ -311,19 +342,24 @@ impl Extras {
             self.list.shrink_to(EXTRAS_KEEP);
         }
         self.free = END;
+        self.linked = 0;
     }
 
     /// Each block with extras and its extras, newest first, as (entry, engine hash),
-    /// checking the links both ways (for invariant checks).
+    /// checking the links both ways, as linking them now would leave them (for
+    /// invariant checks).
     #[cfg(test)]
     pub(super) fn lists(&self) -> Vec<(BlockId, Vec<(u32, u64)>)> {
-        self.heads
+        let mut linked = self.clone();
+        linked.link_all();
+        linked
+            .heads
             .iter()
             .map(|(&block, &head)| {
                 let mut out = Vec::new();
                 let (mut at, mut newer) = (head, END);
                 while at != END {
-                    let e = self.list[at as usize];
+                    let e = linked.list[at as usize];
                     assert_eq!(e.newer, newer, "extra {at} of block {block} links back");
                     out.push((at, e.engine));
                     (newer, at) = (at, e.older);
@@ -809,4 +845,50 @@ impl Names for Replay<'_> {
 fn mismatch<T>(answer: Option<Answer>, fallback: T) -> T {
     debug_assert!(false, "the replay asked another question: {answer:?}");
     fallback
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Extras are linked when first needed, in the order they came: a block's newest
+    /// extra is the last one added, whether it was added before the lists were linked
+    /// (appended), or after (into a freed entry, or appended again).
+    #[test]
+    fn extras_linked_late_keep_the_order_they_came_in() {
+        let mut x = Extras::default();
+        let (a, b) = (7, 9);
+        let a1 = x.add(a, 101);
+        x.add(b, 201);
+        x.add(a, 102);
+        x.add(b, 202);
+        let a3 = x.add(a, 103);
+        assert!(!x.is_empty());
+        // Nothing linked yet: the lists as they would be.
+        let mut lists = x.lists();
+        lists.sort();
+        assert_eq!(
+            lists,
+            vec![
+                (a, vec![(a3, 103), (2, 102), (a1, 101)]),
+                (b, vec![(3, 202), (1, 201)]),
+            ]
+        );
+        // Removing one links everything first; the entry goes to the free list.
+        x.remove(a, a1);
+        assert_eq!(x.linked, x.list.len());
+        // A new extra takes the freed entry and is the newest of its block.
+        assert_eq!(x.add(b, 203), a1);
+        x.add(a, 104); // appended, not linked yet
+        assert_eq!(x.pop_newest(a), Some(104));
+        assert_eq!(x.pop_newest(a), Some(103));
+        assert_eq!(x.pop_newest(b), Some(203));
+        assert_eq!(x.pop_newest(b), Some(202));
+        assert_eq!(x.pop_newest(a), Some(102));
+        assert_eq!(x.pop_newest(a), None);
+        assert_eq!(x.pop_newest(b), Some(201));
+        // The last extra gone, the array starts again from empty.
+        assert!(x.is_empty());
+        assert!(x.list.is_empty());
+    }
 }
