@@ -34,6 +34,9 @@
 //! that engine's names. A worker that stores the same tokens under several engine
 //! hashes holds the block once: one copy names it, the others are extras kept aside,
 //! any of them removed in O(1), and the block stays held until the last copy goes.
+//! A name the holders of a node share is kept once for the block rather than once per
+//! worker ([`names::Shared`]): a worker joining the node under that name holds its copy
+//! through it, which the tree (it holds the block, its row names it so) confirms.
 //!
 //! **Prefix semantics.** A KV block is only usable if every block before it is present:
 //! attention over block *i* needs the keys and values of blocks `0..i`. So a worker's
@@ -831,10 +834,10 @@ impl KvIndex {
 
     /// After an extra copy of the block at `at` (which `slot` holds): records `items`
     /// as extra copies of the node's next blocks, as far as they follow them and are
-    /// new names. The same tokens stored again under
-    /// another salt name a whole run of a node this way, and one pass over the node
-    /// spares each the walk's child lookup and holder check. Returns how many it
-    /// recorded and the place of the last block with a copy.
+    /// new names. The same tokens stored again under another salt name a whole run of
+    /// a node this way, and one pass over the node spares each the walk's child lookup
+    /// and holder check. Returns how many it recorded and the place of the last block
+    /// with a copy.
     fn extra_run(
         &mut self,
         names: &mut impl Names,
@@ -999,11 +1002,7 @@ impl KvIndex {
                     match entered_for {
                         Some(b)
                             if self.names_block(slot, b, engine)
-                                || (self.blocks[b as usize].node == node && {
-                                    let q = self.blocks[b as usize].offset.wrapping_sub(n.first)
-                                        as usize;
-                                    q >= pos && q < pos + taken && items[q - pos].0 == engine
-                                }) =>
+                                || self.in_stretch(b, node, pos, &items[..taken], engine) =>
                         {
                             Some(names::Copy {
                                 block: b,
@@ -1132,6 +1131,26 @@ impl KvIndex {
         };
         let pos = at.offset.wrapping_sub(n.first) as usize;
         n.live && n.holders.contains(slot) && n.row(slot).get(pos) == Some(&engine)
+    }
+
+    /// Whether `block` is one of the blocks of `node` from `pos` on that a stretch
+    /// being joined has taken so far (`taken`, their items), under `engine`.
+    fn in_stretch(
+        &self,
+        block: BlockId,
+        node: NodeId,
+        pos: usize,
+        taken: &[(u64, u64)],
+        engine: u64,
+    ) -> bool {
+        let Some(at) = self.blocks.get(block as usize) else {
+            return false;
+        };
+        let Some(n) = self.nodes.get(node as usize) else {
+            return false;
+        };
+        let q = at.offset.wrapping_sub(n.first) as usize;
+        at.node == node && q >= pos && taken.get(q - pos).is_some_and(|&(name, _)| name == engine)
     }
 
     /// The backed copy `slot` holds under `engine`, if any.

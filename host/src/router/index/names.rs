@@ -65,8 +65,8 @@ pub(super) struct WorkerNames {
 /// Kept exact: an entry's block is live and its node's shared row names it by that
 /// hash. The tree takes entries out when that stops being so (a node freed, a shared
 /// row renamed). A bit filter in front answers most "is this hash entered?" questions
-/// for a worker with backed copies without probing the map: each stored block asks it
-/// once, to be sure its worker does not hold that hash already through the entries.
+/// without probing the map: each name a store brings asks one, to be sure its worker
+/// does not hold that hash already through the entries.
 #[derive(Debug, Clone)]
 pub(super) struct Shared {
     pub by_engine: FxHashMap<u64, BlockId>,
