@@ -197,7 +197,7 @@ impl EngineRows {
     /// result has the rest (its shared row in `spare`'s buffer, or this one's).
     pub(super) fn split_off(&mut self, k: usize, spare: Vec<u64>) -> Self {
         let len = self.common.len();
-        let common = super::split_buffer(&mut self.common, k, spare);
+        let common = super::tree::split_buffer(&mut self.common, k, spare);
         let Some(odd) = &mut self.odd else {
             return Self { common, odd: None };
         };

@@ -1,6 +1,7 @@
 //! The index's own tests: every rule the previous index's tests held, on the new
 //! structure, plus copies (one worker, many engine hashes for the same tokens).
 
+use super::tree::{BUFFERS_KEEP, BUFFER_MAX};
 use super::*;
 use crate::router::index::holders::Slot;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
