@@ -3,8 +3,10 @@
 //! Sharded by request id, so bookings and releases of different requests rarely touch
 //! the same lock, and each lock is held for one map insert or remove. The duplicate
 //! check stays exact: a request id lives in one shard, and inserting it is the check.
-//! The open count is one atomic beside the shards, so the `router.max_open_bookings`
-//! cap is exact too (taken before the insert, given back if the insert is refused).
+//! The open count ([`OpenCount`]) keeps the `router.max_open_bookings` cap exact too
+//! (counted in before the insert, out again if the insert is refused), from
+//! allowances each thread holds, so a booking writes no line of it that another
+//! booking thread writes.
 //!
 //! Each booking keeps when it was made, so one a client never releases (it crashed,
 //! or forgot) is released by [`Bookings::expire`] after `router.booking_ttl`.
@@ -16,13 +18,14 @@
 //! cell: a worker deregistered since took its load with it, and one registered again
 //! under the same key has a new cell that this booking never added to.
 
+use super::open_count::OpenCount;
 use super::workers::{Load, LoadCell, WorkerTable};
 use crate::domain::WorkerKey;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const SHARDS: usize = 32;
@@ -54,8 +57,7 @@ pub struct Bookings {
     /// byte, the map's length) and took turns with it.
     shards: [CachePadded<Mutex<FxHashMap<String, Reservation>>>; SHARDS],
     hasher: rustc_hash::FxBuildHasher,
-    /// Its own lines too, for the same reason.
-    open: CachePadded<AtomicUsize>,
+    open: OpenCount,
     expired: AtomicU64,
 }
 
@@ -79,15 +81,13 @@ impl Bookings {
         cell: &LoadCell,
         max_open: usize,
     ) -> Result<(), Refused> {
-        let open = self.open.fetch_add(1, Ordering::AcqRel);
-        if open >= max_open {
-            self.open.fetch_sub(1, Ordering::AcqRel);
+        if let Err(open) = self.open.open(max_open) {
             return Err(Refused::Full { open });
         }
         let mut shard = self.shard(request_id).lock();
         if shard.contains_key(request_id) {
             drop(shard);
-            self.open.fetch_sub(1, Ordering::AcqRel);
+            self.open.close();
             return Err(Refused::Duplicate);
         }
         debug_assert_eq!(cell.id(), reservation.cell);
@@ -112,7 +112,7 @@ impl Bookings {
     /// Removes a booking and frees its load (if `table` still has its cell).
     pub fn remove(&self, request_id: &str, table: &WorkerTable) -> Option<Reservation> {
         let reservation = self.shard(request_id).lock().remove(request_id)?;
-        self.open.fetch_sub(1, Ordering::AcqRel);
+        self.open.close();
         if let Some(cell) = table.load_cell(reservation.worker, reservation.cell) {
             cell.sub(reservation.load);
         }
@@ -138,7 +138,7 @@ impl Bookings {
                 keep
             });
         }
-        self.open.fetch_sub(expired, Ordering::AcqRel);
+        self.open.close_many(expired);
         self.expired.fetch_add(expired as u64, Ordering::Relaxed);
         expired
     }
@@ -159,11 +159,12 @@ impl Bookings {
                 keep
             });
         }
-        self.open.fetch_sub(dropped, Ordering::AcqRel);
+        self.open.close_many(dropped);
     }
 
+    /// Bookings open; exact when none is being booked or released.
     pub fn len(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+        self.open.get()
     }
 
     pub fn is_empty(&self) -> bool {

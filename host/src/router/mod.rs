@@ -26,6 +26,7 @@ pub mod background;
 pub mod bookings;
 pub mod index;
 pub mod ingest;
+mod open_count;
 pub mod workers;
 
 pub use crate::hints::PolicyFailure;
