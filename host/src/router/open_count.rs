@@ -13,7 +13,7 @@
 //! [`CHUNK`], only while a whole chunk fits under the cap. A booking spends one unit of
 //! its thread's allowance; a release gives one back to the allowance of the thread it
 //! runs on (a thread that books and releases in turn never touches the shared count),
-//! and beyond [`SPARE_MAX`] to the shared count. Near the cap, chunks no longer fit:
+//! and beyond [`SPARE_MAX`] a chunk to the shared count. Near the cap, chunks no longer fit:
 //! a booking then takes one unit at a time, and before refusing takes back every
 //! thread's allowance. So the cap stays exact: never exceeded, and a booking is refused
 //! only when the bookings open reach it, counting those being opened, released or
@@ -80,16 +80,20 @@ impl OpenCount {
         Err(self.get())
     }
 
-    /// Counts one booking out (released, or refused after [`Self::open`]).
+    /// Counts one booking out (released, or refused after [`Self::open`]). A thread
+    /// that only releases (an HTTP handler, while bookings run on the booking pool)
+    /// gives its units back a chunk at a time, so it too writes the shared count once
+    /// per [`CHUNK`] releases.
     pub fn close(&self) {
         let mine = self.spare.get_or_default();
-        let kept = mine
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
-                (s < SPARE_MAX).then_some(s + 1)
-            })
-            .is_ok();
-        if !kept {
-            self.taken.fetch_sub(1, Ordering::AcqRel);
+        if mine.fetch_add(1, Ordering::AcqRel) + 1 > SPARE_MAX
+            && mine
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| {
+                    s.checked_sub(CHUNK)
+                })
+                .is_ok()
+        {
+            self.taken.fetch_sub(CHUNK, Ordering::AcqRel);
         }
     }
 
@@ -189,6 +193,31 @@ mod tests {
         assert_eq!(count.open(max), Err(max));
         count.close_many(max);
         assert_eq!(count.get(), 0);
+    }
+
+    /// A thread that only releases writes the shared count once per chunk, and the
+    /// count stays exact.
+    #[test]
+    fn a_thread_that_only_releases_gives_units_back_a_chunk_at_a_time() {
+        let max = 1000;
+        let count = OpenCount::default();
+        for _ in 0..max {
+            count.open(max).expect("under the cap");
+        }
+        let taken_before = count.taken.load(Ordering::Relaxed);
+        thread::scope(|s| {
+            s.spawn(|| {
+                let mut writes = 0;
+                for _ in 0..max {
+                    let before = count.taken.load(Ordering::Relaxed);
+                    count.close();
+                    writes += usize::from(count.taken.load(Ordering::Relaxed) != before);
+                }
+                assert_eq!(writes, (max - SPARE_MAX).div_ceil(CHUNK));
+            });
+        });
+        assert_eq!(count.get(), 0);
+        assert!(count.taken.load(Ordering::Relaxed) <= taken_before - (max - SPARE_MAX - CHUNK));
     }
 
     /// A lowered cap binds at once, even for a thread holding an allowance taken under
