@@ -3,9 +3,12 @@
 //!
 //! As one atomic, the count was a cache line that every booking and every release
 //! wrote, whatever worker it booked: with two threads booking, each add first took the
-//! line from the other core. Measured with everything else unchanged (the
-//! `concurrency` bench, quiet windows, seven interleaved runs), leaving the count
-//! unwritten raised two threads' bookings/s from a median 1.71× one thread's to 1.85×.
+//! line from the other core. It was the one line that every booking wrote, which is
+//! what would have bounded the router on many cores. (On this project's two cores,
+//! leaving it unwritten moved the median two-thread scaling from 1.71 to 1.85 in one
+//! set of seven runs; the allowances below made no difference that could be told from
+//! the noise in twenty runs, taking turns with the build before. BENCHMARKS.md has
+//! both.)
 //!
 //! So each thread holds an *allowance*: bookings it may open without asking the shared
 //! count. The shared count (`taken`) counts the bookings open plus every allowance
@@ -13,11 +16,11 @@
 //! [`CHUNK`], only while a whole chunk fits under the cap. A booking spends one unit of
 //! its thread's allowance; a release gives one back to the allowance of the thread it
 //! runs on (a thread that books and releases in turn never touches the shared count),
-//! and beyond [`SPARE_MAX`] a chunk to the shared count. Near the cap, chunks no longer fit:
-//! a booking then takes one unit at a time, and before refusing takes back every
-//! thread's allowance. So the cap stays exact: never exceeded, and a booking is refused
-//! only when the bookings open reach it, counting those being opened, released or
-//! taken back at that moment.
+//! and past [`SPARE_MAX`] gives a chunk back to the shared count. Near the cap, chunks
+//! no longer fit: a booking then takes one unit at a time, and before refusing takes
+//! back every thread's allowance. So the cap stays exact: never exceeded, and a booking
+//! is refused only when the bookings open reach it, counting those being opened,
+//! released or taken back at that moment.
 //!
 //! A reload may lower the cap under allowances taken before: a thread spends its
 //! allowance only while the shared count is within the cap it is given (a read of a
