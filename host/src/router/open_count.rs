@@ -18,9 +18,15 @@
 //! runs on (a thread that books and releases in turn never touches the shared count),
 //! and past [`SPARE_MAX`] gives a chunk back to the shared count. Near the cap, chunks
 //! no longer fit: a booking then takes one unit at a time, and before refusing takes
-//! back every thread's allowance. So the cap stays exact: never exceeded, and a booking
-//! is refused only when the bookings open reach it, counting those being opened,
-//! released or taken back at that moment.
+//! back every thread's allowance. So the cap is never exceeded, and a booking is
+//! refused only when the shared count, after every allowance is taken back, is at
+//! the cap. That count includes units on their way between the shared count and a
+//! thread's allowance: a thread between the two steps of taking a chunk (or giving
+//! one back) holds up to [`CHUNK`] units that no one can take back for that moment,
+//! so a booking racing it near the cap may be refused with up to that many per such
+//! thread below the cap, and the `open` its refusal reports counts them. The steps
+//! cannot be swapped: the shared count must never count low, or the cap could be
+//! passed.
 //!
 //! A reload may lower the cap under allowances taken before: a thread spends its
 //! allowance only while the shared count is within the cap it is given (a read of a
@@ -195,6 +201,47 @@ mod tests {
         assert_eq!(count.get(), max);
         assert_eq!(count.open(max), Err(max));
         count.close_many(max);
+        assert_eq!(count.get(), 0);
+    }
+
+    /// Threads opening, closing and closing in bulk at once never hold more than the
+    /// cap open, and the count is exact once they stop.
+    #[test]
+    fn mixed_opens_and_closes_on_many_threads_never_pass_the_cap() {
+        let max = 40;
+        let count = OpenCount::default();
+        let live = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        thread::scope(|s| {
+            for t in 0..6 {
+                let (count, live, most) = (&count, &live, &most);
+                s.spawn(move || {
+                    let mut held = 0usize;
+                    for i in 0..20_000usize {
+                        if (i + t) % 3 != 0 && count.open(max).is_ok() {
+                            held += 1;
+                            let now = live.fetch_add(1, Ordering::AcqRel) + 1;
+                            most.fetch_max(now, Ordering::AcqRel);
+                        } else if held > 0 && i % 7 == 0 {
+                            // A bulk close, as an expiry sweep does.
+                            let n = held.min(3);
+                            live.fetch_sub(n, Ordering::AcqRel);
+                            count.close_many(n);
+                            held -= n;
+                        } else if held > 0 {
+                            live.fetch_sub(1, Ordering::AcqRel);
+                            count.close();
+                            held -= 1;
+                        }
+                    }
+                    live.fetch_sub(held, Ordering::AcqRel);
+                    count.close_many(held);
+                });
+            }
+        });
+        let most = most.load(Ordering::Acquire);
+        assert!(most <= max, "{most} open at once, cap {max}");
+        assert!(most > max / 2, "the threads reached only {most} of {max}");
         assert_eq!(count.get(), 0);
     }
 
