@@ -42,10 +42,12 @@ use arc_swap::ArcSwap;
 use bookings::{Bookings, Reservation};
 use index::shared::SharedIndex;
 use index::{identity_seed, seeded_block_hashes, KvEvent, Matches, Slot};
-use kvhint_plugin_api::abi::{FfiCandidate, FfiPeerCopy, FfiRequestIdentity, FfiSelectionRequest};
+use kvhint_plugin_api::abi::{
+    FfiCandidate, FfiPeerCopy, FfiRequestIdentity, FfiSelectionRequest, FfiWorker,
+};
 use std::cell::RefCell;
 use std::sync::Arc;
-use workers::{Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
+use workers::{Listed, Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RouterError {
@@ -550,18 +552,23 @@ impl Router {
 
         let mut candidates: Vec<FfiCandidate<'_>> = reuse(std::mem::take(spare));
         peer_copies.clear();
-        for entry in entries {
-            let worker = &entry.worker;
-            let cached_blocks = matches.cached_in_slot(entry.slot);
-            let peer_copy = if wants_peer_copies && worker.router_hint {
-                best_peer(table, ranked, entry, cached_blocks)
+        for listed in entries {
+            let cached_blocks = matches.cached_in_slot(listed.slot);
+            let peer_copy = if wants_peer_copies && listed.router_hint {
+                best_peer(table, ranked, listed, cached_blocks)
             } else {
                 None
             };
             peer_copies.push(peer_copy);
-            let load = entry.load.get();
+            let load = listed.load.get();
             candidates.push(FfiCandidate {
-                worker: ffi_worker(worker),
+                worker: FfiWorker {
+                    worker_id: listed.key.worker_id,
+                    dp_rank: listed.key.dp_rank,
+                    router_hint: listed.router_hint,
+                    worker_type: RStr::from_str(&listed.worker_type),
+                    source_control_endpoint: RStr::from_str(&listed.source_control_endpoint),
+                },
                 cached_blocks: cached_blocks as u64,
                 active_requests: load.active_requests,
                 active_blocks: load.active_blocks,
@@ -594,7 +601,11 @@ impl Router {
         );
         let chosen_cached = candidates[chosen.index].cached_blocks as usize;
         *spare = reuse(candidates);
-        let booked: &WorkerEntry = &entries[chosen.index];
+        // The table lists every candidate by slot too; it is the one this booking read.
+        let Some(booked) = table.by_slot(entries[chosen.index].slot) else {
+            return Err(RouterError::NoWorkers(request.role));
+        };
+        let booked: &WorkerEntry = booked;
         // A copy is only ever committed to a worker that can receive the hint
         // carrying it (rule R6).
         let committed_copy = peer_copies[chosen.index]
@@ -825,11 +836,11 @@ impl PeerHashSource for IndexRows<'_> {
 fn best_peer(
     table: &WorkerTable,
     ranked: &[Ranked],
-    worker: &WorkerEntry,
+    worker: &Listed,
     cached_blocks: usize,
 ) -> Option<usize> {
     ranked
         .iter()
         .take_while(|r| r.cached > cached_blocks)
-        .position(|r| r.key != worker.worker.key && table.can_supply(r.slot, worker.slot))
+        .position(|r| r.key != worker.key && table.can_supply(r.slot, worker.slot))
 }
