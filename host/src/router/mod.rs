@@ -574,13 +574,7 @@ impl Router {
             peer_copies.push(peer_copy);
             let load = listed.load.get();
             candidates.push(FfiCandidate {
-                worker: FfiWorker {
-                    worker_id: listed.key.worker_id,
-                    dp_rank: listed.key.dp_rank,
-                    router_hint: listed.router_hint,
-                    worker_type: RStr::from_str(&listed.worker_type),
-                    source_control_endpoint: RStr::from_str(&listed.source_control_endpoint),
-                },
+                worker: ffi_listed(listed),
                 cached_blocks: cached_blocks as u64,
                 active_requests: load.active_requests,
                 active_blocks: load.active_blocks,
@@ -612,10 +606,9 @@ impl Router {
         let chosen_cached = candidates[chosen.index].cached_blocks as usize;
         *spare = reuse(candidates);
         // The table lists every candidate by slot too; it is the one this booking read.
-        let Some(booked) = table.by_slot(entries[chosen.index].slot) else {
+        let Some(booked) = table.by_slot(entries[chosen.index].slot).map(|e| &**e) else {
             return Err(RouterError::NoWorkers(request.role));
         };
-        let booked: &WorkerEntry = booked;
         // A copy is only ever committed to a worker that can receive the hint
         // carrying it (rule R6).
         let committed_copy = peer_copies[chosen.index]
@@ -836,6 +829,18 @@ impl PeerHashSource for IndexRows<'_> {
         self.router
             .index
             .read(|index| index.engine_hashes(r.slot, query, out));
+    }
+}
+
+/// [`ffi_worker`]'s record, read from the table's inline candidate list rather than
+/// through the worker's `Arc`.
+fn ffi_listed(listed: &Listed) -> FfiWorker<'_> {
+    FfiWorker {
+        worker_id: listed.key.worker_id,
+        dp_rank: listed.key.dp_rank,
+        router_hint: listed.router_hint,
+        worker_type: RStr::from_str(&listed.worker_type),
+        source_control_endpoint: RStr::from_str(&listed.source_control_endpoint),
     }
 }
 
