@@ -142,8 +142,116 @@ pub struct WorkerRegistration {
     #[serde(default)]
     pub runtime_data: serde_json::Map<String, serde_json::Value>,
     /// Where this worker's engine publishes KV events, if the router should subscribe.
+    /// Or `"approximate"`: the engine publishes none, and the router credits the
+    /// worker with the blocks it routed there, for a bounded time.
     #[serde(default)]
-    pub kv_events: Option<crate::event_source::KvEventSource>,
+    pub kv_events: Option<crate::event_source::KvEvents>,
+    /// Where the worker's engine serves HTTP (`http://10.0.0.7:8000`), for the
+    /// gateway to forward requests to.
+    #[serde(default)]
+    pub http_endpoint: Option<String>,
+    /// Which adapter talks to that server.
+    #[serde(default)]
+    pub engine: Option<Engine>,
+    /// The model names it serves (the `model` of a request).
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+/// Which adapter talks to a worker's HTTP server: what it takes a pre-tokenized
+/// prompt in, where its request id and dp rank go, and whether a hint can reach it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    Vllm,
+    Sglang,
+    Trtllm,
+    Llamacpp,
+    /// Any other OpenAI-compatible server: requests go as the client sent them.
+    Openai,
+}
+
+impl Engine {
+    pub const NAMES: &'static [&'static str] = &["vllm", "sglang", "trtllm", "llamacpp", "openai"];
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "vllm" => Some(Self::Vllm),
+            "sglang" => Some(Self::Sglang),
+            "trtllm" => Some(Self::Trtllm),
+            "llamacpp" => Some(Self::Llamacpp),
+            "openai" => Some(Self::Openai),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
+            Self::Llamacpp => "llamacpp",
+            Self::Openai => "openai",
+        }
+    }
+}
+
+impl fmt::Display for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where and how a worker takes requests over HTTP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpTarget {
+    /// `http://host:port`, without a trailing slash.
+    pub base: Arc<str>,
+    /// `host:port`.
+    pub authority: Arc<str>,
+    pub engine: Engine,
+    pub models: Vec<Arc<str>>,
+}
+
+impl HttpTarget {
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|m| &**m == model)
+    }
+}
+
+/// Checks an `http_endpoint`: `http://host:port` with nothing after the authority
+/// (a path, a query or user info would be dropped or misread by every adapter).
+pub fn parse_http_endpoint(text: &str) -> Result<(Arc<str>, Arc<str>), String> {
+    let example = "like http://10.0.0.7:8000";
+    let Some(rest) = text.strip_prefix("http://") else {
+        return Err(if text.starts_with("https://") {
+            format!("is {text:?}: the gateway speaks plain HTTP to workers (put TLS in front of the router, not between it and the engines); write it {example}")
+        } else {
+            format!("is {text:?}: write the engine's HTTP address {example}")
+        });
+    };
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    let bad = authority.is_empty()
+        || authority
+            .bytes()
+            .any(|b| matches!(b, b'/' | b'?' | b'#' | b'@' | b' ') || b.is_ascii_control());
+    if bad {
+        return Err(format!(
+            "is {text:?}: only a scheme, host and port, {example} (no path, query or user info)"
+        ));
+    }
+    let port = authority
+        .rsplit_once(':')
+        .filter(|(host, _)| !host.is_empty() && (!host.contains(':') || host.ends_with(']')))
+        .and_then(|(_, port)| port.parse::<u16>().ok())
+        .filter(|port| *port > 0);
+    if port.is_none() {
+        return Err(format!("is {text:?}: name the port, {example}"));
+    }
+    Ok((
+        Arc::from(format!("http://{authority}")),
+        Arc::from(authority),
+    ))
 }
 
 /// A registered worker (one dp rank of one engine).
@@ -158,10 +266,14 @@ pub struct Worker {
     /// This rank's entry of `router_hint_source_control_endpoints` ("" if none).
     pub source_control_endpoint: Arc<str>,
     pub runtime_data: serde_json::Map<String, serde_json::Value>,
+    /// Where the gateway forwards requests booked on it, if it serves HTTP.
+    pub http: Option<Arc<HttpTarget>>,
+    /// Publishes no KV events; the router credits it with what it routed there.
+    pub approximate_kv: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("worker {worker_id} rank {dp_rank}: runtime_data.{key} {problem}")]
+#[error("worker {worker_id} rank {dp_rank}: {key} {problem}")]
 pub struct RuntimeDataError {
     pub worker_id: u64,
     pub dp_rank: u32,
@@ -187,7 +299,7 @@ impl Worker {
             Some(serde_json::Value::Bool(b)) => *b,
             Some(other) => {
                 return Err(fail(
-                    "router_hint",
+                    "runtime_data.router_hint",
                     format!("must be true or false, found {other}"),
                 ))
             }
@@ -197,7 +309,7 @@ impl Worker {
             Some(serde_json::Value::String(s)) => s.as_str(),
             Some(other) => {
                 return Err(fail(
-                    "router_hint_worker_type",
+                    "runtime_data.router_hint_worker_type",
                     format!("must be a string, found {other}"),
                 ))
             }
@@ -208,7 +320,7 @@ impl Worker {
                 None | Some(serde_json::Value::Null) => BTreeMap::new(),
                 Some(value) => serde_json::from_value(value.clone()).map_err(|_| {
                     fail(
-                        "router_hint_source_control_endpoints",
+                        "runtime_data.router_hint_source_control_endpoints",
                         format!("must map dp ranks to endpoints, like {{\"0\": \"tcp://10.0.0.7:23280\"}}; found {value}"),
                     )
                 })?,
@@ -220,12 +332,62 @@ impl Worker {
                 Ok(_) => {}
                 Err(_) => {
                     return Err(fail(
-                        "router_hint_source_control_endpoints",
+                        "runtime_data.router_hint_source_control_endpoints",
                         format!("has key {rank:?}, which is not a dp rank number"),
                     ))
                 }
             }
         }
+        let http = match (&registration.http_endpoint, registration.engine) {
+            (None, None) if registration.models.is_empty() => None,
+            (None, _) => {
+                return Err(fail(
+                    "http_endpoint",
+                    "is missing: `engine` and `models` say how the gateway forwards to a \
+                     worker, which needs its http_endpoint, like http://10.0.0.7:8000"
+                        .into(),
+                ))
+            }
+            (Some(endpoint), engine) => {
+                let (base, authority) = parse_http_endpoint(endpoint)
+                    .map_err(|problem| fail("http_endpoint", problem))?;
+                let Some(engine) = engine else {
+                    return Err(fail(
+                        "engine",
+                        format!(
+                            "is missing: say which engine serves {endpoint} ({})",
+                            Engine::NAMES.join(", ")
+                        ),
+                    ));
+                };
+                if registration.models.is_empty() {
+                    return Err(fail(
+                        "models",
+                        format!("is empty: list the model names {endpoint} serves, as clients name them in `model`"),
+                    ));
+                }
+                if let Some(bad) = registration
+                    .models
+                    .iter()
+                    .find(|m| m.is_empty() || m.len() > 256 || m.chars().any(char::is_control))
+                {
+                    return Err(fail(
+                        "models",
+                        format!("has {bad:?}: a model name is 1 to 256 characters, none a control character"),
+                    ));
+                }
+                Some(Arc::new(HttpTarget {
+                    base,
+                    authority,
+                    engine,
+                    models: registration
+                        .models
+                        .iter()
+                        .map(|m| Arc::from(m.as_str()))
+                        .collect(),
+                }))
+            }
+        };
         Ok(Self {
             key,
             role: registration.role,
@@ -233,6 +395,11 @@ impl Worker {
             worker_type: Arc::from(worker_type),
             source_control_endpoint: Arc::from(endpoint),
             runtime_data: registration.runtime_data,
+            http,
+            approximate_kv: matches!(
+                registration.kv_events,
+                Some(crate::event_source::KvEvents::Approximate)
+            ),
         })
     }
 }

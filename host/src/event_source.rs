@@ -29,6 +29,50 @@ pub struct KvEventSource {
     pub bind: bool,
 }
 
+/// A worker registration's `kv_events`: where its engine publishes, or
+/// `"approximate"` for an engine that publishes none (llama.cpp; TRT-LLM without its
+/// publisher), which the router then credits with the blocks it routed there.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum KvEvents {
+    Approximate,
+    Source(KvEventSource),
+}
+
+impl KvEvents {
+    pub fn source(&self) -> Option<&KvEventSource> {
+        match self {
+            Self::Approximate => None,
+            Self::Source(source) => Some(source),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for KvEvents {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = KvEvents;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "where the engine publishes KV events ({\"endpoint\": \"tcp://…\", …}), \
+                     or \"approximate\" for an engine that publishes none",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<KvEvents, E> {
+                match text {
+                    "approximate" => Ok(KvEvents::Approximate),
+                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
+                }
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<KvEvents, A::Error> {
+                KvEventSource::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(KvEvents::Source)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
 /// A source's endpoints for one rank, ready for ZMQ.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Endpoints {

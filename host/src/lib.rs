@@ -17,6 +17,7 @@ pub mod event_source;
 pub mod hints;
 pub mod loader;
 pub mod logging;
+pub mod models;
 pub mod plugin_log;
 pub mod registry;
 pub mod replay;

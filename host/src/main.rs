@@ -295,6 +295,7 @@ fn load_snapshot(
         generation: 1,
         fixed: None,
         policy_stats: None,
+        tokenizers: None,
     };
     match snapshot::build(&config, &options) {
         Ok(snapshot) if errors.0.is_empty() => Ok((config, loader, snapshot)),

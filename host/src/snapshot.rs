@@ -97,6 +97,10 @@ pub struct Snapshot {
     pub roles: Vec<RoleRuntime>,
     pub registry: Registry,
     pub plugins: Vec<PluginSummary>,
+    /// The models the gateway serves, with their tokenizers (`models:`).
+    pub models: Arc<crate::models::Models>,
+    /// How the gateway forwards (`gateway:`).
+    pub gateway: crate::config::GatewayConfig,
 }
 
 impl Snapshot {
@@ -149,6 +153,9 @@ pub struct BuildOptions<'a> {
     /// Counters that outlive this snapshot (a serving router's); `None` gives
     /// each policy counters of its own.
     pub policy_stats: Option<&'a PolicyStatsRegistry>,
+    /// Tokenizers loaded for earlier snapshots (a serving router's), reused while
+    /// their files are unchanged; `None` loads every one.
+    pub tokenizers: Option<&'a crate::models::TokenizerCache>,
 }
 
 struct Builder<'a> {
@@ -262,6 +269,27 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         },
         None => None,
     };
+    let models = match crate::models::Models::load(&config.file, &config.models, options.tokenizers)
+    {
+        Ok(models) => models,
+        Err(errors) => {
+            builder.errors.extend(errors);
+            crate::models::Models::default()
+        }
+    };
+    for model in &config.models {
+        if !config.worker_selection.iter().any(|r| r.role == model.role) {
+            let mut at = model.at.clone();
+            at.path = format!("{}.role", at.path);
+            builder.error(
+                &at,
+                format!(
+                    "model {} is booked under role {}, which `worker_selection` does not configure: add `worker_selection.{}` or set this model's `role`",
+                    model.name, model.role, model.role
+                ),
+            );
+        }
+    }
     let (registry, plugins) = load_plugins(&mut builder, options.loader);
     let limits = HintLimits {
         quarantine_after_panics: config.router.quarantine_after_panics,
@@ -301,6 +329,8 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         roles,
         registry,
         plugins,
+        models: Arc::new(models),
+        gateway: config.gateway.clone(),
     })
 }
 

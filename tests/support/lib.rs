@@ -416,6 +416,7 @@ pub fn snapshot_of(
             generation: 1,
             fixed: None,
             policy_stats: None,
+            tokenizers: None,
         },
     )?;
     Ok((snapshot, loader))

@@ -8,10 +8,12 @@
 //! reported against the locations kept here.
 
 pub mod auth;
+mod gateway;
 mod kv_events;
 mod yaml;
 
 pub use auth::AuthConfig;
+pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
 pub use kv_events::{ConfiguredSource, KvEventsConfig};
 use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
@@ -263,6 +265,12 @@ pub struct Config {
     /// `auth:`, if the API asks callers for tokens.
     pub auth: Option<AuthConfig>,
     pub worker_selection: Vec<RoleConfig>,
+    /// `models:`: what the gateway serves, with each model's tokenizer.
+    pub models: Vec<ModelConfig>,
+    /// `workers:`: engines the router registers itself and forwards to.
+    pub workers: Vec<ConfiguredWorker>,
+    /// `gateway:`: how requests are forwarded.
+    pub gateway: GatewayConfig,
 }
 
 impl Config {
@@ -396,13 +404,34 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         kv_events: KvEventsConfig::default(),
         auth: None,
         worker_selection: Vec::new(),
+        models: Vec::new(),
+        workers: Vec::new(),
+        gateway: GatewayConfig::default(),
     };
     if let Some(map) = walker.mapping(&root, "") {
         walker.known_keys(
             map,
             "",
-            &["plugins", "router", "kv_events", "auth", "worker_selection"],
+            &[
+                "plugins",
+                "router",
+                "kv_events",
+                "auth",
+                "worker_selection",
+                "models",
+                "workers",
+                "gateway",
+            ],
         );
+        if let Some(node) = map.get_node("models") {
+            config.models = gateway::models(&mut walker, node, base);
+        }
+        if let Some(node) = map.get_node("workers") {
+            config.workers = gateway::workers(&mut walker, node);
+        }
+        if let Some(node) = map.get_node("gateway") {
+            config.gateway = gateway::gateway(&mut walker, node);
+        }
         if let Some(node) = map.get_node("plugins") {
             config.plugins = plugins(&mut walker, node, base);
         }

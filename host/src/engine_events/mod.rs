@@ -147,7 +147,11 @@ impl EngineEvents {
             worker_id: registration.worker_id,
             dp_rank: registration.dp_rank,
         };
-        let source = registration.kv_events.clone();
+        let source = registration
+            .kv_events
+            .as_ref()
+            .and_then(|k| k.source())
+            .cloned();
         if let Some(source) = &source {
             Endpoints::resolve(key.dp_rank, source).map_err(AttachError::from)?;
         }
@@ -293,7 +297,12 @@ impl EngineEvents {
     /// and its sources —
     /// each listed worker registered (every rank) and subscribed, a worker no longer
     /// listed deregistered. Returns what failed, already logged.
-    pub fn apply_config(&self, router: &Router, config: &KvEventsConfig) -> Vec<String> {
+    pub fn apply_config(
+        &self,
+        router: &Router,
+        config: &KvEventsConfig,
+        workers: &[crate::config::ConfiguredWorker],
+    ) -> Vec<String> {
         let _membership = self.membership.lock();
         self.ingest.set_thread_policy(config.thread_policy);
         self.set_settings(DecodeSettings {
@@ -319,7 +328,12 @@ impl EngineEvents {
                     dp_rank,
                     role: configured.role,
                     runtime_data: configured.runtime_data.clone(),
-                    kv_events: Some(configured.source.clone()),
+                    kv_events: Some(crate::event_source::KvEvents::Source(
+                        configured.source.clone(),
+                    )),
+                    http_endpoint: None,
+                    engine: None,
+                    models: Vec::new(),
                 };
                 let result = self
                     .register_locked(router, registration, Origin::Config)
@@ -332,7 +346,43 @@ impl EngineEvents {
                         "kv_events.sources: {problem}"
                     );
                     failures.push(format!(
-                        "line {}: worker {} rank {dp_rank}: {problem}",
+                        "kv_events.sources: line {}: worker {} rank {dp_rank}: {problem}",
+                        configured.at.line, worker.worker_id
+                    ));
+                }
+            }
+        }
+        // `workers:`: engines the gateway forwards to, registered as a worker's
+        // registration would be, with their KV-event source if they name one.
+        for configured in workers {
+            for dp_rank in 0..configured.dp_size {
+                let worker = WorkerKey {
+                    worker_id: configured.worker_id,
+                    dp_rank,
+                };
+                wanted.push(worker);
+                let registration = WorkerRegistration {
+                    worker_id: worker.worker_id,
+                    dp_rank,
+                    role: configured.role,
+                    runtime_data: configured.runtime_data.clone(),
+                    kv_events: configured.kv_events.clone(),
+                    http_endpoint: Some(configured.http_endpoint.clone()),
+                    engine: Some(configured.engine),
+                    models: configured.models.clone(),
+                };
+                let result = self
+                    .register_locked(router, registration, Origin::Config)
+                    .map_err(|e| e.to_string());
+                if let Err(problem) = result {
+                    tracing::error!(
+                        worker_id = worker.worker_id,
+                        dp_rank,
+                        line = configured.at.line,
+                        "workers: {problem}"
+                    );
+                    failures.push(format!(
+                        "workers: line {}: worker {} rank {dp_rank}: {problem}",
                         configured.at.line, worker.worker_id
                     ));
                 }

@@ -126,6 +126,20 @@ impl Bookings {
         }
     }
 
+    /// Frees an open booking's prefill load (its worker has prefilled the prompt);
+    /// the rest stays reserved until release.
+    pub fn finish_prefill(&self, request_id: &str, table: &WorkerTable) {
+        if let Some(r) = self.shard(request_id).lock().get_mut(request_id) {
+            let done = Load {
+                prefill_blocks: std::mem::take(&mut r.load.prefill_blocks),
+                ..Load::default()
+            };
+            if let Some(cell) = table.load_cell(r.worker, r.cell) {
+                cell.sub(done);
+            }
+        }
+    }
+
     /// Removes a booking and frees its load (if `table` still has its cell).
     pub fn remove(&self, request_id: &str, table: &WorkerTable) -> Option<Reservation> {
         let reservation = self.shard(request_id).lock().remove(request_id)?;

@@ -72,6 +72,8 @@ pub enum RouterError {
     RoleNotConfigured(Role),
     #[error("no registered {0} workers to book on")]
     NoWorkers(Role),
+    #[error("no {0} worker can take this request now: none serves its model, or every one that does is unhealthy, has its circuit open or was tried already")]
+    NoEligibleWorkers(Role),
     #[error("the request has no token ids")]
     EmptyPrompt,
     #[error("the prompt has {tokens} tokens; this router accepts at most {max} (router.max_prompt_tokens)")]
@@ -130,6 +132,9 @@ pub struct BookRequest<'a> {
     pub lora_name: Option<&'a str>,
     pub cache_salt: Option<&'a str>,
 }
+
+/// Which registered workers a booking may choose from (see [`Router::book_among`]).
+pub type Eligible<'a> = &'a (dyn Fn(&Worker) -> bool + Sync);
 
 /// The result of a booking.
 #[derive(Debug, Clone, PartialEq)]
@@ -212,6 +217,9 @@ struct Scratch {
     /// live in a `Vec` of that lifetime and come back here empty.
     candidates: Vec<FfiCandidate<'static>>,
     ranked: Vec<Ranked>,
+    /// With a filter ([`Router::book_among`]): the position in the role's list of
+    /// each admitted candidate.
+    admitted: Vec<usize>,
     /// Each candidate's best peer copy, by position in `ranked`.
     peer_copies: Vec<Option<usize>>,
     rows: PeerRows,
@@ -389,6 +397,14 @@ impl Router {
         results
     }
 
+    /// The booked worker has started answering: its prefill is done, so the
+    /// booking's prefill load is freed now rather than at release (as Dynamo marks
+    /// prefill done at the first token). A booking already released is left alone.
+    pub fn prefill_done(&self, request_id: &str) {
+        self.bookings
+            .finish_prefill(request_id, &self.workers.load());
+    }
+
     /// Frees the load a booking reserved.
     pub fn release(&self, request_id: &str) -> Result<WorkerKey, RouterError> {
         self.bookings
@@ -438,6 +454,18 @@ impl Router {
         role: &RoleRuntime,
         request: &BookRequest<'_>,
     ) -> Result<Booking, RouterError> {
+        self.book_among(role, request, None)
+    }
+
+    /// Books a request on the workers of its role that `eligible` admits (the
+    /// gateway's: those that serve the model, are healthy, and were not tried
+    /// already); `None` admits every one. The selection policy sees only those.
+    pub fn book_among(
+        &self,
+        role: &RoleRuntime,
+        request: &BookRequest<'_>,
+        eligible: Option<Eligible<'_>>,
+    ) -> Result<Booking, RouterError> {
         if request.token_ids.is_empty() {
             return Err(RouterError::EmptyPrompt);
         }
@@ -456,7 +484,7 @@ impl Router {
         }
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
-            let booking = self.book_with(role, request, &mut scratch);
+            let booking = self.book_with(role, request, eligible, &mut scratch);
             // The buffers only grow; one very long prompt must not leave a
             // thread holding large buffers for good.
             if scratch.retained_bytes() > SCRATCH_KEEP_BYTES {
@@ -470,6 +498,7 @@ impl Router {
         &self,
         role: &RoleRuntime,
         request: &BookRequest<'_>,
+        eligible: Option<Eligible<'_>>,
         scratch: &mut Scratch,
     ) -> Result<Booking, RouterError> {
         seeded_block_hashes(
@@ -492,7 +521,7 @@ impl Router {
         let mut tries = 0;
         loop {
             let table = self.workers.load();
-            let plan = self.select_and_reserve(role, request, &table, scratch)?;
+            let plan = self.select_and_reserve(role, request, &table, eligible, scratch)?;
             if self.workers.load().get(plan.booked.worker.key).is_some() {
                 let mut booking = plan.booking(request, scratch.hashes.len());
                 self.hint(role, request, &plan, &table, scratch, &mut booking);
@@ -515,12 +544,34 @@ impl Router {
         role: &RoleRuntime,
         request: &BookRequest<'_>,
         table: &'t WorkerTable,
+        eligible: Option<Eligible<'_>>,
         scratch: &mut Scratch,
     ) -> Result<Plan<'t>, RouterError> {
         let entries = table.role(request.role);
         if entries.is_empty() {
             return Err(RouterError::NoWorkers(request.role));
         }
+        // With a filter, the candidates are the admitted entries, and `admitted`
+        // maps a candidate's position back to its entry.
+        let admitted = &mut scratch.admitted;
+        admitted.clear();
+        if let Some(eligible) = eligible {
+            admitted.extend(
+                entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, listed)| {
+                        table
+                            .by_slot(listed.slot)
+                            .is_some_and(|entry| eligible(&entry.worker))
+                    })
+                    .map(|(at, _)| at),
+            );
+            if admitted.is_empty() {
+                return Err(RouterError::NoEligibleWorkers(request.role));
+            }
+        }
+        let filtered = eligible.is_some();
         let kv = role.on_kv_path;
         let policy = role.booking_selection();
         let wants_peer_copies = kv && policy.wants_peer_copies();
@@ -530,6 +581,7 @@ impl Router {
             candidates: spare,
             ranked,
             peer_copies,
+            admitted,
             ..
         } = scratch;
         let query: &[u64] = if kv { hashes } else { &[] };
@@ -564,7 +616,13 @@ impl Router {
                 Some(worker)
             }
         };
-        for listed in entries {
+        let listed_entries = (0..if filtered {
+            admitted.len()
+        } else {
+            entries.len()
+        })
+            .map(|i| &entries[if filtered { admitted[i] } else { i }]);
+        for listed in listed_entries {
             let cached_blocks = matches.cached_in_slot(listed.slot);
             let peer_copy = if wants_peer_copies && listed.router_hint {
                 best_peer(table, ranked, listed, cached_blocks)
@@ -606,7 +664,12 @@ impl Router {
         let chosen_cached = candidates[chosen.index].cached_blocks as usize;
         *spare = reuse(candidates);
         // The table lists every candidate by slot too; it is the one this booking read.
-        let Some(booked) = table.by_slot(entries[chosen.index].slot).map(|e| &**e) else {
+        let entry_at = if filtered {
+            admitted[chosen.index]
+        } else {
+            chosen.index
+        };
+        let Some(booked) = table.by_slot(entries[entry_at].slot).map(|e| &**e) else {
             return Err(RouterError::NoWorkers(request.role));
         };
         // A copy is only ever committed to a worker that can receive the hint

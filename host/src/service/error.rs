@@ -49,7 +49,9 @@ impl From<RouterError> for ApiError {
             RouterError::PromptTooLong { .. } => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "prompt_too_long")
             }
-            RouterError::NoWorkers(_) => (StatusCode::SERVICE_UNAVAILABLE, "no_workers"),
+            RouterError::NoWorkers(_) | RouterError::NoEligibleWorkers(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "no_workers")
+            }
             RouterError::RequestIdTooLong { .. } => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "request_id_too_long")
             }

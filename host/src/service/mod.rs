@@ -450,18 +450,12 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
             ..SubscriberOptions::default()
         },
     ));
-    let failures = engine_events.apply_config(&router, &config.kv_events);
+    let failures = engine_events.apply_config(&router, &config.kv_events, &config.workers);
     if !failures.is_empty() {
         return Err(config::ConfigErrors(
             failures
                 .into_iter()
-                .map(|f| {
-                    config::ConfigError::new(
-                        &options.config,
-                        None,
-                        format!("kv_events.sources: {f}"),
-                    )
-                })
+                .map(|f| config::ConfigError::new(&options.config, None, f.clone()))
                 .collect(),
         ));
     }
@@ -470,7 +464,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let _ = reloader
         .on_reload
         .set(Box::new(move |config: &config::Config| {
-            hook_events.apply_config(&hook_router, &config.kv_events)
+            hook_events.apply_config(&hook_router, &config.kv_events, &config.workers)
         }));
     Ok(Arc::new(App {
         plugins_dir: config

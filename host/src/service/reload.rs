@@ -94,6 +94,8 @@ pub struct Reloader {
     pub mode: Option<RouterMode>,
     pub loader: Loader,
     pub policy_stats: PolicyStatsRegistry,
+    /// Tokenizers kept from one snapshot to the next while their files stay the same.
+    tokenizers: crate::models::TokenizerCache,
     generation: AtomicU64,
     /// Set by the first snapshot: what later reloads may not change.
     fixed: Mutex<Option<FixedSettings>>,
@@ -117,6 +119,7 @@ impl Reloader {
             mode,
             loader,
             policy_stats: PolicyStatsRegistry::default(),
+            tokenizers: crate::models::TokenizerCache::default(),
             generation: AtomicU64::new(0),
             fixed: Mutex::new(None),
             running: Mutex::new(()),
@@ -157,6 +160,7 @@ impl Reloader {
                 generation: self.generation.load(Ordering::Relaxed) + 1,
                 fixed,
                 policy_stats: Some(&self.policy_stats),
+                tokenizers: Some(&self.tokenizers),
             },
         )?;
         Ok((snapshot, config))

@@ -1,0 +1,456 @@
+//! The gateway's sections: `models:` (what clients may name in `model`, with the
+//! tokenizer the router renders and hashes with), `workers:` (engines the router
+//! forwards to, for fleets with no registration step; followed on reload like
+//! `kv_events.sources`) and `gateway:` (timeouts, retries, health checks).
+
+use super::yaml::{join, key_location, location, node_location, to_json, Walker};
+use super::Location;
+use crate::domain::{parse_http_endpoint, Engine, Role};
+use crate::event_source::{Endpoints, KvEventSource, KvEvents};
+use marked_yaml::Node;
+use std::path::{Path, PathBuf};
+
+/// `models.<name>`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub name: String,
+    /// The directory with `tokenizer.json` and `tokenizer_config.json`.
+    pub tokenizer: PathBuf,
+    /// The role its requests are booked under.
+    pub role: Role,
+    /// The LoRA adapter the engine serves this name as; it seeds the block hashes.
+    pub lora: Option<String>,
+    pub at: Location,
+}
+
+/// `workers[i]`: a worker the router registers itself (every rank in `0..dp_size`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfiguredWorker {
+    pub worker_id: u64,
+    pub dp_size: u32,
+    pub role: Role,
+    pub runtime_data: serde_json::Map<String, serde_json::Value>,
+    pub http_endpoint: String,
+    pub engine: Engine,
+    pub models: Vec<String>,
+    pub kv_events: Option<KvEvents>,
+    pub at: Location,
+}
+
+/// `gateway.health`: active checks of each worker's HTTP server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// Between two checks of one worker; 0 turns the checks off.
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Failed checks in a row that mark a worker unhealthy.
+    pub failures: u32,
+    /// Passed checks in a row that take it back.
+    pub successes: u32,
+}
+
+/// `gateway:`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayConfig {
+    /// Connecting to a worker may take this long before it counts as refused.
+    pub connect_timeout_ms: u64,
+    /// No byte from the worker for this long (before the head or between two
+    /// chunks of the body) ends the request.
+    pub idle_timeout_ms: u64,
+    /// A request ends after this long whatever it is doing; 0: no deadline.
+    pub request_timeout_ms: u64,
+    /// Tries per request, the first included; retries go to another worker and
+    /// happen only before the first byte reaches the client.
+    pub max_attempts: u32,
+    /// Before the first retry; each later one waits 1.5× longer.
+    pub retry_backoff_ms: u64,
+    /// Failures in a row (other than a refused connection, which opens it at
+    /// once) that open a worker's circuit.
+    pub circuit_failures: u32,
+    /// How long an open circuit keeps a worker out before one probe request.
+    pub circuit_open_ms: u64,
+    pub health: HealthConfig,
+    /// How long a block routed to an `approximate` worker counts as cached there.
+    pub approximate_ttl_s: u64,
+    /// Blocks credited to one `approximate` worker at most (the oldest go first).
+    pub approximate_max_blocks: u64,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout_ms: 1_000,
+            idle_timeout_ms: 120_000,
+            request_timeout_ms: 0,
+            max_attempts: 3,
+            retry_backoff_ms: 50,
+            circuit_failures: 3,
+            circuit_open_ms: 10_000,
+            health: HealthConfig {
+                interval_ms: 2_000,
+                timeout_ms: 1_000,
+                failures: 2,
+                successes: 1,
+            },
+            approximate_ttl_s: 120,
+            approximate_max_blocks: 100_000,
+        }
+    }
+}
+
+pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<ModelConfig> {
+    let mut out = Vec::new();
+    let Some(map) = walker.mapping(node, "models") else {
+        return out;
+    };
+    for (name, node) in map.iter() {
+        let path = join("models", name.as_str());
+        let at = location(&path, name.span());
+        let Some(model) = walker.mapping(node, &path) else {
+            continue;
+        };
+        walker.known_keys(model, &path, &["tokenizer", "role", "lora"]);
+        if name.as_str().is_empty() || name.as_str().chars().any(char::is_control) {
+            walker.error(
+                at.clone(),
+                "a model name is what clients write in `model`: not empty, no control characters",
+            );
+            continue;
+        }
+        let tokenizer = match model.get_node("tokenizer") {
+            Some(n) => walker
+                .string(n, &join(&path, "tokenizer"))
+                .map(|t| base.join(t)),
+            None => {
+                walker.error(
+                    at.clone(),
+                    "a model needs `tokenizer`: the directory holding its tokenizer.json and \
+                     tokenizer_config.json (the files its engine loads)",
+                );
+                None
+            }
+        };
+        let role = match model.get_node("role") {
+            Some(n) => walker.one_of(n, &join(&path, "role"), "role", Role::NAMES, Role::parse),
+            None => Some(Role::Aggregated),
+        };
+        let lora = model
+            .get_node("lora")
+            .and_then(|n| walker.string(n, &join(&path, "lora")));
+        if let (Some(tokenizer), Some(role)) = (tokenizer, role) {
+            out.push(ModelConfig {
+                name: name.as_str().to_string(),
+                tokenizer,
+                role,
+                lora,
+                at,
+            });
+        }
+    }
+    out
+}
+
+pub(super) fn workers(walker: &mut Walker, node: &Node) -> Vec<ConfiguredWorker> {
+    let mut out: Vec<ConfiguredWorker> = Vec::new();
+    let Some(items) = node.as_sequence() else {
+        walker.error(
+            node_location("workers", node),
+            "`workers` is a list of engines to forward to, each with worker_id, role, \
+             http_endpoint, engine and models",
+        );
+        return out;
+    };
+    for (i, item) in items.iter().enumerate() {
+        let Some(worker) = configured(walker, item, &format!("workers[{i}]")) else {
+            continue;
+        };
+        if let Some(other) = out.iter().find(|w| w.worker_id == worker.worker_id) {
+            walker.error(
+                worker.at.clone(),
+                format!(
+                    "worker_id {} is listed twice (first at line {}); list each worker once, \
+                     with `dp_size` for its ranks",
+                    worker.worker_id, other.at.line
+                ),
+            );
+            continue;
+        }
+        out.push(worker);
+    }
+    out
+}
+
+fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<ConfiguredWorker> {
+    let at = node_location(path, node);
+    let map = walker.mapping(node, path)?;
+    walker.known_keys(
+        map,
+        path,
+        &[
+            "worker_id",
+            "dp_size",
+            "role",
+            "runtime_data",
+            "http_endpoint",
+            "engine",
+            "models",
+            "kv_events",
+        ],
+    );
+    let errors_before = walker.errors.len();
+    let required = |walker: &mut Walker, key: &str, what: &str| -> Option<&Node> {
+        let node = map.get_node(key);
+        if node.is_none() {
+            walker.error(at.clone(), format!("a worker needs `{key}`: {what}"));
+        }
+        node
+    };
+    let worker_id = required(walker, "worker_id", "the worker id bookings name it by")
+        .and_then(|n| walker.unsigned(n, &join(path, "worker_id"), 0, u64::MAX));
+    let dp_size = match map.get_node("dp_size") {
+        Some(n) => walker
+            .unsigned(n, &join(path, "dp_size"), 1, 1024)
+            .map(|n| n as u32),
+        None => Some(1),
+    };
+    let role = match map.get_node("role") {
+        Some(n) => walker.one_of(n, &join(path, "role"), "role", Role::NAMES, Role::parse),
+        None => Some(Role::Aggregated),
+    };
+    let runtime_data = match map.get_node("runtime_data") {
+        None => Some(serde_json::Map::new()),
+        Some(n) => match to_json(n) {
+            serde_json::Value::Object(m) => Some(m),
+            _ => {
+                walker.error(
+                    key_location(&join(path, "runtime_data"), map, "runtime_data"),
+                    "`runtime_data` is a mapping (Dynamo's keys: router_hint, \
+                     router_hint_worker_type, router_hint_source_control_endpoints)",
+                );
+                None
+            }
+        },
+    };
+    let http_endpoint = required(
+        walker,
+        "http_endpoint",
+        "where the engine serves HTTP, like http://10.0.0.7:8000",
+    )
+    .and_then(|n| {
+        let text = walker.string(n, &join(path, "http_endpoint"))?;
+        match parse_http_endpoint(&text) {
+            Ok(_) => Some(text),
+            Err(problem) => {
+                walker.error(
+                    location(&join(path, "http_endpoint"), n.span()),
+                    format!("http_endpoint {problem}"),
+                );
+                None
+            }
+        }
+    });
+    let engine = required(
+        walker,
+        "engine",
+        "which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
+    )
+    .and_then(|n| {
+        walker.one_of(
+            n,
+            &join(path, "engine"),
+            "engine",
+            Engine::NAMES,
+            Engine::parse,
+        )
+    });
+    let models = required(
+        walker,
+        "models",
+        "the model names it serves, as clients write them in `model`",
+    )
+    .and_then(|n| match n.as_sequence() {
+        Some(items) if !items.is_empty() => {
+            let names: Vec<Option<String>> = items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| walker.string(item, &format!("{}[{i}]", join(path, "models"))))
+                .collect();
+            names.into_iter().collect::<Option<Vec<_>>>()
+        }
+        _ => {
+            walker.error(
+                location(&join(path, "models"), n.span()),
+                "`models` is a non-empty list of model names, like [qwen3-8b]",
+            );
+            None
+        }
+    });
+    let kv_events = match map.get_node("kv_events") {
+        None => Some(None),
+        Some(n) => match n.as_scalar().map(|s| s.as_str()) {
+            Some("approximate") => Some(Some(KvEvents::Approximate)),
+            _ => match n.as_mapping() {
+                Some(source) => {
+                    let source_path = join(path, "kv_events");
+                    walker.known_keys(
+                        source,
+                        &source_path,
+                        &["endpoint", "replay_endpoint", "topic", "bind"],
+                    );
+                    let value = to_json(n);
+                    match serde_json::from_value::<KvEventSource>(value) {
+                        Ok(source) => Some(Some(KvEvents::Source(source))),
+                        Err(e) => {
+                            walker.error(
+                                node_location(&source_path, n),
+                                format!("{e}: `kv_events` names where the engine publishes, with `endpoint` (and `replay_endpoint`, `topic`, `bind`)"),
+                            );
+                            None
+                        }
+                    }
+                }
+                None => {
+                    walker.error(
+                        location(&join(path, "kv_events"), n.span()),
+                        "`kv_events` is `approximate` (the engine publishes none) or where it \
+                         publishes, {endpoint: tcp://…, replay_endpoint: …}",
+                    );
+                    None
+                }
+            },
+        },
+    };
+    if walker.errors.len() > errors_before {
+        return None;
+    }
+    let dp_size = dp_size?;
+    if let Some(KvEvents::Source(source)) = kv_events.as_ref().and_then(|k| k.as_ref()) {
+        if let Err(error) = Endpoints::resolve(dp_size - 1, source) {
+            walker.error(at, error.to_string());
+            return None;
+        }
+    }
+    Some(ConfiguredWorker {
+        worker_id: worker_id?,
+        dp_size,
+        role: role?,
+        runtime_data: runtime_data?,
+        http_endpoint: http_endpoint?,
+        engine: engine?,
+        models: models?,
+        kv_events: kv_events?,
+        at,
+    })
+}
+
+pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
+    let mut out = GatewayConfig::default();
+    let Some(map) = walker.mapping(node, "gateway") else {
+        return out;
+    };
+    walker.known_keys(
+        map,
+        "gateway",
+        &[
+            "connect_timeout_ms",
+            "idle_timeout_ms",
+            "request_timeout_ms",
+            "max_attempts",
+            "retry_backoff_ms",
+            "circuit_failures",
+            "circuit_open_ms",
+            "health",
+            "approximate_ttl_s",
+            "approximate_max_blocks",
+        ],
+    );
+    let number = |walker: &mut Walker, key: &str, min: u64, max: u64, into: &mut u64| {
+        if let Some(n) = map.get_node(key) {
+            if let Some(v) = walker.unsigned(n, &join("gateway", key), min, max) {
+                *into = v;
+            }
+        }
+    };
+    number(
+        walker,
+        "connect_timeout_ms",
+        1,
+        600_000,
+        &mut out.connect_timeout_ms,
+    );
+    number(
+        walker,
+        "idle_timeout_ms",
+        1,
+        86_400_000,
+        &mut out.idle_timeout_ms,
+    );
+    number(
+        walker,
+        "request_timeout_ms",
+        0,
+        86_400_000,
+        &mut out.request_timeout_ms,
+    );
+    number(
+        walker,
+        "retry_backoff_ms",
+        0,
+        60_000,
+        &mut out.retry_backoff_ms,
+    );
+    number(
+        walker,
+        "circuit_open_ms",
+        1,
+        3_600_000,
+        &mut out.circuit_open_ms,
+    );
+    number(
+        walker,
+        "approximate_ttl_s",
+        1,
+        86_400,
+        &mut out.approximate_ttl_s,
+    );
+    number(
+        walker,
+        "approximate_max_blocks",
+        1,
+        100_000_000,
+        &mut out.approximate_max_blocks,
+    );
+    let mut small = u64::from(out.max_attempts);
+    number(walker, "max_attempts", 1, 10, &mut small);
+    out.max_attempts = small as u32;
+    let mut small = u64::from(out.circuit_failures);
+    number(walker, "circuit_failures", 1, 1_000, &mut small);
+    out.circuit_failures = small as u32;
+    if let Some(node) = map.get_node("health") {
+        if let Some(health) = walker.mapping(node, "gateway.health") {
+            walker.known_keys(
+                health,
+                "gateway.health",
+                &["interval_ms", "timeout_ms", "failures", "successes"],
+            );
+            let field = |walker: &mut Walker, key: &str, min: u64, max: u64| {
+                health
+                    .get_node(key)
+                    .and_then(|n| walker.unsigned(n, &join("gateway.health", key), min, max))
+            };
+            if let Some(v) = field(walker, "interval_ms", 0, 3_600_000) {
+                out.health.interval_ms = v;
+            }
+            if let Some(v) = field(walker, "timeout_ms", 1, 600_000) {
+                out.health.timeout_ms = v;
+            }
+            if let Some(v) = field(walker, "failures", 1, 100) {
+                out.health.failures = v as u32;
+            }
+            if let Some(v) = field(walker, "successes", 1, 100) {
+                out.health.successes = v as u32;
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,140 @@
+//! The models the gateway serves: for each name a client may write in `model`, the
+//! tokenizer and chat template the router renders and hashes with, the role its
+//! requests are booked under, and its LoRA name.
+//!
+//! Built with each snapshot from `models:`, so a reload can add, drop or repoint a
+//! model; a tokenizer whose files have not changed since the last snapshot is
+//! reused rather than parsed again (a large vocabulary's `tokenizer.json` takes
+//! hundreds of milliseconds to load).
+
+pub mod tokenizer;
+
+use crate::config::{ConfigError, ModelConfig};
+use crate::domain::Role;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+pub use tokenizer::{ChatRequest, ModelTokenizer, RenderError};
+
+/// One served model.
+#[derive(Debug)]
+pub struct Model {
+    pub name: String,
+    pub role: Role,
+    /// The LoRA adapter the engines serve it as: it seeds the block hashes as the
+    /// engines' own do.
+    pub lora: Option<String>,
+    pub tokenizer: Arc<ModelTokenizer>,
+}
+
+/// Every served model, by name.
+#[derive(Debug, Default)]
+pub struct Models {
+    by_name: HashMap<String, Arc<Model>>,
+    /// Names in the config's order, for listing.
+    names: Vec<String>,
+}
+
+impl Models {
+    pub fn get(&self, name: &str) -> Option<&Arc<Model>> {
+        self.by_name.get(name)
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// Loads every model's tokenizer (through `cache`, if given); each failure is
+    /// an error at the model's `tokenizer` key, naming the file.
+    pub fn load(
+        file: &Path,
+        models: &[ModelConfig],
+        cache: Option<&TokenizerCache>,
+    ) -> Result<Models, Vec<ConfigError>> {
+        let mut out = Models::default();
+        let mut errors = Vec::new();
+        for model in models {
+            let loaded = match cache {
+                Some(cache) => cache.get(&model.tokenizer),
+                None => ModelTokenizer::load(&model.tokenizer).map(Arc::new),
+            };
+            match loaded {
+                Ok(tokenizer) => {
+                    out.names.push(model.name.clone());
+                    out.by_name.insert(
+                        model.name.clone(),
+                        Arc::new(Model {
+                            name: model.name.clone(),
+                            role: model.role,
+                            lora: model.lora.clone(),
+                            tokenizer,
+                        }),
+                    );
+                }
+                Err(e) => {
+                    let mut at = model.at.clone();
+                    at.path = format!("{}.tokenizer", at.path);
+                    errors.push(ConfigError::new(
+                        file,
+                        Some(at),
+                        format!("{e}; point `tokenizer` at the model's tokenizer directory"),
+                    ));
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(out)
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// What a tokenizer directory's files were when they were loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fingerprint(Vec<(u64, Option<std::time::SystemTime>)>);
+
+impl Fingerprint {
+    fn of(dir: &Path) -> Fingerprint {
+        Fingerprint(
+            [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "chat_template.jinja",
+            ]
+            .iter()
+            .map(|name| match std::fs::metadata(dir.join(name)) {
+                Ok(m) => (m.len(), m.modified().ok()),
+                Err(_) => (u64::MAX, None),
+            })
+            .collect(),
+        )
+    }
+}
+
+/// Tokenizers kept across reloads while their files stay the same.
+#[derive(Debug, Default)]
+pub struct TokenizerCache {
+    loaded: Mutex<HashMap<PathBuf, (Fingerprint, Arc<ModelTokenizer>)>>,
+}
+
+impl TokenizerCache {
+    fn get(&self, dir: &Path) -> Result<Arc<ModelTokenizer>, tokenizer::LoadError> {
+        let fingerprint = Fingerprint::of(dir);
+        if let Some((seen, tokenizer)) = self.loaded.lock().get(dir) {
+            if *seen == fingerprint {
+                return Ok(Arc::clone(tokenizer));
+            }
+        }
+        let tokenizer = Arc::new(ModelTokenizer::load(dir)?);
+        self.loaded
+            .lock()
+            .insert(dir.to_path_buf(), (fingerprint, Arc::clone(&tokenizer)));
+        Ok(tokenizer)
+    }
+}

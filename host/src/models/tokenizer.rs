@@ -1,0 +1,499 @@
+//! A served model's tokenizer and chat template, as the engine behind it has them.
+//!
+//! The router hashes the token ids an engine will compute, so it must render and
+//! tokenize exactly as the engine does. That is HF `tokenizers` (with Oniguruma,
+//! the regex engine Python's tokenizers use) on the model's `tokenizer.json`, and
+//! the chat template from `tokenizer_config.json` rendered the way
+//! `transformers.apply_chat_template` renders it: Jinja with `trim_blocks` and
+//! `lstrip_blocks`, Python's string methods (`pycompat`), `raise_exception`,
+//! `strftime_now`, and a `tojson` that writes what Python's `json.dumps` writes
+//! (`", "` and `": "` separators, key order kept, no HTML escaping; minijinja's own
+//! `tojson` escapes `<` and writes no spaces, which changes every tool prompt). A
+//! rendered chat is encoded without special tokens (the template wrote them);
+//! a completion prompt with them, as vLLM does.
+
+use minijinja::value::{Kwargs, Serde, Value, ValueKind};
+use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use serde_json::Value as Json;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Why a model's tokenizer could not be loaded: the file, and what was wrong.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{file}: {problem}")]
+pub struct LoadError {
+    pub file: PathBuf,
+    pub problem: String,
+}
+
+/// Why a request could not be rendered or tokenized (a client's error: 400).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct RenderError(pub String);
+
+/// The special tokens `tokenizer_config.json` names, passed to the template as
+/// `transformers` passes them.
+const SPECIAL_TOKENS: &[&str] = &[
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// One model's tokenizer and (if it has one) its chat template, ready to use from
+/// any thread.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    /// The template environment, with the template named `chat`.
+    chat: Option<Environment<'static>>,
+    /// `bos_token` and the others, as strings (absent ones left out).
+    specials: Vec<(&'static str, String)>,
+    pub dir: PathBuf,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("dir", &self.dir)
+            .field("chat_template", &self.chat.is_some())
+            .finish()
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `dir/tokenizer.json` and `dir/tokenizer_config.json` (its
+    /// `chat_template`, or a `chat_template.jinja` beside it, as newer models ship).
+    pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        let tokenizer_file = dir.join("tokenizer.json");
+        let fail = |file: &Path, problem: String| LoadError {
+            file: file.to_path_buf(),
+            problem,
+        };
+        if !tokenizer_file.is_file() {
+            return Err(fail(
+                &tokenizer_file,
+                "not found: a model's tokenizer directory holds the tokenizer.json and \
+                 tokenizer_config.json its engine loads (as on the model's hub page)"
+                    .into(),
+            ));
+        }
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_file).map_err(|e| {
+            fail(
+                &tokenizer_file,
+                format!("not a tokenizer HF tokenizers can load: {e}"),
+            )
+        })?;
+        let config_file = dir.join("tokenizer_config.json");
+        let config: Json = match std::fs::read(&config_file) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| fail(&config_file, format!("not valid JSON: {e}")))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Json::Null,
+            Err(e) => return Err(fail(&config_file, format!("cannot be read: {e}"))),
+        };
+        let specials = SPECIAL_TOKENS
+            .iter()
+            .filter_map(|name| {
+                let token = match config.get(*name)? {
+                    Json::String(s) => s.clone(),
+                    // An AddedToken written out: {"content": "<s>", ...}.
+                    Json::Object(o) => o.get("content")?.as_str()?.to_string(),
+                    _ => return None,
+                };
+                Some((*name, token))
+            })
+            .collect();
+        let template = match config.get("chat_template") {
+            Some(Json::String(t)) => Some(t.clone()),
+            // A list of named templates: the one named "default".
+            Some(Json::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+            _ => {
+                let jinja = dir.join("chat_template.jinja");
+                match std::fs::read_to_string(&jinja) {
+                    Ok(text) => Some(text),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                    Err(e) => return Err(fail(&jinja, format!("cannot be read: {e}"))),
+                }
+            }
+        };
+        let chat = match template {
+            Some(source) => Some(environment(source).map_err(|e| {
+                fail(
+                    &config_file,
+                    format!("its chat_template does not compile: {e:#}"),
+                )
+            })?),
+            None => None,
+        };
+        Ok(Self {
+            tokenizer,
+            chat,
+            specials,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat.is_some()
+    }
+
+    /// A completion prompt's ids, with the special tokens the tokenizer adds (a BOS
+    /// for models that take one), as vLLM encodes `/v1/completions`.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>, RenderError> {
+        self.encode(prompt, true)
+    }
+
+    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {
+        self.tokenizer
+            .encode(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| RenderError(format!("the prompt could not be tokenized: {e}")))
+    }
+
+    /// Renders a chat request (`messages`, and `tools`, `documents`,
+    /// `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`
+    /// when it has them) and tokenizes the text, without adding special tokens.
+    pub fn encode_chat(&self, request: &ChatRequest) -> Result<Vec<u32>, RenderError> {
+        let text = self.render_chat(request)?;
+        self.encode(&text, false)
+    }
+
+    /// The chat request rendered through the model's template.
+    pub fn render_chat(&self, request: &ChatRequest) -> Result<String, RenderError> {
+        let Some(env) = &self.chat else {
+            return Err(RenderError(
+                "this model has no chat template (tokenizer_config.json has no \
+                 chat_template): use /v1/completions"
+                    .into(),
+            ));
+        };
+        let template = env
+            .get_template("chat")
+            .map_err(|e| RenderError(format!("the chat template is missing: {e}")))?;
+        // Variables in the order transformers sets them; chat_template_kwargs last,
+        // so they may override any (as vLLM lets them).
+        let mut context: Vec<(String, Value)> = Vec::new();
+        context.push((
+            "messages".into(),
+            Value::from(Serde(normalise_messages(&request.messages)?)),
+        ));
+        if let Some(tools) = &request.tools {
+            context.push(("tools".into(), Value::from(Serde(tools))));
+        }
+        if let Some(documents) = &request.documents {
+            context.push(("documents".into(), Value::from(Serde(documents))));
+        }
+        context.push((
+            "add_generation_prompt".into(),
+            Value::from(request.add_generation_prompt),
+        ));
+        if request.continue_final_message {
+            context.push(("continue_final_message".into(), Value::from(true)));
+        }
+        for (name, token) in &self.specials {
+            context.push(((*name).to_string(), Value::from(token.as_str())));
+        }
+        if let Some(kwargs) = &request.chat_template_kwargs {
+            for (key, value) in kwargs {
+                context.retain(|(k, _)| k != key);
+                context.push((key.clone(), Value::from(Serde(value))));
+            }
+        }
+        let rendered = template
+            .render(Value::from_iter(context))
+            .map_err(|e| RenderError(format!("the chat template failed: {}", describe(&e))))?;
+        if request.continue_final_message {
+            // As transformers does: cut the rendering after the final message's
+            // content, so the model goes on writing it.
+            let last = request
+                .messages
+                .last()
+                .and_then(|m| content_text(m.get("content")?))
+                .unwrap_or_default();
+            let cut = match rendered.rfind(last.as_str()).filter(|_| !last.is_empty()) {
+                Some(at) => rendered[..at + last.len()].trim_end().to_string(),
+                None => match rendered
+                    .rfind(last.trim())
+                    .filter(|_| !last.trim().is_empty())
+                {
+                    Some(at) => rendered[..at + last.trim().len()].to_string(),
+                    None => {
+                        return Err(RenderError(
+                            "continue_final_message: the chat template does not write the \
+                             final message's content as given, so it cannot be continued"
+                                .into(),
+                        ))
+                    }
+                },
+            };
+            return Ok(cut);
+        }
+        Ok(rendered)
+    }
+}
+
+/// What a chat template reads from a chat request.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<serde_json::Map<String, Json>>,
+    #[serde(default)]
+    pub tools: Option<Vec<Json>>,
+    #[serde(default)]
+    pub documents: Option<Vec<Json>>,
+    #[serde(default = "yes")]
+    pub add_generation_prompt: bool,
+    #[serde(default)]
+    pub continue_final_message: bool,
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Json>>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A message's content as text: a string, or the text parts of a list joined by
+/// newlines (vLLM's "string" content format).
+fn content_text(content: &Json) -> Option<String> {
+    match content {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(parts) => Some(
+            parts
+                .iter()
+                .filter_map(|p| match p {
+                    Json::String(s) => Some(s.as_str()),
+                    Json::Object(o) if o.get("type").and_then(Json::as_str) == Some("text") => {
+                        o.get("text").and_then(Json::as_str)
+                    }
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        _ => None,
+    }
+}
+
+/// Messages as vLLM hands them to a template whose content format is "string":
+/// list content joined to text; anything but text parts is refused (no engine
+/// behind this router renders images from a chat template).
+fn normalise_messages(
+    messages: &[serde_json::Map<String, Json>],
+) -> Result<Vec<serde_json::Map<String, Json>>, RenderError> {
+    if messages.is_empty() {
+        return Err(RenderError("`messages` is empty".into()));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, message)| {
+            if !message.get("role").is_some_and(Json::is_string) {
+                return Err(RenderError(format!(
+                    "messages[{i}] has no `role` string (system, user, assistant or tool)"
+                )));
+            }
+            let mut message = message.clone();
+            if let Some(content @ Json::Array(parts)) = message.get("content") {
+                if let Some(other) = parts.iter().find(|p| {
+                    !p.is_string() && p.get("type").and_then(Json::as_str) != Some("text")
+                }) {
+                    return Err(RenderError(format!(
+                        "messages[{i}].content has a part of type {}: only text parts are \
+                         routed",
+                        other.get("type").unwrap_or(&Json::Null)
+                    )));
+                }
+                let text = content_text(content).unwrap_or_default();
+                message.insert("content".into(), Json::String(text));
+            }
+            Ok(message)
+        })
+        .collect()
+}
+
+/// A minijinja error with its cause chain and, for a template error, the line.
+fn describe(error: &JinjaError) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The environment `transformers` renders chat templates in, with `source` as the
+/// template `chat`.
+fn environment(source: String) -> Result<Environment<'static>, JinjaError> {
+    let mut env = Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter("tojson", python_tojson);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<Value, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, message))
+        },
+    );
+    env.add_function("strftime_now", strftime_now);
+    env.add_template_owned("chat", source)?;
+    Ok(env)
+}
+
+/// `datetime.now().strftime(format)`, in local time, as transformers' helper is.
+fn strftime_now(format: String) -> Result<String, JinjaError> {
+    let format = std::ffi::CString::new(format).map_err(|_| {
+        JinjaError::new(
+            ErrorKind::InvalidOperation,
+            "strftime_now: NUL in the format",
+        )
+    })?;
+    let mut out = vec![0u8; 256];
+    // SAFETY: `time` writes the current time into `now`; `localtime_r` fills `tm`
+    // from it (both plain out-parameters on the stack); `strftime` writes at most
+    // `out.len()` bytes into `out` and returns how many, reading the NUL-terminated
+    // `format` it is given.
+    let written = unsafe {
+        let mut now: libc::time_t = 0;
+        libc::time(&mut now);
+        let mut tm: libc::tm = std::mem::zeroed();
+        libc::localtime_r(&now, &mut tm);
+        libc::strftime(out.as_mut_ptr().cast(), out.len(), format.as_ptr(), &tm)
+    };
+    out.truncate(written);
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False,
+/// indent=indent, separators=separators, sort_keys=sort_keys)`.
+fn python_tojson(value: Value, kwargs: Kwargs) -> Result<Value, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match &separators {
+        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        Some(_) => {
+            return Err(JinjaError::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators is a pair, like (', ', ': ')",
+            ))
+        }
+        // json.dumps: ", " without indent, "," with it.
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let mut out = String::new();
+    let style = JsonStyle {
+        indent,
+        item,
+        key,
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    write_json(&mut out, &value, &style, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+struct JsonStyle {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+fn newline(out: &mut String, style: &JsonStyle, depth: usize) {
+    if let Some(width) = style.indent {
+        out.push('\n');
+        out.extend(std::iter::repeat_n(' ', width * depth));
+    }
+}
+
+fn write_json(
+    out: &mut String,
+    value: &Value,
+    style: &JsonStyle,
+    depth: usize,
+) -> Result<(), JinjaError> {
+    let string = |out: &mut String, text: &str| {
+        // serde_json escapes as json.dumps(ensure_ascii=False) does.
+        out.push_str(&serde_json::to_string(text).unwrap_or_default());
+    };
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            let json: Json = serde_json::to_value(value).unwrap_or(Json::Null);
+            match &json {
+                // Python writes 1.0 for a float that is whole.
+                Json::Number(n) if n.is_f64() => {
+                    let f = n.as_f64().unwrap_or_default();
+                    if f.fract() == 0.0 && f.is_finite() && f.abs() < 1e16 {
+                        out.push_str(&format!("{f:.1}"));
+                    } else {
+                        out.push_str(&n.to_string());
+                    }
+                }
+                other => out.push_str(&other.to_string()),
+            }
+        }
+        ValueKind::String => string(out, value.as_str().unwrap_or_default()),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = value.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item);
+                }
+                newline(out, style, depth + 1);
+                write_json(out, item, style, depth + 1)?;
+            }
+            newline(out, style, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = value.try_iter()?.collect();
+            if style.sort_keys {
+                keys.sort();
+            }
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item);
+                }
+                newline(out, style, depth + 1);
+                match key.as_str() {
+                    Some(text) => string(out, text),
+                    None => string(out, &key.to_string()),
+                }
+                out.push_str(&style.key);
+                write_json(out, &value.get_item(key)?, style, depth + 1)?;
+            }
+            newline(out, style, depth);
+            out.push('}');
+        }
+        _ => string(out, &value.to_string()),
+    }
+    Ok(())
+}
+
+/// Tokenizers by model, shared by every booking thread.
+pub type SharedTokenizer = Arc<ModelTokenizer>;
