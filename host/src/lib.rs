@@ -14,6 +14,7 @@ pub mod domain;
 pub mod engine_events;
 pub mod envelope;
 pub mod event_source;
+pub mod gateway;
 pub mod hints;
 pub mod loader;
 pub mod logging;

@@ -413,6 +413,11 @@ impl Router {
             .ok_or_else(|| RouterError::UnknownRequest(request_id.to_string()))
     }
 
+    /// A registered worker, as the current table lists it.
+    pub fn worker(&self, key: WorkerKey) -> Option<Arc<Worker>> {
+        self.workers.load().get(key).map(|e| Arc::clone(&e.worker))
+    }
+
     /// Every worker with its load, by key.
     pub fn workers(&self) -> Vec<(Arc<Worker>, Load)> {
         self.workers

@@ -67,6 +67,40 @@ where
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = json_bytes(request, state).await?;
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
+            let text = e.to_string();
+            // Only the router attaches hints: say so plainly.
+            if ["`hint`", "`hints`", "`actions`"]
+                .iter()
+                .any(|field| text.starts_with(&format!("unknown field {field}")))
+            {
+                ApiError::bad_request(format!(
+                    "a request may not carry hints ({text}); only the router attaches hints, after it books the worker"
+                ))
+                .with_code("client_hint_refused")
+            } else {
+                ApiError::bad_request(format!("invalid request body: {text}"))
+            }
+        })
+    }
+}
+
+/// A JSON body's bytes, read as [`JsonBody`] reads them (type, size and time
+/// checked) but not decoded: the gateway forwards what the client wrote.
+pub struct RawJson(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RawJson {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        json_bytes(request, state).await.map(RawJson)
+    }
+}
+
+/// The body of a JSON request, whole, within the size limit and the body deadline.
+async fn json_bytes<S: Send + Sync>(request: Request, state: &S) -> Result<Bytes, ApiError> {
+    {
         if let Some(kind) = request.headers().get(header::CONTENT_TYPE) {
             let kind = kind.to_str().unwrap_or("");
             if !is_json_media_type(kind) {
@@ -97,26 +131,11 @@ where
             })?,
             None => read.await,
         };
-        let bytes = bytes.map_err(|e| {
+        bytes.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 too_large(e.body_text())
             } else {
                 ApiError::bad_request(e.body_text())
-            }
-        })?;
-        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
-            let text = e.to_string();
-            // Only the router attaches hints: say so plainly.
-            if ["`hint`", "`hints`", "`actions`"]
-                .iter()
-                .any(|field| text.starts_with(&format!("unknown field {field}")))
-            {
-                ApiError::bad_request(format!(
-                    "a request may not carry hints ({text}); only the router attaches hints, after it books the worker"
-                ))
-                .with_code("client_hint_refused")
-            } else {
-                ApiError::bad_request(format!("invalid request body: {text}"))
             }
         })
     }

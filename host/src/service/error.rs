@@ -66,6 +66,40 @@ impl From<RouterError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({ "error": self.code, "detail": self.detail });
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        // For the front door's routes, which answer in OpenAI's shape instead.
+        response.extensions_mut().insert(self);
+        response
     }
+}
+
+/// For the front door (OpenAI clients): an error the API's own shape would
+/// answer — the token guard's 401, a body over the size limit's 413, a route
+/// that does not take the method — in OpenAI's shape, `{"error": {"message",
+/// "type", "code"}}`, with the same status and headers.
+pub async fn openai_shape(response: Response) -> Response {
+    let Some(error) = response.extensions().get::<ApiError>().cloned() else {
+        return response;
+    };
+    let kind = match error.status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::FORBIDDEN => "permission_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
+    };
+    let body = serde_json::json!({"error": {
+        "message": error.detail,
+        "type": kind,
+        "code": error.code,
+    }});
+    let (mut parts, _) = response.into_parts();
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let mut out = (error.status, axum::Json(body)).into_response();
+    for (name, value) in &parts.headers {
+        if name != axum::http::header::CONTENT_TYPE {
+            out.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    out
 }

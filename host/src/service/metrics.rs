@@ -509,6 +509,7 @@ impl Metrics {
             &[(String::new(), app.router.index_len() as f64)],
         );
         kv_event_sources(out, &app.engine_events.sources());
+        gateway(out, app);
         std::mem::take(out)
     }
 }
@@ -678,5 +679,145 @@ fn kv_event_sources(out: &mut String, sources: &[crate::engine_events::SourceVie
                 SourceState::Live | SourceState::Replaying
             )))
         }),
+    );
+}
+
+/// The front door's figures (see `gateway::stats`).
+fn gateway(out: &mut String, app: &super::App) {
+    use crate::gateway::stats::BUCKETS;
+    let stats = &app.gateway.stats;
+    family(
+        out,
+        "kvhint_gateway_releases_total",
+        "counter",
+        "Bookings the gateway released, by what ended the request.",
+        &stats
+            .releases()
+            .iter()
+            .map(|(reason, n)| (format!("{{reason=\"{}\"}}", reason.as_str()), *n as f64))
+            .collect::<Vec<_>>(),
+    );
+    family(
+        out,
+        "kvhint_gateway_retries_total",
+        "counter",
+        "Requests booked again on another worker before any byte reached the client.",
+        &[(String::new(), stats.retries.load(Ordering::Relaxed) as f64)],
+    );
+    family(
+        out,
+        "kvhint_hints_delivered_total",
+        "counter",
+        "Hint messages forwarded in the engine's own field.",
+        &[(
+            String::new(),
+            stats.hints_delivered.load(Ordering::Relaxed) as f64,
+        )],
+    );
+    family(
+        out,
+        "kvhint_hints_undeliverable_total",
+        "counter",
+        "Hint messages not sent because the booked engine takes none on that route.",
+        &stats
+            .undeliverable_counts()
+            .iter()
+            .map(|(engine, n)| (format!("{{engine=\"{engine}\"}}"), *n as f64))
+            .collect::<Vec<_>>(),
+    );
+    family(
+        out,
+        "kvhint_gateway_refused_total",
+        "counter",
+        "Requests the router answered itself, by status (no worker answered them).",
+        &stats
+            .refused_counts()
+            .iter()
+            .map(|(status, n)| (format!("{{status=\"{status}\"}}"), *n as f64))
+            .collect::<Vec<_>>(),
+    );
+    let timings = stats.timings();
+    let mut statuses = Vec::new();
+    for ((model, worker), t) in &timings {
+        for (status, n) in &t.statuses {
+            statuses.push((
+                format!(
+                    "{{model=\"{}\",worker_id=\"{}\",dp_rank=\"{}\",status=\"{status}\"}}",
+                    label(model),
+                    worker.worker_id,
+                    worker.dp_rank
+                ),
+                *n as f64,
+            ));
+        }
+    }
+    family(
+        out,
+        "kvhint_gateway_upstream_responses_total",
+        "counter",
+        "Response heads from workers, by model, worker and status.",
+        &statuses,
+    );
+    type Pick = fn(&crate::gateway::stats::Timings) -> &crate::gateway::stats::Histogram;
+    let histograms: [(&str, &str, Pick); 4] = [
+        (
+            "kvhint_gateway_ttfb_seconds",
+            "Request received to the worker's response head.",
+            |t| &t.ttfb,
+        ),
+        (
+            "kvhint_gateway_duration_seconds",
+            "Request received to the response's end.",
+            |t| &t.duration,
+        ),
+        (
+            "kvhint_gateway_overhead_seconds",
+            "Request received to the request sent to the worker (tokenization included).",
+            |t| &t.overhead,
+        ),
+        (
+            "kvhint_gateway_tokenize_seconds",
+            "Rendering and tokenizing the prompt.",
+            |t| &t.tokenize,
+        ),
+    ];
+    for (name, help, pick) in histograms {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for ((model, worker), t) in &timings {
+            let h = pick(t);
+            let labels = format!(
+                "model=\"{}\",worker_id=\"{}\",dp_rank=\"{}\"",
+                label(model),
+                worker.worker_id,
+                worker.dp_rank
+            );
+            for (bound, count) in BUCKETS.iter().zip(h.buckets.iter()) {
+                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {count}");
+            }
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", h.count);
+            let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum);
+            let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
+        }
+    }
+    let mut health = Vec::new();
+    for (worker, _) in app.router.workers() {
+        if worker.http.is_none() {
+            continue;
+        }
+        let up = app.gateway.health.looks_up(worker.key);
+        health.push((
+            format!(
+                "{{worker_id=\"{}\",dp_rank=\"{}\"}}",
+                worker.key.worker_id, worker.key.dp_rank
+            ),
+            if up { 1.0 } else { 0.0 },
+        ));
+    }
+    family(
+        out,
+        "kvhint_gateway_worker_up",
+        "gauge",
+        "1 if the gateway sends requests to the worker now (healthy, circuit not open).",
+        &health,
     );
 }

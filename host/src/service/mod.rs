@@ -7,8 +7,9 @@
 //! the one error shape in [`error`].
 
 pub mod auth;
-mod body;
+pub mod body;
 pub mod error;
+pub mod gateway;
 pub mod listener;
 pub mod metrics;
 pub mod pool;
@@ -58,6 +59,8 @@ pub struct App {
     pub engine_events: Arc<EngineEvents>,
     /// Where the router listens, for the guards of an unauthenticated router.
     pub exposure: auth::Exposure,
+    /// The front door's upstream client, worker health and counters.
+    pub gateway: crate::gateway::Gateway,
 }
 
 #[derive(Debug, Clone)]
@@ -100,12 +103,23 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
     let client = axum::Router::new()
         .route("/book", post(book))
         .route("/release", post(release));
+    // The front door: the client token class guards it too, and its errors take
+    // OpenAI's shape (the guard's included).
+    let front_door = axum::Router::new()
+        .route("/v1/chat/completions", post(gateway::chat_completions))
+        .route("/v1/completions", post(gateway::completions))
+        .route("/generate", post(gateway::generate))
+        .route("/v1/models", get(gateway::models));
     let open = axum::Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics));
     let routes = guarded(admin, Some(Caller::Admin))
         .merge(guarded(worker, Some(Caller::Worker)))
         .merge(guarded(client, Some(Caller::Client)))
+        .merge(
+            guarded(front_door, Some(Caller::Client))
+                .layer(axum::middleware::map_response(error::openai_shape)),
+        )
         .merge(guarded(open, None))
         .fallback(|| async {
             ApiError::new(
@@ -320,6 +334,11 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
                 "role": worker.role,
                 "router_hint": worker.router_hint,
                 "load": load,
+                "http_endpoint": worker.http.as_ref().map(|h| &*h.base),
+                "engine": worker.http.as_ref().map(|h| h.engine.as_str()),
+                "models": worker.http.as_ref().map(|h| h.models.iter().map(|m| &**m).collect::<Vec<_>>()),
+                "kv_events": if worker.approximate_kv { "approximate" } else { "events" },
+                "health": app.gateway.health.view(worker.key),
             })
         })
         .collect();
@@ -482,6 +501,9 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         exposure: auth::Exposure {
             loopback: options.listen.ip().is_loopback(),
         },
+        gateway: crate::gateway::Gateway::new(std::time::Duration::from_millis(
+            config.gateway.connect_timeout_ms,
+        )),
     }))
 }
 
@@ -579,6 +601,7 @@ pub async fn serve(
         }
     });
     let sweeper = tokio::spawn(expire_bookings(Arc::clone(&app)));
+    let health = tokio::spawn(gateway::health_checks(Arc::clone(&app)));
 
     let metrics = Arc::clone(&app.metrics);
     listener::serve(
@@ -602,5 +625,6 @@ pub async fn serve(
     )
     .await;
     sweeper.abort();
+    health.abort();
     Ok(())
 }

@@ -1,0 +1,243 @@
+//! One adapter per engine: what a forwarded request looks like to that engine.
+//!
+//! Facts from the engines' released code (`GATEWAY.md` §1):
+//! - a pre-tokenized completion prompt goes as `prompt: [ids]` (vLLM, SGLang,
+//!   TRT-LLM, llama.cpp), so the engine computes exactly the tokens the router
+//!   hashed; SGLang's native `/generate` takes `input_ids`;
+//! - the request id goes in `X-Request-Id` (vLLM) or `rid` (SGLang `/generate`);
+//!   the dp rank in `X-data-parallel-rank` (vLLM, SGLang's OpenAI routes) or
+//!   `routed_dp_rank` (SGLang `/generate`);
+//! - a hint reaches an engine only where it takes one: SGLang's `/generate`
+//!   `kv_hints`. SGLang's OpenAI routes and llama.cpp drop unknown keys silently,
+//!   TRT-LLM refuses them with 400, and vLLM's OpenAI server ignores them; there
+//!   the hint is counted as not deliverable and never sent.
+//!
+//! Chat requests go as the client wrote them: every engine renders the chat with
+//! the model's own template, which the router renders too (with ids golden-tested
+//! equal to the engine's), so both hash the same tokens.
+
+use super::splice::{Body, Edits};
+use crate::domain::{Engine, WorkerKey};
+
+/// The front door's routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/completions`.
+    Completions,
+    /// SGLang's native `POST /generate`.
+    Generate,
+}
+
+impl Route {
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::Chat => "/v1/chat/completions",
+            Self::Completions => "/v1/completions",
+            Self::Generate => "/generate",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::Completions => "completions",
+            Self::Generate => "generate",
+        }
+    }
+
+    /// Whether `engine` serves this route at all.
+    pub fn served_by(self, engine: Engine) -> bool {
+        match self {
+            Self::Chat | Self::Completions => true,
+            Self::Generate => engine == Engine::Sglang,
+        }
+    }
+}
+
+/// What happened to a booking's hint on its way to the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HintDelivery {
+    /// The booking carried none.
+    None,
+    /// In the forwarded request, where the engine reads it.
+    Delivered,
+    /// The engine has no field that takes it on this route: not sent, counted.
+    Undeliverable,
+}
+
+/// The request to send to the booked worker.
+#[derive(Debug)]
+pub struct Forward {
+    pub path: &'static str,
+    pub body: Vec<u8>,
+    /// Headers the adapter adds (request id, dp rank).
+    pub headers: Vec<(&'static str, String)>,
+    pub hint: HintDelivery,
+}
+
+/// The prompt as the router tokenized it, for adapters that forward ids.
+pub struct Prompt<'a> {
+    pub token_ids: &'a [u32],
+}
+
+/// Builds what `engine` is sent for a request on `route`, booked on `worker` as
+/// `request_id`, with `hint` (the engine message) if the booking made one.
+pub fn forward(
+    engine: Engine,
+    route: Route,
+    body: &Body<'_>,
+    prompt: &Prompt<'_>,
+    worker: WorkerKey,
+    request_id: &str,
+    hint: Option<&str>,
+) -> Forward {
+    let mut edits = Edits::default();
+    let mut headers: Vec<(&'static str, String)> = Vec::new();
+    let ids = || ids_json(prompt.token_ids);
+    let mut delivered = false;
+    match (engine, route) {
+        (Engine::Sglang, Route::Generate) => {
+            if body.has("text") {
+                edits.remove("text");
+            }
+            // `/generate` has no `model` field (its request is a dataclass that
+            // refuses unknown ones); the router used it to choose the tokenizer.
+            if body.has("model") {
+                edits.remove("model");
+            }
+            edits.set("input_ids", ids());
+            edits.set("rid", json_string(request_id));
+            edits.set("routed_dp_rank", worker.dp_rank.to_string());
+            if let Some(hint) = hint {
+                edits.set("kv_hints", hint.to_string());
+                delivered = true;
+            }
+        }
+        (_, Route::Generate) => {}
+        (Engine::Openai, _) => {}
+        (_, Route::Completions) => {
+            edits.set("prompt", ids());
+        }
+        (_, Route::Chat) => {}
+    }
+    match engine {
+        Engine::Vllm | Engine::Sglang => {
+            headers.push(("x-request-id", request_id.to_string()));
+            headers.push(("x-data-parallel-rank", worker.dp_rank.to_string()));
+        }
+        Engine::Trtllm | Engine::Openai | Engine::Llamacpp => {
+            headers.push(("x-request-id", request_id.to_string()));
+        }
+    }
+    Forward {
+        path: route.path(),
+        body: if edits.is_empty() {
+            body.text().as_bytes().to_vec()
+        } else {
+            body.edited(&edits)
+        },
+        headers,
+        hint: match (hint, delivered) {
+            (None, _) => HintDelivery::None,
+            (Some(_), true) => HintDelivery::Delivered,
+            (Some(_), false) => HintDelivery::Undeliverable,
+        },
+    }
+}
+
+fn ids_json(ids: &[u32]) -> String {
+    let mut out = String::with_capacity(ids.len() * 7 + 2);
+    out.push('[');
+    let mut buffer = itoa_buffer();
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(buffer.format(*id));
+    }
+    out.push(']');
+    out
+}
+
+fn itoa_buffer() -> itoa::Buffer {
+    itoa::Buffer::new()
+}
+
+fn json_string(text: &str) -> String {
+    serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(dp_rank: u32) -> WorkerKey {
+        WorkerKey {
+            worker_id: 7,
+            dp_rank,
+        }
+    }
+
+    #[test]
+    fn sglang_generate_takes_ids_rid_rank_and_the_hint() {
+        let text = r#"{"model":"m","text":"hello","sampling_params":{"max_new_tokens":4}}"#;
+        let body = Body::parse(text).unwrap();
+        let hint = r#"{"protocol_version":"0.1","message_id":"r","actions":[]}"#;
+        let out = forward(
+            Engine::Sglang,
+            Route::Generate,
+            &body,
+            &Prompt {
+                token_ids: &[1, 2, 3],
+            },
+            key(2),
+            "kvh-1",
+            Some(hint),
+        );
+        assert_eq!(out.hint, HintDelivery::Delivered);
+        let sent: serde_json::Value = serde_json::from_slice(&out.body).unwrap();
+        assert_eq!(
+            sent,
+            serde_json::json!({
+                "sampling_params": {"max_new_tokens": 4},
+                "input_ids": [1, 2, 3],
+                "rid": "kvh-1",
+                "routed_dp_rank": 2,
+                "kv_hints": serde_json::from_str::<serde_json::Value>(hint).unwrap(),
+            })
+        );
+    }
+
+    #[test]
+    fn an_openai_route_never_carries_the_hint() {
+        let text = r#"{"model":"m","prompt":"hello","max_tokens":4}"#;
+        let body = Body::parse(text).unwrap();
+        for engine in [
+            Engine::Vllm,
+            Engine::Sglang,
+            Engine::Trtllm,
+            Engine::Llamacpp,
+            Engine::Openai,
+        ] {
+            let out = forward(
+                engine,
+                Route::Completions,
+                &body,
+                &Prompt { token_ids: &[9, 8] },
+                key(0),
+                "kvh-2",
+                Some("{}"),
+            );
+            assert_eq!(out.hint, HintDelivery::Undeliverable, "{engine}");
+            let sent = String::from_utf8(out.body).unwrap();
+            assert!(!sent.contains("kv_hints"), "{engine}: {sent}");
+            if engine == Engine::Openai {
+                assert_eq!(sent, text);
+            } else {
+                assert_eq!(sent, r#"{"model":"m","prompt":[9,8],"max_tokens":4}"#);
+            }
+        }
+    }
+}

@@ -1,0 +1,347 @@
+//! The gateway: kvhint in the request path. An OpenAI request (or SGLang's native
+//! `/generate`) is rendered and tokenized as its engine would, booked on a worker
+//! that serves its model, and forwarded there through the engine's adapter, with
+//! the hint where the engine takes one; the answer streams back as it comes, and
+//! the booking is released on every way out (see [`release`]).
+//!
+//! ```text
+//! client ─► route ─► prepare (model, render, tokenize) ─► book ─► adapter ─► worker
+//!    ▲                                                                  │
+//!    └──────────── bytes as they come; release when the response ends ◄─┘
+//! ```
+//!
+//! The pieces here are the data path's; the HTTP handlers that run them (on the
+//! booking threads for the CPU work, on the runtime for the I/O) are in
+//! `service::gateway`.
+
+pub mod adapter;
+pub mod health;
+pub mod release;
+pub mod splice;
+pub mod stats;
+
+use crate::domain::{HttpTarget, Worker, WorkerKey};
+use crate::models::{ChatRequest, Model};
+use crate::router::{BookRequest, Booking, Router, RouterError};
+use crate::snapshot::Snapshot;
+use adapter::Route;
+use axum::http::StatusCode;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use splice::Body;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// An error on a gateway route, in OpenAI's shape:
+/// `{"error": {"message", "type", "code"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayError {
+    pub status: StatusCode,
+    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, …
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl GatewayError {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            kind,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            code,
+            message,
+        )
+    }
+
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            code,
+            message,
+        )
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "code": self.code,
+        }})
+    }
+}
+
+impl From<RouterError> for GatewayError {
+    fn from(error: RouterError) -> Self {
+        match &error {
+            RouterError::NoWorkers(_) | RouterError::NoEligibleWorkers(_) => {
+                Self::unavailable("no_workers", error.to_string())
+            }
+            RouterError::TooManyOpenBookings { .. } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "too_many_open_requests",
+                error.to_string(),
+            ),
+            RouterError::PromptTooLong { .. } => {
+                Self::bad_request("prompt_too_long", error.to_string())
+            }
+            RouterError::EmptyPrompt => Self::bad_request("empty_prompt", error.to_string()),
+            RouterError::RoleNotConfigured(_) => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "role_not_configured",
+                error.to_string(),
+            ),
+            _ => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal",
+                error.to_string(),
+            ),
+        }
+    }
+}
+
+/// The upstream client.
+pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// What the gateway keeps between requests.
+pub struct Gateway {
+    pub client: UpstreamClient,
+    pub health: health::Health,
+    pub stats: Arc<stats::GatewayStats>,
+    next_id: AtomicU64,
+    /// Makes request ids unique across restarts (engines key requests by id).
+    instance: u64,
+}
+
+impl Gateway {
+    /// `connect_timeout`: the TCP connect's bound (from the first config; fixed
+    /// until restart, as the connection pool is).
+    pub fn new(connect_timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_nodelay(true);
+        connector.enforce_http(true);
+        let client = Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        let instance = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id()).rotate_left(40);
+        Self {
+            client,
+            health: health::Health::default(),
+            stats: Arc::default(),
+            next_id: AtomicU64::new(0),
+            instance,
+        }
+    }
+
+    /// A request id no other request of this router has had.
+    pub fn request_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("kvh-{:012x}-{n}", self.instance & 0xffff_ffff_ffff)
+    }
+}
+
+/// A request read, its model found and its prompt tokenized.
+pub struct Prepared {
+    pub route: Route,
+    pub model: Arc<Model>,
+    pub token_ids: Vec<u32>,
+    pub cache_salt: Option<String>,
+    pub tokenize: Duration,
+}
+
+/// Reads what the router needs from a request body: the model, and the prompt as
+/// token ids (rendered and tokenized here, on the caller's thread: a booking
+/// thread). `default_model`: the model a `/generate` body without `model` means.
+pub fn prepare(
+    snapshot: &Snapshot,
+    route: Route,
+    body: &Body<'_>,
+) -> Result<Prepared, GatewayError> {
+    let field = |e: String| GatewayError::bad_request("invalid_field", e);
+    if body.has("kv_hints") {
+        return Err(GatewayError::bad_request(
+            "client_hints_refused",
+            "the body has `kv_hints`: only the router attaches hints; remove the field",
+        ));
+    }
+    let name: Option<String> = body.get("model").map_err(field)?;
+    let name = match (name, route) {
+        (Some(name), _) => name,
+        // SGLang's /generate names no model: the one model served, if only one.
+        (None, Route::Generate) if snapshot.models.names().len() == 1 => {
+            snapshot.models.names()[0].clone()
+        }
+        (None, _) => {
+            return Err(GatewayError::bad_request(
+                "missing_model",
+                format!(
+                    "the body has no `model`; this router serves: {}",
+                    snapshot.models.names().join(", ")
+                ),
+            ))
+        }
+    };
+    let Some(model) = snapshot.models.get(&name) else {
+        return Err(GatewayError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "the model `{name}` does not exist here; this router serves: {} (GET /v1/models)",
+                if snapshot.models.is_empty() {
+                    "none (the config has no `models`)".to_string()
+                } else {
+                    snapshot.models.names().join(", ")
+                }
+            ),
+        ));
+    };
+    let cache_salt: Option<String> = body.get("cache_salt").map_err(field)?;
+    let started = Instant::now();
+    let render = |e: crate::models::RenderError| GatewayError::bad_request("invalid_prompt", e.0);
+    let token_ids =
+        match route {
+            Route::Chat => {
+                let request: ChatRequest = serde_json::from_str(body.text())
+                    .map_err(|e| GatewayError::bad_request("invalid_messages", format!("{e}")))?;
+                model.tokenizer.encode_chat(&request).map_err(render)?
+            }
+            Route::Completions => match prompt(body, "prompt")? {
+                Some(Prompt::Ids(ids)) => ids,
+                Some(Prompt::Text(text)) => model.tokenizer.encode_prompt(&text).map_err(render)?,
+                None => {
+                    return Err(GatewayError::bad_request(
+                        "missing_prompt",
+                        "the body has no `prompt`",
+                    ))
+                }
+            },
+            Route::Generate => match (prompt(body, "input_ids")?, prompt(body, "text")?) {
+                (Some(Prompt::Ids(ids)), None) => ids,
+                (None, Some(Prompt::Text(text))) => {
+                    model.tokenizer.encode_prompt(&text).map_err(render)?
+                }
+                (Some(_), Some(_)) => {
+                    return Err(GatewayError::bad_request(
+                        "invalid_prompt",
+                        "give `text` or `input_ids`, not both",
+                    ))
+                }
+                _ => return Err(GatewayError::bad_request(
+                    "missing_prompt",
+                    "the body has neither `text` (a string) nor `input_ids` (a list of token ids)",
+                )),
+            },
+        };
+    Ok(Prepared {
+        route,
+        model: Arc::clone(model),
+        token_ids,
+        cache_salt,
+        tokenize: started.elapsed(),
+    })
+}
+
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// A prompt field: a string, a list of token ids, or a list holding one of
+/// either. A batch is refused: the router books one worker per request.
+fn prompt(body: &Body<'_>, key: &str) -> Result<Option<Prompt>, GatewayError> {
+    let Some(raw) = body.raw(key) else {
+        return Ok(None);
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Shape {
+        Text(String),
+        Ids(Vec<u32>),
+        Texts(Vec<String>),
+        IdLists(Vec<Vec<u32>>),
+    }
+    let batch = || {
+        GatewayError::bad_request(
+            "batch_not_supported",
+            format!("`{key}` holds several prompts; send one prompt per request (each is booked on its own worker)"),
+        )
+    };
+    match serde_json::from_str::<Shape>(raw) {
+        Ok(Shape::Text(text)) => Ok(Some(Prompt::Text(text))),
+        Ok(Shape::Ids(ids)) => Ok(Some(Prompt::Ids(ids))),
+        Ok(Shape::Texts(mut texts)) if texts.len() == 1 => Ok(texts.pop().map(Prompt::Text)),
+        Ok(Shape::IdLists(mut lists)) if lists.len() == 1 => Ok(lists.pop().map(Prompt::Ids)),
+        Ok(_) => Err(batch()),
+        Err(_) => Err(GatewayError::bad_request(
+            "invalid_prompt",
+            format!("`{key}` is a string or a list of token ids (whole numbers below 2^32)"),
+        )),
+    }
+}
+
+/// Books a prepared request on a worker that serves its model and route, is
+/// healthy with its circuit closed, and is not in `tried`. Runs on a booking
+/// thread.
+pub fn book(
+    router: &Router,
+    snapshot: &Snapshot,
+    gateway: &Gateway,
+    prepared: &Prepared,
+    request_id: &str,
+    tried: &[WorkerKey],
+) -> Result<(Booking, Arc<HttpTarget>), GatewayError> {
+    let model = &prepared.model;
+    let role = crate::router::configured_role(snapshot, model.role)?;
+    let route = prepared.route;
+    let eligible = |worker: &Worker| {
+        worker
+            .http
+            .as_ref()
+            .is_some_and(|http| http.serves(&model.name) && route.served_by(http.engine))
+            && !tried.contains(&worker.key)
+            && gateway.health.admits(worker.key)
+    };
+    let request = BookRequest {
+        request_id,
+        role: model.role,
+        token_ids: &prepared.token_ids,
+        session_context: None,
+        lora_name: model.lora.as_deref(),
+        cache_salt: prepared.cache_salt.as_deref(),
+    };
+    let booking = router.book_among(role, &request, Some(&eligible))?;
+    let Some(target) = router.worker(booking.worker).and_then(|w| w.http.clone()) else {
+        // Deregistered between the booking and now.
+        let _ = router.release(request_id);
+        return Err(GatewayError::unavailable(
+            "no_workers",
+            "the booked worker left before the request could be sent; retry",
+        ));
+    };
+    Ok((booking, target))
+}

@@ -1,0 +1,353 @@
+//! A client's JSON body, edited in place: fields replaced, added or removed by
+//! their byte ranges, everything else passed to the engine exactly as the client
+//! wrote it. Re-serialising would reorder keys, rewrite numbers (`1e3`, `0.10`)
+//! and escapes, and drop what a typed model does not know; the engine must see
+//! the client's request, with only the router's fields changed.
+
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
+use std::fmt;
+use std::ops::Range;
+
+/// Why a body is not one the gateway can forward (a client error: 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    #[error("the body is not valid JSON: {0}")]
+    Json(String),
+    #[error("the body is a JSON {0}; it must be an object, like {{\"model\": …}}")]
+    NotObject(&'static str),
+    #[error("the body has the field `{0}` twice; engines and this router could read different ones, so it is refused")]
+    Duplicate(String),
+}
+
+/// The top-level fields of a JSON object body, each with where its value lies.
+#[derive(Debug)]
+pub struct Body<'a> {
+    text: &'a str,
+    /// (key as decoded, the value's byte range in `text`, the field's whole range
+    /// from the key's opening quote to the value's end).
+    fields: Vec<(String, Range<usize>, Range<usize>)>,
+}
+
+impl<'a> Body<'a> {
+    pub fn parse(text: &'a str) -> Result<Body<'a>, BodyError> {
+        let trimmed = text.trim_start();
+        match trimmed.as_bytes().first() {
+            Some(b'{') => {}
+            Some(b'[') => return Err(BodyError::NotObject("array")),
+            Some(b'"') => return Err(BodyError::NotObject("string")),
+            None => return Err(BodyError::Json("the body is empty".into())),
+            _ => {
+                // Let serde name what is wrong (a number, `true`, garbage).
+                if let Err(e) = serde_json::from_str::<&RawValue>(text) {
+                    return Err(BodyError::Json(e.to_string()));
+                }
+                return Err(BodyError::NotObject("scalar"));
+            }
+        }
+        let mut de = serde_json::Deserializer::from_str(text);
+        let raw: Vec<(String, &'a RawValue)> = de
+            .deserialize_map(FieldsVisitor)
+            .map_err(|e| BodyError::Json(e.to_string()))?;
+        de.end().map_err(|e| BodyError::Json(e.to_string()))?;
+        let base = text.as_ptr() as usize;
+        let mut fields: Vec<(String, Range<usize>, Range<usize>)> = Vec::with_capacity(raw.len());
+        let mut search_from = 0;
+        for (key, value) in raw {
+            if fields.iter().any(|(k, _, _)| *k == key) {
+                return Err(BodyError::Duplicate(key));
+            }
+            let start = value.get().as_ptr() as usize - base;
+            let end = start + value.get().len();
+            // The key's opening quote: the last `"` that starts a string before the
+            // colon before this value. Keys are strings; scan back over `:` and
+            // whitespace, then over the key string.
+            let key_start = key_start(text, search_from, start);
+            fields.push((key, start..end, key_start..end));
+            search_from = end;
+        }
+        Ok(Body { text, fields })
+    }
+
+    /// A field's raw JSON value.
+    pub fn raw(&self, key: &str) -> Option<&'a str> {
+        self.fields
+            .iter()
+            .find(|(k, _, _)| k == key)
+            .map(|(_, range, _)| &self.text[range.clone()])
+    }
+
+    /// A field decoded, or `None` if absent or null; an error names the field.
+    pub fn get<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, String> {
+        match self.raw(key) {
+            None | Some("null") => Ok(None),
+            Some(raw) => serde_json::from_str(raw)
+                .map(Some)
+                .map_err(|e| format!("`{key}`: {e}")),
+        }
+    }
+
+    pub fn has(&self, key: &str) -> bool {
+        self.raw(key).is_some()
+    }
+
+    pub fn text(&self) -> &'a str {
+        self.text
+    }
+
+    /// The body with `edits` made: a replaced field keeps its place, an added one
+    /// goes last, a removed one goes with its comma. Nothing else changes: the
+    /// whitespace and separators between kept fields are the client's own.
+    pub fn edited(&self, edits: &Edits) -> Vec<u8> {
+        let text = self.text;
+        let open = text.find('{').map_or(0, |i| i + 1);
+        let last_end = self.fields.last().map_or(open, |(_, value, _)| value.end);
+        let close = text[last_end..]
+            .find('}')
+            .map_or(text.len(), |i| last_end + i);
+        let mut out = String::with_capacity(text.len() + edits.added_len());
+        out.push_str(&text[..open]);
+        let mut previous_end = open;
+        let mut previous_kept = true;
+        let mut wrote = false;
+        for (key, value, field) in &self.fields {
+            let gap = &text[previous_end..field.start];
+            previous_end = value.end;
+            let edit = edits.action(key);
+            if edit == Some(&Edit::Remove) {
+                previous_kept = false;
+                continue;
+            }
+            if !wrote {
+                // Before the first field written: the whitespace after `{`.
+                out.push_str(&text[open..open + leading_space(&text[open..])]);
+            } else if previous_kept {
+                out.push_str(gap);
+            } else {
+                out.push(',');
+            }
+            match edit {
+                Some(Edit::Set(raw)) => {
+                    out.push_str(&text[field.start..value.start]);
+                    out.push_str(raw);
+                }
+                _ => out.push_str(&text[field.start..value.end]),
+            }
+            wrote = true;
+            previous_kept = true;
+        }
+        for (key, edit) in &edits.edits {
+            if let Edit::Set(raw) = edit {
+                if !self.has(key) {
+                    if wrote {
+                        out.push(',');
+                    }
+                    out.push_str(&serde_json::to_string(key).unwrap_or_default());
+                    out.push(':');
+                    out.push_str(raw);
+                    wrote = true;
+                }
+            }
+        }
+        // After the last field: whitespace, then `}` and what follows it.
+        let tail = &text[last_end..close];
+        out.extend(tail.chars().filter(|c| c.is_whitespace()));
+        out.push_str(&text[close..]);
+        out.into_bytes()
+    }
+}
+
+/// How many bytes of whitespace `text` starts with.
+fn leading_space(text: &str) -> usize {
+    text.len() - text.trim_start().len()
+}
+
+/// Where the key whose value starts at `value_start` begins (its opening quote).
+fn key_start(text: &str, from: usize, value_start: usize) -> usize {
+    let bytes = text.as_bytes();
+    let mut i = value_start;
+    // Back over whitespace and the colon.
+    while i > from && (bytes[i - 1].is_ascii_whitespace() || bytes[i - 1] == b':') {
+        i -= 1;
+    }
+    // Now just past the key's closing quote; find its opening quote, skipping
+    // escaped quotes.
+    if i == 0 {
+        return 0;
+    }
+    let mut j = i - 1; // the closing quote
+    while j > from {
+        j -= 1;
+        if bytes[j] == b'"' {
+            let mut backslashes = 0;
+            let mut k = j;
+            while k > from && bytes[k - 1] == b'\\' {
+                backslashes += 1;
+                k -= 1;
+            }
+            if backslashes % 2 == 0 {
+                return j;
+            }
+        }
+    }
+    from
+}
+
+struct FieldsVisitor;
+
+impl<'de> Visitor<'de> for FieldsVisitor {
+    type Value = Vec<(String, &'de RawValue)>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let value: &'de RawValue = map.next_value()?;
+            out.push((key, value));
+        }
+        Ok(out)
+    }
+}
+
+/// One change to a field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Edit {
+    /// Replace (or add) the field with this raw JSON.
+    Set(String),
+    Remove,
+}
+
+/// Changes to make to a body, by key.
+#[derive(Debug, Clone, Default)]
+pub struct Edits {
+    edits: Vec<(String, Edit)>,
+}
+
+impl Edits {
+    /// Sets `key` to `raw` (JSON text the caller wrote, such as a serialised id list).
+    pub fn set(&mut self, key: &str, raw: String) -> &mut Self {
+        self.edits.retain(|(k, _)| k != key);
+        self.edits.push((key.to_string(), Edit::Set(raw)));
+        self
+    }
+
+    pub fn remove(&mut self, key: &str) -> &mut Self {
+        self.edits.retain(|(k, _)| k != key);
+        self.edits.push((key.to_string(), Edit::Remove));
+        self
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.edits.is_empty()
+    }
+
+    fn action(&self, key: &str) -> Option<&Edit> {
+        self.edits.iter().find(|(k, _)| k == key).map(|(_, e)| e)
+    }
+
+    fn added_len(&self) -> usize {
+        self.edits
+            .iter()
+            .map(|(k, e)| match e {
+                Edit::Set(raw) => k.len() + raw.len() + 4,
+                Edit::Remove => 0,
+            })
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edit(text: &str, f: impl FnOnce(&mut Edits)) -> String {
+        let body = Body::parse(text).expect("a body");
+        let mut edits = Edits::default();
+        f(&mut edits);
+        String::from_utf8(body.edited(&edits)).expect("utf-8")
+    }
+
+    #[test]
+    fn untouched_fields_keep_their_bytes_and_order() {
+        let text = r#"{ "z": 1e3, "model" : "m",  "prompt":"a\"b", "n": 0.10 }"#;
+        assert_eq!(edit(text, |_| {}), text);
+        assert_eq!(
+            edit(text, |e| {
+                e.set("prompt", "[1,2,3]".into());
+            }),
+            r#"{ "z": 1e3, "model" : "m",  "prompt":[1,2,3], "n": 0.10 }"#
+        );
+    }
+
+    #[test]
+    fn added_fields_go_last_and_removed_ones_take_their_comma() {
+        let text = r#"{"model":"m","text":"hi","stream":true}"#;
+        assert_eq!(
+            edit(text, |e| {
+                e.remove("text").set("input_ids", "[1]".into());
+            }),
+            r#"{"model":"m","stream":true,"input_ids":[1]}"#
+        );
+        assert_eq!(
+            edit(text, |e| {
+                e.remove("model");
+            }),
+            r#"{"text":"hi","stream":true}"#
+        );
+        assert_eq!(
+            edit(text, |e| {
+                e.remove("stream");
+            }),
+            r#"{"model":"m","text":"hi"}"#
+        );
+        assert_eq!(
+            edit("{}", |e| {
+                e.set("a", "1".into()).set("b", "2".into());
+            }),
+            r#"{"a":1,"b":2}"#
+        );
+        assert_eq!(
+            edit(r#"{"a":1}"#, |e| {
+                e.remove("a").set("b", "2".into());
+            }),
+            r#"{"b":2}"#
+        );
+        for text in [
+            r#"{"model":"m","text":"hi","stream":true}"#,
+            r#"{ "a" : [1, {"b": "}"}] , "c":"\\\"" }"#,
+        ] {
+            let body = Body::parse(text).unwrap();
+            for (key, _, _) in &body.fields {
+                let out = edit(text, |e| {
+                    e.remove(key);
+                });
+                let value: serde_json::Value = serde_json::from_str(&out).expect(&out);
+                assert!(value.get(key.as_str()).is_none(), "{out}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_duplicate_field_is_refused() {
+        assert_eq!(
+            Body::parse(r#"{"prompt":"a","prompt":"b"}"#).unwrap_err(),
+            BodyError::Duplicate("prompt".into())
+        );
+    }
+
+    #[test]
+    fn bodies_that_are_not_objects_say_what_they_are() {
+        assert_eq!(
+            Body::parse("[1]").unwrap_err(),
+            BodyError::NotObject("array")
+        );
+        assert!(matches!(Body::parse("{").unwrap_err(), BodyError::Json(_)));
+        assert!(matches!(
+            Body::parse(r#"{"a":1} x"#).unwrap_err(),
+            BodyError::Json(_)
+        ));
+    }
+}

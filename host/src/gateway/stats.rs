@@ -1,0 +1,191 @@
+//! What the gateway counts: releases by reason, retries, hints not deliverable by
+//! engine, upstream statuses, and per model and worker the time to first byte,
+//! the duration and the router's own overhead (tokenization apart), read by
+//! `/metrics`.
+
+use crate::domain::{Engine, WorkerKey};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Why a booking made by the gateway was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Release {
+    /// The worker's response ended.
+    Completed,
+    /// The client went away (before the head, during prefill, or mid-stream).
+    ClientDisconnect,
+    /// The worker refused the connection, failed, or broke off its response.
+    UpstreamError,
+    /// No byte from the worker for `gateway.idle_timeout_ms`.
+    IdleTimeout,
+    /// `gateway.request_timeout_ms` passed.
+    Deadline,
+    /// The router's `router.booking_ttl` released it first.
+    Ttl,
+    /// The request was booked again elsewhere (a retry).
+    Retried,
+}
+
+impl Release {
+    pub const ALL: [Release; 7] = [
+        Release::Completed,
+        Release::ClientDisconnect,
+        Release::UpstreamError,
+        Release::IdleTimeout,
+        Release::Deadline,
+        Release::Ttl,
+        Release::Retried,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::ClientDisconnect => "client_disconnect",
+            Self::UpstreamError => "upstream_error",
+            Self::IdleTimeout => "idle_timeout",
+            Self::Deadline => "deadline",
+            Self::Ttl => "ttl",
+            Self::Retried => "retried",
+        }
+    }
+}
+
+/// The latency histogram's bucket bounds, in seconds.
+pub const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+];
+
+/// A Prometheus histogram's counts.
+#[derive(Debug, Clone, Default)]
+pub struct Histogram {
+    pub buckets: [u64; BUCKETS.len()],
+    pub count: u64,
+    pub sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, seconds: f64) {
+        for (bound, count) in BUCKETS.iter().zip(self.buckets.iter_mut()) {
+            if seconds <= *bound {
+                *count += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += seconds;
+    }
+}
+
+/// Per (model, worker) figures.
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    pub ttfb: Histogram,
+    pub duration: Histogram,
+    /// Request received → request sent to the worker, tokenization included.
+    pub overhead: Histogram,
+    pub tokenize: Histogram,
+    /// Responses by upstream status code.
+    pub statuses: BTreeMap<u16, u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct GatewayStats {
+    releases: [AtomicU64; Release::ALL.len()],
+    pub retries: AtomicU64,
+    undeliverable: [AtomicU64; 5],
+    pub hints_delivered: AtomicU64,
+    /// Requests answered by the router itself (no worker answered), by status.
+    refused: Mutex<BTreeMap<u16, u64>>,
+    timings: Mutex<BTreeMap<(String, WorkerKey), Timings>>,
+}
+
+fn engine_index(engine: Engine) -> usize {
+    match engine {
+        Engine::Vllm => 0,
+        Engine::Sglang => 1,
+        Engine::Trtllm => 2,
+        Engine::Llamacpp => 3,
+        Engine::Openai => 4,
+    }
+}
+
+const ENGINES: [Engine; 5] = [
+    Engine::Vllm,
+    Engine::Sglang,
+    Engine::Trtllm,
+    Engine::Llamacpp,
+    Engine::Openai,
+];
+
+impl GatewayStats {
+    pub fn released(&self, reason: Release) {
+        let at = Release::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        self.releases[at].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn releases(&self) -> Vec<(Release, u64)> {
+        Release::ALL
+            .iter()
+            .zip(&self.releases)
+            .map(|(r, n)| (*r, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    pub fn undeliverable(&self, engine: Engine) {
+        self.undeliverable[engine_index(engine)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn undeliverable_counts(&self) -> Vec<(Engine, u64)> {
+        ENGINES
+            .iter()
+            .map(|e| {
+                (
+                    *e,
+                    self.undeliverable[engine_index(*e)].load(Ordering::Relaxed),
+                )
+            })
+            .collect()
+    }
+
+    pub fn refused(&self, status: u16) {
+        *self.refused.lock().entry(status).or_default() += 1;
+    }
+
+    pub fn refused_counts(&self) -> BTreeMap<u16, u64> {
+        self.refused.lock().clone()
+    }
+
+    /// A response head from `worker`: its status, and the times up to it.
+    pub fn answered(
+        &self,
+        model: &str,
+        worker: WorkerKey,
+        status: u16,
+        overhead: Duration,
+        tokenize: Duration,
+        ttfb: Duration,
+    ) {
+        let mut timings = self.timings.lock();
+        let entry = timings.entry((model.to_string(), worker)).or_default();
+        *entry.statuses.entry(status).or_default() += 1;
+        entry.overhead.observe(overhead.as_secs_f64());
+        entry.tokenize.observe(tokenize.as_secs_f64());
+        entry.ttfb.observe(ttfb.as_secs_f64());
+    }
+
+    /// A response's end (whatever ended it), `duration` after the request came.
+    pub fn ended(&self, model: &str, worker: WorkerKey, duration: Duration) {
+        let mut timings = self.timings.lock();
+        let entry = timings.entry((model.to_string(), worker)).or_default();
+        entry.duration.observe(duration.as_secs_f64());
+    }
+
+    pub fn timings(&self) -> Vec<((String, WorkerKey), Timings)> {
+        self.timings
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+}
