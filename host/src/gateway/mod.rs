@@ -15,6 +15,7 @@
 //! `service::gateway`.
 
 pub mod adapter;
+pub mod approximate;
 pub mod health;
 pub mod release;
 pub mod splice;
@@ -128,6 +129,8 @@ pub struct Gateway {
     pub client: UpstreamClient,
     pub health: health::Health,
     pub stats: Arc<stats::GatewayStats>,
+    /// What `kv_events: approximate` workers were credited with.
+    pub approximate: approximate::Approximate,
     next_id: AtomicU64,
     /// Makes request ids unique across restarts (engines key requests by id).
     instance: u64,
@@ -152,6 +155,7 @@ impl Gateway {
             client,
             health: health::Health::default(),
             stats: Arc::default(),
+            approximate: approximate::Approximate::default(),
             next_id: AtomicU64::new(0),
             instance,
         }
@@ -314,7 +318,7 @@ pub fn book(
     prepared: &Prepared,
     request_id: &str,
     tried: &[WorkerKey],
-) -> Result<(Booking, Arc<HttpTarget>), GatewayError> {
+) -> Result<(Booking, Arc<Worker>, Arc<HttpTarget>), GatewayError> {
     let model = &prepared.model;
     let role = crate::router::configured_role(snapshot, model.role)?;
     let route = prepared.route;
@@ -335,7 +339,9 @@ pub fn book(
         cache_salt: prepared.cache_salt.as_deref(),
     };
     let booking = router.book_among(role, &request, Some(&eligible))?;
-    let Some(target) = router.worker(booking.worker).and_then(|w| w.http.clone()) else {
+    let worker = router.worker(booking.worker);
+    let Some((worker, target)) = worker.and_then(|w| Some((Arc::clone(&w), w.http.clone()?)))
+    else {
         // Deregistered between the booking and now.
         let _ = router.release(request_id);
         return Err(GatewayError::unavailable(
@@ -343,5 +349,5 @@ pub fn book(
             "the booked worker left before the request could be sent; retry",
         ));
     };
-    Ok((booking, target))
+    Ok((booking, worker, target))
 }

@@ -205,7 +205,11 @@ impl ModelTokenizer {
             }
         }
         let rendered = template
-            .render(Value::from_iter(context))
+            .render(Value::from(
+                context
+                    .into_iter()
+                    .collect::<std::collections::BTreeMap<String, Value>>(),
+            ))
             .map_err(|e| RenderError(format!("the chat template failed: {}", describe(&e))))?;
         if request.continue_final_message {
             // As transformers does: cut the rendering after the final message's

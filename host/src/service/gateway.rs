@@ -173,7 +173,7 @@ async fn forward(
                     Some(prepared) => prepared,
                     None => Arc::new(gateway::prepare(&snapshot, route, &parsed)?),
                 };
-                let (booking, target) = gateway::book(
+                let (booking, worker, target) = gateway::book(
                     &app.router,
                     &snapshot,
                     &app.gateway,
@@ -183,6 +183,17 @@ async fn forward(
                 )?;
                 app.metrics
                     .booked(&booking, booking.hint.message().is_some());
+                if worker.approximate_kv {
+                    app.gateway.approximate.credit(
+                        &app.ingest,
+                        booking.worker,
+                        &prepared.token_ids,
+                        snapshot.block_size,
+                        prepared.model.lora.as_deref(),
+                        prepared.cache_salt.as_deref(),
+                        snapshot.gateway.approximate_max_blocks,
+                    );
+                }
                 let forward = adapter::forward(
                     target.engine,
                     route,
@@ -427,7 +438,12 @@ fn describe(error: &hyper_util::client::legacy::Error) -> String {
 /// forgets workers that left.
 pub async fn health_checks(app: Arc<App>) {
     loop {
-        let settings = app.snapshot.load().gateway.health.clone();
+        let gateway_settings = app.snapshot.load().gateway.clone();
+        let settings = gateway_settings.health.clone();
+        app.gateway.approximate.expire(
+            &app.ingest,
+            Duration::from_secs(gateway_settings.approximate_ttl_s),
+        );
         if settings.interval_ms == 0 {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
@@ -437,6 +453,9 @@ pub async fn health_checks(app: Arc<App>) {
         app.gateway
             .health
             .retain(|key| workers.iter().any(|(w, _)| w.key == *key));
+        app.gateway
+            .approximate
+            .forget(|key| workers.iter().any(|(w, _)| w.key == *key));
         let mut checks = tokio::task::JoinSet::new();
         for (worker, _) in &workers {
             let Some(http) = worker.http.clone() else {

@@ -338,6 +338,7 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
                 "engine": worker.http.as_ref().map(|h| h.engine.as_str()),
                 "models": worker.http.as_ref().map(|h| h.models.iter().map(|m| &**m).collect::<Vec<_>>()),
                 "kv_events": if worker.approximate_kv { "approximate" } else { "events" },
+                "approximate_blocks": worker.approximate_kv.then(|| app.gateway.approximate.blocks(worker.key)),
                 "health": app.gateway.health.view(worker.key),
             })
         })
