@@ -1,0 +1,545 @@
+//! kvhint as the fleet's front door, against real llama.cpp servers (llama.cpp's
+//! own C++ HTTP server through PyPI `xllamacpp`, serving a tiny random-weight
+//! model with Qwen3's real tokenizer; see `tests/support/llamacpp.rs`): OpenAI
+//! requests go through `kvhint serve`, are tokenized with the model's tokenizer,
+//! booked, forwarded, streamed back, and released on every way out.
+
+use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
+use kvhint_e2e::{private_dir, Server, TempDir};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A worker entry for the config's `workers:` section.
+fn worker_yaml(id: u64, worker: &LlamaWorker) -> String {
+    format!(
+        "  - worker_id: {id}\n    http_endpoint: {}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
+        worker.url()
+    )
+}
+
+/// A config serving the tiny model through `workers`, with fast health checks.
+fn config(dir: &TempDir, workers: &str, gateway: &str) -> PathBuf {
+    let health = if gateway.contains("health:") {
+        ""
+    } else {
+        "  health:\n    interval_ms: 200\n    failures: 1\n    successes: 1\n"
+    };
+    let yaml = format!(
+        "router:\n  block_size: 16\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+         gateway:\n{health}{gateway}\
+         workers:\n{workers}",
+        qwen3_tokenizer_dir().display()
+    );
+    let path = dir.path().join("kvhint.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn serve(dir: &TempDir, workers: &str, gateway: &str) -> Server {
+    let config = config(dir, workers, gateway);
+    Server::start(&config, &[], dir.path())
+}
+
+/// Which worker kvhint booked, from its response header.
+fn booked_worker(response: &ureq::http::Response<ureq::Body>) -> u64 {
+    response
+        .headers()
+        .get("x-kvhint-worker")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no x-kvhint-worker header: {:?}", response.headers()))
+}
+
+/// POSTs `body` to `url`: status, worker header (0 if none), body text.
+fn call(agent: &ureq::Agent, url: &str, body: &Value) -> (u16, u64, String) {
+    let mut response = agent
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = response.status().as_u16();
+    let worker = if response.headers().contains_key("x-kvhint-worker") {
+        booked_worker(&response)
+    } else {
+        0
+    };
+    let text = response.body_mut().read_to_string().unwrap();
+    (status, worker, text)
+}
+
+/// A response with the fields that differ from one answer to the next (the
+/// completion's id, its creation time, llama.cpp's timings) taken out.
+fn stable(text: &str) -> Value {
+    let mut value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    if let Some(map) = value.as_object_mut() {
+        for key in ["id", "created", "timings"] {
+            map.remove(key);
+        }
+    }
+    value
+}
+
+/// An SSE stream's events, each made [`stable`].
+fn stable_events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .map(|data| {
+            if data.trim() == "[DONE]" {
+                Value::String("[DONE]".into())
+            } else {
+                stable(data)
+            }
+        })
+        .collect()
+}
+
+fn agent() -> ureq::Agent {
+    kvhint_e2e::llamacpp::agent()
+}
+
+fn open_bookings(server: &Server) -> u64 {
+    server.status()["open_bookings"].as_u64().unwrap()
+}
+
+/// Waits until the router holds no booking and no worker carries load.
+fn until_idle(server: &Server) {
+    server.wait_for("zero open bookings and zero load", |s| {
+        let status = s.status();
+        status["open_bookings"] == 0
+            && status["workers"].as_array().unwrap().iter().all(|w| {
+                w["load"]
+                    == json!({"active_requests": 0, "active_blocks": 0, "prefill_blocks": 0})
+            })
+    });
+}
+
+fn metric(server: &Server, name_and_labels: &str) -> f64 {
+    let (_, text) = server.get("/metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn completions_and_chats_through_kvhint_answer_as_the_worker_does() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let agent = agent();
+    let completion = json!({"model": MODEL_NAME, "prompt": "The quick brown fox jumps over", "max_tokens": 12, "temperature": 0});
+    let chat = json!({"model": MODEL_NAME, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0});
+    for (path, body) in [("/v1/completions", &completion), ("/v1/chat/completions", &chat)] {
+        let (status, worker, through) = call(&agent, &format!("{}{path}", server.base), body);
+        assert_eq!(status, 200, "{through}");
+        assert_eq!(worker, 1);
+        let (status, _, straight) = call(&agent, &format!("{}{path}", w1.url()), body);
+        assert_eq!(status, 200, "{straight}");
+        assert_eq!(stable(&through), stable(&straight), "{path}");
+        // The worker counted the prompt the router tokenized: the same tokens.
+        assert_eq!(
+            stable(&through)["usage"]["prompt_tokens"],
+            stable(&straight)["usage"]["prompt_tokens"]
+        );
+        // Streamed, with usage asked for: the same events, the usage chunk included.
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let (status, _, through) = call(&agent, &format!("{}{path}", server.base), &streamed);
+        assert_eq!(status, 200, "{through}");
+        let (_, _, straight) = call(&agent, &format!("{}{path}", w1.url()), &streamed);
+        let events = stable_events(&through);
+        assert_eq!(events, stable_events(&straight), "{path}");
+        assert!(
+            events.iter().any(|e| e["usage"]["prompt_tokens"].as_u64() > Some(0)),
+            "include_usage passed through: {through}"
+        );
+        assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
+    }
+    until_idle(&server);
+    assert_eq!(metric(&server, "kvhint_gateway_releases_total{reason=\"completed\"}"), 4.0);
+    // /v1/models lists what the healthy workers serve.
+    let (status, models) = server.get("/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], MODEL_NAME, "{models}");
+}
+
+#[test]
+fn a_completion_prompt_goes_to_the_worker_as_the_token_ids_the_router_hashed() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let agent = agent();
+    let text = "Routers hash what engines compute.";
+    // llama.cpp's own tokenizer, from the same vocabulary.
+    let (status, tokens) = w1.post("/tokenize", &json!({"content": text}));
+    assert_eq!(status, 200);
+    let ids: Vec<u64> = tokens["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    let by_text = call(
+        &agent,
+        &format!("{}/v1/completions", server.base),
+        &json!({"model": MODEL_NAME, "prompt": text, "max_tokens": 6, "temperature": 0}),
+    );
+    let by_ids = call(
+        &agent,
+        &format!("{}/v1/completions", w1.url()),
+        &json!({"model": MODEL_NAME, "prompt": ids, "max_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(by_text.0, 200, "{}", by_text.2);
+    assert_eq!(stable(&by_text.2), stable(&by_ids.2));
+    assert_eq!(
+        stable(&by_text.2)["usage"]["prompt_tokens"].as_u64(),
+        Some(ids.len() as u64)
+    );
+}
+
+#[test]
+fn repeated_long_prompts_stay_where_their_prefix_is_in_approximate_mode() {
+    // Worker 2 alone first: the long prompt lands there and is credited to it.
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(2, &w2), "  approximate_ttl_s: 600\n");
+    let agent = agent();
+    let long: String = (0..120).map(|i| format!("word{i} ")).collect();
+    let ask = |prompt: &str| {
+        call(
+            &agent,
+            &format!("{}/v1/completions", server.base),
+            &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}),
+        )
+    };
+    let (status, worker, body) = ask(&long);
+    assert_eq!((status, worker), (200, 2), "{body}");
+    // Worker 1 joins (by registration); every tie now goes to it, the lower id.
+    let (status, reply) = server.post(
+        "/workers",
+        &json!({"worker_id": 1, "role": "aggregated", "http_endpoint": w1.url(),
+                "engine": "llamacpp", "models": [MODEL_NAME], "kv_events": "approximate"}),
+    );
+    assert_eq!(status, 201, "{reply}");
+    server.wait_for("the credited blocks in status", |s| {
+        s.status()["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["worker_id"] == 2 && w["approximate_blocks"].as_u64() > Some(0))
+    });
+    for _ in 0..5 {
+        let (status, worker, body) = ask(&long);
+        assert_eq!((status, worker), (200, 2), "the prefix is on worker 2: {body}");
+    }
+    // A prompt no one holds goes to the tie's winner.
+    let (status, worker, _) = ask("An unrelated, short prompt.");
+    assert_eq!((status, worker), (200, 1));
+    let status = server.status();
+    let kinds: Vec<&Value> = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| &w["kv_events"])
+        .collect();
+    assert!(kinds.iter().all(|k| *k == "approximate"), "{status}");
+    until_idle(&server);
+}
+
+/// Sends `body` to `path` on `address` over a raw connection, so a test can
+/// close it whenever it likes.
+fn raw_post(address: &str, path: &str, body: &Value) -> TcpStream {
+    let mut stream = TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let body = body.to_string();
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    stream
+}
+
+/// Reads until `want` bytes came (or the stream ended).
+fn read_some(stream: &mut TcpStream, want: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while got.len() < want {
+        match stream.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buffer[..n]),
+        }
+    }
+    got
+}
+
+fn slots_busy(worker: &LlamaWorker) -> usize {
+    let (_, slots) = worker.get("/slots");
+    let slots: Value = serde_json::from_str(&slots).unwrap_or(Value::Null);
+    slots
+        .as_array()
+        .map_or(0, |s| s.iter().filter(|s| s["is_processing"] == true).count())
+}
+
+#[test]
+fn a_client_that_goes_away_cancels_the_engine_task_and_frees_the_booking() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let long = json!({"model": MODEL_NAME, "prompt": "Count forever:", "max_tokens": 3000,
+                      "temperature": 0, "stream": true, "ignore_eos": true});
+    let mut stream = raw_post(server.address(), "/v1/completions", &long);
+    let head = read_some(&mut stream, 600);
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("data: "), "streaming: {head}");
+    assert_eq!(open_bookings(&server), 1);
+    assert_eq!(slots_busy(&w1), 1, "the engine is generating");
+    drop(stream);
+    until_idle(&server);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while slots_busy(&w1) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the engine still runs the task after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        metric(&server, "kvhint_gateway_releases_total{reason=\"client_disconnect\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn a_killed_worker_gets_no_request_after_its_refusal_and_is_back_after_its_restart() {
+    let mut w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let dir = private_dir();
+    let workers = format!("{}{}", worker_yaml(1, &w1), worker_yaml(2, &w2));
+    let server = serve(&dir, &workers, "  circuit_open_ms: 60000\n");
+    let agent = agent();
+    let body = json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0});
+    let url = format!("{}/v1/completions", server.base);
+    assert_eq!(call(&agent, &url, &body).1, 1, "ties go to worker 1");
+    w1.kill();
+    // Every request succeeds on worker 2; only the first one tried worker 1.
+    for _ in 0..10 {
+        let (status, worker, text) = call(&agent, &url, &body);
+        assert_eq!((status, worker), (200, 2), "{text}");
+    }
+    assert!(
+        metric(&server, "kvhint_gateway_retries_total") <= 1.0,
+        "at most the first request tried the dead worker"
+    );
+    let status = server.status();
+    let w1_status = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == 1)
+        .cloned()
+        .unwrap();
+    assert_ne!(w1_status["health"]["circuit"], "closed", "{w1_status}");
+    assert!(w1_status["health"]["why"].is_string(), "status says why: {w1_status}");
+    w1.restart();
+    // Back within a health interval (200 ms here), long before the circuit's 60 s.
+    server.wait_for("worker 1 back", |s| {
+        s.status()["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["worker_id"] == 1 && w["health"]["circuit"] == "closed" && w["health"]["healthy"] == true)
+    });
+    assert_eq!(call(&agent, &url, &body).1, 1, "worker 1 takes requests again");
+    until_idle(&server);
+}
+
+#[test]
+fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = silent.local_addr().unwrap();
+    // Accepts connections and holds them, answering nothing (health checks too).
+    let held = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for stream in silent.incoming().take(8) {
+            match stream {
+                Ok(stream) => open.push(stream),
+                Err(_) => break,
+            }
+        }
+        open
+    });
+    let dir = private_dir();
+    let workers = format!(
+        "  - worker_id: 1\n    http_endpoint: http://{address}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n"
+    );
+    let server = serve(
+        &dir,
+        &workers,
+        "  idle_timeout_ms: 300\n  max_attempts: 1\n  health:\n    interval_ms: 0\n",
+    );
+    let (status, _, text) = call(
+        &agent(),
+        &format!("{}/v1/completions", server.base),
+        &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}),
+    );
+    assert_eq!(status, 504, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "idle_timeout", "{error}");
+    assert_eq!(open_bookings(&server), 0);
+    assert_eq!(
+        metric(&server, "kvhint_gateway_releases_total{reason=\"idle_timeout\"}"),
+        1.0
+    );
+    drop(server);
+    drop(held);
+}
+
+/// A small deterministic generator, so a failing run can be replayed.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+#[test]
+fn a_thousand_requests_cut_off_at_random_points_leave_nothing_open() {
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let dir = private_dir();
+    let workers = format!("{}{}", worker_yaml(1, &w1), worker_yaml(2, &w2));
+    let server = serve(&dir, &workers, "");
+    let address = server.address().to_string();
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let address = address.clone();
+            std::thread::spawn(move || {
+                let mut rng = Lcg(0x9e37_79b9 ^ t);
+                let mut ends = [0usize; 4];
+                for i in 0..125 {
+                    let stream = rng.next() % 2 == 0;
+                    let body = json!({"model": MODEL_NAME,
+                        "prompt": format!("Request {t}-{i}: {}", "lorem ipsum ".repeat((rng.next() % 40) as usize)),
+                        "max_tokens": 1 + rng.next() % 40, "temperature": 0, "stream": stream});
+                    let mut connection = raw_post(&address, "/v1/completions", &body);
+                    // Where the client goes away: 0 before the head (at once),
+                    // 1 during prefill (a few ms in), 2 mid-stream, 3 never.
+                    let cut = (rng.next() % 4) as usize;
+                    ends[cut] += 1;
+                    match cut {
+                        0 => {}
+                        1 => std::thread::sleep(Duration::from_micros(rng.next() % 3_000)),
+                        2 => {
+                            let _ = read_some(&mut connection, 1 + (rng.next() % 700) as usize);
+                        }
+                        _ => {
+                            let _ = read_some(&mut connection, usize::MAX);
+                        }
+                    }
+                    drop(connection);
+                }
+                ends
+            })
+        })
+        .collect();
+    let mut ends = [0usize; 4];
+    for thread in threads {
+        let counts = thread.join().unwrap();
+        for (total, n) in ends.iter_mut().zip(counts) {
+            *total += n;
+        }
+    }
+    assert_eq!(ends.iter().sum::<usize>(), 1000);
+    assert!(ends.iter().all(|n| *n > 150), "each way out was taken: {ends:?}");
+    until_idle(&server);
+    // Every booking the gateway made was released exactly once.
+    let (_, metrics) = server.get("/metrics");
+    let released: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvhint_gateway_releases_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let booked: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvhint_bookings_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(released, booked, "{metrics}");
+    assert!(booked > 500.0, "most requests were booked: {booked}");
+}
+
+#[test]
+fn front_door_errors_take_openai_s_shape() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", json!({"model": "nope", "prompt": "x"}).to_string(), 404, "model_not_found"),
+        ("/v1/completions", "{\"model\": ".to_string(), 400, "invalid_json"),
+        ("/v1/completions", format!("{{\"model\":\"{MODEL_NAME}\",\"prompt\":\"a\",\"prompt\":\"b\"}}"), 400, "invalid_json"),
+        ("/v1/completions", json!({"model": MODEL_NAME, "prompt": "x", "kv_hints": {}}).to_string(), 400, "client_hints_refused"),
+        ("/v1/completions", json!({"model": MODEL_NAME, "prompt": ["a", "b"]}).to_string(), 400, "batch_not_supported"),
+        ("/v1/completions", json!({"model": MODEL_NAME}).to_string(), 400, "missing_prompt"),
+        ("/v1/chat/completions", json!({"model": MODEL_NAME, "messages": []}).to_string(), 400, "invalid_prompt"),
+        ("/generate", json!({"model": MODEL_NAME, "text": "x"}).to_string(), 503, "no_workers"),
+    ];
+    for (path, body, status, code) in cases {
+        let (got, reply) = server.post_raw(path, "application/json", &body);
+        assert_eq!(got, status, "{path} {body}: {reply}");
+        assert_eq!(reply["error"]["code"], code, "{path} {body}: {reply}");
+        assert!(reply["error"]["message"].is_string(), "{reply}");
+        assert!(reply["error"]["type"].is_string(), "{reply}");
+    }
+    // Over the body limit: 413, in the same shape.
+    let big = json!({"model": MODEL_NAME, "prompt": "x".repeat(2 << 20)}).to_string();
+    let (got, reply) = server.post_raw("/v1/completions", "application/json", &big);
+    assert_eq!(got, 413, "{reply}");
+    assert_eq!(reply["error"]["code"], "payload_too_large", "{reply}");
+    assert_eq!(open_bookings(&server), 0);
+}
+
+#[test]
+fn the_client_token_guards_the_front_door_and_its_401_is_openai_shaped() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let tokens = dir.path().join("tokens");
+    std::fs::create_dir(&tokens).unwrap();
+    for (name, token) in [("admin", "admin-token-0123456789abcdef"), ("worker", "worker-token-0123456789abcdef"), ("client", "client-token-0123456789abcdef")] {
+        let file = tokens.join(name);
+        std::fs::write(&file, token).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let auth = "auth:\n  admin_token_file: tokens/admin\n  worker_token_file: tokens/worker\n  client_token_file: tokens/client\n";
+    let config = config(&dir, &worker_yaml(1, &w1), "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{auth}{text}")).unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let body = json!({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}).to_string();
+    let (status, reply) = server.post_raw("/v1/completions", "application/json", &body);
+    assert_eq!(status, 401, "{reply}");
+    assert_eq!(reply["error"]["type"], "authentication_error", "{reply}");
+    let mut response = server
+        .agent
+        .post(&format!("{}/v1/completions", server.base))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer client-token-0123456789abcdef")
+        .send(body.as_str())
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let _ = response.body_mut().read_to_string();
+}
