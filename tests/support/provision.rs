@@ -258,7 +258,7 @@ pub(crate) fn read(path: &Path) -> Result<Vec<u8>, String> {
 
 /// pip's lines worth showing while it works.
 fn pip_line(line: &str) -> bool {
-    ["Collecting", "Downloading", "Installing", "Successfully", "ERROR", "error:"]
+    ["Downloading", "Installing", "Successfully", "ERROR", "error:"]
         .iter()
         .any(|p| line.starts_with(p))
 }
