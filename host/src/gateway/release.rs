@@ -149,6 +149,12 @@ impl HttpBody for GuardedBody {
                     this.first_byte = true;
                     this.guard.prefill_done();
                 }
+                // A body of known length is done with its last byte: the server
+                // stops polling there and drops the body, which must not read
+                // as the client going away.
+                if this.inner.is_end_stream() {
+                    this.end(Release::Completed);
+                }
                 let idle = this.idle_timeout;
                 this.idle.as_mut().reset(tokio::time::Instant::now() + idle);
                 return Poll::Ready(Some(Ok(frame)));

@@ -123,8 +123,18 @@ async fn handle(
     }
 }
 
+/// A booking's request on its way to the worker.
+struct Sent {
+    prepared: Arc<Prepared>,
+    worker: WorkerKey,
+    base: Arc<str>,
+    engine: crate::domain::Engine,
+    forward: adapter::Forward,
+}
+
 /// What one booking job hands back.
 struct Booked {
+    guard: ReleaseGuard,
     prepared: Arc<Prepared>,
     worker: WorkerKey,
     base: Arc<str>,
@@ -205,7 +215,16 @@ async fn forward(
                     &request_id,
                     booking.hint.message().map(|m| m.get()),
                 );
+                // The guard exists from the moment the booking does: if the
+                // client left while this job ran, the reply is dropped unread and
+                // the guard with it, which releases the booking.
+                let guard = ReleaseGuard::new(
+                    Arc::clone(&app.router),
+                    Arc::clone(&app.gateway.stats),
+                    request_id.clone(),
+                );
                 Ok(Booked {
+                    guard,
                     prepared,
                     worker: booking.worker,
                     base: Arc::clone(&target.base),
@@ -222,13 +241,23 @@ async fn forward(
                 "every booking thread is busy and the booking queue is full; retry shortly",
             )
         })??;
-        // From here the booking is open: the guard releases it on every way out,
-        // this future being dropped (the client left) included.
-        let mut guard = ReleaseGuard::new(
-            Arc::clone(&app.router),
-            Arc::clone(&app.gateway.stats),
-            request_id.clone(),
-        );
+        // The booking is open: the guard releases it on every way out, this
+        // future being dropped (the client left) included.
+        let Booked {
+            mut guard,
+            prepared: this_prepared,
+            worker,
+            base,
+            engine,
+            forward,
+        } = booked;
+        let booked = Sent {
+            prepared: this_prepared,
+            worker,
+            base,
+            engine,
+            forward,
+        };
         prepared = Some(Arc::clone(&booked.prepared));
         match booked.forward.hint {
             HintDelivery::Delivered => {
@@ -388,7 +417,7 @@ async fn forward(
 /// The request to the booked worker: the adapter's body and headers, and the
 /// client's headers that may pass.
 fn upstream_request(
-    booked: &Booked,
+    booked: &Sent,
     client_headers: &HeaderMap,
 ) -> Result<hyper::Request<Full<Bytes>>, GatewayError> {
     let uri = format!("{}{}", booked.base, booked.forward.path);
