@@ -26,4 +26,5 @@ pub mod router;
 pub mod selection;
 pub mod service;
 pub mod snapshot;
+pub mod splice;
 pub mod wire;

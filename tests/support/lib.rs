@@ -33,6 +33,7 @@ pub use tempfile::TempDir;
 pub mod llamacpp;
 pub mod process;
 pub mod provision;
+pub mod vllm_render;
 
 /// The crates whose `.so` (and binary) the tests load.
 const WORKSPACE_ARTIFACTS: &[&str] = &[

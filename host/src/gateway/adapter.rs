@@ -16,8 +16,8 @@
 //! the model's own template, which the router renders too (with ids golden-tested
 //! equal to the engine's), so both hash the same tokens.
 
-use super::splice::{Body, Edits};
 use crate::domain::{Engine, WorkerKey};
+use crate::splice::{Body, Edits};
 
 /// The front door's routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

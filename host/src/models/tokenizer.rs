@@ -12,8 +12,10 @@
 //! rendered chat is encoded without special tokens (the template wrote them);
 //! a completion prompt with them, as vLLM does.
 
-use minijinja::value::{Kwargs, Serde, Value, ValueKind};
+use crate::splice::{Body, Edits};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use serde_json::value::RawValue;
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -175,18 +177,17 @@ impl ModelTokenizer {
         let template = env
             .get_template("chat")
             .map_err(|e| RenderError(format!("the chat template is missing: {e}")))?;
-        // Variables in the order transformers sets them; chat_template_kwargs last,
-        // so they may override any (as vLLM lets them).
+        // Variables as transformers sets them; chat_template_kwargs last, so
+        // they may override any (as vLLM lets them). Every value keeps the
+        // client's key order: `tojson` writes it, and the engine's renderer
+        // keeps it too.
         let mut context: Vec<(String, Value)> = Vec::new();
-        context.push((
-            "messages".into(),
-            Value::from(Serde(normalise_messages(&request.messages)?)),
-        ));
+        context.push(("messages".into(), normalise_messages(&request.messages)?));
         if let Some(tools) = &request.tools {
-            context.push(("tools".into(), Value::from(Serde(tools))));
+            context.push(("tools".into(), normalise_tools(tools)?));
         }
         if let Some(documents) = &request.documents {
-            context.push(("documents".into(), Value::from(Serde(documents))));
+            context.push(("documents".into(), ordered(documents.get())?));
         }
         context.push((
             "add_generation_prompt".into(),
@@ -199,9 +200,14 @@ impl ModelTokenizer {
             context.push(((*name).to_string(), Value::from(token.as_str())));
         }
         if let Some(kwargs) = &request.chat_template_kwargs {
-            for (key, value) in kwargs {
+            let kwargs = Body::parse(kwargs.get()).map_err(|e| {
+                RenderError(format!(
+                    "`chat_template_kwargs` is an object of template options: {e}"
+                ))
+            })?;
+            for (key, raw) in kwargs.fields() {
                 context.retain(|(k, _)| k != key);
-                context.push((key.clone(), Value::from(Serde(value))));
+                context.push((key.to_string(), ordered(raw)?));
             }
         }
         let rendered = template
@@ -217,6 +223,7 @@ impl ModelTokenizer {
             let last = request
                 .messages
                 .last()
+                .and_then(|m| serde_json::from_str::<serde_json::Map<String, Json>>(m.get()).ok())
                 .and_then(|m| content_text(m.get("content")?))
                 .unwrap_or_default();
             let cut = match rendered.rfind(last.as_str()).filter(|_| !last.is_empty()) {
@@ -241,20 +248,21 @@ impl ModelTokenizer {
     }
 }
 
-/// What a chat template reads from a chat request.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+/// What a chat template reads from a chat request, each part as the client wrote
+/// it (raw JSON), so that key order survives into the template.
+#[derive(Debug, Clone, serde::Deserialize)]
 pub struct ChatRequest {
-    pub messages: Vec<serde_json::Map<String, Json>>,
+    pub messages: Vec<Box<RawValue>>,
     #[serde(default)]
-    pub tools: Option<Vec<Json>>,
+    pub tools: Option<Vec<Box<RawValue>>>,
     #[serde(default)]
-    pub documents: Option<Vec<Json>>,
+    pub documents: Option<Box<RawValue>>,
     #[serde(default = "yes")]
     pub add_generation_prompt: bool,
     #[serde(default)]
     pub continue_final_message: bool,
     #[serde(default)]
-    pub chat_template_kwargs: Option<serde_json::Map<String, Json>>,
+    pub chat_template_kwargs: Option<Box<RawValue>>,
 }
 
 fn yes() -> bool {
@@ -283,27 +291,33 @@ fn content_text(content: &Json) -> Option<String> {
     }
 }
 
+/// JSON text as a template value, with every object's keys in the text's order.
+fn ordered(raw: &str) -> Result<Value, RenderError> {
+    serde_json::from_str::<Value>(raw).map_err(|e| RenderError(format!("invalid JSON: {e}")))
+}
+
 /// Messages as vLLM hands them to a template whose content format is "string":
 /// list content joined to text; anything but text parts is refused (no engine
 /// behind this router renders images from a chat template).
-fn normalise_messages(
-    messages: &[serde_json::Map<String, Json>],
-) -> Result<Vec<serde_json::Map<String, Json>>, RenderError> {
+fn normalise_messages(messages: &[Box<RawValue>]) -> Result<Value, RenderError> {
     if messages.is_empty() {
         return Err(RenderError("`messages` is empty".into()));
     }
-    messages
-        .iter()
-        .enumerate()
-        .map(|(i, message)| {
-            if !message.get("role").is_some_and(Json::is_string) {
-                return Err(RenderError(format!(
-                    "messages[{i}] has no `role` string (system, user, assistant or tool)"
-                )));
-            }
-            let mut message = message.clone();
-            if let Some(content @ Json::Array(parts)) = message.get("content") {
-                if let Some(other) = parts.iter().find(|p| {
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, message) in messages.iter().enumerate() {
+        let body =
+            Body::parse(message.get()).map_err(|e| RenderError(format!("messages[{i}]: {e}")))?;
+        if !body.raw("role").is_some_and(|r| r.starts_with('"')) {
+            return Err(RenderError(format!(
+                "messages[{i}] has no `role` string (system, user, assistant or tool)"
+            )));
+        }
+        let content: Option<Json> = body
+            .get("content")
+            .map_err(|e| RenderError(format!("messages[{i}]: {e}")))?;
+        match content {
+            Some(content @ Json::Array(_)) => {
+                if let Some(other) = content.as_array().into_iter().flatten().find(|p| {
                     !p.is_string() && p.get("type").and_then(Json::as_str) != Some("text")
                 }) {
                     return Err(RenderError(format!(
@@ -312,12 +326,60 @@ fn normalise_messages(
                         other.get("type").unwrap_or(&Json::Null)
                     )));
                 }
-                let text = content_text(content).unwrap_or_default();
-                message.insert("content".into(), Json::String(text));
+                let text = content_text(&content).unwrap_or_default();
+                let mut edits = Edits::default();
+                edits.set("content", serde_json::to_string(&text).unwrap_or_default());
+                let edited = body.edited(&edits);
+                out.push(ordered(std::str::from_utf8(&edited).unwrap_or_default())?);
             }
-            Ok(message)
-        })
-        .collect()
+            _ => out.push(ordered(message.get())?),
+        }
+    }
+    Ok(Value::from(out))
+}
+
+/// Tools as vLLM's request model hands them to the template: `{"type", "function":
+/// {"name", "description", "parameters", …}}` in that order (what `tojson`
+/// writes into the prompt), the parameters' schema in the client's order.
+fn normalise_tools(tools: &[Box<RawValue>]) -> Result<Value, RenderError> {
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, tool) in tools.iter().enumerate() {
+        let fail = |e: String| RenderError(format!("tools[{i}]: {e}"));
+        let body = Body::parse(tool.get()).map_err(|e| fail(e.to_string()))?;
+        let kind = body.raw("type").unwrap_or("\"function\"");
+        let Some(function) = body.raw("function") else {
+            return Err(fail(
+                "has no `function` (name, description, parameters)".into(),
+            ));
+        };
+        let function = Body::parse(function).map_err(|e| fail(e.to_string()))?;
+        let mut text = String::from("{");
+        let mut first = true;
+        let mut field = |text: &mut String, key: &str, raw: &str| {
+            if !std::mem::take(&mut first) {
+                text.push(',');
+            }
+            text.push_str(&serde_json::to_string(key).unwrap_or_default());
+            text.push(':');
+            text.push_str(raw);
+        };
+        const KNOWN: [&str; 3] = ["name", "description", "parameters"];
+        for key in KNOWN {
+            if let Some(raw) = function.raw(key) {
+                field(&mut text, key, raw);
+            }
+        }
+        for (key, raw) in function.fields() {
+            if !KNOWN.contains(&key) {
+                field(&mut text, key, raw);
+            }
+        }
+        text.push('}');
+        out.push(ordered(&format!(
+            "{{\"type\":{kind},\"function\":{text}}}"
+        ))?);
+    }
+    Ok(Value::from(out))
 }
 
 /// A minijinja error with its cause chain and, for a template error, the line.

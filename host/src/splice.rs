@@ -1,8 +1,10 @@
-//! A client's JSON body, edited in place: fields replaced, added or removed by
+//! A client's JSON object, edited in place: fields replaced, added or removed by
 //! their byte ranges, everything else passed to the engine exactly as the client
 //! wrote it. Re-serialising would reorder keys, rewrite numbers (`1e3`, `0.10`)
 //! and escapes, and drop what a typed model does not know; the engine must see
-//! the client's request, with only the router's fields changed.
+//! the client's request, with only the router's fields changed; and a chat
+//! template must see the client's keys in the client's order. A leaf: it imports
+//! nothing of the crate.
 
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
@@ -85,6 +87,13 @@ impl<'a> Body<'a> {
                 .map(Some)
                 .map_err(|e| format!("`{key}`: {e}")),
         }
+    }
+
+    /// Each field's key and raw value, in the body's order.
+    pub fn fields(&self) -> impl Iterator<Item = (&str, &'a str)> + '_ {
+        self.fields
+            .iter()
+            .map(|(k, range, _)| (k.as_str(), &self.text[range.clone()]))
     }
 
     pub fn has(&self, key: &str) -> bool {
