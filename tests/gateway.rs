@@ -466,7 +466,7 @@ fn a_thousand_requests_cut_off_at_random_points_leave_nothing_open() {
                 let mut rng = Lcg(0x9e37_79b9 ^ t);
                 let mut ends = [0usize; 4];
                 for i in 0..125 {
-                    let stream = rng.next() % 2 == 0;
+                    let stream = rng.next().is_multiple_of(2);
                     let body = json!({"model": MODEL_NAME,
                         "prompt": format!("Request {t}-{i}: {}", "lorem ipsum ".repeat((rng.next() % 40) as usize)),
                         "max_tokens": 1 + rng.next() % 40, "temperature": 0, "stream": stream});
