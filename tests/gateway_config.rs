@@ -1,0 +1,177 @@
+//! The gateway's config sections (`models:`, `workers:`, `gateway:`) and a worker
+//! registration's HTTP fields: every mistake is refused with its place (file,
+//! YAML path, line and column, or the API field) and what to write instead. Each
+//! case asserts the whole list of errors.
+
+use kvhint_e2e::{config_file, private_dir, snapshot_of, Server};
+use serde_json::json;
+
+/// Every error for a config, each as `kvhint check` prints it (the temporary
+/// directory cut off).
+fn errors(yaml: &str) -> Vec<String> {
+    let fixture = config_file(yaml);
+    match snapshot_of(&fixture, None) {
+        Ok(_) => Vec::new(),
+        Err(errors) => errors
+            .0
+            .iter()
+            .map(|e| {
+                let text = e.to_string();
+                match text.find("kvhint.yaml") {
+                    Some(i) => text[i..].to_string(),
+                    None => text,
+                }
+            })
+            .collect(),
+    }
+}
+
+const ROLES: &str = "worker_selection:\n  aggregated: dynamo-default-cost-fn\n";
+
+#[test]
+fn a_worker_entry_s_mistakes_are_each_located() {
+    let yaml = format!(
+        "{ROLES}workers:\n\
+         \x20 - worker_id: 1\n\
+         \x20   http_endpoint: https://10.0.0.7:8000\n\
+         \x20   engine: vllm\n\
+         \x20   models: [m]\n\
+         \x20 - worker_id: 2\n\
+         \x20   http_endpoint: http://10.0.0.8\n\
+         \x20   engine: tgi\n\
+         \x20   models: []\n\
+         \x20   kv_events: sometimes\n\
+         \x20 - worker_id: 3\n\
+         \x20   engin: sglang\n"
+    );
+    assert_eq!(
+        errors(&yaml),
+        vec![
+            "kvhint.yaml:5:20: workers[0].http_endpoint: http_endpoint is \"https://10.0.0.7:8000\": the gateway speaks plain HTTP to workers (put TLS in front of the router, not between it and the engines); write it like http://10.0.0.7:8000",
+            "kvhint.yaml:9:20: workers[1].http_endpoint: http_endpoint is \"http://10.0.0.8\": name the port, like http://10.0.0.7:8000",
+            "kvhint.yaml:10:13: workers[1].engine: unknown engine `tgi`; expected one of: vllm, sglang, trtllm, llamacpp, openai",
+            "kvhint.yaml:11:13: workers[1].models: `models` is a non-empty list of model names, like [qwen3-8b]",
+            "kvhint.yaml:12:16: workers[1].kv_events: `kv_events` is `approximate` (the engine publishes none) or where it publishes, {endpoint: tcp://…, replay_endpoint: …}",
+            "kvhint.yaml:13:5: workers[2]: a worker needs `http_endpoint`: where the engine serves HTTP, like http://10.0.0.7:8000",
+            "kvhint.yaml:13:5: workers[2]: a worker needs `engine`: which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
+            "kvhint.yaml:13:5: workers[2]: a worker needs `models`: the model names it serves, as clients write them in `model`",
+            "kvhint.yaml:14:5: workers[2].engin: unknown key `engin` (did you mean `engine`?); expected one of: worker_id, dp_size, role, runtime_data, http_endpoint, engine, models, kv_events",
+        ]
+    );
+}
+
+#[test]
+fn a_model_without_its_tokenizer_names_the_file() {
+    let found = errors(&format!(
+        "{ROLES}models:\n  qwen3:\n    tokenizer: no-such-dir\n"
+    ));
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].starts_with("kvhint.yaml:4:3: models.qwen3.tokenizer: ")
+            && found[0].ends_with(
+                "no-such-dir/tokenizer.json: not found: a model's tokenizer directory holds the tokenizer.json and tokenizer_config.json its engine loads (as on the model's hub page); point `tokenizer` at the model's tokenizer directory"
+            ),
+        "{found:#?}"
+    );
+    assert_eq!(
+        errors(&format!("{ROLES}models:\n  other:\n    role: decode\n")),
+        vec![
+            "kvhint.yaml:4:3: models.other: a model needs `tokenizer`: the directory holding its tokenizer.json and tokenizer_config.json (the files its engine loads)"
+        ]
+    );
+}
+
+#[test]
+fn a_model_booked_under_a_role_the_config_does_not_configure_is_refused() {
+    let tokenizer = kvhint_e2e::llamacpp::qwen3_tokenizer_dir();
+    assert_eq!(
+        errors(&format!(
+            "{ROLES}models:\n  m:\n    tokenizer: {}\n    role: decode\n",
+            tokenizer.display()
+        )),
+        vec![
+            "kvhint.yaml:4:3: models.m.role: model m is booked under role decode, which `worker_selection` does not configure: add `worker_selection.decode` or set this model's `role`"
+        ]
+    );
+}
+
+#[test]
+fn a_broken_tokenizer_file_is_a_located_error() {
+    let dir = private_dir();
+    std::fs::write(
+        dir.path().join("tokenizer.json"),
+        "{\"not\": \"a tokenizer\"}",
+    )
+    .unwrap();
+    let yaml = format!(
+        "{ROLES}models:\n  m:\n    tokenizer: {}\n",
+        dir.path().display()
+    );
+    let found = errors(&yaml);
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].starts_with("kvhint.yaml:4:3: models.m.tokenizer: ")
+            && found[0].contains("tokenizer.json: not a tokenizer HF tokenizers can load"),
+        "{found:#?}"
+    );
+}
+
+#[test]
+fn gateway_settings_out_of_range_are_located() {
+    let yaml = format!(
+        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n"
+    );
+    assert_eq!(
+        errors(&yaml),
+        vec![
+            "kvhint.yaml:4:17: gateway.max_attempts: expected a whole number from 1 to 10, found `0`",
+            "kvhint.yaml:5:20: gateway.idle_timeout_ms: expected a whole number from 1 to 86400000, found `fast`",
+            "kvhint.yaml:7:15: gateway.health.failures: expected a whole number from 1 to 100, found `0`",
+            "kvhint.yaml:8:5: gateway.health.every: unknown key `every`; expected one of: interval_ms, timeout_ms, failures, successes",
+        ]
+    );
+}
+
+#[test]
+fn a_registration_s_http_fields_are_checked_and_the_error_names_the_field() {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(&config, ROLES).unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let cases = [
+        (
+            json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000/v1", "engine": "vllm", "models": ["m"]}),
+            "worker 1 rank 0: http_endpoint is \"http://10.0.0.7:8000/v1\": only a scheme, host and port, like http://10.0.0.7:8000 (no path, query or user info)",
+        ),
+        (
+            json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000", "models": ["m"]}),
+            "worker 1 rank 0: engine is missing: say which engine serves http://10.0.0.7:8000 (vllm, sglang, trtllm, llamacpp, openai)",
+        ),
+        (
+            json!({"worker_id": 1, "role": "aggregated", "engine": "vllm", "models": ["m"]}),
+            "worker 1 rank 0: http_endpoint is missing: `engine` and `models` say how the gateway forwards to a worker, which needs its http_endpoint, like http://10.0.0.7:8000",
+        ),
+        (
+            json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000", "engine": "vllm", "models": []}),
+            "worker 1 rank 0: models is empty: list the model names http://10.0.0.7:8000 serves, as clients name them in `model`",
+        ),
+    ];
+    for (body, detail) in cases {
+        let (status, reply) = server.post("/workers", &body);
+        assert_eq!(status, 422, "{body}: {reply}");
+        assert_eq!(reply["detail"], detail, "{body}: {reply}");
+    }
+    let (status, reply) = server.post(
+        "/workers",
+        &json!({"worker_id": 1, "role": "aggregated", "engine": "nginx"}),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["detail"]
+            .as_str()
+            .unwrap()
+            .contains("unknown variant `nginx`"),
+        "{reply}"
+    );
+    assert_eq!(server.status()["workers"], json!([]));
+}
