@@ -146,7 +146,15 @@ enum Command {
     /// what it is, so a library that crashes on load kills this process and
     /// not the router (the router runs it before opening any library).
     #[command(name = "__probe-plugin", hide = true)]
-    ProbePlugin { file: PathBuf },
+    ProbePlugin {
+        file: PathBuf,
+        /// The pipe to answer on (given by the router).
+        #[arg(long, value_name = "FD")]
+        answer_fd: Option<i32>,
+        /// The pipe the probe's nonce comes on (given by the router).
+        #[arg(long, value_name = "FD")]
+        nonce_fd: Option<i32>,
+    },
 }
 
 /// `serve` is a daemon whose reloads an operator wants to see; the other
@@ -250,9 +258,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             files,
             cache_dir,
         } => plugins(config, plugins_dir, files, cache_dir),
-        Command::ProbePlugin { file } => {
-            println!("{}", kvhint::loader::probe::child(&file));
-            Ok(ExitCode::SUCCESS)
+        Command::ProbePlugin {
+            file,
+            answer_fd,
+            nonce_fd,
+        } => {
+            let code = kvhint::loader::probe::child(&file, answer_fd, nonce_fd);
+            Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
     }
 }
