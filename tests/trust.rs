@@ -850,3 +850,121 @@ fn auth_and_limit_mistakes_are_located_and_check_reads_the_token_files() {
         drop(dir);
     }
 }
+
+/// Issue 28, item 3: token files got only a mode check, so one another user owns
+/// (mode 600), or one in a directory others can write, was taken: that user chose
+/// the tokens at the next reload. They get the loader's StrictModes walk.
+#[test]
+fn a_token_file_another_user_owns_or_in_a_directory_others_can_write_is_refused() {
+    // Owned by another user (only root can make one here).
+    if unsafe { libc::geteuid() } == 0 {
+        let (dir, config) = setup("", true);
+        let token = dir.path().join("worker.token");
+        std::os::unix::fs::chown(&token, Some(65534), Some(65534)).unwrap();
+        let (ok, err) = check(&config);
+        assert!(!ok, "{err}");
+        assert!(err.contains(":3:22: auth.worker_token_file: "), "{err}");
+        assert!(
+            err.contains(
+                "is owned by uid 65534, not by the router's user (uid 0) or root; run `chown 0"
+            ),
+            "{err}"
+        );
+    }
+    // In a directory others can write (the token file itself is 600 and ours).
+    let (dir, config) = setup("", true);
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    write_token(
+        &open.join("admin.token"),
+        "admin-other-dir-0123456789abcdef",
+    );
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "admin_token_file: admin.token",
+        "admin_token_file: open/admin.token",
+    );
+    std::fs::write(&config, text).unwrap();
+    let (ok, err) = check(&config);
+    assert!(!ok, "{err}");
+    assert!(err.contains(":2:21: auth.admin_token_file: "), "{err}");
+    assert!(
+        err.contains("is writable by group or others (mode 0777")
+            && err.contains("another user could choose the router's API tokens; run `chmod go-w"),
+        "{err}"
+    );
+    // A symlink to it from a safe directory is followed, and refused the same.
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (ok, err) = check(&config);
+    assert!(ok, "{err}");
+    let ancestor = dir.path().join("group-writable");
+    std::fs::create_dir(&ancestor).unwrap();
+    std::fs::set_permissions(&ancestor, std::fs::Permissions::from_mode(0o775)).unwrap();
+    std::fs::rename(&open, ancestor.join("open")).unwrap();
+    std::os::unix::fs::symlink(ancestor.join("open"), &open).unwrap();
+    let (ok, err) = check(&config);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("group-writable is writable by group or others (mode 0775"),
+        "{err}"
+    );
+}
+
+/// Issue 28, item 7: without auth only the first `Host` was checked, and an
+/// absolute-form target naming another host passed. A second `Host` is 400; the
+/// target's authority is checked; every `Origin` is.
+#[test]
+fn without_auth_a_second_host_or_an_absolute_target_naming_another_host_is_refused() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, &[], dir.path());
+    let raw = |head: &str, body: &str| {
+        let mut stream = TcpStream::connect(server.address()).unwrap();
+        let request = format!(
+            "{head}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).unwrap();
+        let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(10));
+        answer
+    };
+    let body = worker_body(66).to_string();
+    let attacks = [
+        (
+            "POST /workers HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example",
+            "HTTP/1.1 400",
+            "duplicate_host",
+        ),
+        (
+            "POST /workers HTTP/1.1\r\nHost: evil.example\r\nHost: 127.0.0.1",
+            "HTTP/1.1 400",
+            "duplicate_host",
+        ),
+        (
+            "POST http://evil.example/workers HTTP/1.1\r\nHost: 127.0.0.1",
+            "HTTP/1.1 403",
+            "forbidden_host",
+        ),
+        (
+            "POST http://evil.example:80/workers HTTP/1.1\r\nHost: localhost",
+            "HTTP/1.1 403",
+            "forbidden_host",
+        ),
+        (
+            "POST /workers HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://localhost\r\nOrigin: https://evil.example",
+            "HTTP/1.1 403",
+            "cross_origin_refused",
+        ),
+    ];
+    for (head, status, code) in attacks {
+        let answer = raw(head, &body);
+        assert!(answer.starts_with(status), "{head}\n{answer}");
+        assert!(answer.contains(code), "{head}\n{answer}");
+    }
+    assert_eq!(server.status()["workers"], json!([]));
+    // An absolute-form target naming loopback is served.
+    let answer = raw(
+        "POST http://127.0.0.1/workers HTTP/1.1\r\nHost: 127.0.0.1",
+        &body,
+    );
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+}
