@@ -587,6 +587,7 @@ pub async fn serve(
     let sweeper = tokio::spawn(expire_bookings(Arc::clone(&app)));
 
     let metrics = Arc::clone(&app.metrics);
+    let stopping = Arc::clone(&app);
     listener::serve(
         listener,
         routes(app, options.max_body_bytes),
@@ -602,7 +603,12 @@ pub async fn serve(
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
             }
-            tracing::info!("shutting down");
+            // A reload in flight is abandoned (its probe killed) and queued ones
+            // are dropped: the exit waits for neither (each could otherwise run a
+            // whole probe timeout).
+            stopping.reloader.shut_down();
+            let probes_killed = crate::loader::probe::abandon_all();
+            tracing::info!(probes_killed, "shutting down");
         },
         std::time::Duration::from_secs(10),
     )
