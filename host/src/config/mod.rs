@@ -12,7 +12,7 @@ mod kv_events;
 mod yaml;
 
 pub use auth::AuthConfig;
-pub use kv_events::{ConfiguredSource, KvEventsConfig};
+pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
 use std::fmt;

@@ -164,6 +164,11 @@ fn membership_error(error: MembershipError) -> ApiError {
     match error {
         MembershipError::Router(e) => e.into(),
         MembershipError::Attach(AttachError::Source(e)) => ApiError::bad_request(e.to_string()),
+        MembershipError::Attach(e @ AttachError::Full { .. }) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_sources",
+            e.to_string(),
+        ),
         MembershipError::Attach(e @ AttachError::Spawn(_)) => {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
         }
@@ -450,6 +455,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
             ..SubscriberOptions::default()
         },
     ));
+    engine_events.set_max_sources(config.kv_events.max_sources as usize);
     let failures = engine_events.apply_config(&router, &config.kv_events);
     if !failures.is_empty() {
         return Err(config::ConfigErrors(
@@ -564,7 +570,10 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {}", options.listen))?;
     let address = listener.local_addr()?;
-    let connections = options.connections.capped_by_file_limit();
+    // Each KV-event source holds descriptors too: they are kept out of the budget,
+    // so subscriptions can never starve connections (or a reload) of descriptors.
+    let for_sources = app.engine_events.max_sources() as u64 * crate::engine_events::FDS_PER_SOURCE;
+    let connections = options.connections.capped_by_file_limit(for_sources);
     println!("listening on {address}");
     tracing::info!(
         %address,
