@@ -968,3 +968,86 @@ fn without_auth_a_second_host_or_an_absolute_target_naming_another_host_is_refus
     );
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
 }
+
+/// Issue 28, item 4: a worker token could delete files: a source with
+/// `"bind": true` on `ipc://PATH` made libzmq unlink PATH. A bound path must not
+/// exist (or be a socket the router bound) and sit in a directory only the
+/// router's user can write; otherwise 400 naming the field. Sources are capped
+/// (`kv_events.max_sources`), and their descriptors kept out of the connection
+/// budget: about 400 unreachable sources used to exhaust 1,024 descriptors.
+#[test]
+fn a_worker_token_cannot_make_the_router_delete_a_file_and_sources_are_capped() {
+    let (dir, config) = setup("kv_events:\n  max_sources: 4\n", true);
+    let mut shell = Command::new("sh");
+    shell
+        .arg("-c")
+        .arg("ulimit -n 256 && exec \"$0\" \"$@\"")
+        .arg(kvhint_bin());
+    let server = Server::start_command(shell, &config, &[], dir.path());
+    let register = |id: u64, source: Value| {
+        let body =
+            json!({"worker_id": id, "role": "decode", "runtime_data": {}, "kv_events": source});
+        call(&server, "POST", "/workers", Some(WORKER), &[], Some(&body))
+    };
+    let victim = dir.path().join("victim.txt");
+    std::fs::write(&victim, "precious").unwrap();
+    let open_dir = dir.path().join("open");
+    std::fs::create_dir(&open_dir).unwrap();
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let refused = [
+        (
+            format!("ipc://{}", victim.display()),
+            "names an existing file; binding it would delete it",
+        ),
+        (
+            format!("ipc://{}", dir.path().display()),
+            "names an existing directory",
+        ),
+        (
+            "ipc://relative.sock".to_string(),
+            "must name an absolute path",
+        ),
+        (
+            format!("ipc://{}/kv.sock", open_dir.display()),
+            "which is not a directory only the router's user (or root) can write",
+        ),
+    ];
+    for (endpoint, why) in &refused {
+        let (status, body, _) = register(1, json!({"endpoint": endpoint, "bind": true}));
+        assert_eq!(status, 400, "{endpoint}: {body}");
+        let detail = body["detail"].as_str().unwrap_or_default();
+        assert!(detail.starts_with("kv_events.endpoint "), "{body}");
+        assert!(detail.contains(why), "{endpoint}: {body}");
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert_eq!(status_with(&server, ADMIN)["workers"], json!([]));
+    // A new path in a private directory is bound; registering again keeps it.
+    let socket = format!("ipc://{}/kv.sock", dir.path().display());
+    let (status, body, _) = register(1, json!({"endpoint": socket, "bind": true}));
+    assert_eq!(status, 201, "{body}");
+    let (status, body, _) = register(1, json!({"endpoint": socket, "bind": true}));
+    assert_eq!(status, 200, "{body}");
+    // Up to the cap, sources are taken: 3 more (unreachable) engines, then 503.
+    let mut taken = 1;
+    let mut full = 0;
+    for id in 2..=20 {
+        let (status, body, _) = register(
+            id,
+            json!({"endpoint": format!("tcp://127.0.0.1:{}", 1000 + id)}),
+        );
+        match status {
+            201 => taken += 1,
+            503 => {
+                assert_eq!(body["error"], "too_many_sources", "{body}");
+                full += 1;
+            }
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert_eq!((taken, full), (4, 16));
+    // The connection cap leaves the sources' descriptors free: 256 - 64 - 4 × 4.
+    assert!(server.log().contains("now=176"), "{}", server.log());
+    // And a reload still works.
+    let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
+    assert_eq!(status, 200, "{body}");
+}

@@ -26,7 +26,7 @@ pub struct KvEventsConfig {
 }
 
 /// The default of `kv_events.max_sources`.
-pub const DEFAULT_MAX_SOURCES: u64 = 128;
+pub const DEFAULT_MAX_SOURCES: u64 = 64;
 
 impl Default for KvEventsConfig {
     fn default() -> Self {

@@ -166,7 +166,10 @@ impl EngineEvents {
     /// user or root can write, or one the config's sources bind in.
     fn check_bound_path(&self, endpoints: &Endpoints, origin: Origin) -> Result<(), SourceError> {
         use std::os::unix::fs::FileTypeExt;
-        let Some(path) = endpoints.bind.then(|| endpoints.events.strip_prefix("ipc://")).flatten()
+        let Some(path) = endpoints
+            .bind
+            .then(|| endpoints.events.strip_prefix("ipc://"))
+            .flatten()
         else {
             return Ok(());
         };
@@ -202,7 +205,8 @@ impl EngineEvents {
             }
         }
         let dir = path.parent().unwrap_or(Path::new("/"));
-        let named = origin == Origin::Config || self.config_ipc_dirs.lock().iter().any(|d| d == dir);
+        let named =
+            origin == Origin::Config || self.config_ipc_dirs.lock().iter().any(|d| d == dir);
         if !named && !is_private_dir(dir) {
             return Err(fail(format!(
                 "`ipc://{}` with `bind: true` is in {}, which is not a directory only the router's user (or root) can write, nor one the config's kv_events.sources bind in; bind under such a directory (mkdir -m 700 /run/kvhint)",

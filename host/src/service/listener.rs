@@ -54,10 +54,20 @@ impl Default for ConnectionLimits {
 impl ConnectionLimits {
     /// File descriptors kept back from connections: the plugins, the cache, the
     /// watch, engine sockets and log files need some too.
-    const RESERVED_FDS: u64 = 64;
+    pub const RESERVED_FDS: u64 = 64;
 
     /// These limits with the cap lowered to what the process's file-descriptor
     /// limit (`ulimit -n`) allows, and a warning if it had to be.
+    /// The process's open-files limit (`ulimit -n`), if it can be read.
+    pub fn open_files_limit() -> Option<u64> {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the struct it is given and nothing else.
+        (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit.rlim_cur)
+    }
+
     /// `for_sources` descriptors are kept for KV-event sources on top of
     /// [`Self::RESERVED_FDS`].
     pub fn capped_by_file_limit(self, for_sources: u64) -> Self {

@@ -572,7 +572,26 @@ pub async fn serve(
     let address = listener.local_addr()?;
     // Each KV-event source holds descriptors too: they are kept out of the budget,
     // so subscriptions can never starve connections (or a reload) of descriptors.
-    let for_sources = app.engine_events.max_sources() as u64 * crate::engine_events::FDS_PER_SOURCE;
+    // They take at most half of what the limit leaves: a lower `ulimit -n` lowers
+    // the source cap too, with a warning.
+    let per_source = crate::engine_events::FDS_PER_SOURCE;
+    let mut sources = app.engine_events.max_sources() as u64;
+    if let Some(limit) = listener::ConnectionLimits::open_files_limit() {
+        let most =
+            (limit.saturating_sub(listener::ConnectionLimits::RESERVED_FDS) / 2 / per_source)
+                .max(1);
+        if sources > most {
+            tracing::warn!(
+                max_sources = sources,
+                open_files_limit = limit,
+                now = most,
+                "kv_events.max_sources is more than the open-files limit leaves room for; lowered (raise `ulimit -n` for more)"
+            );
+            sources = most;
+            app.engine_events.set_max_sources(most as usize);
+        }
+    }
+    let for_sources = sources * per_source;
     let connections = options.connections.capped_by_file_limit(for_sources);
     println!("listening on {address}");
     tracing::info!(
