@@ -167,6 +167,21 @@ fn default_log_level() -> &'static str {
     }
 }
 
+/// The first code of this process that runs: SIGHUP is ignored from here until
+/// `serve` installs its handler (the other commands restore the default in
+/// `main`). An entry in `.preinit_array` runs once the dynamic loader has mapped
+/// and relocated the program, before any library's initialisers (libstdc++'s,
+/// the Rust runtime's) and `main`: a hangup sent between `exec` and `main` used
+/// to end a starting `serve`. What is left is the dynamic loader's own work before
+/// any code of this program can run (see the README, "Reload without restart").
+extern "C" fn ignore_hangups_at_start() {
+    ignore_hangups(true);
+}
+
+#[used]
+#[link_section = ".preinit_array"]
+static IGNORE_HANGUPS_AT_START: extern "C" fn() = ignore_hangups_at_start;
+
 /// Sets what a SIGHUP does until a handler exists: ignored, or the default
 /// (the process ends).
 fn ignore_hangups(ignore: bool) {
