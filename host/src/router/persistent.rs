@@ -533,7 +533,10 @@ mod tests {
             seq.upsert(Item(20_000, "replaced")),
             seq.remove(30_000),
         ] {
-            let new = nodes(&changed).into_iter().filter(|n| !before.contains(n)).count();
+            let new = nodes(&changed)
+                .into_iter()
+                .filter(|n| !before.contains(n))
+                .count();
             // The leaf and each inner node above it (four levels here), one more
             // a level where a node splits.
             assert!(new <= 8, "{new} nodes copied");
