@@ -388,3 +388,96 @@ fn parse_and_rule_errors_are_sorted_in_file_order() {
     assert!(found[0].starts_with("kvhint.yaml:4:3:"), "{found:?}");
     assert!(found[1].starts_with("kvhint.yaml:6:9:"), "{found:?}");
 }
+
+/// Issue 28, item 1: yaml-rust reads a NUL as the end of the input, so one in a
+/// comment silently dropped everything after it (an `auth:` section, and `serve`
+/// started unauthenticated). Every character YAML forbids is a located error.
+#[test]
+fn a_nul_or_another_forbidden_control_character_is_a_located_error_never_the_end() {
+    let nul = "router:\n  block_size: 16\n# a note \u{0} here\nauth:\n  admin_token_file: admin.token\nworker_selection:\n  decode: kvcr\n";
+    assert_eq!(
+        errors(nul),
+        vec!["kvhint.yaml:3:10: the control character U+0000 (NUL) is not allowed in YAML, not even in a comment or a quoted string, and nothing after it would be read; delete it (in a double-quoted string, write it as the escape `\\u0000`)".to_string()]
+    );
+    // An escape character in a value, a DEL in a key and a C1 control in a quoted
+    // string: each at its own line and column, in file order.
+    let found = errors("router:\n  block_size: 1\u{1b}6\nworker_selection:\n  de\u{7f}code: kvcr\n  \"x\u{9b}\": 1\n");
+    let places: Vec<&str> = found
+        .iter()
+        .map(|e| &e[..e.find(": the").unwrap_or(0)])
+        .collect();
+    assert_eq!(
+        places,
+        ["kvhint.yaml:2:16", "kvhint.yaml:4:5", "kvhint.yaml:5:5"],
+        "{found:#?}"
+    );
+    assert!(found[0].contains("U+001B (ESC)"), "{found:#?}");
+    assert!(found[1].contains("U+007F (DEL)"), "{found:#?}");
+    assert!(
+        found[2].contains("U+009B (a C1 control character)"),
+        "{found:#?}"
+    );
+    // Tab and CR LF are allowed.
+    assert_eq!(
+        errors("worker_selection:\r\n  decode:\t kvcr\n"),
+        Vec::<String>::new()
+    );
+    // `check` refuses the file: it never prints `auth: none` for it.
+    let fixture = config_file(nul);
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--config"])
+        .arg(&fixture.path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(":3:10: the control character U+0000 (NUL)"),
+        "{stderr}"
+    );
+    assert!(!String::from_utf8_lossy(&output.stdout).contains("auth: none"));
+}
+
+/// Issue 26, item 8: an unclosed flow sequence was reported where the file ends;
+/// the message now says where the `[` is.
+#[test]
+fn an_unclosed_flow_sequence_names_the_bracket_that_opened_it() {
+    let found = errors("worker_selection:\n  decode:\n    type: kvcr\n    hints: [kv_fetch\n");
+    assert_eq!(
+        found,
+        vec!["kvhint.yaml:5:1: invalid YAML: while parsing a flow sequence, expected ',' or ']'; the flow sequence opened by the `[` at line 4, column 12 is never closed: add its `]` (or write the items as a block list, one `- item` a line)".to_string()]
+    );
+}
+
+/// Issue 28, item 5: every error used to rescan the whole text to clamp its
+/// position, so 100,000 unknown keys took over a minute. The text is scanned once
+/// per parse, however many errors it has (counted, not timed).
+#[test]
+fn locating_errors_scans_the_text_once_however_many_there_are() {
+    let file = std::path::Path::new("/nonexistent/kvhint.yaml");
+    let config = |unknown: usize| {
+        let mut text = String::from("worker_selection:\n  decode: kvcr\n");
+        for i in 0..unknown {
+            text.push_str(&format!("unknown_key_{i}: 1\n"));
+        }
+        text
+    };
+    let mut scans = Vec::new();
+    for unknown in [10, 20_000] {
+        let text = config(unknown);
+        let before = kvhint::config::text_scans();
+        let (_, found) = kvhint::config::parse_lenient(file, &text);
+        scans.push(kvhint::config::text_scans() - before);
+        assert_eq!(found.len(), unknown);
+        let last = &found[unknown - 1].to_string();
+        assert!(
+            last.contains(&format!(
+                ":{}:1: unknown_key_{}: unknown key",
+                unknown + 2,
+                unknown - 1
+            )),
+            "{last}"
+        );
+    }
+    assert_eq!(scans, [1, 1]);
+}

@@ -741,3 +741,168 @@ fn hot_add_cost_of_a_new_build_per_trial() {
         );
     }
 }
+
+/// Issue 28, item 2: a constructor that printed the probe's success line on
+/// stdout and exited was taken for a good probe, and the router then opened the
+/// library itself (and exited with it). The probe answers on its own pipe, with a
+/// nonce the library never sees: a library that ends the probe before the probe
+/// answers is refused, and `check` and `plugins` never open it.
+#[test]
+fn a_constructor_that_prints_the_probes_answer_and_exits_is_refused() {
+    let dir = private_dir();
+    mkdir(&dir.path().join("plugins"), 0o700);
+    copy_so(
+        "fixture_ctor_impersonate",
+        &dir.path().join("plugins/libfixture_ctor_impersonate.so"),
+    );
+    let config = config_in(dir.path(), "  directory: plugins\n");
+    for command in ["check", "plugins"] {
+        let output = run(Command::new(kvhint_bin())
+            .args([command, "--config"])
+            .arg(&config));
+        let all = assert_refused(&output);
+        assert!(
+            all.contains("libfixture_ctor_impersonate.so")
+                && all.contains("so it did not come from the probe")
+                && all.contains("the router did not open it"),
+            "{command}: {all}"
+        );
+        // Its constructor never ran in the router: nothing of its line is here.
+        assert!(
+            !String::from_utf8_lossy(&output.stdout).contains("kvhint-probe"),
+            "{all}"
+        );
+    }
+}
+
+/// The pids of processes whose command line contains `needle`.
+fn processes_with(needle: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Issue 28, item 2: a constructor that forks left its child behind, sleeping,
+/// after the probe ended (and the router, opening the library after it, forked
+/// too). The probe kills every process the library starts — in its process
+/// group or not (`setsid`) — and refuses the library.
+#[test]
+fn a_constructor_that_forks_leaves_no_process_behind_and_is_refused() {
+    for fork in ["group", "setsid"] {
+        let dir = private_dir();
+        mkdir(&dir.path().join("plugins"), 0o700);
+        copy_so(
+            "fixture_ctor_fork",
+            &dir.path().join("plugins/libfixture_ctor_fork.so"),
+        );
+        let config = config_in(dir.path(), "  directory: plugins\n");
+        let output = run(Command::new(kvhint_bin())
+            .env("FIXTURE_FORK", fork)
+            .args(["check", "--config"])
+            .arg(&config));
+        let all = assert_refused(&output);
+        assert!(
+            all.contains("libfixture_ctor_fork.so")
+                && all.contains(
+                    "started 1 process (its initialisation code forks), which the probe killed"
+                ),
+            "{fork}: {all}"
+        );
+        // Nothing it started is left: neither a copy of the probe nor of `check`.
+        let config_text = config.display().to_string();
+        let mut left = Vec::new();
+        for _ in 0..100 {
+            left = processes_with("libfixture_ctor_fork");
+            left.extend(processes_with(&config_text));
+            if left.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for pid in &left {
+            // SAFETY: a signal to a process this test's command left behind.
+            unsafe {
+                libc::kill(*pid, libc::SIGKILL);
+            }
+        }
+        assert_eq!(left, Vec::<i32>::new(), "{fork}: processes left behind");
+    }
+}
+
+/// Issue 28, item 6: SIGTERM during a reload whose probe hangs took 38.7 s to
+/// exit (the reload in flight, then a queued one, each ran a whole probe
+/// timeout) against the documented 10 s. On shutdown the reload in flight is
+/// abandoned (its probe killed) and the queued one dropped. The probe timeout
+/// here is two minutes; the exit is waited for a bounded 30 s.
+#[test]
+fn sigterm_during_a_reload_whose_probe_hangs_exits_at_once_and_kills_the_probe() {
+    let dir = private_dir();
+    mkdir(&dir.path().join("plugins"), 0o700);
+    copy_so(
+        "harness_prefetch",
+        &dir.path().join("plugins/libharness_prefetch.so"),
+    );
+    let config = config_in(
+        dir.path(),
+        "  directory: plugins\n  cache_dir: cache\n  probe_timeout_ms: 120000\n",
+    );
+    let mut command = Command::new(kvhint_bin());
+    command.env("FIXTURE_CTOR", "hang");
+    let mut server = Server::start_command(command, &config, &[], dir.path());
+    // A library whose constructor hangs, dropped in: the reload's probe hangs.
+    kvhint_e2e::drop_in(
+        &dir.path().join("plugins/libfixture_ctor_abort.so"),
+        &std::fs::read(plugin_so("fixture_ctor_abort")).unwrap(),
+    )
+    .unwrap();
+    let cache = dir.path().join("cache").display().to_string();
+    let probe_running = || !processes_with(&format!("{cache}/libfixture_ctor_abort")).is_empty();
+    server.wait_for("the hung probe", |_| probe_running());
+    // A second reload queues behind it.
+    let pid = server.child.id() as i32;
+    // SAFETY: signals to the child this test started.
+    unsafe {
+        libc::kill(pid, libc::SIGHUP);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut status = None;
+    while Instant::now() < deadline {
+        status = server.child.try_wait().unwrap();
+        if status.is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = server.log();
+    let status = status.unwrap_or_else(|| panic!("serve did not exit within 30 s:\n{log}"));
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(log.contains("probes_killed=1"), "{log}");
+    assert!(
+        log.contains("reload dropped: the router is shutting down"),
+        "{log}"
+    );
+    // The probe died with it: nothing of it is left.
+    let mut left = true;
+    for _ in 0..100 {
+        left = probe_running();
+        if !left {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!left, "the probe outlived the router");
+}

@@ -850,3 +850,204 @@ fn auth_and_limit_mistakes_are_located_and_check_reads_the_token_files() {
         drop(dir);
     }
 }
+
+/// Issue 28, item 3: token files got only a mode check, so one another user owns
+/// (mode 600), or one in a directory others can write, was taken: that user chose
+/// the tokens at the next reload. They get the loader's StrictModes walk.
+#[test]
+fn a_token_file_another_user_owns_or_in_a_directory_others_can_write_is_refused() {
+    // Owned by another user (only root can make one here).
+    if unsafe { libc::geteuid() } == 0 {
+        let (dir, config) = setup("", true);
+        let token = dir.path().join("worker.token");
+        std::os::unix::fs::chown(&token, Some(65534), Some(65534)).unwrap();
+        let (ok, err) = check(&config);
+        assert!(!ok, "{err}");
+        assert!(err.contains(":3:22: auth.worker_token_file: "), "{err}");
+        assert!(
+            err.contains(
+                "is owned by uid 65534, not by the router's user (uid 0) or root; run `chown 0"
+            ),
+            "{err}"
+        );
+    }
+    // In a directory others can write (the token file itself is 600 and ours).
+    let (dir, config) = setup("", true);
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    write_token(
+        &open.join("admin.token"),
+        "admin-other-dir-0123456789abcdef",
+    );
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "admin_token_file: admin.token",
+        "admin_token_file: open/admin.token",
+    );
+    std::fs::write(&config, text).unwrap();
+    let (ok, err) = check(&config);
+    assert!(!ok, "{err}");
+    assert!(err.contains(":2:21: auth.admin_token_file: "), "{err}");
+    assert!(
+        err.contains("is writable by group or others (mode 0777")
+            && err.contains("another user could choose the router's API tokens; run `chmod go-w"),
+        "{err}"
+    );
+    // A symlink to it from a safe directory is followed, and refused the same.
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (ok, err) = check(&config);
+    assert!(ok, "{err}");
+    let ancestor = dir.path().join("group-writable");
+    std::fs::create_dir(&ancestor).unwrap();
+    std::fs::set_permissions(&ancestor, std::fs::Permissions::from_mode(0o775)).unwrap();
+    std::fs::rename(&open, ancestor.join("open")).unwrap();
+    std::os::unix::fs::symlink(ancestor.join("open"), &open).unwrap();
+    let (ok, err) = check(&config);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("group-writable is writable by group or others (mode 0775"),
+        "{err}"
+    );
+}
+
+/// Issue 28, item 7: without auth only the first `Host` was checked, and an
+/// absolute-form target naming another host passed. A second `Host` is 400; the
+/// target's authority is checked; every `Origin` is.
+#[test]
+fn without_auth_a_second_host_or_an_absolute_target_naming_another_host_is_refused() {
+    let (dir, config) = setup("", false);
+    let server = Server::start(&config, &[], dir.path());
+    let raw = |head: &str, body: &str| {
+        let mut stream = TcpStream::connect(server.address()).unwrap();
+        let request = format!(
+            "{head}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).unwrap();
+        let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(10));
+        answer
+    };
+    let body = worker_body(66).to_string();
+    let attacks = [
+        (
+            "POST /workers HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example",
+            "HTTP/1.1 400",
+            "duplicate_host",
+        ),
+        (
+            "POST /workers HTTP/1.1\r\nHost: evil.example\r\nHost: 127.0.0.1",
+            "HTTP/1.1 400",
+            "duplicate_host",
+        ),
+        (
+            "POST http://evil.example/workers HTTP/1.1\r\nHost: 127.0.0.1",
+            "HTTP/1.1 403",
+            "forbidden_host",
+        ),
+        (
+            "POST http://evil.example:80/workers HTTP/1.1\r\nHost: localhost",
+            "HTTP/1.1 403",
+            "forbidden_host",
+        ),
+        (
+            "POST /workers HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://localhost\r\nOrigin: https://evil.example",
+            "HTTP/1.1 403",
+            "cross_origin_refused",
+        ),
+    ];
+    for (head, status, code) in attacks {
+        let answer = raw(head, &body);
+        assert!(answer.starts_with(status), "{head}\n{answer}");
+        assert!(answer.contains(code), "{head}\n{answer}");
+    }
+    assert_eq!(server.status()["workers"], json!([]));
+    // An absolute-form target naming loopback is served.
+    let answer = raw(
+        "POST http://127.0.0.1/workers HTTP/1.1\r\nHost: 127.0.0.1",
+        &body,
+    );
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+}
+
+/// Issue 28, item 4: a worker token could delete files: a source with
+/// `"bind": true` on `ipc://PATH` made libzmq unlink PATH. A bound path must not
+/// exist (or be a socket the router bound) and sit in a directory only the
+/// router's user can write; otherwise 400 naming the field. Sources are capped
+/// (`kv_events.max_sources`), and their descriptors kept out of the connection
+/// budget: about 400 unreachable sources used to exhaust 1,024 descriptors.
+#[test]
+fn a_worker_token_cannot_make_the_router_delete_a_file_and_sources_are_capped() {
+    let (dir, config) = setup("kv_events:\n  max_sources: 4\n", true);
+    let mut shell = Command::new("sh");
+    shell
+        .arg("-c")
+        .arg("ulimit -n 256 && exec \"$0\" \"$@\"")
+        .arg(kvhint_bin());
+    let server = Server::start_command(shell, &config, &[], dir.path());
+    let register = |id: u64, source: Value| {
+        let body =
+            json!({"worker_id": id, "role": "decode", "runtime_data": {}, "kv_events": source});
+        call(&server, "POST", "/workers", Some(WORKER), &[], Some(&body))
+    };
+    let victim = dir.path().join("victim.txt");
+    std::fs::write(&victim, "precious").unwrap();
+    let open_dir = dir.path().join("open");
+    std::fs::create_dir(&open_dir).unwrap();
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let refused = [
+        (
+            format!("ipc://{}", victim.display()),
+            "names an existing file; binding it would delete it",
+        ),
+        (
+            format!("ipc://{}", dir.path().display()),
+            "names an existing directory",
+        ),
+        (
+            "ipc://relative.sock".to_string(),
+            "must name an absolute path",
+        ),
+        (
+            format!("ipc://{}/kv.sock", open_dir.display()),
+            "which is not a directory only the router's user (or root) can write",
+        ),
+    ];
+    for (endpoint, why) in &refused {
+        let (status, body, _) = register(1, json!({"endpoint": endpoint, "bind": true}));
+        assert_eq!(status, 400, "{endpoint}: {body}");
+        let detail = body["detail"].as_str().unwrap_or_default();
+        assert!(detail.starts_with("kv_events.endpoint "), "{body}");
+        assert!(detail.contains(why), "{endpoint}: {body}");
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert_eq!(status_with(&server, ADMIN)["workers"], json!([]));
+    // A new path in a private directory is bound; registering again keeps it.
+    let socket = format!("ipc://{}/kv.sock", dir.path().display());
+    let (status, body, _) = register(1, json!({"endpoint": socket, "bind": true}));
+    assert_eq!(status, 201, "{body}");
+    let (status, body, _) = register(1, json!({"endpoint": socket, "bind": true}));
+    assert_eq!(status, 200, "{body}");
+    // Up to the cap, sources are taken: 3 more (unreachable) engines, then 503.
+    let mut taken = 1;
+    let mut full = 0;
+    for id in 2..=20 {
+        let (status, body, _) = register(
+            id,
+            json!({"endpoint": format!("tcp://127.0.0.1:{}", 1000 + id)}),
+        );
+        match status {
+            201 => taken += 1,
+            503 => {
+                assert_eq!(body["error"], "too_many_sources", "{body}");
+                full += 1;
+            }
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert_eq!((taken, full), (4, 16));
+    // The connection cap leaves the sources' descriptors free: 256 - 64 - 4 × 4.
+    assert!(server.log().contains("now=176"), "{}", server.log());
+    // And a reload still works.
+    let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
+    assert_eq!(status, 200, "{body}");
+}

@@ -146,7 +146,15 @@ enum Command {
     /// what it is, so a library that crashes on load kills this process and
     /// not the router (the router runs it before opening any library).
     #[command(name = "__probe-plugin", hide = true)]
-    ProbePlugin { file: PathBuf },
+    ProbePlugin {
+        file: PathBuf,
+        /// The pipe to answer on (given by the router).
+        #[arg(long, value_name = "FD")]
+        answer_fd: Option<i32>,
+        /// The pipe the probe's nonce comes on (given by the router).
+        #[arg(long, value_name = "FD")]
+        nonce_fd: Option<i32>,
+    },
 }
 
 /// `serve` is a daemon whose reloads an operator wants to see; the other
@@ -158,6 +166,21 @@ fn default_log_level() -> &'static str {
         "warn"
     }
 }
+
+/// The first code of this process that runs: SIGHUP is ignored from here until
+/// `serve` installs its handler (the other commands restore the default in
+/// `main`). An entry in `.preinit_array` runs once the dynamic loader has mapped
+/// and relocated the program, before any library's initialisers (libstdc++'s,
+/// the Rust runtime's) and `main`: a hangup sent between `exec` and `main` used
+/// to end a starting `serve`. What is left is the dynamic loader's own work before
+/// any code of this program can run (see the README, "Reload without restart").
+extern "C" fn ignore_hangups_at_start() {
+    ignore_hangups(true);
+}
+
+#[used]
+#[link_section = ".preinit_array"]
+static IGNORE_HANGUPS_AT_START: extern "C" fn() = ignore_hangups_at_start;
 
 /// Sets what a SIGHUP does until a handler exists: ignored, or the default
 /// (the process ends).
@@ -250,9 +273,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             files,
             cache_dir,
         } => plugins(config, plugins_dir, files, cache_dir),
-        Command::ProbePlugin { file } => {
-            println!("{}", kvhint::loader::probe::child(&file));
-            Ok(ExitCode::SUCCESS)
+        Command::ProbePlugin {
+            file,
+            answer_fd,
+            nonce_fd,
+        } => {
+            let code = kvhint::loader::probe::child(&file, answer_fd, nonce_fd);
+            Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
         }
     }
 }

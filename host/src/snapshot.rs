@@ -128,6 +128,8 @@ pub struct FixedSettings {
     pub max_libraries: usize,
     pub max_file_bytes: u64,
     pub probe_timeout_ms: u64,
+    /// `kv_events.max_sources`: the connection budget is set from it at start.
+    pub max_sources: u64,
 }
 
 impl FixedSettings {
@@ -139,6 +141,7 @@ impl FixedSettings {
             max_libraries: config.plugins.max_libraries,
             max_file_bytes: config.plugins.max_file_bytes,
             probe_timeout_ms: config.plugins.probe_timeout_ms,
+            max_sources: config.kv_events.max_sources,
         }
     }
 }
@@ -248,6 +251,15 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
                     ),
                 );
             }
+        }
+        if running.max_sources != wanted.max_sources {
+            refuse(
+                "kv_events.max_sources",
+                format!(
+                    "the running router keeps at most {} KV-event sources (its connection budget leaves their descriptors free), the config now says {}",
+                    running.max_sources, wanted.max_sources
+                ),
+            );
         }
         if running.max_libraries != wanted.max_libraries {
             refuse(

@@ -330,7 +330,45 @@ fn benches(c: &mut Criterion) {
 
 criterion_group!(booking, benches);
 
+/// Registering a fleet one worker at a time (issue 28, item 5): 20,000 workers into
+/// an empty router (2,000 in quick mode; `REGISTRATION_WORKERS` sets the number), the
+/// first and the last thousand timed apart. Each registration used to copy and
+/// re-sort the whole table, so the last thousand cost many times the first;
+/// the table is persistent now (O(log n) a registration) and the two are close.
+fn registrations() {
+    let workers: u64 = std::env::var("REGISTRATION_WORKERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(if is_bench() { 20_000 } else { 2_000 });
+    let router = Router::new(BLOCK);
+    let batch = 1_000.min(workers / 2).max(1);
+    let started = Instant::now();
+    let mut first = Duration::ZERO;
+    let mut last = Duration::ZERO;
+    for id in 0..workers {
+        let clock = Instant::now();
+        router.register_worker(registration(id)).expect("registers");
+        let took = clock.elapsed();
+        if id < batch {
+            first += took;
+        }
+        if id >= workers - batch {
+            last += took;
+        }
+    }
+    let total = started.elapsed();
+    assert_eq!(router.workers().len() as u64, workers);
+    println!(
+        "registration {workers}_workers total_ms={:.0} first_{batch}_us_each={:.1} last_{batch}_us_each={:.1} ratio={:.2}",
+        total.as_secs_f64() * 1e3,
+        first.as_secs_f64() * 1e6 / batch as f64,
+        last.as_secs_f64() * 1e6 / batch as f64,
+        last.as_secs_f64() / first.as_secs_f64().max(1e-9)
+    );
+}
+
 fn main() {
+    registrations();
     booking();
     criterion::Criterion::default()
         .configure_from_args()

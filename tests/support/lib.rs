@@ -50,6 +50,8 @@ const WORKSPACE_ARTIFACTS: &[&str] = &[
     "fixture-versioned-v2",
     "fixture-raw-abi",
     "fixture-ctor-abort",
+    "fixture-ctor-impersonate",
+    "fixture-ctor-fork",
 ];
 
 pub fn workspace_root() -> PathBuf {

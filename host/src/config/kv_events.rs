@@ -19,7 +19,14 @@ pub struct KvEventsConfig {
     /// How the event path's threads are scheduled beside booking threads.
     pub thread_policy: ThreadPolicy,
     pub sources: Vec<ConfiguredSource>,
+    /// The most sources (worker ranks with a subscription) the router keeps, from
+    /// the config and registrations together; their descriptors are kept out of
+    /// the connection budget. Fixed at start.
+    pub max_sources: u64,
 }
+
+/// The default of `kv_events.max_sources`.
+pub const DEFAULT_MAX_SOURCES: u64 = 64;
 
 impl Default for KvEventsConfig {
     fn default() -> Self {
@@ -29,6 +36,7 @@ impl Default for KvEventsConfig {
             replay_timeout_ms: 5_000,
             thread_policy: ThreadPolicy::default(),
             sources: Vec::new(),
+            max_sources: DEFAULT_MAX_SOURCES,
         }
     }
 }
@@ -59,8 +67,14 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
             "replay_timeout_ms",
             "thread_policy",
             "sources",
+            "max_sources",
         ],
     );
+    if let Some(node) = map.get_node("max_sources") {
+        if let Some(n) = walker.unsigned(node, "kv_events.max_sources", 1, 65_536) {
+            out.max_sources = n;
+        }
+    }
     if let Some(node) = map.get_node("media") {
         match node.as_sequence() {
             Some(items) if !items.is_empty() => {
@@ -130,6 +144,18 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
                  and endpoint",
             ),
         }
+    }
+    let ranks: u64 = out.sources.iter().map(|s| u64::from(s.dp_size)).sum();
+    if ranks > out.max_sources {
+        walker.error(
+            key_location("kv_events.sources", map, "sources"),
+            format!(
+                "the sources list {ranks} worker ranks to subscribe to, more than \
+                 `kv_events.max_sources` ({}); raise it (each source takes a few file \
+                 descriptors from the connection budget), or list fewer",
+                out.max_sources
+            ),
+        );
     }
     out
 }

@@ -14,11 +14,12 @@ mod yaml;
 
 pub use auth::AuthConfig;
 pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
-pub use kv_events::{ConfiguredSource, KvEventsConfig};
+pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+pub use yaml::text_scans;
 use yaml::{join, key_location, location, node_location, Walker};
 
 /// A plugin file to load, with an optional sha256 pin.
@@ -376,14 +377,22 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         .error_on_duplicate_keys(true)
         .prevent_coercion(true);
     let text = yaml::strip_bom(text);
+    // One pass over the text: where its lines are, for every error's position,
+    // and any character YAML forbids. yaml-rust takes a NUL for the end of the
+    // input, so one in a comment would drop every key after it (an `auth:`
+    // section among them) without a word: such a text is refused whole.
+    let index = yaml::TextIndex::new(text);
+    if index.forbidden_count > 0 {
+        return (None, forbidden_characters(file, &index));
+    }
     let root = match marked_yaml::parse_yaml_with_options(0, text, options) {
         Ok(root) => root,
-        Err(e) => return (None, vec![yaml_error(file, text, &e)]),
+        Err(e) => return (None, vec![yaml_error(file, text, &index, &e)]),
     };
     let mut walker = Walker::new(file);
     // marked-yaml reads only the first document: anything after it is refused,
     // not ignored.
-    match yaml::trailing(text) {
+    match yaml::trailing(text, &index) {
         None => {}
         Some(yaml::Trailing::Document(line, column)) => walker.errors.push(ConfigError::new(
             file,
@@ -455,14 +464,48 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
     let mut errors = ConfigErrors(walker.errors);
     for at in errors.0.iter_mut().filter_map(|e| e.at.as_mut()) {
         if at.line > 0 {
-            (at.line, at.column) = yaml::within_text(text, at.line, at.column);
+            (at.line, at.column) = index.within(at.line, at.column);
         }
     }
     errors.sort_in_file_order();
     (Some(config), errors.0)
 }
 
-fn yaml_error(file: &Path, text: &str, error: &marked_yaml::LoadError) -> ConfigError {
+/// One error for each character YAML forbids (the first few of them), at its line
+/// and column.
+fn forbidden_characters(file: &Path, index: &yaml::TextIndex) -> Vec<ConfigError> {
+    let mut errors: Vec<ConfigError> = index
+        .forbidden
+        .iter()
+        .map(|&(line, column, c)| {
+            ConfigError::new(
+                file,
+                Some(Location { path: String::new(), line, column }),
+                format!(
+                    "the control character {} is not allowed in YAML, not even in a comment or a quoted string, and nothing after it would be read; delete it (in a double-quoted string, write it as the escape `\\u{:04X}`)",
+                    yaml::describe(c),
+                    c as u32
+                ),
+            )
+        })
+        .collect();
+    let unreported = index.forbidden_count - index.forbidden.len();
+    if unreported > 0 {
+        errors.push(ConfigError::new(
+            file,
+            None,
+            format!("and {unreported} more control characters YAML does not allow; delete them all (`grep -naP '[\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f\\x7f]' FILE` shows the lines)"),
+        ));
+    }
+    errors
+}
+
+fn yaml_error(
+    file: &Path,
+    text: &str,
+    index: &yaml::TextIndex,
+    error: &marked_yaml::LoadError,
+) -> ConfigError {
     use marked_yaml::LoadError as E;
     let (marker, message) = match error {
         E::TopLevelMustBeMapping(m) => (Some(*m), "the file must be a YAML mapping".to_string()),
@@ -481,7 +524,24 @@ fn yaml_error(file: &Path, text: &str, error: &marked_yaml::LoadError) -> Config
         }
         // The position is the message's prefix; yaml-rust's own rendering of it
         // would repeat it (and count past the end of the text).
-        E::ScanError(m, e) => (Some(*m), format!("invalid YAML: {}", e.info())),
+        E::ScanError(m, e) => {
+            // An unclosed `[` or `{` is noticed only where the text ends; say where
+            // it was opened, which is where the fix goes.
+            let opened = yaml::unclosed_flow(text)
+                .filter(|_| e.info().contains("flow"))
+                .map(|(line, column, bracket)| {
+                    let (kind, close) = if bracket == '[' {
+                        ("sequence", ']')
+                    } else {
+                        ("mapping", '}')
+                    };
+                    format!(
+                        "; the flow {kind} opened by the `{bracket}` at line {line}, column {column} is never closed: add its `{close}` (or write the items as a block list, one `- item` a line)"
+                    )
+                })
+                .unwrap_or_default();
+            (Some(*m), format!("invalid YAML: {}{opened}", e.info()))
+        }
         E::TopLevelMustBeSequence(m) => (Some(*m), "the file must be a YAML mapping".to_string()),
         E::UnexpectedAnchor(m) => (
             Some(*m),
@@ -499,7 +559,7 @@ fn yaml_error(file: &Path, text: &str, error: &marked_yaml::LoadError) -> Config
     ConfigError::new(
         file,
         marker.map(|m| {
-            let (line, column) = yaml::within_text(text, m.line(), m.column());
+            let (line, column) = index.within(m.line(), m.column());
             Location {
                 path: String::new(),
                 line,

@@ -267,18 +267,134 @@ pub(crate) fn strip_bom(text: &str) -> &str {
     text.strip_prefix('\u{feff}').unwrap_or(text)
 }
 
-/// A parser position clamped to the text. At the end of a text without a final
-/// line break the scanner reports the start of a line that does not exist; an
-/// editor shows that place as the end of the last line.
-pub(crate) fn within_text(text: &str, line: usize, column: usize) -> (usize, usize) {
-    // YAML breaks lines at `\n`, `\r\n` and a lone `\r`.
-    let normalized = text.replace("\r\n", "\n").replace('\r', "\n");
-    let lines = normalized.matches('\n').count() + 1;
-    if line <= lines {
-        return (line, column.max(1));
+/// What the locating of errors needs to know about the text, found in one pass
+/// over it: how many lines it has and how long the last one is (so a parser
+/// position can be clamped to the text), and where any character YAML forbids
+/// is. Built once per parse, whatever the number of errors: a config with
+/// 100,000 unknown keys is scanned once, not once per error.
+#[derive(Debug, Clone)]
+pub(crate) struct TextIndex {
+    /// Lines, as YAML breaks them (`\n`, `\r\n`, a lone `\r`).
+    lines: usize,
+    /// Characters on the last line.
+    last_line_chars: usize,
+    /// The characters YAML does not allow, with their line and column (1-based),
+    /// the first [`MAX_FORBIDDEN_REPORTED`] of them.
+    pub forbidden: Vec<(usize, usize, char)>,
+    /// How many forbidden characters there are in all.
+    pub forbidden_count: usize,
+}
+
+/// How many forbidden characters are reported one by one.
+pub(crate) const MAX_FORBIDDEN_REPORTED: usize = 10;
+
+thread_local! {
+    static TEXT_SCANS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times this thread has scanned a config text whole to locate errors
+/// (each [`TextIndex::new`]). Tests count it to see that locating errors is one
+/// pass, not one per error.
+pub fn text_scans() -> usize {
+    TEXT_SCANS.with(|n| n.get())
+}
+
+/// Whether YAML 1.2 (§5.1, `c-printable`) forbids `c` anywhere in a stream:
+/// C0 controls other than tab, line feed and carriage return, DEL, C1 controls
+/// other than NEL, and the non-characters U+FFFE and U+FFFF. yaml-rust reads a
+/// NUL as the end of the input, so one in a comment would silently drop every
+/// key after it (an `auth:` section among them).
+pub(crate) fn is_forbidden(c: char) -> bool {
+    matches!(c, '\u{0}'..='\u{8}' | '\u{b}' | '\u{c}' | '\u{e}'..='\u{1f}' | '\u{7f}'..='\u{84}' | '\u{86}'..='\u{9f}' | '\u{fffe}' | '\u{ffff}')
+}
+
+/// How a forbidden character is named in a message: `U+0000 (NUL)`.
+pub(crate) fn describe(c: char) -> String {
+    const C0: [&str; 32] = [
+        "NUL", "SOH", "STX", "ETX", "EOT", "ENQ", "ACK", "BEL", "BS", "TAB", "LF", "VT", "FF",
+        "CR", "SO", "SI", "DLE", "DC1", "DC2", "DC3", "DC4", "NAK", "SYN", "ETB", "CAN", "EM",
+        "SUB", "ESC", "FS", "GS", "RS", "US",
+    ];
+    let code = c as u32;
+    match C0.get(code as usize) {
+        Some(name) => format!("U+{code:04X} ({name})"),
+        None if code == 0x7f => format!("U+{code:04X} (DEL)"),
+        None if code < 0xa0 => format!("U+{code:04X} (a C1 control character)"),
+        None => format!("U+{code:04X} (a non-character)"),
     }
-    let last = normalized.rsplit('\n').next().unwrap_or_default();
-    (lines, last.chars().count() + 1)
+}
+
+impl TextIndex {
+    pub fn new(text: &str) -> Self {
+        TEXT_SCANS.with(|n| n.set(n.get() + 1));
+        let mut index = TextIndex {
+            lines: 1,
+            last_line_chars: 0,
+            forbidden: Vec::new(),
+            forbidden_count: 0,
+        };
+        let mut after_cr = false;
+        for c in text.chars() {
+            match c {
+                '\n' if after_cr => {}
+                '\n' | '\r' => {
+                    index.lines += 1;
+                    index.last_line_chars = 0;
+                }
+                _ => {
+                    index.last_line_chars += 1;
+                    if is_forbidden(c) {
+                        index.forbidden_count += 1;
+                        if index.forbidden.len() < MAX_FORBIDDEN_REPORTED {
+                            index
+                                .forbidden
+                                .push((index.lines, index.last_line_chars, c));
+                        }
+                    }
+                }
+            }
+            after_cr = c == '\r';
+        }
+        index
+    }
+
+    /// A parser position clamped to the text. At the end of a text without a
+    /// final line break the scanner reports the start of a line that does not
+    /// exist; an editor shows that place as the end of the last line.
+    pub fn within(&self, line: usize, column: usize) -> (usize, usize) {
+        if line <= self.lines {
+            return (line, column.max(1));
+        }
+        (self.lines, self.last_line_chars + 1)
+    }
+}
+
+/// [`TextIndex::within`] for one position (builds the index: for one error only).
+#[cfg(test)]
+pub(crate) fn within_text(text: &str, line: usize, column: usize) -> (usize, usize) {
+    TextIndex::new(text).within(line, column)
+}
+
+/// Where the flow collection (`[` or `{`) open at a parse error was opened, if
+/// one is: yaml-rust reports an unclosed `[` at the end of the file, far from
+/// the mistake. Scans the tokens up to the error: `(line, column, bracket)`.
+pub(crate) fn unclosed_flow(text: &str) -> Option<(usize, usize, char)> {
+    use yaml_rust2::scanner::{Scanner, TokenType};
+    let mut open: Vec<(usize, usize, char)> = Vec::new();
+    let mut scanner = Scanner::new(text.chars());
+    while let Ok(Some(token)) = scanner.next_token() {
+        let at = (token.0.line(), token.0.col() + 1);
+        match token.1 {
+            TokenType::FlowSequenceStart => open.push((at.0, at.1, '[')),
+            TokenType::FlowMappingStart => open.push((at.0, at.1, '{')),
+            TokenType::FlowSequenceEnd | TokenType::FlowMappingEnd => {
+                open.pop();
+            }
+            TokenType::StreamEnd => break,
+            _ => {}
+        }
+    }
+    open.pop()
 }
 
 /// What follows the first YAML document, if anything does: a second document
@@ -294,7 +410,7 @@ pub(crate) enum Trailing {
 }
 
 /// Looks past the first document. Call it once the first document has parsed.
-pub(crate) fn trailing(text: &str) -> Option<Trailing> {
+pub(crate) fn trailing(text: &str, index: &TextIndex) -> Option<Trailing> {
     use yaml_rust2::parser::{Event, MarkedEventReceiver, Parser};
     use yaml_rust2::scanner::Marker;
     #[derive(Default)]
@@ -311,13 +427,13 @@ pub(crate) fn trailing(text: &str) -> Option<Trailing> {
     let mut documents = Documents::default();
     let result = Parser::new_from_str(text).load(&mut documents, true);
     if let Some(second) = documents.starts.get(1) {
-        let (line, column) = within_text(text, second.line(), second.col() + 1);
+        let (line, column) = index.within(second.line(), second.col() + 1);
         return Some(Trailing::Document(line, column));
     }
     match result {
         Ok(()) => None,
         Err(e) => {
-            let (line, column) = within_text(text, e.marker().line(), e.marker().col() + 1);
+            let (line, column) = index.within(e.marker().line(), e.marker().col() + 1);
             Some(Trailing::Invalid(line, column, e.info().to_string()))
         }
     }
@@ -355,6 +471,7 @@ mod tests {
 
     #[test]
     fn what_follows_the_first_document_is_found() {
+        let trailing = |text: &str| trailing(text, &TextIndex::new(text));
         assert!(trailing("a: 1\n").is_none());
         assert!(trailing("---\na: 1\n...\n").is_none());
         let found = trailing("a: 1\n---\nb: 2\n");
@@ -373,6 +490,28 @@ mod tests {
         assert_eq!(within_text("a: 1\n", 2, 1), (2, 1));
         assert_eq!(within_text("a\rb", 2, 2), (2, 2));
         assert_eq!(within_text("a\rb", 3, 1), (2, 2));
+    }
+
+    #[test]
+    fn forbidden_characters_are_found_with_their_place_in_one_pass() {
+        let before = text_scans();
+        let index = TextIndex::new("a: 1\r\n# x\u{0}y\nb: \"\u{7}\"\tz\u{85}\n");
+        assert_eq!(text_scans(), before + 1);
+        assert_eq!(index.forbidden, vec![(2, 4, '\u{0}'), (3, 5, '\u{7}')]);
+        assert_eq!(index.forbidden_count, 2);
+        assert_eq!(describe('\u{0}'), "U+0000 (NUL)");
+        assert_eq!(describe('\u{9b}'), "U+009B (a C1 control character)");
+        assert!(!is_forbidden('\t') && !is_forbidden('\u{85}') && !is_forbidden('é'));
+    }
+
+    #[test]
+    fn the_bracket_left_open_is_found() {
+        assert_eq!(
+            unclosed_flow("a:\n  hints: [kv_fetch\n"),
+            Some((2, 10, '['))
+        );
+        assert_eq!(unclosed_flow("a: {b: [1], c: 2\n"), Some((1, 4, '{')));
+        assert_eq!(unclosed_flow("a: [1]\n"), None);
     }
 
     #[test]

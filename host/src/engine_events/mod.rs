@@ -22,8 +22,9 @@ use arc_swap::ArcSwap;
 use decode::DecodeSettings;
 use parking_lot::Mutex;
 use stats::{SourceState, SourceStats};
-use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use subscriber::{Shared, Subscriber, SubscriberOptions};
 
@@ -69,6 +70,9 @@ pub enum AttachError {
     /// The source itself is unusable: the caller's to fix.
     #[error("{0}")]
     Source(#[from] SourceError),
+    /// The router keeps as many sources as `kv_events.max_sources` allows.
+    #[error("this router already subscribes to {cap} KV-event sources, the most `kv_events.max_sources` allows (each takes file descriptors the connection budget leaves free); deregister a worker that no longer publishes, or raise `kv_events.max_sources` (and `ulimit -n`) and restart")]
+    Full { cap: usize },
     /// The router could not start a thread for it: the host's problem.
     #[error("could not start a KV-event subscriber thread: {0}; the router is short of threads or memory")]
     Spawn(std::io::Error),
@@ -95,6 +99,26 @@ pub struct EngineEvents {
     /// Held across a worker's registration and its subscription's start (or stop),
     /// so concurrent registrations, deregistrations and reloads leave the two agreeing.
     membership: Mutex<()>,
+    /// `kv_events.max_sources`.
+    max_sources: AtomicUsize,
+    /// The `ipc://` paths this router has bound (libzmq made the socket there).
+    bound_ipc: Mutex<HashSet<PathBuf>>,
+    /// The directories of the `ipc://` paths the config's sources bind: a
+    /// registration may bind there too.
+    config_ipc_dirs: Mutex<Vec<PathBuf>>,
+}
+
+/// File descriptors one source may hold (its SUB socket's mailbox and connection,
+/// and a replay socket's), kept out of the connection budget.
+pub const FDS_PER_SOURCE: u64 = 4;
+
+/// Whether `path` is a directory only the router's user (or root) can change.
+fn is_private_dir(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).is_ok_and(|m| {
+        let me = crate::loader::trust::effective_uid();
+        m.is_dir() && (m.uid() == me || m.uid() == 0) && m.mode() & 0o022 == 0
+    })
 }
 
 impl EngineEvents {
@@ -120,7 +144,77 @@ impl EngineEvents {
             options: ArcSwap::from_pointee(options),
             sources: Mutex::new(BTreeMap::new()),
             membership: Mutex::new(()),
+            max_sources: AtomicUsize::new(crate::config::DEFAULT_MAX_SOURCES as usize),
+            bound_ipc: Mutex::new(HashSet::new()),
+            config_ipc_dirs: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Sets `kv_events.max_sources` (at start).
+    pub fn set_max_sources(&self, cap: usize) {
+        self.max_sources.store(cap.max(1), Ordering::Relaxed);
+    }
+
+    pub fn max_sources(&self) -> usize {
+        self.max_sources.load(Ordering::Relaxed)
+    }
+
+    /// A source that binds an `ipc://` path makes libzmq unlink whatever is there
+    /// first, so a worker token could delete any file the router can. A bound path
+    /// must be absolute and either not exist or be a socket this router bound (or,
+    /// for the config's own sources, any socket), in a directory only the router's
+    /// user or root can write, or one the config's sources bind in.
+    fn check_bound_path(&self, endpoints: &Endpoints, origin: Origin) -> Result<(), SourceError> {
+        use std::os::unix::fs::FileTypeExt;
+        let Some(path) = endpoints
+            .bind
+            .then(|| endpoints.events.strip_prefix("ipc://"))
+            .flatten()
+        else {
+            return Ok(());
+        };
+        let fail = |problem: String| SourceError {
+            field: "endpoint",
+            problem,
+        };
+        let path = Path::new(path);
+        if !path.is_absolute() {
+            return Err(fail(format!(
+                "`ipc://{}` with `bind: true` must name an absolute path (ipc:///run/kvhint/kv.sock)",
+                path.display()
+            )));
+        }
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) => {
+                let ours = meta.file_type().is_socket()
+                    && (origin == Origin::Config || self.bound_ipc.lock().contains(path));
+                if !ours {
+                    return Err(fail(format!(
+                        "`ipc://{}` with `bind: true` names an existing {}; binding it would delete it (ZMQ removes the path first), so the router binds only a path that does not exist yet: name a new path in a directory the router owns",
+                        path.display(),
+                        if meta.file_type().is_socket() { "socket this router did not create" } else if meta.is_dir() { "directory" } else { "file" }
+                    )));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(fail(format!(
+                    "`ipc://{}` cannot be inspected ({e}); name a new path in a directory the router owns",
+                    path.display()
+                )))
+            }
+        }
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        let named =
+            origin == Origin::Config || self.config_ipc_dirs.lock().iter().any(|d| d == dir);
+        if !named && !is_private_dir(dir) {
+            return Err(fail(format!(
+                "`ipc://{}` with `bind: true` is in {}, which is not a directory only the router's user (or root) can write, nor one the config's kv_events.sources bind in; bind under such a directory (mkdir -m 700 /run/kvhint)",
+                path.display(),
+                dir.display()
+            )));
+        }
+        Ok(())
     }
 
     /// Registers a worker and starts, keeps or stops its subscription to match its
@@ -153,7 +247,17 @@ impl EngineEvents {
             .and_then(|k| k.source())
             .cloned();
         if let Some(source) = &source {
-            Endpoints::resolve(key.dp_rank, source).map_err(AttachError::from)?;
+            let endpoints = Endpoints::resolve(key.dp_rank, source).map_err(AttachError::from)?;
+            let sources = self.sources.lock();
+            let same = sources.get(&key).is_some_and(|r| r.source == *source);
+            if !same {
+                self.check_bound_path(&endpoints, origin)
+                    .map_err(AttachError::from)?;
+            }
+            let cap = self.max_sources();
+            if !sources.contains_key(&key) && sources.len() >= cap {
+                return Err(AttachError::Full { cap }.into());
+            }
         }
         let added = router.register_worker(registration)?;
         match &source {
@@ -203,6 +307,11 @@ impl EngineEvents {
         }
         if let Some(old) = sources.remove(&worker) {
             old.shared.stop.store(true, Ordering::Relaxed);
+        }
+        if endpoints.bind {
+            if let Some(path) = endpoints.events.strip_prefix("ipc://") {
+                self.bound_ipc.lock().insert(PathBuf::from(path));
+            }
         }
         let shared = Arc::new(Shared {
             worker,
@@ -314,6 +423,13 @@ impl EngineEvents {
             replay_timeout: std::time::Duration::from_millis(config.replay_timeout_ms),
             ..SubscriberOptions::clone(&self.options.load())
         }));
+        *self.config_ipc_dirs.lock() = config
+            .sources
+            .iter()
+            .filter(|c| c.source.bind)
+            .filter_map(|c| c.source.endpoint.trim().strip_prefix("ipc://"))
+            .filter_map(|p| Path::new(p).parent().map(Path::to_path_buf))
+            .collect();
         let mut failures = Vec::new();
         let mut wanted = Vec::new();
         for configured in &config.sources {

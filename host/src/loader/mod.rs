@@ -406,7 +406,8 @@ impl Loader {
         // A library whose initialisation kills or hangs the process kills or
         // hangs the probe instead.
         let probe_started = std::time::Instant::now();
-        if let Some(Err(kind)) = probe::run(&self.probe, &cached_path, self.probe_timeout) {
+        if let Some(Err(kind)) = probe::run(&self.probe, &cached_path, &sha256, self.probe_timeout)
+        {
             if probe::is_lasting(&kind) {
                 self.refused_by_probe
                     .lock()

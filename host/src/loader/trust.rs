@@ -22,12 +22,16 @@ use std::path::{Component, Path, PathBuf};
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum TrustError {
-    #[error("{what} {path} is writable by group or others (mode {mode:04o}, owner uid {owner}): another user could replace the router's code; run `chmod go-w {path}`, or move the plugins somewhere only you and root can write")]
+    #[error("{what} {path} is writable by group or others (mode {mode:04o}, owner uid {owner}): another user could {stake}; run `chmod go-w {path}`, or move {moved} somewhere only you and root can write")]
     Writable {
         what: &'static str,
         path: String,
         mode: u32,
         owner: u32,
+        /// What another user could do with it.
+        stake: &'static str,
+        /// What to move elsewhere.
+        moved: &'static str,
     },
     #[error("{what} {path} is owned by uid {owner}, not by the router's user (uid {me}) or root; run `chown {me} {path}` or copy it to a directory you own")]
     ForeignOwner {
@@ -82,14 +86,27 @@ fn check_metadata(
     let mode = meta.mode() & 0o7777;
     let root_sticky = meta.uid() == 0 && mode & libc::S_ISVTX != 0;
     if mode & 0o022 != 0 && !(role == Role::Ancestor && meta.is_dir() && root_sticky) {
+        let (stake, moved) = stake(what);
         return Err(TrustError::Writable {
             what,
             path: path.display().to_string(),
             mode,
             owner: meta.uid(),
+            stake,
+            moved,
         });
     }
     Ok(())
+}
+
+/// What the thing checked is for, for the message: the plugins' and the cache's
+/// files are the router's code; a token file decides who may call it.
+fn stake(what: &'static str) -> (&'static str, &'static str) {
+    if what.starts_with("token") {
+        ("choose the router's API tokens", "the token file")
+    } else {
+        ("replace the router's code", "the plugins")
+    }
 }
 
 fn unreadable(path: &Path, e: std::io::Error) -> TrustError {
@@ -215,17 +232,33 @@ pub fn check_directory_to_be(dir: &Path, what: &'static str) -> Result<PathBuf, 
 /// directory a symlink chain passes through, and the directory the file really
 /// lives in. The path must still resolve to the opened file.
 pub fn check_plugin_file(path: &Path, opened: &std::fs::Metadata) -> Result<(), TrustError> {
-    check_metadata("plugin file", path, opened, Role::Holder)?;
+    check_file(path, opened, "plugin file", "plugin directory")
+}
+
+/// Checks an opened token file (`auth.*_token_file`) as a plugin file is
+/// checked: whoever can write it, replace it, or rename a directory on its way
+/// chooses the tokens the router takes at its next reload.
+pub fn check_token_file(path: &Path, opened: &std::fs::Metadata) -> Result<(), TrustError> {
+    check_file(path, opened, "token file", "token file's directory")
+}
+
+fn check_file(
+    path: &Path,
+    opened: &std::fs::Metadata,
+    file_what: &'static str,
+    dir_what: &'static str,
+) -> Result<(), TrustError> {
+    check_metadata(file_what, path, opened, Role::Holder)?;
     let found_in = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     // Whoever can write the directory it was found in can plant a link to any
-    // library, so that one is a holder too, even when the file is a symlink.
-    check_holder_directory(found_in, "plugin directory")?;
-    let real = resolve_checked(path, "plugin directory", false)?;
+    // file, so that one is a holder too, even when the file is a symlink.
+    check_holder_directory(found_in, dir_what)?;
+    let real = resolve_checked(path, dir_what, false)?;
     let lives_in = real.parent().unwrap_or(Path::new("/"));
-    check_directory("plugin directory", lives_in, Role::Holder)?;
+    check_directory(dir_what, lives_in, Role::Holder)?;
     let now = std::fs::metadata(&real).map_err(|e| unreadable(&real, e))?;
     if now.dev() != opened.dev() || now.ino() != opened.ino() {
         return Err(TrustError::Changed {

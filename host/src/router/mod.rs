@@ -27,6 +27,7 @@ pub mod bookings;
 pub mod index;
 pub mod ingest;
 mod open_count;
+pub mod persistent;
 pub mod workers;
 
 pub use crate::hints::PolicyFailure;
@@ -316,16 +317,8 @@ impl Router {
                 true,
             ),
         };
-        let key = entry.worker.key;
-        let mut entries: Vec<Arc<WorkerEntry>> = table
-            .all()
-            .iter()
-            .filter(|e| e.worker.key != key)
-            .cloned()
-            .collect();
-        entries.push(Arc::new(entry));
-        self.workers
-            .store(Arc::new(WorkerTable::from_entries(entries)));
+        // O(log n): the new table shares all but the path to this worker.
+        self.workers.store(Arc::new(table.with(Arc::new(entry))));
         Ok(added)
     }
 
@@ -339,14 +332,7 @@ impl Router {
                 dp_rank: key.dp_rank,
             });
         }
-        let entries = table
-            .all()
-            .iter()
-            .filter(|e| e.worker.key != key)
-            .cloned()
-            .collect();
-        self.workers
-            .store(Arc::new(WorkerTable::from_entries(entries)));
+        self.workers.store(Arc::new(table.without(key)));
         self.index.remove_worker(key);
         self.bookings.forget_worker(key);
         Ok(())
@@ -423,7 +409,6 @@ impl Router {
         self.workers
             .load()
             .all()
-            .iter()
             .map(|e| (Arc::clone(&e.worker), e.load.get()))
             .collect()
     }

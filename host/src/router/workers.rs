@@ -10,6 +10,7 @@
 //! router does; each reservation itself is exact.
 
 use super::index::Slot;
+use super::persistent::{Keyed, SlotVec, SortedSeq};
 use crate::domain::{Role, Worker, WorkerKey};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -105,7 +106,7 @@ pub struct WorkerEntry {
 /// loads through a worker's pointers. Listed contiguously, the candidates
 /// are a run of memory the processor prefetches, and each has one pointer left to
 /// follow: its load cell.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Listed {
     pub key: WorkerKey,
     pub slot: Slot,
@@ -128,20 +129,50 @@ impl Listed {
     }
 }
 
+/// What the table keeps per KV-index slot.
+#[derive(Debug, Clone, Default)]
+struct SlotInfo {
+    entry: Option<Arc<WorkerEntry>>,
+    /// The worker's `worker_type` as a number (equal numbers, equal types), so a
+    /// booking matches a worker with its peers without comparing strings.
+    type_id: u32,
+    /// Whether the worker can be a copy's source (it takes hints and names a
+    /// control endpoint peers pull from).
+    donor: bool,
+}
+
+impl Keyed for Arc<WorkerEntry> {
+    type Key = WorkerKey;
+    fn key(&self) -> WorkerKey {
+        self.worker.key
+    }
+}
+
+impl Keyed for Listed {
+    type Key = WorkerKey;
+    fn key(&self) -> WorkerKey {
+        self.key
+    }
+}
+
+/// A role's candidates in key order: a persistent sequence whose leaves hold up to
+/// 64 [`Listed`] contiguously.
+pub type RoleList = SortedSeq<Listed>;
+
 /// Every registered worker, sorted by key, and per role (candidates in key order, so
 /// selection policies break ties by the lowest worker id, then dp rank).
-#[derive(Debug, Default)]
+///
+/// Persistent: [`Self::with`] and [`Self::without`] return a new table that shares
+/// every part the change does not touch, copying O(log n) nodes of at most 64
+/// entries, so registering n workers one by one costs O(n log n), not O(n²).
+#[derive(Debug, Default, Clone)]
 pub struct WorkerTable {
-    all: Vec<Arc<WorkerEntry>>,
-    by_role: [Vec<Listed>; 3],
+    all: SortedSeq<Arc<WorkerEntry>>,
+    by_role: [RoleList; 3],
     /// Indexed by KV-index slot, so a lookup's matches map to workers without a search.
-    by_slot: Vec<Option<Arc<WorkerEntry>>>,
-    /// By slot: the worker's `worker_type` as a number (equal numbers, equal types), so
-    /// a booking matches a worker with its peers without comparing strings.
-    type_by_slot: Vec<u32>,
-    /// By slot: whether the worker can be a copy's source (it takes hints and names a
-    /// control endpoint peers pull from).
-    donor_by_slot: Vec<bool>,
+    by_slot: SlotVec<SlotInfo>,
+    /// The distinct worker types, in the order first seen (few: usually one).
+    types: Arc<Vec<Arc<str>>>,
 }
 
 fn role_index(role: Role) -> usize {
@@ -153,60 +184,73 @@ fn role_index(role: Role) -> usize {
 }
 
 impl WorkerTable {
-    pub fn from_entries(mut all: Vec<Arc<WorkerEntry>>) -> Self {
-        all.sort_by_key(|e| e.worker.key);
-        let mut by_role: [Vec<Listed>; 3] = Default::default();
-        let mut by_slot: Vec<Option<Arc<WorkerEntry>>> = Vec::new();
-        for entry in &all {
-            by_role[role_index(entry.worker.role)].push(Listed::of(entry));
-            let slot = entry.slot as usize;
-            if by_slot.len() <= slot {
-                by_slot.resize(slot + 1, None);
+    pub fn from_entries(all: Vec<Arc<WorkerEntry>>) -> Self {
+        all.into_iter()
+            .fold(Self::default(), |table, entry| table.with(entry))
+    }
+
+    /// This table with `entry` added, or replacing the entry of its key.
+    pub fn with(&self, entry: Arc<WorkerEntry>) -> Self {
+        let mut table = self.without(entry.worker.key);
+        let worker = &entry.worker;
+        let type_id = match table.types.iter().position(|t| **t == *worker.worker_type) {
+            Some(id) => id,
+            None => {
+                let mut types = Vec::clone(&table.types);
+                types.push(Arc::clone(&worker.worker_type));
+                table.types = Arc::new(types);
+                table.types.len() - 1
             }
-            by_slot[slot] = Some(Arc::clone(entry));
-        }
-        // Few distinct types (usually one), so a scan interns them.
-        let mut types: Vec<&str> = Vec::new();
-        let mut type_by_slot = vec![u32::MAX; by_slot.len()];
-        let mut donor_by_slot = vec![false; by_slot.len()];
-        for entry in &all {
-            let worker = &entry.worker;
-            let id = match types.iter().position(|t| **t == *worker.worker_type) {
-                Some(id) => id,
-                None => {
-                    types.push(&worker.worker_type);
-                    types.len() - 1
-                }
-            };
-            type_by_slot[entry.slot as usize] = id as u32;
-            donor_by_slot[entry.slot as usize] =
-                worker.router_hint && !worker.source_control_endpoint.is_empty();
-        }
-        Self {
-            all,
-            by_role,
-            by_slot,
-            type_by_slot,
-            donor_by_slot,
-        }
+        };
+        let role = role_index(worker.role);
+        table.by_role[role] = table.by_role[role].upsert(Listed::of(&entry));
+        table.by_slot = table.by_slot.set(
+            entry.slot as usize,
+            SlotInfo {
+                entry: Some(Arc::clone(&entry)),
+                type_id: type_id as u32,
+                donor: worker.router_hint && !worker.source_control_endpoint.is_empty(),
+            },
+        );
+        table.all = table.all.upsert(entry);
+        table
+    }
+
+    /// This table without the worker `key` (the same table, if it has none).
+    pub fn without(&self, key: WorkerKey) -> Self {
+        let Some(old) = self.all.get(key) else {
+            return self.clone();
+        };
+        let mut table = self.clone();
+        let role = role_index(old.worker.role);
+        table.by_role[role] = table.by_role[role].remove(key);
+        table.by_slot = table.by_slot.set(old.slot as usize, SlotInfo::default());
+        table.all = table.all.remove(key);
+        table
     }
 
     /// Whether the worker in `slot` could supply a copy to `to` (in the table): a
     /// donor of the same worker type.
     pub fn can_supply(&self, slot: Slot, to: Slot) -> bool {
-        self.donor_by_slot.get(slot as usize) == Some(&true)
-            && self.type_by_slot.get(slot as usize) == self.type_by_slot.get(to as usize)
+        let (Some(from), Some(to)) = (
+            self.by_slot.get(slot as usize),
+            self.by_slot.get(to as usize),
+        ) else {
+            return false;
+        };
+        from.donor && from.entry.is_some() && to.entry.is_some() && from.type_id == to.type_id
     }
 
     pub fn by_slot(&self, slot: Slot) -> Option<&Arc<WorkerEntry>> {
-        self.by_slot.get(slot as usize)?.as_ref()
+        self.by_slot.get(slot as usize)?.entry.as_ref()
     }
 
-    pub fn all(&self) -> &[Arc<WorkerEntry>] {
-        &self.all
+    /// Every worker, in key order.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<WorkerEntry>> {
+        self.all.iter()
     }
 
-    pub fn role(&self, role: Role) -> &[Listed] {
+    pub fn role(&self, role: Role) -> &RoleList {
         &self.by_role[role_index(role)]
     }
 
@@ -217,10 +261,7 @@ impl WorkerTable {
     }
 
     pub fn get(&self, key: WorkerKey) -> Option<&Arc<WorkerEntry>> {
-        self.all
-            .binary_search_by_key(&key, |e| e.worker.key)
-            .ok()
-            .map(|i| &self.all[i])
+        self.all.get(key)
     }
 
     pub fn len(&self) -> usize {

@@ -19,7 +19,7 @@ use super::error::ApiError;
 use super::App;
 use crate::config::auth::Caller;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
@@ -40,14 +40,17 @@ pub async fn guard(
     // The guard is dropped before the handler runs: an `arc-swap` guard is
     // meant for a short borrow, not to be held across an await.
     let snapshot = app.snapshot.load();
-    let verdict = match (&snapshot.tokens, caller) {
-        (Some(tokens), Some(caller)) => match bearer(request.headers()) {
-            Some(token) if tokens.admits(caller, token) => Ok(()),
-            Some(_) => Err(unauthorized(caller, "the token given is not one of them")),
-            None => Err(unauthorized(caller, "none was given")),
+    let verdict = match single_host(request.headers()) {
+        Err(error) => Err(error),
+        Ok(()) => match (&snapshot.tokens, caller) {
+            (Some(tokens), Some(caller)) => match bearer(request.headers()) {
+                Some(token) if tokens.admits(caller, token) => Ok(()),
+                Some(_) => Err(unauthorized(caller, "the token given is not one of them")),
+                None => Err(unauthorized(caller, "none was given")),
+            },
+            (Some(_), None) => Ok(()),
+            (None, _) => same_site(request.uri(), request.headers(), app.exposure),
         },
-        (Some(_), None) => Ok(()),
-        (None, _) => same_site(request.headers(), app.exposure),
     };
     drop(snapshot);
     match verdict {
@@ -119,14 +122,33 @@ fn is_loopback_name(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// The checks an unauthenticated router makes (see the module docs).
-fn same_site(headers: &HeaderMap, exposure: Exposure) -> Result<(), ApiError> {
-    let host = headers
+/// A request with more than one `Host` header is refused (RFC 9112 §3.2: 400):
+/// the guards below would read one and a proxy or handler might use another.
+fn single_host(headers: &HeaderMap) -> Result<(), ApiError> {
+    let hosts = headers.get_all(header::HOST).iter().count();
+    if hosts > 1 {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "duplicate_host",
+            format!("the request has {hosts} `Host` headers; HTTP/1.1 (RFC 9112, section 3.2) allows exactly one: send one `Host` header"),
+        ));
+    }
+    Ok(())
+}
+
+/// The checks an unauthenticated router makes (see the module docs). The host
+/// a request is addressed to is the authority of an absolute-form target
+/// (`GET http://name/path`: RFC 9112 §3.2.2 has it replace `Host`), else `Host`;
+/// on loopback both must name loopback. Every `Origin` and `Sec-Fetch-Site`
+/// header is checked, not only the first.
+fn same_site(uri: &Uri, headers: &HeaderMap, exposure: Exposure) -> Result<(), ApiError> {
+    let host_header = headers
         .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(host_of);
+        .map(|h| h.to_str().map(host_of).unwrap_or_else(|_| "?".to_string()));
+    let target = uri.authority().map(|a| host_of(a.as_str()));
+    let host = target.clone().or_else(|| host_header.clone());
     if exposure.loopback {
-        if let Some(host) = &host {
+        for host in [&target, &host_header].into_iter().flatten() {
             if !is_loopback_name(host) {
                 return Err(ApiError::new(
                     StatusCode::FORBIDDEN,
@@ -146,12 +168,13 @@ fn same_site(headers: &HeaderMap, exposure: Exposure) -> Result<(), ApiError> {
         )
     };
     if headers
-        .get("sec-fetch-site")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"cross-site"))
+        .get_all("sec-fetch-site")
+        .iter()
+        .any(|v| v.as_bytes().eq_ignore_ascii_case(b"cross-site"))
     {
         return Err(cross_site());
     }
-    if let Some(origin) = headers.get(header::ORIGIN) {
+    for origin in headers.get_all(header::ORIGIN) {
         let origin = origin.to_str().unwrap_or("");
         let authority = origin
             .split_once("://")
@@ -180,6 +203,33 @@ mod tests {
         map
     }
 
+    fn check(h: &HeaderMap, exposure: Exposure) -> Result<(), ApiError> {
+        same_site(&Uri::from_static("/admin/status"), h, exposure)
+    }
+
+    #[test]
+    fn a_second_host_and_an_absolute_target_are_checked_too() {
+        let loopback = Exposure { loopback: true };
+        let mut two = headers(&[("host", "127.0.0.1:8080")]);
+        two.append("host", HeaderValue::from_static("evil.example"));
+        assert_eq!(single_host(&two).map_err(|e| e.code), Err("duplicate_host"));
+        assert_eq!(single_host(&headers(&[("host", "127.0.0.1")])), Ok(()));
+        let absolute = Uri::from_static("http://evil.example/admin/status");
+        let loopback_host = headers(&[("host", "127.0.0.1:8080")]);
+        assert_eq!(
+            same_site(&absolute, &loopback_host, loopback).map_err(|e| e.code),
+            Err("forbidden_host")
+        );
+        let local = Uri::from_static("http://localhost:8080/admin/status");
+        assert_eq!(same_site(&local, &loopback_host, loopback), Ok(()));
+        let mut origins = headers(&[("host", "127.0.0.1"), ("origin", "http://localhost")]);
+        origins.append("origin", HeaderValue::from_static("https://evil.example"));
+        assert_eq!(
+            check(&origins, loopback).map_err(|e| e.code),
+            Err("cross_origin_refused")
+        );
+    }
+
     #[test]
     fn hosts_are_compared_without_port_case_or_brackets() {
         assert_eq!(host_of("LocalHost:8080"), "localhost");
@@ -204,7 +254,7 @@ mod tests {
             headers(&[]),
         ];
         for h in ok {
-            assert_eq!(same_site(&h, loopback), Ok(()), "{h:?}");
+            assert_eq!(check(&h, loopback), Ok(()), "{h:?}");
         }
         let refused = [
             (
@@ -228,19 +278,15 @@ mod tests {
             ),
         ];
         for (h, code) in refused {
-            assert_eq!(
-                same_site(&h, loopback).map_err(|e| e.code),
-                Err(code),
-                "{h:?}"
-            );
+            assert_eq!(check(&h, loopback).map_err(|e| e.code), Err(code), "{h:?}");
         }
         let exposed = Exposure { loopback: false };
         assert_eq!(
-            same_site(&headers(&[("host", "router.internal:8080")]), exposed),
+            check(&headers(&[("host", "router.internal:8080")]), exposed),
             Ok(())
         );
         assert_eq!(
-            same_site(
+            check(
                 &headers(&[
                     ("host", "router.internal:8080"),
                     ("origin", "http://router.internal:8080")
@@ -249,7 +295,7 @@ mod tests {
             ),
             Ok(())
         );
-        assert!(same_site(
+        assert!(check(
             &headers(&[
                 ("host", "router.internal:8080"),
                 ("origin", "http://evil.example")

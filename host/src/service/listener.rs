@@ -54,11 +54,23 @@ impl Default for ConnectionLimits {
 impl ConnectionLimits {
     /// File descriptors kept back from connections: the plugins, the cache, the
     /// watch, engine sockets and log files need some too.
-    const RESERVED_FDS: u64 = 64;
+    pub const RESERVED_FDS: u64 = 64;
 
     /// These limits with the cap lowered to what the process's file-descriptor
     /// limit (`ulimit -n`) allows, and a warning if it had to be.
-    pub fn capped_by_file_limit(self) -> Self {
+    /// The process's open-files limit (`ulimit -n`), if it can be read.
+    pub fn open_files_limit() -> Option<u64> {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes the struct it is given and nothing else.
+        (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit.rlim_cur)
+    }
+
+    /// `for_sources` descriptors are kept for KV-event sources on top of
+    /// [`Self::RESERVED_FDS`].
+    pub fn capped_by_file_limit(self, for_sources: u64) -> Self {
         let mut limit = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
@@ -67,7 +79,10 @@ impl ConnectionLimits {
         if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
             return self;
         }
-        let allowed = limit.rlim_cur.saturating_sub(Self::RESERVED_FDS).max(1);
+        let allowed = limit
+            .rlim_cur
+            .saturating_sub(Self::RESERVED_FDS + for_sources)
+            .max(1);
         if (self.max_connections as u64) <= allowed {
             return self;
         }
@@ -75,6 +90,7 @@ impl ConnectionLimits {
             max_connections = self.max_connections,
             open_files_limit = limit.rlim_cur,
             now = allowed,
+            kept_for_kv_event_sources = for_sources,
             "--max-connections is more than the open-files limit allows; lowered (raise `ulimit -n` for more)"
         );
         Self {

@@ -178,6 +178,11 @@ fn membership_error(error: MembershipError) -> ApiError {
     match error {
         MembershipError::Router(e) => e.into(),
         MembershipError::Attach(AttachError::Source(e)) => ApiError::bad_request(e.to_string()),
+        MembershipError::Attach(e @ AttachError::Full { .. }) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_sources",
+            e.to_string(),
+        ),
         MembershipError::Attach(e @ AttachError::Spawn(_)) => {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
         }
@@ -470,6 +475,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
             ..SubscriberOptions::default()
         },
     ));
+    engine_events.set_max_sources(config.kv_events.max_sources as usize);
     let failures = engine_events.apply_config(&router, &config.kv_events, &config.workers);
     if !failures.is_empty() {
         return Err(config::ConfigErrors(
@@ -581,7 +587,29 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {}", options.listen))?;
     let address = listener.local_addr()?;
-    let connections = options.connections.capped_by_file_limit();
+    // Each KV-event source holds descriptors too: they are kept out of the budget,
+    // so subscriptions can never starve connections (or a reload) of descriptors.
+    // They take at most half of what the limit leaves: a lower `ulimit -n` lowers
+    // the source cap too, with a warning.
+    let per_source = crate::engine_events::FDS_PER_SOURCE;
+    let mut sources = app.engine_events.max_sources() as u64;
+    if let Some(limit) = listener::ConnectionLimits::open_files_limit() {
+        let most =
+            (limit.saturating_sub(listener::ConnectionLimits::RESERVED_FDS) / 2 / per_source)
+                .max(1);
+        if sources > most {
+            tracing::warn!(
+                max_sources = sources,
+                open_files_limit = limit,
+                now = most,
+                "kv_events.max_sources is more than the open-files limit leaves room for; lowered (raise `ulimit -n` for more)"
+            );
+            sources = most;
+            app.engine_events.set_max_sources(most as usize);
+        }
+    }
+    let for_sources = sources * per_source;
+    let connections = options.connections.capped_by_file_limit(for_sources);
     println!("listening on {address}");
     tracing::info!(
         %address,
@@ -605,6 +633,7 @@ pub async fn serve(
     let health = tokio::spawn(gateway::health_checks(Arc::clone(&app)));
 
     let metrics = Arc::clone(&app.metrics);
+    let stopping = Arc::clone(&app);
     listener::serve(
         listener,
         routes(app, options.max_body_bytes),
@@ -620,7 +649,12 @@ pub async fn serve(
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
             }
-            tracing::info!("shutting down");
+            // A reload in flight is abandoned (its probe killed) and queued ones
+            // are dropped: the exit waits for neither (each could otherwise run a
+            // whole probe timeout).
+            stopping.reloader.shut_down();
+            let probes_killed = crate::loader::probe::abandon_all();
+            tracing::info!(probes_killed, "shutting down");
         },
         std::time::Duration::from_secs(10),
     )

@@ -110,6 +110,8 @@ pub struct Reloader {
     /// The router listens beyond loopback with `auth`: a config without it is
     /// refused, so an edit cannot open the router to the network.
     auth_required: std::sync::atomic::AtomicBool,
+    /// Set on shutdown: reloads not yet running are dropped.
+    shutting_down: std::sync::atomic::AtomicBool,
 }
 
 impl Reloader {
@@ -127,12 +129,29 @@ impl Reloader {
             status: Mutex::new(ReloadStatus::default()),
             on_reload: std::sync::OnceLock::new(),
             auth_required: std::sync::atomic::AtomicBool::new(false),
+            shutting_down: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
     /// From now on, refuse a config without `auth` (see `auth_required`).
     pub fn require_auth(&self) {
         self.auth_required.store(true, Ordering::Relaxed);
+    }
+
+    /// The router is shutting down: every reload from now on (a queued one
+    /// included) is dropped without running. A reload in flight is ended by
+    /// killing its probe ([`crate::loader::probe::abandon_all`]).
+    pub fn shut_down(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    fn dropped(&self, trigger: Trigger) -> ConfigErrors {
+        tracing::info!(%trigger, "reload dropped: the router is shutting down");
+        ConfigErrors(vec![config::ConfigError::new(
+            &self.config_path,
+            None,
+            "this reload was not run: the router is shutting down",
+        )])
     }
 
     pub fn status(&self) -> ReloadStatus {
@@ -192,6 +211,9 @@ impl Reloader {
         current: &ArcSwap<Snapshot>,
         trigger: Trigger,
     ) -> Result<u64, ConfigErrors> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(self.dropped(trigger));
+        }
         let Some(_running) = self.running.try_lock_for(self.wait) else {
             let errors = ConfigErrors(vec![config::ConfigError::new(
                 &self.config_path,
@@ -203,6 +225,10 @@ impl Reloader {
             )]);
             return Err(self.failed(trigger, errors));
         };
+        // Queued behind one that was running when shutdown began: dropped.
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(self.dropped(trigger));
+        }
         let fixed = self.fixed();
         match self.build(fixed.as_ref()) {
             Ok((snapshot, config)) => {
@@ -222,6 +248,8 @@ impl Reloader {
                 tracing::info!(generation, %trigger, "reloaded");
                 Ok(generation)
             }
+            // A reload whose probe the shutdown killed is abandoned, not failed.
+            Err(_) if self.shutting_down.load(Ordering::SeqCst) => Err(self.dropped(trigger)),
             Err(errors) => Err(self.failed(trigger, errors)),
         }
     }
