@@ -93,6 +93,8 @@ pub struct LlamaWorker {
     stdin: Option<ChildStdin>,
     logs: TempDir,
     starts: u32,
+    /// `serve.py`'s `--parallel` and `--ctx` (the context all slots share).
+    sizing: Option<(u32, u32)>,
     agent: ureq::Agent,
 }
 
@@ -100,6 +102,22 @@ impl LlamaWorker {
     /// A worker on a port the kernel picks (free, on 127.0.0.1).
     pub fn start() -> LlamaWorker {
         Self::start_on(0)
+    }
+
+    /// A worker with `parallel` slots sharing a context of `ctx` tokens (a
+    /// 4,000-token prompt on 8 slots needs 8 × 4,100).
+    pub fn start_sized(parallel: u32, ctx: u32) -> LlamaWorker {
+        let mut worker = LlamaWorker {
+            port: 0,
+            child: None,
+            stdin: None,
+            logs: crate::private_dir(),
+            starts: 0,
+            sizing: Some((parallel, ctx)),
+            agent: agent(),
+        };
+        worker.spawn();
+        worker
     }
 
     /// A worker on `port` (0: any free port).
@@ -110,6 +128,7 @@ impl LlamaWorker {
             stdin: None,
             logs: crate::private_dir(),
             starts: 0,
+            sizing: None,
             agent: agent(),
         };
         worker.spawn();
@@ -129,6 +148,14 @@ impl LlamaWorker {
             .arg("--model")
             .arg(model)
             .args(["--port", &self.port.to_string(), "--alias", MODEL_NAME])
+            .args(self.sizing.map_or_else(Vec::new, |(parallel, ctx)| {
+                vec![
+                    "--parallel".to_string(),
+                    parallel.to_string(),
+                    "--ctx".to_string(),
+                    ctx.to_string(),
+                ]
+            }))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr);

@@ -1,0 +1,361 @@
+//! The gateway side by side: the same two llama.cpp workers (llama.cpp's own
+//! server through PyPI `xllamacpp`, the tiny Qwen3-vocabulary model) behind
+//! kvhint, behind SGLang's model gateway (`smg` 1.13.0, `--policy cache_aware`)
+//! and vLLM's router (`vllm-router` 0.1.17, `--policy cache_aware`), and straight
+//! (the client alternating between the two workers itself), in one run, round by
+//! round with the systems' order rotating, so a slow stretch of the machine hits
+//! every system alike.
+//!
+//! Two workloads, each at concurrency 1 and 8: a 4,000-token non-streaming
+//! completion (1 token out: the gateway's share of the time is what shows) and a
+//! short streaming chat. Per system: requests/s, p50/p99 latency, *added* latency
+//! (through the system minus straight, per round, then the median over rounds),
+//! time to first byte, the gateway process's CPU time per request (its threads'
+//! `schedstat`, in ns), its RSS, and kvhint's tokenization time apart. Each
+//! request's prompt is new (a unique first line), so no gateway or engine reuses
+//! a cached tokenization or prefix: the figures are the cold ones.
+//!
+//! `cargo bench -p kvhint-e2e --bench gateway` measures (release kvhint);
+//! `cargo test -p kvhint-e2e --bench gateway` (CI's quick mode) runs each case
+//! once, on a debug build, to keep it working.
+
+use kvhint_e2e::bench::{self, quantile};
+use kvhint_e2e::llamacpp::{agent, qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
+use kvhint_e2e::process::spawn_tied;
+use kvhint_e2e::{private_dir, Server};
+use serde_json::{json, Value};
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A system under test: where clients send requests, and the process whose CPU
+/// time counts (none for straight).
+struct System {
+    name: &'static str,
+    urls: Vec<String>,
+    pid: Option<u32>,
+}
+
+/// CPU time of every thread of `pid`, in ns (`/proc/PID/task/*/schedstat`'s first
+/// field: time on a CPU).
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+        .filter_map(|text| text.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn rss_mb(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Starts a peer gateway from the harness's Python environment and waits until
+/// it answers `GET /v1/models`.
+fn peer(binary: &str, args: &[String], port: u16) -> Child {
+    let python = kvhint_e2e::provision::python();
+    let path = python.parent().unwrap().join(binary);
+    let log = std::env::temp_dir().join(format!("kvhint-bench-{binary}-{port}.log"));
+    let mut command = Command::new(&path);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let child = spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
+    let agent = agent();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = agent
+            .get(&format!("http://127.0.0.1:{port}/v1/models"))
+            .call()
+            .is_ok_and(|r| r.status().as_u16() == 200);
+        if ready {
+            return child;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{binary} did not answer within 60 s:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap()
+}
+
+/// One request: (total seconds, seconds to the first body byte).
+fn request(agent: &ureq::Agent, url: &str, body: &str) -> (f64, f64) {
+    let started = Instant::now();
+    let mut response = agent
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body)
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    assert_eq!(response.status().as_u16(), 200, "POST {url}");
+    let mut reader = response.body_mut().as_reader();
+    let mut buffer = [0u8; 8192];
+    let mut first = None;
+    loop {
+        match reader.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(_) => {
+                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+            }
+            Err(e) => panic!("reading {url}: {e}"),
+        }
+    }
+    let total = started.elapsed().as_secs_f64();
+    (total, first.unwrap_or(total))
+}
+
+struct Workload {
+    name: &'static str,
+    path: &'static str,
+    body: fn(u64) -> Value,
+}
+
+fn long_completion(n: u64) -> Value {
+    // About 4,000 tokens: a unique first line, then numbered words.
+    let mut prompt = format!("Request {n}.\n");
+    for i in 0..1_990 {
+        prompt.push_str(&format!("w{} ", i % 97));
+    }
+    json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+}
+
+fn short_chat(n: u64) -> Value {
+    json!({"model": MODEL_NAME, "stream": true, "max_tokens": 16, "temperature": 0,
+           "messages": [{"role": "system", "content": "You answer briefly."},
+                        {"role": "user", "content": format!("Question {n}: what is a router?")}]})
+}
+
+/// Per system, per round: latencies, first-byte times, CPU ns per request.
+#[derive(Default, Clone)]
+struct Figures {
+    total: Vec<f64>,
+    ttfb: Vec<f64>,
+    round_p50: Vec<f64>,
+    round_p99: Vec<f64>,
+    cpu_ns: Vec<f64>,
+    seconds: f64,
+    requests: usize,
+}
+
+fn main() {
+    let quick = !bench::is_bench();
+    let (rounds, per_round) = if quick { (1, 2) } else { (5, 40) };
+    // 8 slots, each room for a 4,000-token prompt.
+    let workers = [
+        LlamaWorker::start_sized(8, 8 * 4_200),
+        LlamaWorker::start_sized(8, 8 * 4_200),
+    ];
+    let urls: Vec<String> = workers.iter().map(LlamaWorker::url).collect();
+
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    let mut yaml = format!(
+        "router:\n  block_size: 16\n  max_prompt_tokens: 65536\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\nworkers:\n",
+        qwen3_tokenizer_dir().display()
+    );
+    for (i, url) in urls.iter().enumerate() {
+        yaml.push_str(&format!(
+            "  - worker_id: {}\n    http_endpoint: {url}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
+            i + 1
+        ));
+    }
+    std::fs::write(&config, yaml).unwrap();
+    let kvhint = Server::start_command(
+        Command::new(bench::artifacts().join("kvhint")),
+        &config,
+        &["--max-body-bytes", "8388608"],
+        dir.path(),
+    );
+    let smg_port = free_port();
+    let mut smg_args: Vec<String> = ["launch", "--host", "127.0.0.1", "--port"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    smg_args.push(smg_port.to_string());
+    smg_args.push("--worker-urls".into());
+    smg_args.extend(urls.iter().cloned());
+    smg_args.extend(["--policy".to_string(), "cache_aware".to_string()]);
+    let mut smg = peer("smg", &smg_args, smg_port);
+    let router_port = free_port();
+    let mut router_args: Vec<String> = ["--host", "127.0.0.1", "--port"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    router_args.push(router_port.to_string());
+    router_args.push("--worker-urls".into());
+    router_args.extend(urls.iter().cloned());
+    router_args.extend(["--policy".to_string(), "cache_aware".to_string()]);
+    let mut router = peer("vllm-router", &router_args, router_port);
+
+    let systems = [
+        System {
+            name: "straight",
+            urls: urls.clone(),
+            pid: None,
+        },
+        System {
+            name: "kvhint",
+            urls: vec![kvhint.base.clone()],
+            pid: Some(kvhint.child.id()),
+        },
+        System {
+            name: "smg",
+            urls: vec![format!("http://127.0.0.1:{smg_port}")],
+            pid: Some(smg.id()),
+        },
+        System {
+            name: "vllm-router",
+            urls: vec![format!("http://127.0.0.1:{router_port}")],
+            pid: Some(router.id()),
+        },
+    ];
+    let workloads = [
+        Workload {
+            name: "4k-token completion",
+            path: "/v1/completions",
+            body: long_completion,
+        },
+        Workload {
+            name: "short streaming chat",
+            path: "/v1/chat/completions",
+            body: short_chat,
+        },
+    ];
+    let counter = Arc::new(AtomicU64::new(0));
+    println!(
+        "gateway bench ({}): {rounds} rounds × {per_round} requests per system, workload and concurrency",
+        if quick { "quick mode, debug build: not measurements" } else { "release" }
+    );
+    for workload in &workloads {
+        for concurrency in [1usize, 8] {
+            let mut figures = vec![Figures::default(); systems.len()];
+            // Warm every path (connections, pools) before measuring.
+            for system in &systems {
+                for url in &system.urls {
+                    let body = (workload.body)(counter.fetch_add(1, Ordering::Relaxed)).to_string();
+                    request(&agent(), &format!("{url}{}", workload.path), &body);
+                }
+            }
+            for round in 0..rounds {
+                for k in 0..systems.len() {
+                    let at = (k + round) % systems.len();
+                    let system = &systems[at];
+                    let cpu_before = system.pid.map(cpu_ns);
+                    let started = Instant::now();
+                    let threads: Vec<_> = (0..concurrency)
+                        .map(|t| {
+                            let urls = system.urls.clone();
+                            let counter = Arc::clone(&counter);
+                            let path = workload.path;
+                            let make = workload.body;
+                            let count = per_round.div_ceil(concurrency);
+                            std::thread::spawn(move || {
+                                let agent = agent();
+                                (0..count)
+                                    .map(|i| {
+                                        let n = counter.fetch_add(1, Ordering::Relaxed);
+                                        let url = &urls[(t + i) % urls.len()];
+                                        request(&agent, &format!("{url}{path}"), &make(n).to_string())
+                                    })
+                                    .collect::<Vec<_>>()
+                            })
+                        })
+                        .collect();
+                    let mut samples: Vec<(f64, f64)> = Vec::new();
+                    for thread in threads {
+                        samples.extend(thread.join().unwrap());
+                    }
+                    let elapsed = started.elapsed().as_secs_f64();
+                    let f = &mut figures[at];
+                    if let (Some(before), Some(pid)) = (cpu_before, system.pid) {
+                        f.cpu_ns
+                            .push((cpu_ns(pid) - before) as f64 / samples.len() as f64);
+                    }
+                    let mut totals: Vec<f64> = samples.iter().map(|s| s.0).collect();
+                    f.round_p50.push(quantile(&mut totals, 0.5));
+                    f.round_p99.push(quantile(&mut totals, 0.99));
+                    f.total.extend(samples.iter().map(|s| s.0));
+                    f.ttfb.extend(samples.iter().map(|s| s.1));
+                    f.seconds += elapsed;
+                    f.requests += samples.len();
+                }
+            }
+            println!("\n{} at concurrency {concurrency}:", workload.name);
+            println!(
+                "  {:<12} {:>8} {:>9} {:>9} {:>10} {:>10} {:>9} {:>10} {:>8}",
+                "system", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "ttfb ms", "cpu ms/req", "rss MB"
+            );
+            let straight = figures[0].clone();
+            for (system, f) in systems.iter().zip(&figures) {
+                let added = |mine: &[f64], base: &[f64]| {
+                    let mut diffs: Vec<f64> =
+                        mine.iter().zip(base).map(|(a, b)| (a - b) * 1e3).collect();
+                    bench::median(&mut diffs)
+                };
+                let mut total = f.total.clone();
+                let mut ttfb = f.ttfb.clone();
+                let mut cpu = f.cpu_ns.clone();
+                println!(
+                    "  {:<12} {:>8.1} {:>9.2} {:>9.2} {:>10.3} {:>10.3} {:>9.2} {:>10.3} {:>8.1}",
+                    system.name,
+                    f.requests as f64 / f.seconds,
+                    quantile(&mut total, 0.5) * 1e3,
+                    quantile(&mut total, 0.99) * 1e3,
+                    added(&f.round_p50, &straight.round_p50),
+                    added(&f.round_p99, &straight.round_p99),
+                    quantile(&mut ttfb, 0.5) * 1e3,
+                    if cpu.is_empty() { 0.0 } else { bench::median(&mut cpu) / 1e6 },
+                    system.pid.map_or(0.0, rss_mb),
+                );
+            }
+        }
+    }
+    let (_, metrics) = kvhint.get("/metrics");
+    let sum = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let (seconds, count) = (
+        sum("kvhint_gateway_tokenize_seconds_sum"),
+        sum("kvhint_gateway_tokenize_seconds_count"),
+    );
+    let (overhead, overhead_count) = (
+        sum("kvhint_gateway_overhead_seconds_sum"),
+        sum("kvhint_gateway_overhead_seconds_count"),
+    );
+    println!(
+        "\nkvhint, over every request: tokenization {:.3} ms mean, router overhead (received → sent, tokenization included) {:.3} ms mean",
+        seconds / count.max(1.0) * 1e3,
+        overhead / overhead_count.max(1.0) * 1e3
+    );
+    let _ = smg.kill();
+    let _ = smg.wait();
+    let _ = router.kill();
+    let _ = router.wait();
+}
