@@ -65,8 +65,8 @@ impl Publisher {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let mut child = spawn_tied(command)
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+        let mut child =
+            spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
         let stdin = child.stdin.take().unwrap();
         let stdout = LineReader::new(child.stdout.take().unwrap());
         let mut publisher = Publisher {
@@ -868,16 +868,14 @@ fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
 fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
     let (port, replay) = (free_port(), free_port());
     // vLLM binds only a wildcard host; its replay socket always binds.
-    let mut publisher = Publisher::start_vllm(
-        &[
-            "--endpoint".into(),
-            format!("tcp://*:{port}"),
-            "--replay-endpoint".into(),
-            format!("tcp://*:{replay}"),
-            "--topic".into(),
-            "kv".into(),
-        ],
-    );
+    let mut publisher = Publisher::start_vllm(&[
+        "--endpoint".into(),
+        format!("tcp://*:{port}"),
+        "--replay-endpoint".into(),
+        format!("tcp://*:{replay}"),
+        "--topic".into(),
+        "kv".into(),
+    ]);
     let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"),
                              "replay_endpoint": format!("tcp://127.0.0.1:{replay}"),
                              "topic": "kv"}));

@@ -65,7 +65,10 @@ fn a_chat_completion_renders_qwen3s_template() {
     assert_eq!(status, 200, "{reply}\n{}", worker.log());
     assert_eq!(reply["object"], "chat.completion", "{reply}");
     assert_eq!(reply["choices"][0]["message"]["role"], "assistant");
-    assert!(reply["choices"][0]["message"]["content"].is_string(), "{reply}");
+    assert!(
+        reply["choices"][0]["message"]["content"].is_string(),
+        "{reply}"
+    );
     // `<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n`: 9 tokens.
     assert_eq!(reply["usage"]["prompt_tokens"], 9, "{reply}");
 }
@@ -117,7 +120,10 @@ fn a_killed_worker_restarts_on_the_same_port() {
     assert!(!worker.is_running());
     let agent = kvhint_e2e::llamacpp::agent();
     assert!(
-        agent.get(&format!("{}/health", worker.url())).call().is_err(),
+        agent
+            .get(&format!("{}/health", worker.url()))
+            .call()
+            .is_err(),
         "nothing answers on a killed worker's port"
     );
     worker.restart();

@@ -104,9 +104,12 @@ fn run(mut command: Command, what: &str) {
         .iter()
         .any(|p| line.starts_with(p))
     };
-    if let Err(failure) =
-        provision::run_with_progress(&mut command, &format!("building {what}"), shown, BUILD_BOUND)
-    {
+    if let Err(failure) = provision::run_with_progress(
+        &mut command,
+        &format!("building {what}"),
+        shown,
+        BUILD_BOUND,
+    ) {
         panic!("building {what} failed: {failure}");
     }
     progress(&format!(

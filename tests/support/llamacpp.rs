@@ -132,8 +132,13 @@ impl LlamaWorker {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr);
-        let mut child = spawn_tied(command)
-            .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python().display(), script.display()));
+        let mut child = spawn_tied(command).unwrap_or_else(|e| {
+            panic!(
+                "cannot run {} {}: {e}",
+                python().display(),
+                script.display()
+            )
+        });
         let stdout = LineReader::new(child.stdout.take().unwrap());
         self.stdin = child.stdin.take();
         self.child = Some(child);

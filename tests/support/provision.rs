@@ -214,10 +214,7 @@ pub(crate) fn provisioned(
     std::fs::write(&tmp, key)
         .and_then(|()| std::fs::rename(&tmp, &marker))
         .map_err(|e| format!("cannot write {}: {e}", marker.display()))?;
-    progress(&format!(
-        "made {what} in {} s",
-        started.elapsed().as_secs()
-    ));
+    progress(&format!("made {what} in {} s", started.elapsed().as_secs()));
     Ok(())
 }
 
@@ -258,9 +255,15 @@ pub(crate) fn read(path: &Path) -> Result<Vec<u8>, String> {
 
 /// pip's lines worth showing while it works.
 fn pip_line(line: &str) -> bool {
-    ["Downloading", "Installing", "Successfully", "ERROR", "error:"]
-        .iter()
-        .any(|p| line.starts_with(p))
+    [
+        "Downloading",
+        "Installing",
+        "Successfully",
+        "ERROR",
+        "error:",
+    ]
+    .iter()
+    .any(|p| line.starts_with(p))
 }
 
 /// The Python interpreter the engine scripts (`tests/engines/`) run with:
@@ -277,44 +280,49 @@ pub fn python() -> &'static Path {
         let no_deps = engines_dir().join("requirements-no-deps.txt");
         let key = key_of(&[&read(&requirements)?, &read(&no_deps)?]);
         let python = venv.join("bin/python");
-        provisioned(&venv, &key, "the engine tests' Python environment", |venv| {
-            let base = "python3";
-            run_with_progress(
-                Command::new(base).args(["-m", "venv"]).arg(venv),
-                "creating the virtual environment",
-                |_| false,
-                Duration::from_secs(5 * 60),
-            )
-            .map_err(|e| {
-                format!(
-                    "`{base} -m venv` failed: the engine tests need Python 3 with venv \
-                     (Debian: apt-get install python3-venv).\n{}",
-                    tail(&e, 20)
-                )
-            })?;
-            for (file, extra) in [(&requirements, &[][..]), (&no_deps, &["--no-deps"][..])] {
+        provisioned(
+            &venv,
+            &key,
+            "the engine tests' Python environment",
+            |venv| {
+                let base = "python3";
                 run_with_progress(
-                    Command::new(&python)
-                        .args(["-m", "pip", "install", "--no-input"])
-                        .args(["--disable-pip-version-check", "--progress-bar", "off"])
-                        .args(extra)
-                        .arg("-r")
-                        .arg(file),
-                    &format!("pip installing {}", file.display()),
-                    pip_line,
-                    FETCH_BOUND,
+                    Command::new(base).args(["-m", "venv"]).arg(venv),
+                    "creating the virtual environment",
+                    |_| false,
+                    Duration::from_secs(5 * 60),
                 )
-                .map_err(|e| python_help(&e))?;
-            }
-            Ok(())
-        })?;
+                .map_err(|e| {
+                    format!(
+                        "`{base} -m venv` failed: the engine tests need Python 3 with venv \
+                     (Debian: apt-get install python3-venv).\n{}",
+                        tail(&e, 20)
+                    )
+                })?;
+                for (file, extra) in [(&requirements, &[][..]), (&no_deps, &["--no-deps"][..])] {
+                    run_with_progress(
+                        Command::new(&python)
+                            .args(["-m", "pip", "install", "--no-input"])
+                            .args(["--disable-pip-version-check", "--progress-bar", "off"])
+                            .args(extra)
+                            .arg("-r")
+                            .arg(file),
+                        &format!("pip installing {}", file.display()),
+                        pip_line,
+                        FETCH_BOUND,
+                    )
+                    .map_err(|e| python_help(venv, &e))?;
+                }
+                Ok(())
+            },
+        )?;
         Ok(python)
     })
 }
 
-fn python_help(pip_failure: &str) -> String {
+fn python_help(venv: &Path, pip_failure: &str) -> String {
     format!(
-        "could not install the engine tests' Python packages into target/e2e/venv \
+        "could not install the engine tests' Python packages into {} \
          (the harness runs pip against PyPI). They are SGLang's KV-event publisher, \
          llama.cpp's server (xllamacpp) and what tests/engines/requirements.txt pins. \
          Make PyPI reachable, or install them into a Python 3 of your own and point the \
@@ -323,6 +331,7 @@ fn python_help(pip_failure: &str) -> String {
          python3 -m pip install --no-deps -r tests/engines/requirements-no-deps.txt\n  \
          KVHINT_PYTHON=$(command -v python3) cargo test --workspace\n\
          pip said:\n{}",
+        venv.display(),
         tail(pip_failure, 30)
     )
 }
@@ -414,9 +423,18 @@ pub(crate) fn npm_package(spec: &str, dir_name: &str) -> Result<PathBuf, String>
             .map_err(|e| e.to_string())?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| p.extension().is_some_and(|x| x == "tgz"))
-            .ok_or_else(|| help(&format!("npm pack left no .tgz in {}\n{out}", dir.display())))?;
+            .ok_or_else(|| {
+                help(&format!(
+                    "npm pack left no .tgz in {}\n{out}",
+                    dir.display()
+                ))
+            })?;
         run_with_progress(
-            Command::new("tar").arg("-xzf").arg(&tarball).arg("-C").arg(dir),
+            Command::new("tar")
+                .arg("-xzf")
+                .arg(&tarball)
+                .arg("-C")
+                .arg(dir),
             &format!("unpacking {}", tarball.display()),
             |_| false,
             Duration::from_secs(5 * 60),
