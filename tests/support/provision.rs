@@ -311,7 +311,7 @@ pub fn python() -> &'static Path {
                         pip_line,
                         FETCH_BOUND,
                     )
-                    .map_err(|e| python_help(&e))?;
+                    .map_err(|e| python_help(venv, &e))?;
                 }
                 Ok(())
             },
@@ -320,9 +320,9 @@ pub fn python() -> &'static Path {
     })
 }
 
-fn python_help(pip_failure: &str) -> String {
+fn python_help(venv: &Path, pip_failure: &str) -> String {
     format!(
-        "could not install the engine tests' Python packages into target/e2e/venv \
+        "could not install the engine tests' Python packages into {} \
          (the harness runs pip against PyPI). They are SGLang's KV-event publisher, \
          llama.cpp's server (xllamacpp) and what tests/engines/requirements.txt pins. \
          Make PyPI reachable, or install them into a Python 3 of your own and point the \
@@ -331,6 +331,7 @@ fn python_help(pip_failure: &str) -> String {
          python3 -m pip install --no-deps -r tests/engines/requirements-no-deps.txt\n  \
          KVHINT_PYTHON=$(command -v python3) cargo test --workspace\n\
          pip said:\n{}",
+        venv.display(),
         tail(pip_failure, 30)
     )
 }
@@ -442,4 +443,92 @@ pub(crate) fn npm_package(spec: &str, dir_name: &str) -> Result<PathBuf, String>
         .map_err(|e| format!("cannot unpack {}: {e}", tarball.display()))
     })?;
     Ok(dir.join("package"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn an_item_is_made_once_and_reused_until_its_key_changes() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("item");
+        let made = AtomicUsize::new(0);
+        let make = |dir: &Path| {
+            made.fetch_add(1, Ordering::SeqCst);
+            std::fs::write(dir.join("file"), "x").map_err(|e| e.to_string())
+        };
+        provisioned(&dir, "k1", "a test item", make).unwrap();
+        provisioned(&dir, "k1", "a test item", make).unwrap();
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+        provisioned(&dir, "k2", "a test item", make).unwrap();
+        assert_eq!(made.load(Ordering::SeqCst), 2, "a new key makes it again");
+        assert_eq!(std::fs::read_to_string(dir.join(DONE)).unwrap(), "k2");
+    }
+
+    #[test]
+    fn a_half_made_item_is_removed_and_made_again() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("item");
+        let failed = provisioned(&dir, "k", "a test item", |dir| {
+            std::fs::write(dir.join("partial"), "x").unwrap();
+            Err("killed half-way".into())
+        });
+        assert_eq!(failed.unwrap_err(), "killed half-way");
+        assert!(!dir.join(DONE).exists(), "no marker for a failed make");
+        provisioned(&dir, "k", "a test item", |dir| {
+            assert!(!dir.join("partial").exists(), "the leftovers are gone");
+            Ok(())
+        })
+        .unwrap();
+        assert!(dir.join(DONE).exists());
+    }
+
+    /// The lock is a file lock (flock): separate opens exclude each other, as
+    /// separate processes do, so threads stand in for the test binaries here.
+    #[test]
+    fn concurrent_makers_make_an_item_once() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = Arc::new(root.path().join("item"));
+        let made = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (dir, made) = (Arc::clone(&dir), Arc::clone(&made));
+                std::thread::spawn(move || {
+                    provisioned(&dir, "k", "a test item", |_| {
+                        made.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(300));
+                        Ok(())
+                    })
+                    .unwrap()
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_command_past_its_bound_is_killed_with_a_message() {
+        let failure = run_with_progress(
+            Command::new("sleep").arg("30"),
+            "sleeping",
+            |_| true,
+            Duration::from_millis(300),
+        )
+        .unwrap_err();
+        assert!(failure.contains("did not finish within"), "{failure}");
+        let output = run_with_progress(
+            Command::new("echo").arg("hi"),
+            "echoing",
+            |_| true,
+            HEARTBEAT,
+        )
+        .unwrap();
+        assert_eq!(output, "hi\n");
+    }
 }
