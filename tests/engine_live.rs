@@ -3,22 +3,28 @@
 //! 127.0.0.1: with the engine binding and kvhint connecting, and the other way round;
 //! a gap recovered through the engine's real replay socket (SGLang's, whose replies
 //! carry the topic frame, and vLLM 0.23.0's, whose do not); the resync without one;
-//! and a publisher restart. `.ci/run` installs the wheel (`pip install --no-deps
-//! sglang==0.5.23` and `tests/engines/requirements.txt`); set `KVHINT_PYTHON` to use
-//! another interpreter.
+//! and a publisher restart. The harness provides the engines' code
+//! (`kvhint_e2e::provision`): a Python environment under `target/e2e/venv` with
+//! `sglang==0.5.23` (`--no-deps`) and `tests/engines/requirements.txt`, and the vLLM
+//! 0.23.0 wheel in `target/e2e/engine-wheels`, fetched from PyPI on first use; without
+//! PyPI those tests fail saying what to install. Set `KVHINT_PYTHON` to run the
+//! publishers with an interpreter of your own (it must have those packages), and
+//! `KVHINT_VLLM_WHEEL` to use a wheel you have. Every read from a publisher has a
+//! deadline: a hung publisher fails its test.
 
+use kvhint_e2e::process::{spawn_tied, wait_or_kill, LineReader};
+use kvhint_e2e::provision::{python, vllm_wheel};
 use kvhint_e2e::{private_dir, workspace_root, Server};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpListener;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BLOCK: u32 = 16;
 
-fn python() -> String {
-    std::env::var("KVHINT_PYTHON").unwrap_or_else(|_| "python3".into())
-}
+/// How long a publisher may take to answer a command (or to start).
+const REPLY_WITHIN: Duration = Duration::from_secs(60);
 
 /// A port on 127.0.0.1 outside the ephemeral range, free when asked.
 fn free_port() -> u16 {
@@ -38,7 +44,8 @@ fn free_port() -> u16 {
 struct Publisher {
     child: Child,
     stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    stdout: LineReader,
+    script: String,
 }
 
 impl Publisher {
@@ -49,38 +56,58 @@ impl Publisher {
 
     /// `script` in `tests/engines/`: `sglang_publisher.py` or `vllm_publisher.py`.
     fn start_engine(script: &str, args: &[String]) -> Publisher {
-        let script = workspace_root().join("tests/engines").join(script);
-        let mut child = Command::new(python())
-            .arg(&script)
+        let python = python();
+        let path = workspace_root().join("tests/engines").join(script);
+        let mut command = Command::new(python);
+        command
+            .arg(&path)
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", python()));
+            .stderr(Stdio::inherit());
+        let mut child = spawn_tied(command)
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
         let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let stdout = LineReader::new(child.stdout.take().unwrap());
         let mut publisher = Publisher {
             child,
             stdin,
             stdout,
+            script: script.into(),
         };
         let ready = publisher.line();
         assert_eq!(
             ready["ready"],
             true,
-            "{} did not start: {ready}. Install what it needs: pip install --no-deps \
-             sglang==0.5.23 && pip install -r tests/engines/requirements.txt, and for \
-             vLLM: pip download --no-deps vllm==0.23.0 -d ~/.cache/kvhint/engine-wheels",
-            script.display()
+            "{} did not start: {ready} (its stderr is above; the interpreter is {})",
+            path.display(),
+            python.display()
         );
         publisher
     }
 
+    /// vLLM 0.23.0's publisher, read out of the wheel the harness provides.
+    fn start_vllm(args: &[String]) -> Publisher {
+        let mut args = args.to_vec();
+        args.extend(["--wheel".into(), vllm_wheel().display().to_string()]);
+        Self::start_engine("vllm_publisher.py", &args)
+    }
+
+    /// The publisher's next line, as JSON; fails the test if none comes within
+    /// [`REPLY_WITHIN`].
     fn line(&mut self) -> Value {
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|_| panic!("publisher said {line:?}"))
+        let line = match self.stdout.line(REPLY_WITHIN) {
+            Ok(line) => line,
+            Err(why) => {
+                let status = wait_or_kill(&mut self.child, Duration::ZERO);
+                panic!(
+                    "{} gave no answer: {why} (exit status: {})",
+                    self.script,
+                    status.map_or("still running, killed".into(), |s| s.to_string())
+                )
+            }
+        };
+        serde_json::from_str(&line).unwrap_or_else(|_| panic!("{} said {line:?}", self.script))
     }
 
     fn command(&mut self, command: Value) -> Value {
@@ -100,15 +127,8 @@ impl Publisher {
 impl Drop for Publisher {
     fn drop(&mut self) {
         let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.stdin.flush();
+        wait_or_kill(&mut self.child, Duration::from_secs(3));
     }
 }
 
@@ -848,8 +868,7 @@ fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
 fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
     let (port, replay) = (free_port(), free_port());
     // vLLM binds only a wildcard host; its replay socket always binds.
-    let mut publisher = Publisher::start_engine(
-        "vllm_publisher.py",
+    let mut publisher = Publisher::start_vllm(
         &[
             "--endpoint".into(),
             format!("tcp://*:{port}"),

