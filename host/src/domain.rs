@@ -211,6 +211,10 @@ pub struct HttpTarget {
     pub authority: Arc<str>,
     pub engine: Engine,
     pub models: Vec<Arc<str>>,
+    /// `runtime_data.kvhint_endpoint_plugin: true`: a vLLM worker running kvhint's
+    /// endpoint plugin (`python/kvhint-vllm`), whose `/v1/completions` and
+    /// `/v1/chat/completions` pass a body's `kv_hints` to the engine.
+    pub hint_plugin: bool,
 }
 
 impl HttpTarget {
@@ -325,6 +329,16 @@ impl Worker {
                     )
                 })?,
             };
+        let hint_plugin = match data.get("kvhint_endpoint_plugin") {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Bool(b)) => *b,
+            Some(other) => {
+                return Err(fail(
+                    "runtime_data.kvhint_endpoint_plugin",
+                    format!("must be true or false, found {other}"),
+                ))
+            }
+        };
         let mut endpoint = "";
         for (rank, value) in &endpoints {
             match rank.parse::<u32>() {
@@ -385,6 +399,7 @@ impl Worker {
                         .iter()
                         .map(|m| Arc::from(m.as_str()))
                         .collect(),
+                    hint_plugin,
                 }))
             }
         };

@@ -195,7 +195,7 @@ async fn forward(
                     );
                 }
                 let forward = adapter::forward(
-                    target.engine,
+                    &target,
                     route,
                     &parsed,
                     &adapter::Prompt {
