@@ -43,7 +43,8 @@ const REPLY_WITHIN: Duration = Duration::from_secs(60);
 const TEXT: &str = "The quick brown fox jumps over the lazy dog while the router decides \
     where the request should go. Every block of sixteen tokens that a peer already holds \
     can be fetched instead of computed again, and the hint names those blocks by the \
-    engine's own hashes so that the receiving engine can pull them from its peer.";
+    engine's own hashes so that the receiving engine can pull them from its peer. A longer \
+    prompt makes more blocks, and more blocks make the test say more about the hashes.";
 
 // ---------------------------------------------------------------------------
 // A capture server: an engine's HTTP front, recording what it is sent.
@@ -434,7 +435,8 @@ fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
         assert_eq!(status, 200, "{booking}");
         if booking["worker_id"] == 1 {
             assert_eq!(
-                booking["committed_copy"]["source_worker_id"], 2,
+                the_fetch(&booking["hint"])["source_control_endpoint"],
+                control_endpoint(2),
                 "{booking}"
             );
             let (status, _) = server.post("/release", &json!({"request_id": id}));
