@@ -417,8 +417,8 @@ fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
             &json!({"request_id": id, "role": "decode", "token_ids": ids}),
         );
         assert_eq!(status, 200, "{booking}");
-        let held = booking["worker_id"] == 2
-            && booking["cached_blocks"].as_u64() == Some(blocks as u64);
+        let held =
+            booking["worker_id"] == 2 && booking["cached_blocks"].as_u64() == Some(blocks as u64);
         let (status, _) = server.post("/release", &json!({"request_id": id}));
         assert_eq!(status, 200);
         if held {
@@ -444,7 +444,10 @@ fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
             return;
         }
     }
-    panic!("kvcr never booked the prompt away from its loaded holder\n{}", server.log());
+    panic!(
+        "kvcr never booked the prompt away from its loaded holder\n{}",
+        server.log()
+    );
 }
 
 /// The one `kv.fetch` action in an envelope.
@@ -464,11 +467,7 @@ fn hashes_of(payload: &Value) -> Vec<i64> {
         .as_array()
         .unwrap_or_else(|| panic!("{payload}"))
         .iter()
-        .map(|h| {
-            h.as_i64()
-                .or_else(|| h.as_u64().map(|u| u as i64))
-                .unwrap()
-        })
+        .map(|h| h.as_i64().or_else(|| h.as_u64().map(|u| u as i64)).unwrap())
         .collect()
 }
 
@@ -542,13 +541,19 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
         &json!({"model": MODEL, "text": TEXT, "sampling_params": {"max_new_tokens": 1}}),
     );
     assert_eq!(status, 200, "{reply}\n{}", server.log());
-    assert_eq!(reply["text"], "ok", "the engine's answer passes through: {reply}");
+    assert_eq!(
+        reply["text"], "ok",
+        "the engine's answer passes through: {reply}"
+    );
     assert!(fleet.upstreams[1].posts("/generate").is_empty());
     let sent = fleet.upstreams[0].posts("/generate");
     assert_eq!(sent.len(), 1, "one forward, to worker 1");
     let body = &sent[0];
     assert_eq!(body["input_ids"], json!(ids), "the tokenizer's ids: {body}");
-    assert!(body.get("text").is_none() && body.get("model").is_none(), "{body}");
+    assert!(
+        body.get("text").is_none() && body.get("model").is_none(),
+        "{body}"
+    );
     assert_eq!(body["sampling_params"], json!({"max_new_tokens": 1}));
     assert!(
         body["rid"].as_str().is_some_and(|r| !r.is_empty()),
@@ -595,7 +600,9 @@ fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
     let ids = tokenizer_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     // vLLM's default integer hashes, below 2^63.
-    let hashes: Vec<i64> = (0..blocks as i64).map(|i| 4_000_000_007 * (i + 1)).collect();
+    let hashes: Vec<i64> = (0..blocks as i64)
+        .map(|i| 4_000_000_007 * (i + 1))
+        .collect();
     let port = free_port();
     let mut publisher = Publisher::vllm(port);
     let fleet = fleet(
