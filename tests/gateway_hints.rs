@@ -576,6 +576,7 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
     assert_eq!(report["routed_dp_rank"], 0);
     assert_eq!(hashes_of(the_fetch(&report["kv_hints"])), hashes);
     assert_eq!(report["gate_kv_hints"], report["kv_hints"]);
+    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1);
 
     // An OpenAI route to SGLang: its OpenAI server drops kv_hints, so none is sent,
     // and the hint is counted undeliverable.
@@ -645,6 +646,11 @@ fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
         ],
     );
     assert_eq!(report["kv_hints"], body["kv_hints"]);
+    assert!(
+        report["chat_kv_hints"].is_object(),
+        "the chat route too: {report}"
+    );
+    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1);
     let undeliverable = "kvhint_hints_undeliverable_total{engine=\"vllm\"} ";
     assert_eq!(metric(server, undeliverable), 0);
     drop(publisher);

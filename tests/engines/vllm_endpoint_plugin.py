@@ -250,9 +250,14 @@ async def run(args):
     if args.chat_body:
         with open(args.chat_body) as f:
             bodies.append(("/v1/chat/completions", json.load(f)))
-    if not bodies:
-        envelope = {"protocol_version": "0.1", "message_id": "m", "actions": []}
+    envelope = {"protocol_version": "0.1", "message_id": "m", "actions": [
+        {"action_id": "a1", "action_type": "kv.fetch", "action_version": "1.0",
+         "payload": {"source_control_endpoint": "tcp://10.0.0.2:23280", "block_hashes": [1, 2]}}]}
+    if not args.body:
         bodies.append(("/v1/completions", {"prompt": [1, 2], "kv_hints": envelope}))
+    if not args.chat_body:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "kv_hints": envelope}
+        bodies.append(("/v1/chat/completions", chat))
     for path, body in bodies:
         check("kv_hints" in body, f"{path}: the forwarded body has no kv_hints")
         engine.calls.clear()
