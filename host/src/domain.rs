@@ -440,3 +440,41 @@ impl Default for BookingLimits {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registration(runtime_data: serde_json::Value) -> WorkerRegistration {
+        serde_json::from_value(serde_json::json!({
+            "worker_id": 4, "role": "decode", "runtime_data": runtime_data,
+            "http_endpoint": "http://127.0.0.1:8000", "engine": "vllm", "models": ["m"],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn kvhint_endpoint_plugin_is_a_flag_on_the_http_target() {
+        let plugin = |data| {
+            Worker::from_registration(registration(data))
+                .map(|w| w.http.unwrap().hint_plugin)
+                .map_err(|e| (e.key, e.problem))
+        };
+        assert_eq!(plugin(serde_json::json!({})), Ok(false));
+        assert_eq!(
+            plugin(serde_json::json!({"kvhint_endpoint_plugin": true})),
+            Ok(true)
+        );
+        assert_eq!(
+            plugin(serde_json::json!({"kvhint_endpoint_plugin": null})),
+            Ok(false)
+        );
+        assert_eq!(
+            plugin(serde_json::json!({"kvhint_endpoint_plugin": "yes"})),
+            Err((
+                "runtime_data.kvhint_endpoint_plugin",
+                "must be true or false, found \"yes\"".to_string()
+            ))
+        );
+    }
+}

@@ -11,6 +11,10 @@
 //! - `target/e2e/engine-wheels`: the vLLM 0.23.0 wheel (~274 MB), downloaded
 //!   (`pip download`), not installed: `tests/engines/vllm_publisher.py` reads
 //!   its publisher out of the zip. `KVHINT_VLLM_WHEEL` names another copy.
+//! - `target/e2e/engine-wheels-0.34.0`: the vLLM 0.34.0 wheel (~240 MB), likewise
+//!   downloaded, not installed: `tests/engines/vllm_endpoint_plugin.py` reads its
+//!   endpoint-plugin loader and `KvHintsEnvelope` out of the zip.
+//!   `KVHINT_VLLM_PLUGIN_WHEEL` names another copy.
 //! - npm packages ([`npm_package`]) and files made from them (the llama.cpp
 //!   fixture's tokenizer and model, `tests/support/llamacpp.rs`).
 //!
