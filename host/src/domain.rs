@@ -211,6 +211,10 @@ pub struct HttpTarget {
     pub authority: Arc<str>,
     pub engine: Engine,
     pub models: Vec<Arc<str>>,
+    /// `runtime_data.kvhint_endpoint_plugin: true`: a vLLM worker running kvhint's
+    /// endpoint plugin (`python/kvhint-vllm`), whose `/v1/completions` and
+    /// `/v1/chat/completions` pass a body's `kv_hints` to the engine.
+    pub hint_plugin: bool,
 }
 
 impl HttpTarget {
@@ -325,6 +329,16 @@ impl Worker {
                     )
                 })?,
             };
+        let hint_plugin = match data.get("kvhint_endpoint_plugin") {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Bool(b)) => *b,
+            Some(other) => {
+                return Err(fail(
+                    "runtime_data.kvhint_endpoint_plugin",
+                    format!("must be true or false, found {other}"),
+                ))
+            }
+        };
         let mut endpoint = "";
         for (rank, value) in &endpoints {
             match rank.parse::<u32>() {
@@ -385,6 +399,7 @@ impl Worker {
                         .iter()
                         .map(|m| Arc::from(m.as_str()))
                         .collect(),
+                    hint_plugin,
                 }))
             }
         };
@@ -423,5 +438,43 @@ impl Default for BookingLimits {
             max_request_id_bytes: 256,
             max_open_bookings: 100_000,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registration(runtime_data: serde_json::Value) -> WorkerRegistration {
+        serde_json::from_value(serde_json::json!({
+            "worker_id": 4, "role": "decode", "runtime_data": runtime_data,
+            "http_endpoint": "http://127.0.0.1:8000", "engine": "vllm", "models": ["m"],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn kvhint_endpoint_plugin_is_a_flag_on_the_http_target() {
+        let plugin = |data| {
+            Worker::from_registration(registration(data))
+                .map(|w| w.http.unwrap().hint_plugin)
+                .map_err(|e| (e.key, e.problem))
+        };
+        assert_eq!(plugin(serde_json::json!({})), Ok(false));
+        assert_eq!(
+            plugin(serde_json::json!({"kvhint_endpoint_plugin": true})),
+            Ok(true)
+        );
+        assert_eq!(
+            plugin(serde_json::json!({"kvhint_endpoint_plugin": null})),
+            Ok(false)
+        );
+        assert_eq!(
+            plugin(serde_json::json!({"kvhint_endpoint_plugin": "yes"})),
+            Err((
+                "runtime_data.kvhint_endpoint_plugin",
+                "must be true or false, found \"yes\"".to_string()
+            ))
+        );
     }
 }

@@ -64,6 +64,8 @@ fn rss_mb(pid: u32) -> f64 {
 
 /// Starts a peer gateway from the harness's Python environment and waits until
 /// it answers `GET /v1/models`.
+// The child is returned to the caller, which kills and waits for it.
+#[allow(clippy::zombie_processes)]
 fn peer(binary: &str, args: &[String], port: u16) -> Child {
     let python = kvhint_e2e::provision::python();
     let path = python.parent().unwrap().join(binary);
@@ -74,7 +76,8 @@ fn peer(binary: &str, args: &[String], port: u16) -> Child {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
-    let child = spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
+    let mut child =
+        spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
     let agent = agent();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -85,11 +88,14 @@ fn peer(binary: &str, args: &[String], port: u16) -> Child {
         if ready {
             return child;
         }
-        assert!(
-            Instant::now() < deadline,
-            "{binary} did not answer within 60 s:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{binary} did not answer within 60 s:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -161,7 +167,7 @@ struct Figures {
 
 fn main() {
     let quick = !bench::is_bench();
-    let (rounds, per_round) = if quick { (1, 2) } else { (5, 40) };
+    let (rounds, per_round): (usize, usize) = if quick { (1, 2) } else { (5, 40) };
     // 8 slots, each room for a 4,000-token prompt.
     let workers = [
         LlamaWorker::start_sized(8, 8 * 4_200),
@@ -278,7 +284,11 @@ fn main() {
                                     .map(|i| {
                                         let n = counter.fetch_add(1, Ordering::Relaxed);
                                         let url = &urls[(t + i) % urls.len()];
-                                        request(&agent, &format!("{url}{path}"), &make(n).to_string())
+                                        request(
+                                            &agent,
+                                            &format!("{url}{path}"),
+                                            &make(n).to_string(),
+                                        )
                                     })
                                     .collect::<Vec<_>>()
                             })
@@ -306,7 +316,15 @@ fn main() {
             println!("\n{} at concurrency {concurrency}:", workload.name);
             println!(
                 "  {:<12} {:>8} {:>9} {:>9} {:>10} {:>10} {:>9} {:>10} {:>8}",
-                "system", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms", "ttfb ms", "cpu ms/req", "rss MB"
+                "system",
+                "req/s",
+                "p50 ms",
+                "p99 ms",
+                "+p50 ms",
+                "+p99 ms",
+                "ttfb ms",
+                "cpu ms/req",
+                "rss MB"
             );
             let straight = figures[0].clone();
             for (system, f) in systems.iter().zip(&figures) {
@@ -327,7 +345,11 @@ fn main() {
                     added(&f.round_p50, &straight.round_p50),
                     added(&f.round_p99, &straight.round_p99),
                     quantile(&mut ttfb, 0.5) * 1e3,
-                    if cpu.is_empty() { 0.0 } else { bench::median(&mut cpu) / 1e6 },
+                    if cpu.is_empty() {
+                        0.0
+                    } else {
+                        bench::median(&mut cpu) / 1e6
+                    },
                     system.pid.map_or(0.0, rss_mb),
                 );
             }

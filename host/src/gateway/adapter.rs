@@ -8,15 +8,19 @@
 //!   the dp rank in `X-data-parallel-rank` (vLLM, SGLang's OpenAI routes) or
 //!   `routed_dp_rank` (SGLang `/generate`);
 //! - a hint reaches an engine only where it takes one: SGLang's `/generate`
-//!   `kv_hints`. SGLang's OpenAI routes and llama.cpp drop unknown keys silently,
-//!   TRT-LLM refuses them with 400, and vLLM's OpenAI server ignores them; there
-//!   the hint is counted as not deliverable and never sent.
+//!   `kv_hints`, and a vLLM worker that runs kvhint's endpoint plugin
+//!   (`python/kvhint-vllm`, advertised by `runtime_data.kvhint_endpoint_plugin:
+//!   true`), whose `/v1/completions` and `/v1/chat/completions` take a body's
+//!   `kv_hints` to `generate(kv_hints=...)`. SGLang's OpenAI routes and llama.cpp
+//!   drop unknown keys silently, TRT-LLM refuses them with 400, and vLLM's own
+//!   OpenAI server ignores them; there the hint is counted as not deliverable and
+//!   never sent.
 //!
 //! Chat requests go as the client wrote them: every engine renders the chat with
 //! the model's own template, which the router renders too (with ids golden-tested
 //! equal to the engine's), so both hash the same tokens.
 
-use crate::domain::{Engine, WorkerKey};
+use crate::domain::{Engine, HttpTarget, WorkerKey};
 use crate::splice::{Body, Edits};
 
 /// The front door's routes.
@@ -82,10 +86,10 @@ pub struct Prompt<'a> {
     pub token_ids: &'a [u32],
 }
 
-/// Builds what `engine` is sent for a request on `route`, booked on `worker` as
+/// Builds what `target` is sent for a request on `route`, booked on `worker` as
 /// `request_id`, with `hint` (the engine message) if the booking made one.
 pub fn forward(
-    engine: Engine,
+    target: &HttpTarget,
     route: Route,
     body: &Body<'_>,
     prompt: &Prompt<'_>,
@@ -97,6 +101,7 @@ pub fn forward(
     let mut headers: Vec<(&'static str, String)> = Vec::new();
     let ids = || ids_json(prompt.token_ids);
     let mut delivered = false;
+    let engine = target.engine;
     match (engine, route) {
         (Engine::Sglang, Route::Generate) => {
             if body.has("text") {
@@ -121,6 +126,13 @@ pub fn forward(
             edits.set("prompt", ids());
         }
         (_, Route::Chat) => {}
+    }
+    // kvhint's vLLM endpoint plugin takes the envelope on the OpenAI routes.
+    if let (Engine::Vllm, Route::Completions | Route::Chat, true, Some(hint)) =
+        (engine, route, target.hint_plugin, hint)
+    {
+        edits.set("kv_hints", hint.to_string());
+        delivered = true;
     }
     match engine {
         Engine::Vllm | Engine::Sglang => {
@@ -173,6 +185,16 @@ fn json_string(text: &str) -> String {
 mod tests {
     use super::*;
 
+    fn target(engine: Engine, hint_plugin: bool) -> HttpTarget {
+        HttpTarget {
+            base: "http://127.0.0.1:1".into(),
+            authority: "127.0.0.1:1".into(),
+            engine,
+            models: vec!["m".into()],
+            hint_plugin,
+        }
+    }
+
     fn key(dp_rank: u32) -> WorkerKey {
         WorkerKey {
             worker_id: 7,
@@ -186,7 +208,7 @@ mod tests {
         let body = Body::parse(text).unwrap();
         let hint = r#"{"protocol_version":"0.1","message_id":"r","actions":[]}"#;
         let out = forward(
-            Engine::Sglang,
+            &target(Engine::Sglang, false),
             Route::Generate,
             &body,
             &Prompt {
@@ -222,7 +244,7 @@ mod tests {
             Engine::Openai,
         ] {
             let out = forward(
-                engine,
+                &target(engine, false),
                 Route::Completions,
                 &body,
                 &Prompt { token_ids: &[9, 8] },
@@ -238,6 +260,73 @@ mod tests {
             } else {
                 assert_eq!(sent, r#"{"model":"m","prompt":[9,8],"max_tokens":4}"#);
             }
+        }
+    }
+
+    #[test]
+    fn a_vllm_worker_with_the_endpoint_plugin_takes_the_hint_on_openai_routes() {
+        let hint = r#"{"protocol_version":"0.1","message_id":"r","actions":[]}"#;
+        let cases = [
+            (
+                Route::Completions,
+                r#"{"model":"m","prompt":"hello","max_tokens":4}"#,
+                r#"{"model":"m","prompt":[9,8],"max_tokens":4,"kv_hints":{"protocol_version":"0.1","message_id":"r","actions":[]}}"#,
+            ),
+            (
+                Route::Chat,
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"kv_hints":{"protocol_version":"0.1","message_id":"r","actions":[]}}"#,
+            ),
+        ];
+        for (route, text, want) in cases {
+            let body = Body::parse(text).unwrap();
+            let prompt = Prompt { token_ids: &[9, 8] };
+            let out = forward(
+                &target(Engine::Vllm, true),
+                route,
+                &body,
+                &prompt,
+                key(1),
+                "kvh-3",
+                Some(hint),
+            );
+            assert_eq!(out.hint, HintDelivery::Delivered, "{route:?}");
+            assert_eq!(out.path, route.path());
+            let sent: serde_json::Value = serde_json::from_slice(&out.body).unwrap();
+            let want: serde_json::Value = serde_json::from_str(want).unwrap();
+            assert_eq!(sent, want, "{route:?}");
+            // Without the plugin, the same request carries no hint.
+            let out = forward(
+                &target(Engine::Vllm, false),
+                route,
+                &body,
+                &prompt,
+                key(1),
+                "kvh-3",
+                Some(hint),
+            );
+            assert_eq!(out.hint, HintDelivery::Undeliverable, "{route:?}");
+            assert!(!String::from_utf8(out.body).unwrap().contains("kv_hints"));
+        }
+        // The flag means nothing on another engine.
+        for engine in [
+            Engine::Sglang,
+            Engine::Trtllm,
+            Engine::Llamacpp,
+            Engine::Openai,
+        ] {
+            let body = Body::parse(r#"{"model":"m","prompt":"hello"}"#).unwrap();
+            let out = forward(
+                &target(engine, true),
+                Route::Completions,
+                &body,
+                &Prompt { token_ids: &[9, 8] },
+                key(0),
+                "kvh-4",
+                Some(hint),
+            );
+            assert_eq!(out.hint, HintDelivery::Undeliverable, "{engine}");
+            assert!(!String::from_utf8(out.body).unwrap().contains("kv_hints"));
         }
     }
 }

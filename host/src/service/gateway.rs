@@ -205,7 +205,7 @@ async fn forward(
                     );
                 }
                 let forward = adapter::forward(
-                    target.engine,
+                    &target,
                     route,
                     &parsed,
                     &adapter::Prompt {

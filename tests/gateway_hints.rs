@@ -1,0 +1,688 @@
+//! The gateway delivers the router's hint to the engines that take one over
+//! HTTP, checked with the engines' own code:
+//!
+//! - SGLang 0.5.23: two SGLang workers behind `kvhint serve`, whose `http_endpoint`s
+//!   are capture servers started here (they record each body and answer a fixed
+//!   SGLang-shaped `/generate`); the peer's KV blocks are fed by SGLang's own
+//!   publisher (`tests/engines/sglang_publisher.py`), so the `kv.fetch` names the
+//!   engine's own hashes. A `/generate` with `text` is forwarded with the
+//!   tokenizer's `input_ids`, `rid`, `routed_dp_rank` and `kv_hints`, and the body
+//!   passes SGLang's own contract gate and strict `KvHintsEnvelope` decoding
+//!   (`tests/engines/validate_sglang_body.py`). An OpenAI route to the same
+//!   workers carries no `kv_hints` and is counted undeliverable.
+//! - vLLM 0.34.0 through kvhint's endpoint plugin (`python/kvhint-vllm`): two vLLM
+//!   workers advertising the plugin (`runtime_data.kvhint_endpoint_plugin`), the
+//!   peer fed by vLLM 0.23.0's own publisher; `/v1/completions` is forwarded with
+//!   `kv_hints`, and that body goes through the plugin under vLLM 0.34.0's own
+//!   plugin loader and interface into a stubbed engine client's
+//!   `generate(kv_hints=...)`, decoded as vLLM's `KvHintsEnvelope`
+//!   (`tests/engines/vllm_endpoint_plugin.py`). Without the flag, the same route
+//!   carries no hint and counts it undeliverable.
+//!
+//! Everything (the Python environment with SGLang, fastapi and tokenizers, the
+//! vLLM wheels, the Qwen3 tokenizer) comes from `kvhint_e2e::provision`. Every read
+//! from a child or a socket has a deadline.
+
+use kvhint_e2e::llamacpp::qwen3_tokenizer_dir;
+use kvhint_e2e::process::{spawn_tied, wait_or_kill, LineReader};
+use kvhint_e2e::provision::{python, vllm_plugin_wheel, vllm_wheel};
+use kvhint_e2e::{private_dir, run_bounded, workspace_root, Server, TempDir};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BLOCK: usize = 16;
+const MODEL: &str = "qwen3";
+const REPLY_WITHIN: Duration = Duration::from_secs(60);
+
+/// A prompt of several 16-token blocks in Qwen3's vocabulary.
+const TEXT: &str = "The quick brown fox jumps over the lazy dog while the router decides \
+    where the request should go. Every block of sixteen tokens that a peer already holds \
+    can be fetched instead of computed again, and the hint names those blocks by the \
+    engine's own hashes so that the receiving engine can pull them from its peer. A longer \
+    prompt makes more blocks, and more blocks make the test say more about the hashes.";
+
+// ---------------------------------------------------------------------------
+// A capture server: an engine's HTTP front, recording what it is sent.
+
+#[derive(Debug, Clone)]
+struct Captured {
+    method: String,
+    path: String,
+    body: Vec<u8>,
+}
+
+struct Upstream {
+    port: u16,
+    seen: Arc<Mutex<Vec<Captured>>>,
+}
+
+impl Upstream {
+    fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = Arc::clone(&seen);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let record = Arc::clone(&record);
+                std::thread::spawn(move || serve_connection(stream, &record));
+            }
+        });
+        Upstream { port, seen }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The bodies of the POSTs it got on `path`.
+    fn posts(&self, path: &str) -> Vec<Value> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.method == "POST" && c.path == path)
+            .map(|c| {
+                serde_json::from_slice(&c.body).unwrap_or_else(|e| {
+                    panic!("not JSON ({e}): {}", String::from_utf8_lossy(&c.body))
+                })
+            })
+            .collect()
+    }
+
+    fn clear(&self) {
+        self.seen.lock().unwrap().clear();
+    }
+}
+
+/// Answers requests on one connection (keep-alive) until it closes or is quiet
+/// for 10 s.
+fn serve_connection(stream: TcpStream, seen: &Mutex<Vec<Captured>>) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut parts = line.split_whitespace();
+        let (method, path) = (
+            parts.next().unwrap_or("").to_string(),
+            parts.next().unwrap_or("").to_string(),
+        );
+        let (mut length, mut chunked) = (0usize, false);
+        loop {
+            let mut header = String::new();
+            if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                return;
+            }
+            let header = header.trim_end();
+            if header.is_empty() {
+                break;
+            }
+            let (name, value) = header.split_once(':').unwrap_or((header, ""));
+            let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+            if name == "content-length" {
+                length = value.parse().unwrap_or(0);
+            } else if name == "transfer-encoding" && value.contains("chunked") {
+                chunked = true;
+            }
+        }
+        let mut body = Vec::new();
+        if chunked {
+            loop {
+                let mut size = String::new();
+                if reader.read_line(&mut size).unwrap_or(0) == 0 {
+                    return;
+                }
+                let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+                let mut chunk = vec![0; size + 2];
+                if reader.read_exact(&mut chunk).is_err() {
+                    return;
+                }
+                if size == 0 {
+                    break;
+                }
+                body.extend_from_slice(&chunk[..size]);
+            }
+        } else {
+            body.resize(length, 0);
+            if reader.read_exact(&mut body).is_err() {
+                return;
+            }
+        }
+        let answer = match (method.as_str(), path.as_str()) {
+            ("GET", "/health") => json!({}),
+            ("POST", "/generate") => json!({
+                "text": "ok", "output_ids": [9707],
+                "meta_info": {"id": "captured", "finish_reason": {"type": "length", "length": 1},
+                              "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}}),
+            ("POST", "/v1/completions") => json!({
+                "id": "cmpl-captured", "object": "text_completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
+            _ => json!({"error": "not here"}),
+        };
+        seen.lock().unwrap().push(Captured { method, path, body });
+        let answer = answer.to_string();
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            answer.len()
+        );
+        if writer
+            .write_all(head.as_bytes())
+            .and_then(|()| writer.write_all(answer.as_bytes()))
+            .and_then(|()| writer.flush())
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The engines' own KV-event publishers, driven over stdin/stdout.
+
+struct Publisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: LineReader,
+}
+
+impl Publisher {
+    fn start(script: &str, args: &[String]) -> Publisher {
+        let path = workspace_root().join("tests/engines").join(script);
+        let mut command = Command::new(python());
+        command
+            .arg(&path)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = spawn_tied(command).unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = LineReader::new(child.stdout.take().unwrap());
+        let mut publisher = Publisher {
+            child,
+            stdin,
+            stdout,
+        };
+        let ready = publisher.line();
+        assert_eq!(ready["ready"], true, "{script} did not start: {ready}");
+        publisher
+    }
+
+    /// SGLang 0.5.23's publisher, binding `port` on 127.0.0.1.
+    fn sglang(port: u16) -> Publisher {
+        Self::start(
+            "sglang_publisher.py",
+            &[
+                "--endpoint".into(),
+                format!("tcp://127.0.0.1:{port}"),
+                "--bind".into(),
+            ],
+        )
+    }
+
+    /// vLLM 0.23.0's publisher (read out of its wheel), binding `port` (vLLM binds
+    /// only a wildcard host).
+    fn vllm(port: u16) -> Publisher {
+        Self::start(
+            "vllm_publisher.py",
+            &[
+                "--endpoint".into(),
+                format!("tcp://*:{port}"),
+                "--wheel".into(),
+                vllm_wheel().display().to_string(),
+            ],
+        )
+    }
+
+    fn line(&mut self) -> Value {
+        match self.stdout.line(REPLY_WITHIN) {
+            Ok(line) => serde_json::from_str(&line).unwrap_or_else(|_| panic!("said {line:?}")),
+            Err(why) => {
+                wait_or_kill(&mut self.child, Duration::ZERO);
+                panic!("the publisher gave no answer: {why}")
+            }
+        }
+    }
+
+    fn publish(&mut self, events: Value) {
+        let command = json!({"op": "publish", "events": events, "drop": false});
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+        let reply = self.line();
+        assert!(reply.get("error").is_none(), "{command} → {reply}");
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
+        let _ = self.stdin.flush();
+        wait_or_kill(&mut self.child, Duration::from_secs(3));
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+// ---------------------------------------------------------------------------
+// The fleet.
+
+/// The tokenizer's ids for `text` (HF tokenizers, the same tokenizer.json the
+/// router loads).
+fn tokenizer_ids(text: &str) -> Vec<u32> {
+    let script = "import json, sys\n\
+                  from tokenizers import Tokenizer\n\
+                  t = Tokenizer.from_file(sys.argv[1])\n\
+                  print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
+    let output = run_bounded(
+        Command::new(python())
+            .args(["-c", script])
+            .arg(qwen3_tokenizer_dir().join("tokenizer.json"))
+            .arg(text),
+        Duration::from_secs(120),
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+struct Fleet {
+    server: Server,
+    upstreams: [Upstream; 2],
+    dir: TempDir,
+}
+
+fn control_endpoint(id: u64) -> String {
+    format!("tcp://10.0.0.{id}:23280")
+}
+
+/// `kvhint serve` with model `qwen3` booked as decode under kvcr + kv_fetch, and
+/// workers 1 and 2 of `engine` (hint-capable, with `extra` runtime data) at two
+/// capture servers; worker 2's engine publishes its KV events at `events`.
+fn fleet(engine: &str, extra: Value, events: Value) -> Fleet {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "router:\n  mode: kv\n  block_size: {BLOCK}\n\
+             worker_selection:\n  decode:\n    type: kvcr\n    hints:\n      - type: kv_fetch\n\
+             models:\n  {MODEL}:\n    tokenizer: {}\n    role: decode\n",
+            qwen3_tokenizer_dir().display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let upstreams = [Upstream::start(), Upstream::start()];
+    for (id, upstream) in [1u64, 2].iter().zip(&upstreams) {
+        let mut runtime_data = json!({
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": control_endpoint(*id)}});
+        for (k, v) in extra.as_object().unwrap() {
+            runtime_data[k] = v.clone();
+        }
+        let mut body = json!({"worker_id": id, "role": "decode", "runtime_data": runtime_data,
+                              "http_endpoint": upstream.url(), "engine": engine,
+                              "models": [MODEL]});
+        if *id == 2 {
+            body["kv_events"] = events.clone();
+        }
+        let (status, reply) = server.post("/workers", &body);
+        assert_eq!(status, 201, "{reply}");
+    }
+    Fleet {
+        server,
+        upstreams,
+        dir,
+    }
+}
+
+fn source_batches(server: &Server) -> u64 {
+    server.status()["kv_event_sources"][0]["batches"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Publishes probes until the subscription hears one (ZMQ's slow joiner).
+fn until_joined(server: &Server, publisher: &mut Publisher) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        publisher.publish(json!([{"type": "BlockRemoved", "block_hashes": [999_999]}]));
+        std::thread::sleep(Duration::from_millis(50));
+        if source_batches(server) > 0 {
+            return;
+        }
+    }
+    panic!(
+        "the subscription never heard the publisher: {}\n{}",
+        server.status()["kv_event_sources"],
+        server.log()
+    );
+}
+
+/// The engine's BlockStored events for the prompt's full blocks, chained.
+fn publish_blocks(publisher: &mut Publisher, ids: &[u32], hashes: &[i64]) {
+    let events: Vec<Value> = ids
+        .chunks_exact(BLOCK)
+        .zip(hashes)
+        .enumerate()
+        .map(|(i, (tokens, hash))| {
+            json!({"type": "BlockStored", "block_hashes": [hash],
+                   "parent_block_hash": if i == 0 { Value::Null } else { json!(hashes[i - 1]) },
+                   "token_ids": tokens, "block_size": BLOCK, "medium": "GPU"})
+        })
+        .collect();
+    publisher.publish(Value::Array(events));
+}
+
+/// Waits until worker 2 holds the prompt's `blocks`, then loads it with open
+/// bookings of the prompt until kvcr books one on worker 1 with a copy from
+/// worker 2 (that booking is released): the next booking of the prompt goes to
+/// worker 1 with a `kv.fetch` from worker 2.
+fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    loop {
+        n += 1;
+        assert!(
+            Instant::now() < deadline,
+            "worker 2 never held {blocks} blocks: {}\n{}",
+            server.status()["kv_event_sources"],
+            server.log()
+        );
+        let id = format!("probe-{n}");
+        let (status, booking) = server.post(
+            "/book",
+            &json!({"request_id": id, "role": "decode", "token_ids": ids}),
+        );
+        assert_eq!(status, 200, "{booking}");
+        let held =
+            booking["worker_id"] == 2 && booking["cached_blocks"].as_u64() == Some(blocks as u64);
+        let (status, _) = server.post("/release", &json!({"request_id": id}));
+        assert_eq!(status, 200);
+        if held {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for i in 0..20 {
+        let id = format!("load-{i}");
+        let (status, booking) = server.post(
+            "/book",
+            &json!({"request_id": id, "role": "decode", "token_ids": ids}),
+        );
+        assert_eq!(status, 200, "{booking}");
+        if booking["worker_id"] == 1 {
+            assert_eq!(
+                the_fetch(&booking["hint"])["source_control_endpoint"],
+                control_endpoint(2),
+                "{booking}"
+            );
+            let (status, _) = server.post("/release", &json!({"request_id": id}));
+            assert_eq!(status, 200);
+            return;
+        }
+    }
+    panic!(
+        "kvcr never booked the prompt away from its loaded holder\n{}",
+        server.log()
+    );
+}
+
+/// The one `kv.fetch` action in an envelope.
+fn the_fetch(envelope: &Value) -> &Value {
+    let fetches: Vec<&Value> = envelope["actions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no actions: {envelope}"))
+        .iter()
+        .filter(|a| a["action_type"] == "kv.fetch")
+        .collect();
+    assert_eq!(fetches.len(), 1, "{envelope}");
+    &fetches[0]["payload"]
+}
+
+fn hashes_of(payload: &Value) -> Vec<i64> {
+    payload["block_hashes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{payload}"))
+        .iter()
+        .map(|h| h.as_i64().or_else(|| h.as_u64().map(|u| u as i64)).unwrap())
+        .collect()
+}
+
+fn metric(server: &Server, line_start: &str) -> u64 {
+    let (status, metrics) = server.get("/metrics");
+    assert_eq!(status, 200);
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(line_start))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// Runs `script` in `tests/engines/` with the harness's Python; returns its
+/// one JSON line, failing the test (with what it printed) unless it says ok.
+fn run_checker(script: &str, args: &[&std::ffi::OsStr]) -> Value {
+    let path = workspace_root().join("tests/engines").join(script);
+    let output = run_bounded(
+        Command::new(python()).arg(&path).args(args),
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let report: Value = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or(Value::Null);
+    assert!(
+        output.status.success() && report["ok"] == true,
+        "{script} refused it ({}): {stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    report
+}
+
+fn write_json(dir: &Path, name: &str, value: &Value) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, serde_json::to_vec(value).unwrap()).unwrap();
+    path
+}
+
+// ---------------------------------------------------------------------------
+
+#[test]
+fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts() {
+    let ids = tokenizer_ids(TEXT);
+    let blocks = ids.len() / BLOCK;
+    assert!(blocks >= 4, "{} tokens", ids.len());
+    // SGLang's hashes are signed 64-bit values.
+    let hashes: Vec<i64> = (0..blocks as i64)
+        .map(|i| match i {
+            0 => -5,
+            1 => i64::MIN + 1,
+            _ => 77 + 1_000_003 * i,
+        })
+        .collect();
+    let port = free_port();
+    let mut publisher = Publisher::sglang(port);
+    let fleet = fleet(
+        "sglang",
+        json!({}),
+        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+    );
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    publish_blocks(&mut publisher, &ids, &hashes);
+    load_the_holder(server, &ids, blocks);
+
+    let (status, reply) = server.post(
+        "/generate",
+        &json!({"model": MODEL, "text": TEXT, "sampling_params": {"max_new_tokens": 1}}),
+    );
+    assert_eq!(status, 200, "{reply}\n{}", server.log());
+    assert_eq!(
+        reply["text"], "ok",
+        "the engine's answer passes through: {reply}"
+    );
+    assert!(fleet.upstreams[1].posts("/generate").is_empty());
+    let sent = fleet.upstreams[0].posts("/generate");
+    assert_eq!(sent.len(), 1, "one forward, to worker 1");
+    let body = &sent[0];
+    assert_eq!(body["input_ids"], json!(ids), "the tokenizer's ids: {body}");
+    assert!(
+        body.get("text").is_none() && body.get("model").is_none(),
+        "{body}"
+    );
+    assert_eq!(body["sampling_params"], json!({"max_new_tokens": 1}));
+    assert!(
+        body["rid"].as_str().is_some_and(|r| !r.is_empty()),
+        "{body}"
+    );
+    assert_eq!(body["routed_dp_rank"], 0, "{body}");
+    let fetch = the_fetch(&body["kv_hints"]);
+    assert_eq!(fetch["source_control_endpoint"], control_endpoint(2));
+    assert_eq!(
+        hashes_of(fetch),
+        hashes,
+        "the kv.fetch names exactly the hashes SGLang's publisher published"
+    );
+
+    // SGLang's own contract gate and strict envelope decoding accept it.
+    let file = write_json(fleet.dir.path(), "generate.json", body);
+    let report = run_checker("validate_sglang_body.py", &[file.as_os_str()]);
+    assert_eq!(report["input_ids"], json!(ids));
+    assert_eq!(report["rid"], body["rid"]);
+    assert_eq!(report["routed_dp_rank"], 0);
+    assert_eq!(hashes_of(the_fetch(&report["kv_hints"])), hashes);
+    assert_eq!(report["gate_kv_hints"], report["kv_hints"]);
+    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1);
+
+    // An OpenAI route to SGLang: its OpenAI server drops kv_hints, so none is sent,
+    // and the hint is counted undeliverable.
+    let undeliverable = "kvhint_hints_undeliverable_total{engine=\"sglang\"} ";
+    assert_eq!(metric(server, undeliverable), 0);
+    fleet.upstreams[0].clear();
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": TEXT, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{reply}\n{}", server.log());
+    let sent = fleet.upstreams[0].posts("/v1/completions");
+    assert_eq!(sent.len(), 1, "to worker 1, which the booking would hint");
+    assert!(sent[0].get("kv_hints").is_none(), "{}", sent[0]);
+    assert_eq!(sent[0]["prompt"], json!(ids));
+    assert_eq!(metric(server, undeliverable), 1);
+    drop(publisher);
+}
+
+#[test]
+fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
+    let ids = tokenizer_ids(TEXT);
+    let blocks = ids.len() / BLOCK;
+    // vLLM's default integer hashes, below 2^63.
+    let hashes: Vec<i64> = (0..blocks as i64)
+        .map(|i| 4_000_000_007 * (i + 1))
+        .collect();
+    let port = free_port();
+    let mut publisher = Publisher::vllm(port);
+    let fleet = fleet(
+        "vllm",
+        json!({"kvhint_endpoint_plugin": true}),
+        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+    );
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    publish_blocks(&mut publisher, &ids, &hashes);
+    load_the_holder(server, &ids, blocks);
+
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": TEXT, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{reply}\n{}", server.log());
+    assert_eq!(reply["choices"][0]["text"], "ok", "{reply}");
+    let sent = fleet.upstreams[0].posts("/v1/completions");
+    assert_eq!(sent.len(), 1, "one forward, to worker 1");
+    let body = &sent[0];
+    assert_eq!(body["prompt"], json!(ids), "{body}");
+    let fetch = the_fetch(&body["kv_hints"]);
+    assert_eq!(fetch["source_control_endpoint"], control_endpoint(2));
+    assert_eq!(hashes_of(fetch), hashes, "vLLM's publisher's hashes");
+
+    // Through the plugin, under vLLM 0.34.0's own loader and interface, into
+    // generate(kv_hints=...) as vLLM's KvHintsEnvelope.
+    let file = write_json(fleet.dir.path(), "completions.json", body);
+    let plugin = workspace_root().join("python/kvhint-vllm");
+    let report = run_checker(
+        "vllm_endpoint_plugin.py",
+        &[
+            "--wheel".as_ref(),
+            vllm_plugin_wheel().as_os_str(),
+            "--plugin".as_ref(),
+            plugin.as_os_str(),
+            "--body".as_ref(),
+            file.as_os_str(),
+        ],
+    );
+    assert_eq!(report["kv_hints"], body["kv_hints"]);
+    assert!(
+        report["chat_kv_hints"].is_object(),
+        "the chat route too: {report}"
+    );
+    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1);
+    let undeliverable = "kvhint_hints_undeliverable_total{engine=\"vllm\"} ";
+    assert_eq!(metric(server, undeliverable), 0);
+    drop(publisher);
+}
+
+#[test]
+fn a_vllm_worker_without_the_plugin_gets_no_hint_and_it_is_counted() {
+    let ids = tokenizer_ids(TEXT);
+    let blocks = ids.len() / BLOCK;
+    let hashes: Vec<i64> = (0..blocks as i64).map(|i| 17 + i).collect();
+    let port = free_port();
+    let mut publisher = Publisher::vllm(port);
+    let fleet = fleet(
+        "vllm",
+        json!({}),
+        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+    );
+    let server = &fleet.server;
+    until_joined(server, &mut publisher);
+    publish_blocks(&mut publisher, &ids, &hashes);
+    load_the_holder(server, &ids, blocks);
+    let (status, reply) = server.post(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": TEXT, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{reply}\n{}", server.log());
+    let sent = fleet.upstreams[0].posts("/v1/completions");
+    assert_eq!(sent.len(), 1);
+    assert!(sent[0].get("kv_hints").is_none(), "{}", sent[0]);
+    assert_eq!(
+        metric(server, "kvhint_hints_undeliverable_total{engine=\"vllm\"} "),
+        1
+    );
+    drop(publisher);
+}
