@@ -115,7 +115,11 @@ fn request(agent: &ureq::Agent, url: &str, body: &str) -> (f64, f64) {
         .header("content-type", "application/json")
         .send(body)
         .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    assert_eq!(response.status().as_u16(), 200, "POST {url}");
+    if response.status().as_u16() != 200 {
+        let status = response.status();
+        let text = response.body_mut().read_to_string().unwrap_or_default();
+        panic!("POST {url}: {status}: {text}");
+    }
     let mut reader = response.body_mut().as_reader();
     let mut buffer = [0u8; 8192];
     let mut first = None;
@@ -139,9 +143,10 @@ struct Workload {
 }
 
 fn long_completion(n: u64) -> Value {
-    // About 4,000 tokens: a unique first line, then numbered words.
+    // About 4,000 tokens (3,855 with Qwen3's tokenizer): a unique first line,
+    // then numbered words.
     let mut prompt = format!("Request {n}.\n");
-    for i in 0..1_990 {
+    for i in 0..1_330 {
         prompt.push_str(&format!("w{} ", i % 97));
     }
     json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0})
@@ -204,6 +209,13 @@ fn main() {
     smg_args.push("--worker-urls".into());
     smg_args.extend(urls.iter().cloned());
     smg_args.extend(["--policy".to_string(), "cache_aware".to_string()]);
+    // Each on a metrics port of its own (both default to 29000).
+    smg_args.extend([
+        "--prometheus-host".to_string(),
+        "127.0.0.1".to_string(),
+        "--prometheus-port".to_string(),
+        free_port().to_string(),
+    ]);
     let mut smg = peer("smg", &smg_args, smg_port);
     let router_port = free_port();
     let mut router_args: Vec<String> = ["--host", "127.0.0.1", "--port"]
@@ -214,6 +226,12 @@ fn main() {
     router_args.push("--worker-urls".into());
     router_args.extend(urls.iter().cloned());
     router_args.extend(["--policy".to_string(), "cache_aware".to_string()]);
+    router_args.extend([
+        "--prometheus-host".to_string(),
+        "127.0.0.1".to_string(),
+        "--prometheus-port".to_string(),
+        free_port().to_string(),
+    ]);
     let mut router = peer("vllm-router", &router_args, router_port);
 
     let systems = [

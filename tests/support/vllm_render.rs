@@ -4,8 +4,8 @@
 //! `POST /v1/chat/completions/render` and `POST /v1/completions/render` with the
 //! token ids vLLM would give the engine: what the router's tokenizer must equal.
 //!
-//! The wheel (~240 MB) is downloaded once with `pip download --no-deps` into
-//! `target/e2e/vllm-render/` and only the binary is kept.
+//! The wheel (~240 MB) is downloaded once ([`crate::provision::vllm_plugin_wheel`])
+//! and the binary unpacked from it into `target/e2e/vllm-render/`.
 
 use crate::process::spawn_tied;
 use crate::provision::{once, provisioned, python, run_with_progress};
@@ -16,52 +16,30 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-pub const VLLM_RENDER_VERSION: &str = "0.34.0";
-
-/// The `vllm-rs` binary from vLLM 0.34.0's wheel.
+/// The `vllm-rs` binary from vLLM 0.34.0's wheel (the same wheel the endpoint
+/// plugin's test reads, [`crate::provision::vllm_plugin_wheel`]), unpacked once.
 pub fn vllm_rs() -> &'static Path {
     static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     once::<PathBuf>(&BINARY, || {
+        let wheel = crate::provision::vllm_plugin_wheel();
         let dir = e2e_target_dir().join("vllm-render");
-        let spec = format!("vllm=={VLLM_RENDER_VERSION}");
+        let key = format!("{}", wheel.display());
         let python = python();
         provisioned(
             &dir,
-            &spec,
-            "vLLM's renderer (vllm-rs, from a ~240 MB wheel)",
+            &key,
+            "vLLM's renderer (vllm-rs, from the wheel)",
             |dir| {
-                let wheels = dir.join("wheel");
-                run_with_progress(
-                    Command::new(python)
-                        .args(["-m", "pip", "download", "--no-deps", "--no-input"])
-                        .args(["--disable-pip-version-check", "--progress-bar", "off"])
-                        .arg("-d")
-                        .arg(&wheels)
-                        .arg(&spec),
-                    &format!("pip downloading {spec}"),
-                    |line| line.starts_with("Downloading") || line.starts_with("Saved"),
-                    Duration::from_secs(15 * 60),
-                )
-                .map_err(|e| {
-                    format!(
-                        "could not download the vLLM {VLLM_RENDER_VERSION} wheel from PyPI, whose \
-                     renderer (vllm-rs) the tokenizer parity tests compare with. Make PyPI \
-                     reachable (python3 -m pip download --no-deps {spec}).\npip said:\n{e}"
-                    )
-                })?;
-                // Unpack the one binary with Python's zipfile (no unzip needed), then
-                // drop the wheel.
+                // Python's zipfile unpacks the one binary (no unzip needed).
                 run_with_progress(
                     Command::new(python)
                         .arg("-c")
                         .arg(
-                            "import glob, os, sys, zipfile\n\
-                     d = sys.argv[1]\n\
-                     w = glob.glob(os.path.join(d, 'wheel', 'vllm-*.whl'))[0]\n\
-                     zipfile.ZipFile(w).extract('vllm/vllm-rs', d)\n\
-                     os.chmod(os.path.join(d, 'vllm', 'vllm-rs'), 0o755)\n\
-                     os.remove(w)\n",
+                            "import os, sys, zipfile\n\
+                         zipfile.ZipFile(sys.argv[1]).extract('vllm/vllm-rs', sys.argv[2])\n\
+                         os.chmod(os.path.join(sys.argv[2], 'vllm', 'vllm-rs'), 0o755)\n",
                         )
+                        .arg(wheel)
                         .arg(dir),
                     "unpacking vllm-rs",
                     |_| false,
