@@ -464,6 +464,36 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
             "auth: none (serve refuses a non-loopback --listen without --allow-unauthenticated)"
         ),
     }
+    for model in &config.models {
+        println!(
+            "model {}: role {}, tokenizer {}{}",
+            model.name,
+            model.role,
+            model.tokenizer.display(),
+            model
+                .lora
+                .as_deref()
+                .map(|l| format!(", lora {l}"))
+                .unwrap_or_default()
+        );
+    }
+    for worker in &config.workers {
+        println!(
+            "worker {} ({}, {} rank{}): {} at {}, models {}, kv events {}",
+            worker.worker_id,
+            worker.role,
+            worker.dp_size,
+            if worker.dp_size == 1 { "" } else { "s" },
+            worker.engine,
+            worker.http_endpoint,
+            worker.models.join(", "),
+            match &worker.kv_events {
+                None => "none".to_string(),
+                Some(kvhint::event_source::KvEvents::Approximate) => "approximate".to_string(),
+                Some(kvhint::event_source::KvEvents::Source(source)) => source.endpoint.clone(),
+            }
+        );
+    }
     let kv_events = &config.kv_events;
     if !kv_events.sources.is_empty() {
         println!(
