@@ -219,6 +219,64 @@ fn a_completion_prompt_goes_to_the_worker_as_the_token_ids_the_router_hashed() {
 }
 
 #[test]
+fn chats_sharing_a_system_prompt_take_its_ids_from_the_tokenizer_cache_even_after_a_reload() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let agent = agent();
+    let system = "You answer questions about routers, in one short sentence each.";
+    let chat = |question: &str| {
+        json!({"model": MODEL_NAME, "max_tokens": 6, "temperature": 0,
+               "messages": [{"role": "system", "content": system},
+                            {"role": "user", "content": question}]})
+    };
+    let hits = |server: &Server| {
+        metric(
+            server,
+            &format!(
+                "kvhint_tokenizer_cache_text_bytes_total{{model=\"{MODEL_NAME}\",result=\"hit\"}}"
+            ),
+        )
+    };
+    // "system\n" and the prompt: the text between <|im_start|> and <|im_end|>.
+    let system_piece = ("system\n".len() + system.len()) as f64;
+    for (round, question) in ["What is a router?", "What is a KV cache?"]
+        .iter()
+        .enumerate()
+    {
+        let (status, _, through) = call(
+            &agent,
+            &format!("{}/v1/chat/completions", server.base),
+            &chat(question),
+        );
+        assert_eq!(status, 200, "{through}");
+        let (_, _, straight) = call(
+            &agent,
+            &format!("{}/v1/chat/completions", w1.url()),
+            &chat(question),
+        );
+        assert_eq!(stable(&through), stable(&straight), "{question}");
+        // The first chat finds nothing; the second finds the system prompt.
+        assert_eq!(
+            hits(&server),
+            round as f64 * system_piece,
+            "after {question:?}"
+        );
+    }
+    // A reload that leaves the tokenizer's files alone keeps its cache warm.
+    let (status, body) = server.post("/admin/reload", &json!({}));
+    assert_eq!(status, 200, "{body}");
+    let (status, _, through) = call(
+        &agent,
+        &format!("{}/v1/chat/completions", server.base),
+        &chat("And a third question?"),
+    );
+    assert_eq!(status, 200, "{through}");
+    assert_eq!(hits(&server), 2.0 * system_piece);
+    until_idle(&server);
+}
+
+#[test]
 fn repeated_long_prompts_stay_where_their_prefix_is_in_approximate_mode() {
     // Worker 2 alone first: the long prompt lands there and is credited to it.
     let w1 = LlamaWorker::start();

@@ -119,7 +119,7 @@ fn a_broken_tokenizer_file_is_a_located_error() {
 #[test]
 fn gateway_settings_out_of_range_are_located() {
     let yaml = format!(
-        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n"
+        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n  tokenizer_cache_mib: 4096000\n"
     );
     assert_eq!(
         errors(&yaml),
@@ -128,6 +128,7 @@ fn gateway_settings_out_of_range_are_located() {
             "kvhint.yaml:5:20: gateway.idle_timeout_ms: expected a whole number from 1 to 86400000, found `fast`",
             "kvhint.yaml:7:15: gateway.health.failures: expected a whole number from 1 to 100, found `0`",
             "kvhint.yaml:8:5: gateway.health.every: unknown key `every`; expected one of: interval_ms, timeout_ms, failures, successes",
+            "kvhint.yaml:9:24: gateway.tokenizer_cache_mib: expected a whole number from 0 to 1048576, found `4096000`",
         ]
     );
 }

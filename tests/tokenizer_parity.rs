@@ -3,6 +3,8 @@
 //! (plain, multi-turn, with tools, with a template option) and completions, and
 //! against llama.cpp's `/tokenize` for completion prompts. The router hashes
 //! these ids to find cached prefixes; an id off by one token shifts every block.
+//! Every comparison runs twice, so both the cold path (every piece encoded) and
+//! the warm one (pieces from the tokenizer cache) must equal the engine's ids.
 
 use kvhint::models::{ChatRequest, ModelTokenizer};
 use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker};
@@ -10,7 +12,7 @@ use kvhint_e2e::vllm_render::Renderer;
 use serde_json::{json, Value};
 
 fn tokenizer() -> ModelTokenizer {
-    ModelTokenizer::load(qwen3_tokenizer_dir()).expect("Qwen3's tokenizer loads")
+    ModelTokenizer::load(qwen3_tokenizer_dir(), 64 << 20).expect("Qwen3's tokenizer loads")
 }
 
 /// The chat requests compared: what a template has to get right.
@@ -86,30 +88,39 @@ fn prompts() -> Vec<&'static str> {
 fn chat_and_completion_ids_equal_vllm_s_own_renderer() {
     let tokenizer = tokenizer();
     let vllm = Renderer::start(qwen3_tokenizer_dir(), "qwen3");
-    for (name, mut request) in chats() {
-        let ours = tokenizer
-            .encode_chat(&serde_json::from_value::<ChatRequest>(request.clone()).unwrap())
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        request["model"] = json!("qwen3");
-        let theirs = vllm.chat(&request);
-        assert_eq!(
-            ours, theirs,
-            "chat {name:?}: the router's ids differ from vLLM's"
-        );
+    for round in ["cold", "warm"] {
+        for (name, mut request) in chats() {
+            let (ours, _) = tokenizer
+                .encode_chat(&serde_json::from_value::<ChatRequest>(request.clone()).unwrap())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            request["model"] = json!("qwen3");
+            let theirs = vllm.chat(&request);
+            assert_eq!(
+                ours, theirs,
+                "{round} chat {name:?}: the router's ids differ from vLLM's"
+            );
+        }
+        for prompt in prompts() {
+            let (ours, _) = tokenizer.encode_prompt(prompt).unwrap();
+            let theirs = vllm.completion(&json!({"model": "qwen3", "prompt": prompt}));
+            assert_eq!(ours, theirs, "{round} completion {prompt:?}");
+        }
     }
-    for prompt in prompts() {
-        let ours = tokenizer.encode_prompt(prompt).unwrap();
-        let theirs = vllm.completion(&json!({"model": "qwen3", "prompt": prompt}));
-        assert_eq!(ours, theirs, "completion {prompt:?}");
-    }
+    let (stats, entries, _) = tokenizer
+        .piece_cache()
+        .expect("Qwen3's tokenizer is cut into pieces at its special tokens");
+    assert!(
+        entries > 0 && stats.hits > 0,
+        "the warm round found nothing in the cache: {stats:?}"
+    );
 }
 
 #[test]
 fn completion_ids_equal_llama_cpp_s_own_tokenizer() {
     let tokenizer = tokenizer();
     let worker = LlamaWorker::start();
-    for prompt in prompts() {
-        let ours = tokenizer.encode_prompt(prompt).unwrap();
+    for prompt in prompts().into_iter().chain(prompts()) {
+        let (ours, _) = tokenizer.encode_prompt(prompt).unwrap();
         let (status, reply) = worker.post(
             "/tokenize",
             &json!({"content": prompt, "parse_special": true}),
@@ -123,4 +134,58 @@ fn completion_ids_equal_llama_cpp_s_own_tokenizer() {
             .collect();
         assert_eq!(ours, theirs, "{prompt:?}");
     }
+}
+
+/// The piece cache on a real model's tokenizer: texts where Qwen3's added tokens
+/// (special and not: `<|im_start|>`, `<think>`, `<tool_call>`) sit against
+/// spaces, newlines, partial tokens and multi-byte text give, cold and warm, the
+/// ids the whole text gives.
+#[test]
+fn cached_pieces_equal_the_whole_text_on_qwen3_s_tokenizer() {
+    const FRAGMENTS: &[&str] = &[
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "<|endoftext|>",
+        "<|im_",
+        "user\n",
+        "You are a careful assistant who answers in one line.",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "Zürich 東京 🚀",
+        "don't",
+        "1234567",
+        "x",
+    ];
+    let tokenizer = tokenizer();
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let texts: Vec<String> = (0..300)
+        .map(|_| {
+            (0..(next() % 20))
+                .map(|_| FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize])
+                .collect()
+        })
+        .collect();
+    for round in ["cold", "warm"] {
+        for text in &texts {
+            let (ours, _) = tokenizer.encode_prompt(text).unwrap();
+            assert_eq!(
+                ours,
+                tokenizer.encode_uncached(text, true).unwrap(),
+                "{round}: {text:?}"
+            );
+        }
+    }
+    let (stats, _, _) = tokenizer.piece_cache().unwrap();
+    assert!(stats.hits > 0, "{stats:?}");
 }

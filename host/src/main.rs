@@ -465,8 +465,17 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
         ),
     }
     for model in &config.models {
+        let cache = match snapshot
+            .models
+            .get(&model.name)
+            .map(|m| m.tokenizer.piece_cache())
+        {
+            Some(Ok(_)) => format!("tokenizer cache {} MiB", config.gateway.tokenizer_cache_mib),
+            Some(Err(why)) => format!("no tokenizer cache: {why}"),
+            None => "not loaded".into(),
+        };
         println!(
-            "model {}: role {}, tokenizer {}{}",
+            "model {}: role {}, tokenizer {}{}, {cache}",
             model.name,
             model.role,
             model.tokenizer.display(),

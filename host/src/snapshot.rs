@@ -281,8 +281,12 @@ pub fn build(config: &Config, options: &BuildOptions<'_>) -> Result<Snapshot, Co
         },
         None => None,
     };
-    let models = match crate::models::Models::load(&config.file, &config.models, options.tokenizers)
-    {
+    let models = match crate::models::Models::load(
+        &config.file,
+        &config.models,
+        options.tokenizers,
+        config.gateway.tokenizer_cache_mib << 20,
+    ) {
         Ok(models) => models,
         Err(errors) => {
             builder.errors.extend(errors);

@@ -6,14 +6,19 @@
 //! round with the systems' order rotating, so a slow stretch of the machine hits
 //! every system alike.
 //!
-//! Two workloads, each at concurrency 1 and 8: a 4,000-token non-streaming
-//! completion (1 token out: the gateway's share of the time is what shows) and a
-//! short streaming chat. Per system: requests/s, p50/p99 latency, *added* latency
+//! Three workloads, each at concurrency 1 and 8: a 4,000-token non-streaming
+//! completion (1 token out: the gateway's share of the time is what shows), a
+//! short streaming chat, and a 4,000-token chat whose system prompt every request
+//! shares (1 token out). Per system: requests/s, p50/p99 latency, *added* latency
 //! (through the system minus straight, per round, then the median over rounds),
 //! time to first byte, the gateway process's CPU time per request (its threads'
-//! `schedstat`, in ns), its RSS, and kvhint's tokenization time apart. Each
-//! request's prompt is new (a unique first line), so no gateway or engine reuses
-//! a cached tokenization or prefix: the figures are the cold ones.
+//! `schedstat`, in ns), its RSS, and kvhint's tokenization time apart, per
+//! workload, with what its tokenizer cache found. The completion's prompt is new
+//! on every request (a unique first line), so no gateway reuses a tokenization of
+//! it: its figures are the cold ones. The long chat's system prompt is the same
+//! every time and only the question is new: kvhint's tokenizer cache keeps the
+//! system prompt's ids (the text between two special tokens), so its figures are
+//! the warm ones.
 //!
 //! `cargo bench -p kvhint-e2e --bench gateway` measures (release kvhint);
 //! `cargo test -p kvhint-e2e --bench gateway` (CI's quick mode) runs each case
@@ -152,6 +157,17 @@ fn long_completion(n: u64) -> Value {
     json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0})
 }
 
+fn long_chat(n: u64) -> Value {
+    // The same ~4,000-token system prompt on every request, a new question.
+    let mut system = String::from("You answer from this reference.\n");
+    for i in 0..1_330 {
+        system.push_str(&format!("w{} ", i % 97));
+    }
+    json!({"model": MODEL_NAME, "max_tokens": 1, "temperature": 0,
+           "messages": [{"role": "system", "content": system},
+                        {"role": "user", "content": format!("Question {n}: which word comes first?")}]})
+}
+
 fn short_chat(n: u64) -> Value {
     json!({"model": MODEL_NAME, "stream": true, "max_tokens": 16, "temperature": 0,
            "messages": [{"role": "system", "content": "You answer briefly."},
@@ -267,6 +283,11 @@ fn main() {
             path: "/v1/chat/completions",
             body: short_chat,
         },
+        Workload {
+            name: "4k-token chat, shared system prompt",
+            path: "/v1/chat/completions",
+            body: long_chat,
+        },
     ];
     let counter = Arc::new(AtomicU64::new(0));
     println!(
@@ -276,6 +297,7 @@ fn main() {
     for workload in &workloads {
         for concurrency in [1usize, 8] {
             let mut figures = vec![Figures::default(); systems.len()];
+            let tokenizing_before = tokenizing(&kvhint);
             // Warm every path (connections, pools) before measuring.
             for system in &systems {
                 for url in &system.urls {
@@ -371,31 +393,73 @@ fn main() {
                     system.pid.map_or(0.0, rss_mb),
                 );
             }
+            let t = tokenizing(&kvhint).since(&tokenizing_before);
+            println!(
+                "  kvhint tokenization {:.3} ms mean over {} requests, router overhead {:.3} ms mean; \
+                 tokenizer cache: {:.0}% of the prompt text found ({} pieces found, {} encoded)",
+                t.seconds / t.count.max(1.0) * 1e3,
+                t.count,
+                t.overhead / t.count.max(1.0) * 1e3,
+                100.0 * t.hit_bytes / (t.hit_bytes + t.miss_bytes).max(1.0),
+                t.hits,
+                t.misses,
+            );
         }
     }
-    let (_, metrics) = kvhint.get("/metrics");
-    let sum = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    let (seconds, count) = (
-        sum("kvhint_gateway_tokenize_seconds_sum"),
-        sum("kvhint_gateway_tokenize_seconds_count"),
-    );
-    let (overhead, overhead_count) = (
-        sum("kvhint_gateway_overhead_seconds_sum"),
-        sum("kvhint_gateway_overhead_seconds_count"),
-    );
-    println!(
-        "\nkvhint, over every request: tokenization {:.3} ms mean, router overhead (received → sent, tokenization included) {:.3} ms mean",
-        seconds / count.max(1.0) * 1e3,
-        overhead / overhead_count.max(1.0) * 1e3
-    );
     let _ = smg.kill();
     let _ = smg.wait();
     let _ = router.kill();
     let _ = router.wait();
+}
+
+/// kvhint's tokenization counters, read from its `/metrics`.
+#[derive(Default)]
+struct Tokenizing {
+    seconds: f64,
+    count: f64,
+    overhead: f64,
+    hits: f64,
+    misses: f64,
+    hit_bytes: f64,
+    miss_bytes: f64,
+}
+
+impl Tokenizing {
+    fn since(&self, before: &Tokenizing) -> Tokenizing {
+        Tokenizing {
+            seconds: self.seconds - before.seconds,
+            count: self.count - before.count,
+            overhead: self.overhead - before.overhead,
+            hits: self.hits - before.hits,
+            misses: self.misses - before.misses,
+            hit_bytes: self.hit_bytes - before.hit_bytes,
+            miss_bytes: self.miss_bytes - before.miss_bytes,
+        }
+    }
+}
+
+fn tokenizing(kvhint: &Server) -> Tokenizing {
+    let (_, metrics) = kvhint.get("/metrics");
+    // Sums every sample of a family whose line starts with `prefix`.
+    let sum = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let cache = |family: &str, result: &str| {
+        format!(
+            "kvhint_tokenizer_cache_{family}_total{{model=\"{MODEL_NAME}\",result=\"{result}\"}}"
+        )
+    };
+    Tokenizing {
+        seconds: sum("kvhint_gateway_tokenize_seconds_sum"),
+        count: sum("kvhint_gateway_tokenize_seconds_count"),
+        overhead: sum("kvhint_gateway_overhead_seconds_sum"),
+        hits: sum(&cache("pieces", "hit")),
+        misses: sum(&cache("pieces", "miss")),
+        hit_bytes: sum(&cache("text_bytes", "hit")),
+        miss_bytes: sum(&cache("text_bytes", "miss")),
+    }
 }

@@ -74,6 +74,9 @@ pub struct GatewayConfig {
     pub approximate_ttl_s: u64,
     /// Blocks credited to one `approximate` worker at most (the oldest go first).
     pub approximate_max_blocks: u64,
+    /// Each model's cache of tokenized prompt pieces (the text between two
+    /// special tokens: a system prompt, an earlier turn), in MiB; 0 turns it off.
+    pub tokenizer_cache_mib: u64,
 }
 
 impl Default for GatewayConfig {
@@ -94,6 +97,7 @@ impl Default for GatewayConfig {
             },
             approximate_ttl_s: 120,
             approximate_max_blocks: 100_000,
+            tokenizer_cache_mib: 64,
         }
     }
 }
@@ -362,6 +366,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
             "health",
             "approximate_ttl_s",
             "approximate_max_blocks",
+            "tokenizer_cache_mib",
         ],
     );
     let number = |walker: &mut Walker, key: &str, min: u64, max: u64, into: &mut u64| {
@@ -419,6 +424,13 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
         1,
         100_000_000,
         &mut out.approximate_max_blocks,
+    );
+    number(
+        walker,
+        "tokenizer_cache_mib",
+        0,
+        1 << 20,
+        &mut out.tokenizer_cache_mib,
     );
     let mut small = u64::from(out.max_attempts);
     number(walker, "max_attempts", 1, 10, &mut small);

@@ -21,7 +21,7 @@ pub mod release;
 pub mod stats;
 
 use crate::domain::{HttpTarget, Worker, WorkerKey};
-use crate::models::{ChatRequest, Model};
+use crate::models::{ChatRequest, Model, PieceStats};
 use crate::router::{BookRequest, Booking, Router, RouterError};
 use crate::snapshot::Snapshot;
 use crate::splice::Body;
@@ -174,6 +174,8 @@ pub struct Prepared {
     pub token_ids: Vec<u32>,
     pub cache_salt: Option<String>,
     pub tokenize: Duration,
+    /// What the tokenizer's piece cache held of the prompt.
+    pub pieces: PieceStats,
 }
 
 /// Reads what the router needs from a request body: the model, and the prompt as
@@ -226,7 +228,7 @@ pub fn prepare(
     let cache_salt: Option<String> = body.get("cache_salt").map_err(field)?;
     let started = Instant::now();
     let render = |e: crate::models::RenderError| GatewayError::bad_request("invalid_prompt", e.0);
-    let token_ids =
+    let (token_ids, pieces) =
         match route {
             Route::Chat => {
                 let request: ChatRequest = serde_json::from_str(body.text())
@@ -234,7 +236,7 @@ pub fn prepare(
                 model.tokenizer.encode_chat(&request).map_err(render)?
             }
             Route::Completions => match prompt(body, "prompt")? {
-                Some(Prompt::Ids(ids)) => ids,
+                Some(Prompt::Ids(ids)) => (ids, PieceStats::default()),
                 Some(Prompt::Text(text)) => model.tokenizer.encode_prompt(&text).map_err(render)?,
                 None => {
                     return Err(GatewayError::bad_request(
@@ -244,7 +246,7 @@ pub fn prepare(
                 }
             },
             Route::Generate => match (prompt(body, "input_ids")?, prompt(body, "text")?) {
-                (Some(Prompt::Ids(ids)), None) => ids,
+                (Some(Prompt::Ids(ids)), None) => (ids, PieceStats::default()),
                 (None, Some(Prompt::Text(text))) => {
                     model.tokenizer.encode_prompt(&text).map_err(render)?
                 }
@@ -266,6 +268,7 @@ pub fn prepare(
         token_ids,
         cache_salt,
         tokenize: started.elapsed(),
+        pieces,
     })
 }
 

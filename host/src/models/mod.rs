@@ -7,11 +7,13 @@
 //! reused rather than parsed again (a large vocabulary's `tokenizer.json` takes
 //! hundreds of milliseconds to load).
 
+pub mod pieces;
 pub mod tokenizer;
 
 use crate::config::{ConfigError, ModelConfig};
 use crate::domain::Role;
 use parking_lot::Mutex;
+pub use pieces::PieceStats;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -49,19 +51,21 @@ impl Models {
         self.names.is_empty()
     }
 
-    /// Loads every model's tokenizer (through `cache`, if given); each failure is
-    /// an error at the model's `tokenizer` key, naming the file.
+    /// Loads every model's tokenizer (through `cache`, if given), each with a
+    /// piece cache of `piece_cache_bytes`; each failure is an error at the
+    /// model's `tokenizer` key, naming the file.
     pub fn load(
         file: &Path,
         models: &[ModelConfig],
         cache: Option<&TokenizerCache>,
+        piece_cache_bytes: u64,
     ) -> Result<Models, Vec<ConfigError>> {
         let mut out = Models::default();
         let mut errors = Vec::new();
         for model in models {
             let loaded = match cache {
-                Some(cache) => cache.get(&model.tokenizer),
-                None => ModelTokenizer::load(&model.tokenizer).map(Arc::new),
+                Some(cache) => cache.get(&model.tokenizer, piece_cache_bytes),
+                None => ModelTokenizer::load(&model.tokenizer, piece_cache_bytes).map(Arc::new),
             };
             match loaded {
                 Ok(tokenizer) => {
@@ -95,12 +99,13 @@ impl Models {
     }
 }
 
-/// What a tokenizer directory's files were when they were loaded.
+/// What a tokenizer directory's files were when they were loaded, and the piece
+/// cache's size it was loaded with.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Fingerprint(Vec<(u64, Option<std::time::SystemTime>)>);
+struct Fingerprint(Vec<(u64, Option<std::time::SystemTime>)>, u64);
 
 impl Fingerprint {
-    fn of(dir: &Path) -> Fingerprint {
+    fn of(dir: &Path, piece_cache_bytes: u64) -> Fingerprint {
         Fingerprint(
             [
                 "tokenizer.json",
@@ -113,25 +118,31 @@ impl Fingerprint {
                 Err(_) => (u64::MAX, None),
             })
             .collect(),
+            piece_cache_bytes,
         )
     }
 }
 
-/// Tokenizers kept across reloads while their files stay the same.
+/// Tokenizers kept across reloads while their files (and the piece cache's size)
+/// stay the same: their piece caches stay warm through a reload.
 #[derive(Debug, Default)]
 pub struct TokenizerCache {
     loaded: Mutex<HashMap<PathBuf, (Fingerprint, Arc<ModelTokenizer>)>>,
 }
 
 impl TokenizerCache {
-    fn get(&self, dir: &Path) -> Result<Arc<ModelTokenizer>, tokenizer::LoadError> {
-        let fingerprint = Fingerprint::of(dir);
+    fn get(
+        &self,
+        dir: &Path,
+        piece_cache_bytes: u64,
+    ) -> Result<Arc<ModelTokenizer>, tokenizer::LoadError> {
+        let fingerprint = Fingerprint::of(dir, piece_cache_bytes);
         if let Some((seen, tokenizer)) = self.loaded.lock().get(dir) {
             if *seen == fingerprint {
                 return Ok(Arc::clone(tokenizer));
             }
         }
-        let tokenizer = Arc::new(ModelTokenizer::load(dir)?);
+        let tokenizer = Arc::new(ModelTokenizer::load(dir, piece_cache_bytes)?);
         self.loaded
             .lock()
             .insert(dir.to_path_buf(), (fingerprint, Arc::clone(&tokenizer)));

@@ -12,6 +12,7 @@
 //! rendered chat is encoded without special tokens (the template wrote them);
 //! a completion prompt with them, as vLLM does.
 
+use super::pieces::{PieceCache, PieceStats};
 use crate::splice::{Body, Edits};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
@@ -53,6 +54,9 @@ pub struct ModelTokenizer {
     chat: Option<Environment<'static>>,
     /// `bos_token` and the others, as strings (absent ones left out).
     specials: Vec<(&'static str, String)>,
+    /// Ids of the pieces between special tokens, kept; or why this tokenizer's
+    /// pieces cannot be encoded apart (every text is then encoded whole).
+    pieces: Result<PieceCache, String>,
     pub dir: PathBuf,
 }
 
@@ -61,14 +65,16 @@ impl std::fmt::Debug for ModelTokenizer {
         f.debug_struct("ModelTokenizer")
             .field("dir", &self.dir)
             .field("chat_template", &self.chat.is_some())
+            .field("pieces", &self.pieces)
             .finish()
     }
 }
 
 impl ModelTokenizer {
     /// Loads `dir/tokenizer.json` and `dir/tokenizer_config.json` (its
-    /// `chat_template`, or a `chat_template.jinja` beside it, as newer models ship).
-    pub fn load(dir: &Path) -> Result<Self, LoadError> {
+    /// `chat_template`, or a `chat_template.jinja` beside it, as newer models ship),
+    /// with a cache of at most `cache_bytes` for the ids of prompt pieces.
+    pub fn load(dir: &Path, cache_bytes: u64) -> Result<Self, LoadError> {
         let tokenizer_file = dir.join("tokenizer.json");
         let fail = |file: &Path, problem: String| LoadError {
             file: file.to_path_buf(),
@@ -132,10 +138,18 @@ impl ModelTokenizer {
             })?),
             None => None,
         };
+        let pieces = PieceCache::for_tokenizer(&tokenizer, cache_bytes);
+        if let Err(why) = &pieces {
+            tracing::info!(
+                tokenizer = %tokenizer_file.display(),
+                "prompt pieces are not cached for this tokenizer: {why}"
+            );
+        }
         Ok(Self {
             tokenizer,
             chat,
             specials,
+            pieces,
             dir: dir.to_path_buf(),
         })
     }
@@ -145,12 +159,27 @@ impl ModelTokenizer {
     }
 
     /// A completion prompt's ids, with the special tokens the tokenizer adds (a BOS
-    /// for models that take one), as vLLM encodes `/v1/completions`.
-    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>, RenderError> {
+    /// for models that take one), as vLLM encodes `/v1/completions`; with what the
+    /// piece cache held of it.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<(Vec<u32>, PieceStats), RenderError> {
         self.encode(prompt, true)
     }
 
-    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {
+    fn encode(&self, text: &str, special: bool) -> Result<(Vec<u32>, PieceStats), RenderError> {
+        let fail = |e| RenderError(format!("the prompt could not be tokenized: {e}"));
+        match &self.pieces {
+            Ok(pieces) => pieces.encode(&self.tokenizer, text, special).map_err(fail),
+            Err(_) => self
+                .tokenizer
+                .encode_fast(text, special)
+                .map(|e| (e.get_ids().to_vec(), PieceStats::default()))
+                .map_err(fail),
+        }
+    }
+
+    /// The ids `tokenizers` gives for the whole text, without the piece cache: what
+    /// the cache must always equal.
+    pub fn encode_uncached(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {
         self.tokenizer
             .encode(text, special)
             .map(|e| e.get_ids().to_vec())
@@ -160,9 +189,20 @@ impl ModelTokenizer {
     /// Renders a chat request (`messages`, and `tools`, `documents`,
     /// `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`
     /// when it has them) and tokenizes the text, without adding special tokens.
-    pub fn encode_chat(&self, request: &ChatRequest) -> Result<Vec<u32>, RenderError> {
+    pub fn encode_chat(
+        &self,
+        request: &ChatRequest,
+    ) -> Result<(Vec<u32>, PieceStats), RenderError> {
         let text = self.render_chat(request)?;
         self.encode(&text, false)
+    }
+
+    /// The piece cache's totals and size (entries, bytes), or why it is off.
+    pub fn piece_cache(&self) -> Result<(PieceStats, u64, u64), &str> {
+        match &self.pieces {
+            Ok(pieces) => Ok(pieces.totals()),
+            Err(why) => Err(why),
+        }
     }
 
     /// The chat request rendered through the model's template.

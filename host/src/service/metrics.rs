@@ -799,6 +799,7 @@ fn gateway(out: &mut String, app: &super::App) {
             let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
         }
     }
+    tokenizer_cache(out, &app.snapshot.load().models);
     let mut health = Vec::new();
     for (worker, _) in app.router.workers() {
         if worker.http.is_none() {
@@ -819,5 +820,59 @@ fn gateway(out: &mut String, app: &super::App) {
         "gauge",
         "1 if the gateway sends requests to the worker now (healthy, circuit not open).",
         &health,
+    );
+}
+
+/// Each model's cache of tokenized prompt pieces: what it found and what it had to
+/// encode (pieces and bytes of text), and what it holds. A model whose tokenizer
+/// cannot be cut into pieces exactly has none, and no samples here.
+fn tokenizer_cache(out: &mut String, models: &crate::models::Models) {
+    let (mut pieces, mut bytes, mut entries, mut held) = (vec![], vec![], vec![], vec![]);
+    for name in models.names() {
+        let Some(model) = models.get(name) else {
+            continue;
+        };
+        let Ok((stats, n, weight)) = model.tokenizer.piece_cache() else {
+            continue;
+        };
+        let model = label(name);
+        for (result, count, size) in [
+            ("hit", stats.hits, stats.hit_bytes),
+            ("miss", stats.misses, stats.miss_bytes),
+        ] {
+            let labels = format!("{{model=\"{model}\",result=\"{result}\"}}");
+            pieces.push((labels.clone(), count as f64));
+            bytes.push((labels, size as f64));
+        }
+        entries.push((format!("{{model=\"{model}\"}}"), n as f64));
+        held.push((format!("{{model=\"{model}\"}}"), weight as f64));
+    }
+    family(
+        out,
+        "kvhint_tokenizer_cache_pieces_total",
+        "counter",
+        "Prompt pieces (text between special tokens) found in the tokenizer cache (hit) or encoded (miss).",
+        &pieces,
+    );
+    family(
+        out,
+        "kvhint_tokenizer_cache_text_bytes_total",
+        "counter",
+        "Bytes of prompt text whose ids came from the tokenizer cache (hit) or were encoded (miss).",
+        &bytes,
+    );
+    family(
+        out,
+        "kvhint_tokenizer_cache_entries",
+        "gauge",
+        "Pieces the tokenizer cache holds.",
+        &entries,
+    );
+    family(
+        out,
+        "kvhint_tokenizer_cache_bytes",
+        "gauge",
+        "What the tokenizer cache holds, in bytes (gateway.tokenizer_cache_mib bounds it).",
+        &held,
     );
 }
