@@ -434,20 +434,17 @@ fn check_commands(ws: &Workspace, doc: &Doc) -> Vec<String> {
         };
         if words[0] != "cargo" {
             // kvhint SUBCOMMAND …
-            match words.get(1) {
-                // A word, not a flag or the version line `kvhint --version` prints.
-                Some(sub)
-                    if sub.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-                        && !is_placeholder(sub) =>
-                {
-                    if !ws.subcommands.contains(*sub) {
-                        problem(format!(
-                            "kvhint has no subcommand `{sub}` (it has {:?})",
-                            ws.subcommands
-                        ));
-                    }
+            // A word, not a flag or the version line `kvhint --version` prints.
+            if let Some(sub) = words.get(1).filter(|sub| {
+                sub.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                    && !is_placeholder(sub)
+            }) {
+                if !ws.subcommands.contains(*sub) {
+                    problem(format!(
+                        "kvhint has no subcommand `{sub}` (it has {:?})",
+                        ws.subcommands
+                    ));
                 }
-                _ => {}
             }
             for word in &words[1..] {
                 if word.starts_with("examples/") && !ws.root.join(word).exists() {
