@@ -125,14 +125,14 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                "no such endpoint; see the README's API section",
+                "no such endpoint; see docs/api.md",
             )
         })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
-                "this endpoint does not take that method; see the README's API section",
+                "this endpoint does not take that method; see docs/api.md",
             )
         })
         .with_state(app);
