@@ -126,7 +126,9 @@ const YAML_TOKENS: &[&str] = &[
     "%YAML 1.2\n",
 ];
 
-/// Valid configs to mutate: the bundled examples and the README's reference.
+/// Valid configs to mutate: the bundled examples and the YAML blocks of the
+/// README and `docs/` (the configuration reference, the gateway's and the
+/// engines' fleets).
 fn config_seeds() -> Vec<String> {
     let root = workspace_root();
     let mut seeds = Vec::new();
@@ -140,10 +142,21 @@ fn config_seeds() -> Vec<String> {
             }
         }
     }
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap_or_default();
-    for block in readme.split("```yaml\n").skip(1) {
-        if let Some(end) = block.find("```") {
-            seeds.push(block[..end].to_string());
+    let mut docs = vec![root.join("README.md")];
+    if let Ok(entries) = std::fs::read_dir(root.join("docs")) {
+        let mut more: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        more.sort();
+        docs.extend(
+            more.into_iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "md")),
+        );
+    }
+    for doc in docs {
+        let text = std::fs::read_to_string(doc).unwrap_or_default();
+        for block in text.split("```yaml\n").skip(1) {
+            if let Some(end) = block.find("```") {
+                seeds.push(block[..end].to_string());
+            }
         }
     }
     seeds.push(

@@ -61,6 +61,10 @@ fn a_plugin_selection_policy_books_its_own_choice() {
     assert!(bookings
         .iter()
         .all(|b| b.get("selection_fallback").is_none()));
+    // Each booking names the policy that placed it: the plugin's, not the default.
+    for booking in &bookings {
+        assert_eq!(booking["selection_policy"], "wayward", "{booking}");
+    }
     let stats = &role.booking_selection().stats;
     assert_eq!(stats.calls.get(), 3);
     for reason in FallbackReason::ALL {
@@ -75,6 +79,12 @@ fn every_failure_of_a_selection_policy_falls_back_to_the_default_and_is_counted(
     let (snapshot, _loader) = snapshot_of(&default, None).unwrap();
     let (expected, errors) = replay_records(&snapshot, &trace());
     assert!(errors.is_empty(), "{errors}");
+    for booking in &expected {
+        assert_eq!(
+            booking["selection_policy"], "dynamo-default-cost-fn",
+            "{booking}"
+        );
+    }
     let expected = booked(&expected);
     assert_ne!(expected, [3, 3, 3], "the default must differ from `last`");
 
@@ -100,6 +110,11 @@ fn every_failure_of_a_selection_policy_falls_back_to_the_default_and_is_counted(
             assert_eq!(
                 booking["selection_fallback"].as_str(),
                 Some(reason.as_str()),
+                "{mode}: {booking}"
+            );
+            // Placed by the built-in default, and the booking says so.
+            assert_eq!(
+                booking["selection_policy"], "dynamo-default-cost-fn",
                 "{mode}: {booking}"
             );
             assert!(booking["committed_copy"].is_null(), "{mode}: {booking}");

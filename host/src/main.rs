@@ -50,7 +50,7 @@ enum Command {
     /// changes, SIGHUP and POST /admin/reload.
     Serve {
         /// The YAML config file, a regular file (required). See the README's
-        /// configuration reference.
+        /// "Configuration".
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
         /// The router mode, overriding the config's `router.mode` [default:
@@ -114,7 +114,8 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         config: PathBuf,
         /// The JSONL trace to book (required): one record per line, a worker,
-        /// a KV event, a request or a release; see the README's trace format.
+        /// a KV event, a request or a release; see docs/api.md, "Workers, KV
+        /// events and the trace format".
         #[arg(long, value_name = "FILE")]
         trace: PathBuf,
         /// The router mode to book under, overriding the config's
@@ -173,7 +174,7 @@ fn default_log_level() -> &'static str {
 /// and relocated the program, before any library's initialisers (libstdc++'s,
 /// the Rust runtime's) and `main`: a hangup sent between `exec` and `main` used
 /// to end a starting `serve`. What is left is the dynamic loader's own work before
-/// any code of this program can run (see the README, "Reload without restart").
+/// any code of this program can run (see docs/architecture.md, "SIGHUP at start-up").
 extern "C" fn ignore_hangups_at_start() {
     ignore_hangups(true);
 }

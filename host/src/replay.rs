@@ -126,11 +126,11 @@ pub fn replay(
                 let session = body.session_text();
                 let request = body.request(session.as_deref());
                 let booked = crate::router::configured_role(snapshot, request.role)
-                    .and_then(|role| router.book(role, &request));
+                    .and_then(|role| Ok((role, router.book(role, &request)?)));
                 match booked {
-                    Ok(booking) => {
+                    Ok((role, booking)) => {
                         summary.count(&booking, booking.hint.message().is_some());
-                        let view = BookingView::new(&booking);
+                        let view = BookingView::new(&booking, role);
                         let text = serde_json::to_string(&view).map_err(std::io::Error::other)?;
                         writeln!(out, "{text}")?;
                     }

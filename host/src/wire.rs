@@ -6,6 +6,8 @@ use crate::hints::{FailureKind, PolicyFailure};
 use crate::router::index::KvEvent;
 use crate::router::workers::WorkerRegistration;
 use crate::router::{BookRequest, Booking, HintSkip};
+use crate::selection::FALLBACK_TYPE;
+use crate::snapshot::RoleRuntime;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -122,6 +124,16 @@ pub fn failure_kind(kind: FailureKind) -> &'static str {
     }
 }
 
+/// The selection-policy type that placed `booking`, booked on `role`: the role's
+/// own, or the built-in default it fell back to (`selection_fallback`).
+pub fn selection_policy<'a>(role: &'a RoleRuntime, booking: &Booking) -> &'a str {
+    if booking.selection_fallback.is_some() {
+        FALLBACK_TYPE
+    } else {
+        &role.booking_selection_type
+    }
+}
+
 /// A booking as the API and replay print it; `hint` is the engine message
 /// embedded as JSON, exactly as the worker receives it.
 #[derive(Debug, Serialize)]
@@ -130,6 +142,9 @@ pub struct BookingView<'a> {
     pub role: Role,
     pub worker_id: u64,
     pub dp_rank: u32,
+    /// The selection-policy type that placed it: the role's own, or the built-in
+    /// default when `selection_fallback` says the role's own failed.
+    pub selection_policy: &'a str,
     pub cached_blocks: usize,
     pub request_blocks: usize,
     pub committed_copy: Option<CopyView>,
@@ -144,12 +159,14 @@ pub struct BookingView<'a> {
 }
 
 impl<'a> BookingView<'a> {
-    pub fn new(booking: &'a Booking) -> Self {
+    /// `booking` as `role` (the role it was booked on, from the same snapshot) made it.
+    pub fn new(booking: &'a Booking, role: &'a RoleRuntime) -> Self {
         Self {
             request_id: &booking.request_id,
             role: booking.role,
             worker_id: booking.worker.worker_id,
             dp_rank: booking.worker.dp_rank,
+            selection_policy: selection_policy(role, booking),
             cached_blocks: booking.cached_blocks,
             request_blocks: booking.request_blocks,
             selection_fallback: booking.selection_fallback,

@@ -181,13 +181,14 @@ pub fn examples_copy() -> TempDir {
     root
 }
 
-/// `target/debug`, after building every workspace artefact the tests use.
+/// `target/e2e/debug` (see [`e2e_target_dir`]), after building every workspace
+/// artefact the tests use.
 pub fn build_dir() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| build_artifacts(false))
 }
 
-/// `target/release`, after building the same artefacts optimised — what
+/// `target/e2e/release`, after building the same artefacts optimised — what
 /// benchmarks load, so a plugin and the host are built with the same profile.
 pub fn release_dir() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();

@@ -6,9 +6,12 @@
 //! bad file can kill the process inside `dlopen` rather than fail it. Then the
 //! private copy is opened with `RTLD_NOW | RTLD_LOCAL` (unresolved symbols fail
 //! here, with the linker's own message, instead of at the first call), and
-//! `abi_stable` reads this file's own root module (`lib_header_from_path` +
-//! `init_root_module`; its `load_from_*` helpers cache one module per type and
-//! would hand back the first plugin for every file).
+//! this file's own root module is read: the one `kvhint_plugin_root_v2__<crate>`
+//! symbol in its dynamic symbol table, opened with `RawLibrary::load_at`, read
+//! as an `AbiHeaderRef` and upgraded to a `LibHeader`, whose
+//! `init_root_module` checks the module's layout. (`abi_stable`'s
+//! `load_from_*` helpers look for one fixed symbol name and cache one module
+//! per type: they would hand back the first plugin for every file.)
 //!
 //! Before any of that, the file is checked without reading it whole: its size
 //! against `plugins.max_file_bytes` (from `fstat`, so a 100 GiB sparse file is

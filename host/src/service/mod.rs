@@ -125,14 +125,14 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                "no such endpoint; see the README's API section",
+                "no such endpoint; see docs/api.md",
             )
         })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
-                "this endpoint does not take that method; see the README's API section",
+                "this endpoint does not take that method; see docs/api.md",
             )
         })
         .with_state(app);
@@ -251,12 +251,12 @@ async fn book(
             // One snapshot for the whole booking, whatever a reload does meanwhile.
             let snapshot = worker.snapshot.load_full();
             let request = body.request(session.as_deref());
-            let booking = configured_role(&snapshot, request.role)
-                .and_then(|role| worker.router.book(role, &request))?;
+            let role = configured_role(&snapshot, request.role)?;
+            let booking = worker.router.book(role, &request)?;
             worker
                 .metrics
                 .booked(&booking, booking.hint.message().is_some());
-            serde_json::to_string(&BookingView::new(&booking)).map_err(|e| {
+            serde_json::to_string(&BookingView::new(&booking, role)).map_err(|e| {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
             })
         })
