@@ -465,9 +465,9 @@ fn locating_errors_scans_the_text_once_however_many_there_are() {
     let mut scans = Vec::new();
     for unknown in [10, 20_000] {
         let text = config(unknown);
-        let before = kvhint::config::text_scans();
+        let before = kvhint::testing::text_scans();
         let (_, found) = kvhint::config::parse_lenient(file, &text);
-        scans.push(kvhint::config::text_scans() - before);
+        scans.push(kvhint::testing::text_scans() - before);
         assert_eq!(found.len(), unknown);
         let last = &found[unknown - 1].to_string();
         assert!(

@@ -2,9 +2,9 @@
 //! 0.33.0 and 0.23.0, SGLang 0.5.23: `tests/engines/make_golden.py`), what the decoded
 //! events do to bookings, and random and mutated bytes (no panic, every error an `Err`).
 
-use kvhint::engine_events::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use kvhint::router::index::{block_content, identity_seed, HashedBlock, KvEvent};
 use kvhint::router::{BookRequest, Router};
+use kvhint::testing::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use kvhint_e2e::{kvcr_snapshot, workspace_root};
 use serde_json::json;
 use std::path::PathBuf;

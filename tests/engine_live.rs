@@ -582,11 +582,11 @@ struct InProcess {
 impl InProcess {
     /// Worker 1 (decode) subscribed to a PUB bound on a free loopback port.
     fn new(receive_hwm: i32) -> InProcess {
-        use kvhint::engine_events::decode::DecodeSettings;
-        use kvhint::engine_events::subscriber::SubscriberOptions;
         use kvhint::engine_events::EngineEvents;
-        use kvhint::router::ingest::Ingest;
         use kvhint::router::Router;
+        use kvhint::testing::DecodeSettings;
+        use kvhint::testing::Ingest;
+        use kvhint::testing::SubscriberOptions;
         use std::sync::Arc;
 
         let router = Arc::new(Router::new(BLOCK as usize));
@@ -628,7 +628,7 @@ impl InProcess {
         self.events
             .attach(
                 worker_1(),
-                &kvhint::event_source::KvEventSource {
+                &kvhint::domain::event_source::KvEventSource {
                     endpoint: endpoint.into(),
                     replay_endpoint: None,
                     topic: String::new(),
@@ -639,7 +639,7 @@ impl InProcess {
             .unwrap();
     }
 
-    fn stat(&self, counter: fn(&kvhint::engine_events::stats::SourceStats) -> u64) -> u64 {
+    fn stat(&self, counter: fn(&kvhint::testing::SourceStats) -> u64) -> u64 {
         counter(self.events.sources()[0].stats())
     }
 

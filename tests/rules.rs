@@ -318,6 +318,72 @@ fn r9_kv_fetch_sends_the_committed_copy() {
     );
 }
 
+/// R10 with SGLang's signed hashes: a `kv.fetch` names a source's hashes as its
+/// engine published them. In a fleet whose engines publish signed 64-bit hashes the
+/// same bits go out negative; in one publishing them unsigned, as they are. The
+/// router's writer does it as the policy passes the hashes on (no rewrite after).
+#[test]
+fn r10_a_kv_fetch_names_hashes_as_the_source_engine_published_them() {
+    use kvhint::domain::{Role, WorkerKey};
+    use kvhint::router::index::{KvEvent, StoredBlock};
+    use kvhint::router::{BookRequest, Router};
+    let (snapshot, _loader, _fixture) = kvhint_e2e::kvcr_snapshot();
+    let role = snapshot.role(Role::Decode).unwrap();
+    let prompt: Vec<u32> = (0..64).collect();
+    let fetched = |signed: bool| {
+        let router = Router::new(16);
+        for id in 0..2 {
+            router
+                .register_worker(kvhint_e2e::decode_worker(id))
+                .unwrap();
+        }
+        let holder = WorkerKey {
+            worker_id: 1,
+            dp_rank: 0,
+        };
+        let event = KvEvent::stored(
+            None,
+            prompt
+                .chunks_exact(16)
+                .enumerate()
+                .map(|(i, chunk)| StoredBlock {
+                    block_hash: [u64::MAX - 4, 7, 1 << 63, 8][i],
+                    token_ids: chunk.into(),
+                })
+                .collect(),
+        );
+        router.apply_kv_event(holder, event).unwrap();
+        if signed {
+            assert!(router.mark_signed_hashes(holder));
+        }
+        let book = |request_id: &str| {
+            let request = BookRequest {
+                request_id,
+                role: Role::Decode,
+                token_ids: &prompt,
+                session_context: None,
+                lora_name: None,
+                cache_salt: None,
+            };
+            router.book(role, &request).unwrap()
+        };
+        // Load the holder so kvcr books the cold worker on the holder's copy.
+        for i in 0..3 {
+            let id = format!("load-{i}");
+            if book(&id).worker != holder {
+                router.release(&id).unwrap();
+            }
+        }
+        let booking = book("r");
+        assert_eq!(booking.worker.worker_id, 0, "{booking:?}");
+        let message: Value =
+            serde_json::from_str(booking.hint.message().expect("a hint").get()).unwrap();
+        message["actions"][0]["payload"]["block_hashes"].clone()
+    };
+    assert_eq!(fetched(true), json!([-5, 7, i64::MIN, 8]));
+    assert_eq!(fetched(false), json!([u64::MAX - 4, 7, 1u64 << 63, 8]));
+}
+
 /// A committed copy comes only from a peer that could send it: one of the booked
 /// worker's own worker type, taking hints, with a control endpoint for its rank.
 /// Longer prefixes on peers missing any one of those are passed over.

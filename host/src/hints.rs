@@ -21,96 +21,25 @@
 //!   in flight at once. An overrunning call's actions still go out: it did
 //!   finish.
 
-use crate::counters::Counter;
 use crate::domain::Worker;
+use crate::policy_common::{ffi_identity, ffi_worker, reuse};
 use crate::registry::{ConstructedPolicy, ErrorKind, Origin};
-use crate::selection::SelectionStats;
 use abi_stable::marker_type::ErasedObject;
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
-use kvhint_plugin_api::abi::{
-    FfiHintContext, FfiHintPolicyBox, FfiKvCopy, FfiPeer, FfiPeerHashes, FfiRequestIdentity,
-    FfiWorker,
-};
+use kvhint_plugin_api::abi::{FfiHintContext, FfiHintPolicyBox, FfiKvCopy, FfiPeer, FfiPeerHashes};
 use kvhint_plugin_api::policy::Commitments;
-use kvhint_plugin_api::writer::{MessageWriter, PolicyOutput};
+use kvhint_plugin_api::writer::{MessageWriter, PolicyOutput, SignedHashes};
 use serde_json::value::RawValue;
 use std::cell::RefCell;
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// The hard cap on actions in one message (rule R7).
-pub const MAX_ACTIONS: usize = 32;
-
-pub use crate::counters::{LatencyHistogram, LATENCY_BUCKETS_US};
-
-/// Counters of one policy of one role. They outlive reloads (a reload hands the
-/// new instance the same counters), so metrics stay monotonic.
-#[derive(Debug, Default)]
-pub struct PolicyStats {
-    /// Counted per thread ([`crate::counters`]): every booking adds to it.
-    pub calls: Counter,
-    pub failures: AtomicU64,
-    pub errors: AtomicU64,
-    pub panics: AtomicU64,
-    pub malformed: AtomicU64,
-    /// Counted per thread, like `calls`.
-    pub actions: Counter,
-    pub skipped_quarantined: AtomicU64,
-    pub quarantines: AtomicU64,
-    /// Calls that took longer than the time budget.
-    pub over_budget: AtomicU64,
-    pub latency: LatencyHistogram,
-}
-
-/// The counters of every (role, policy name) seen, across reloads: hint
-/// policies by instance name, selection policies by type.
-#[derive(Debug, Default)]
-pub struct PolicyStatsRegistry {
-    stats: parking_lot::Mutex<BTreeMap<(String, String), Arc<PolicyStats>>>,
-    selection: parking_lot::Mutex<BTreeMap<(String, String), Arc<SelectionStats>>>,
-}
-
-impl PolicyStatsRegistry {
-    /// The counters for a role's selection policy, created on first use.
-    pub fn selection(&self, role: &str, policy: &str) -> Arc<SelectionStats> {
-        let mut stats = self.selection.lock();
-        Arc::clone(
-            stats
-                .entry((role.to_string(), policy.to_string()))
-                .or_default(),
-        )
-    }
-
-    /// Every (role, selection policy) with its counters, sorted.
-    pub fn all_selection(&self) -> Vec<((String, String), Arc<SelectionStats>)> {
-        let stats = self.selection.lock();
-        stats
-            .iter()
-            .map(|(k, v)| (k.clone(), Arc::clone(v)))
-            .collect()
-    }
-
-    /// The counters for a role's policy, created on first use.
-    pub fn get(&self, role: &str, policy: &str) -> Arc<PolicyStats> {
-        let mut stats = self.stats.lock();
-        Arc::clone(
-            stats
-                .entry((role.to_string(), policy.to_string()))
-                .or_default(),
-        )
-    }
-
-    /// Every (role, policy) with its counters, sorted.
-    pub fn all(&self) -> Vec<((String, String), Arc<PolicyStats>)> {
-        let stats = self.stats.lock();
-        stats
-            .iter()
-            .map(|(k, v)| (k.clone(), Arc::clone(v)))
-            .collect()
-    }
-}
+pub use crate::policy_common::{
+    HintLimits, LatencyHistogram, PolicyStats, PolicyStatsRegistry, Quarantine, QuarantineState,
+    Timed, LATENCY_BUCKETS_US, MAX_ACTIONS,
+};
 
 /// One hint policy as a role runs it.
 pub struct HintPolicyInstance {
@@ -124,22 +53,6 @@ pub struct HintPolicyInstance {
     /// Of this instance: quarantine is per snapshot, so a reload (a new instance)
     /// gives a fixed plugin a fresh start.
     quarantine: QuarantineState,
-}
-
-/// Why a policy is skipped until the next reload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Quarantine {
-    Panics = 1,
-    OverBudget = 2,
-}
-
-impl Quarantine {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Quarantine::Panics => "panics",
-            Quarantine::OverBudget => "over_budget",
-        }
-    }
 }
 
 impl HintPolicyInstance {
@@ -172,100 +85,6 @@ impl HintPolicyInstance {
     /// Why it is quarantined, if it is.
     pub fn quarantine(&self) -> Option<Quarantine> {
         self.quarantine.reason()
-    }
-}
-
-/// Whether a policy instance (hint or selection) is skipped until the next reload,
-/// and the counts that decide it (rule R8, `router.policy_budget_us`).
-#[derive(Debug, Default)]
-pub struct QuarantineState {
-    panics: AtomicU64,
-    /// Calls in a row over the time budget.
-    overruns: AtomicU64,
-    /// Why it was quarantined: [`Quarantine`] as a number (0: it is not).
-    reason: AtomicU8,
-}
-
-/// What one call's duration meant for its policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Timed {
-    pub over_budget: bool,
-    /// Set when this call quarantined the policy: the overruns in a row.
-    pub quarantined_after: Option<u64>,
-}
-
-impl QuarantineState {
-    pub fn is_quarantined(&self) -> bool {
-        self.reason.load(Ordering::Relaxed) != 0
-    }
-
-    pub fn reason(&self) -> Option<Quarantine> {
-        match self.reason.load(Ordering::Relaxed) {
-            1 => Some(Quarantine::Panics),
-            2 => Some(Quarantine::OverBudget),
-            _ => None,
-        }
-    }
-
-    /// Quarantines it for `reason` (the first reason sticks); true if it was not yet.
-    fn enter(&self, reason: Quarantine) -> bool {
-        self.reason
-            .compare_exchange(0, reason as u8, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-    }
-
-    /// Counts a call that took `took_ns` against the budget of `limits`.
-    pub fn timed(&self, took_ns: u64, limits: &HintLimits) -> Timed {
-        if limits.budget_ns > 0 && took_ns > limits.budget_ns {
-            let overruns = self.overruns.fetch_add(1, Ordering::Relaxed) + 1;
-            let quarantined =
-                overruns >= limits.quarantine_after_overruns && self.enter(Quarantine::OverBudget);
-            return Timed {
-                over_budget: true,
-                quarantined_after: quarantined.then_some(overruns),
-            };
-        }
-        if self.overruns.load(Ordering::Relaxed) != 0 {
-            // Only a write when there is something to reset: every booking
-            // thread calls this, and a store on each call would bounce the
-            // cache line between them.
-            self.overruns.store(0, Ordering::Relaxed);
-        }
-        Timed {
-            over_budget: false,
-            quarantined_after: None,
-        }
-    }
-
-    /// Counts a panic; the panics so far if this one quarantined the policy.
-    pub fn panicked(&self, limits: &HintLimits) -> Option<u64> {
-        let panics = self.panics.fetch_add(1, Ordering::Relaxed) + 1;
-        (panics >= limits.quarantine_after_panics && self.enter(Quarantine::Panics))
-            .then_some(panics)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HintLimits {
-    pub max_actions: usize,
-    /// Panics after which a policy is skipped until the next reload.
-    pub quarantine_after_panics: u64,
-    /// `router.policy_budget_us` in nanoseconds: a call longer than this is over
-    /// budget (0: no budget).
-    pub budget_ns: u64,
-    /// Calls in a row over budget after which a policy is skipped until the
-    /// next reload.
-    pub quarantine_after_overruns: u64,
-}
-
-impl Default for HintLimits {
-    fn default() -> Self {
-        Self {
-            max_actions: MAX_ACTIONS,
-            quarantine_after_panics: 3,
-            budget_ns: 10_000_000,
-            quarantine_after_overruns: 20,
-        }
     }
 }
 
@@ -321,15 +140,31 @@ impl HintStage {
     /// Runs every policy on `context`, each writing its actions straight into
     /// the message (this thread's writer, reused from booking to booking).
     pub fn run(&self, context: &FfiHintContext<'_>) -> HintOutcome {
+        self.run_signed(context, None)
+    }
+
+    /// [`Self::run`], with the engine hashes lent to the policies that their engines
+    /// publish signed: an array written from them goes out signed.
+    fn run_signed(
+        &self,
+        context: &FfiHintContext<'_>,
+        signed: Option<&Rc<SignedHashes>>,
+    ) -> HintOutcome {
         WRITER.with(|writer| match writer.try_borrow_mut() {
-            Ok(mut writer) => self.run_with(context, &mut writer),
+            Ok(mut writer) => self.run_with(context, &mut writer, signed),
             // Only a policy calling back into the router could get here.
-            Err(_) => self.run_with(context, &mut MessageWriter::default()),
+            Err(_) => self.run_with(context, &mut MessageWriter::default(), signed),
         })
     }
 
-    fn run_with(&self, context: &FfiHintContext<'_>, writer: &mut MessageWriter) -> HintOutcome {
+    fn run_with(
+        &self,
+        context: &FfiHintContext<'_>,
+        writer: &mut MessageWriter,
+        signed: Option<&Rc<SignedHashes>>,
+    ) -> HintOutcome {
         let mut outcome = HintOutcome::default();
+        writer.set_signed_hashes(signed.cloned());
         writer.begin_message(context.request_id.as_str(), self.limits.max_actions);
         for instance in &self.policies {
             let kept = self.call(instance, context, writer, &mut outcome.failures);
@@ -340,6 +175,7 @@ impl HintStage {
         outcome.dropped_over_cap = writer.dropped();
         outcome.action_types = writer.action_types().map(str::to_string).collect();
         outcome.message = writer.finish().map(str::to_string);
+        writer.set_signed_hashes(None);
         outcome
     }
 
@@ -525,8 +361,9 @@ pub struct CommittedCopyView<'a> {
 pub trait PeerHashSource {
     /// Appends the engine hashes of peer `peer`'s (as listed to the stage)
     /// leading request blocks, root-aligned, at most as many as it was listed
-    /// with.
-    fn fill(&self, peer: usize, out: &mut Vec<u64>);
+    /// with. True if the peer's engine publishes them as signed 64-bit integers
+    /// (SGLang), so a message names them signed.
+    fn fill(&self, peer: usize, out: &mut Vec<u64>) -> bool;
 }
 
 /// The rows of peers' engine hashes a booking's policies asked for, each read
@@ -539,6 +376,8 @@ pub struct PeerRows {
     rows: RefCell<Vec<Vec<u64>>>,
     /// Rows in use (`rows` beyond it are spare buffers).
     used: std::cell::Cell<usize>,
+    /// The rows in use whose engines publish signed hashes, for the writer.
+    signed: Rc<SignedHashes>,
 }
 
 const NOT_READ: u32 = u32::MAX;
@@ -550,6 +389,7 @@ impl PeerRows {
         of_peer.clear();
         of_peer.resize(peers, NOT_READ);
         self.used.set(0);
+        self.signed.clear();
     }
 
     /// Bytes its buffers keep between bookings.
@@ -572,7 +412,10 @@ impl PeerRows {
                     }
                     let row = &mut rows[at];
                     row.clear();
-                    source.fill(peer, row);
+                    if source.fill(peer, row) {
+                        // The row stays where it is until `reset`, which forgets it.
+                        self.signed.lend(row);
+                    }
                 }
                 self.used.set(at + 1);
                 if let Some(slot) = self.of_peer.borrow_mut().get_mut(peer) {
@@ -627,23 +470,6 @@ pub struct HintResult {
     pub kv_copy_sent: bool,
 }
 
-pub(crate) fn ffi_worker(worker: &Worker) -> FfiWorker<'_> {
-    FfiWorker {
-        worker_id: worker.key.worker_id,
-        dp_rank: worker.key.dp_rank,
-        router_hint: worker.router_hint,
-        worker_type: RStr::from_str(&worker.worker_type),
-        source_control_endpoint: RStr::from_str(&worker.source_control_endpoint),
-    }
-}
-
-/// A reused `Vec` of borrowed FFI records: emptied, then collected in place
-/// into a `Vec` of the caller's lifetime, which keeps the allocation.
-pub(crate) fn reuse<T, U>(mut spare: Vec<T>) -> Vec<U> {
-    spare.clear();
-    spare.into_iter().filter_map(|_| None).collect()
-}
-
 thread_local! {
     /// Spare buffer for a context's peer list.
     static PEERS: RefCell<Vec<FfiPeer<'static>>> = const { RefCell::new(Vec::new()) };
@@ -665,20 +491,17 @@ impl HintStage {
         let mut ffi_peers: Vec<FfiPeer<'_>> =
             reuse(PEERS.with(|spare| std::mem::take(&mut *spare.borrow_mut())));
         ffi_peers.extend(peers.map(|peer| FfiPeer {
-            worker: ffi_worker(peer.worker),
+            worker: ffi_worker(peer.worker.view()),
             cached_blocks: peer.cached_blocks as u64,
         }));
         let state = PeerHashState { rows, source };
         let context = FfiHintContext {
             request_id: RStr::from_str(booked.request_id),
-            worker: ffi_worker(booked.worker),
+            worker: ffi_worker(booked.worker.view()),
             cached_blocks: booked.cached_blocks as u64,
             prompt_tokens: booked.prompt_tokens as u64,
             block_size: booked.block_size as u32,
-            identity: FfiRequestIdentity {
-                lora_name: RStr::from_str(booked.lora_name.unwrap_or("")),
-                cache_salt: RStr::from_str(booked.cache_salt.unwrap_or("")),
-            },
+            identity: ffi_identity(booked.lora_name, booked.cache_salt),
             session_context: RStr::from_str(booked.session_context.unwrap_or("")),
             selection_policy: RStr::from_str(booked.selection_policy),
             block_hashes: RSlice::from_slice(booked.block_hashes),
@@ -689,14 +512,14 @@ impl HintStage {
             },
             committed_kv_copy: match committed {
                 Some(copy) => ROption::RSome(FfiKvCopy {
-                    source: ffi_worker(copy.source),
+                    source: ffi_worker(copy.source.view()),
                     first_block: copy.first_block as u64,
                     block_hashes: RSlice::from_slice(copy.block_hashes),
                 }),
                 None => ROption::RNone,
             },
         };
-        let outcome = self.run(&context);
+        let outcome = self.run_signed(&context, Some(&rows.signed));
         PEERS.with(|spare| *spare.borrow_mut() = reuse(ffi_peers));
         let hint = match outcome.message {
             None => Hint::Skipped(HintSkip::NoActions),

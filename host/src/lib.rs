@@ -1,30 +1,55 @@
 //! kvhint: a KV-cache-aware request router whose KV hint policies are plugins.
 //!
-//! The modules follow a booking's data path and the plugin life cycle:
-//! - [`loader`]: plugin files → checked, privately copied, dlopened root modules.
-//! - [`registry`]: root modules (built-in or loaded) → named hint types →
-//!   constructed policies.
-//! - [`hints`]: a booking's context → the role's policies → [`envelope`], the one
-//!   engine-format message for the booked worker.
+//! The modules are layered; each names only modules of its own layer or of the
+//! layers listed before it, never one after, and no two name each other in a cycle.
+//! `tests/layers.rs` checks it on every `cargo test`, and README's "The router
+//! core, layer by layer" describes each module. In order:
+//!
+//! 1. **domain**: [`domain`] (roles, workers, where engines publish events: it
+//!    names nothing else in the crate), and leaf utilities: [`counters`],
+//!    [`splice`], [`trust`], [`logging`].
+//! 2. **config**: [`config`], the YAML file → a typed config (it knows no loader).
+//! 3. **plugins**: what the config names, loaded: [`plugin_log`], [`loader`],
+//!    [`registry`], [`catalog`]; and the served [`models`]' tokenizers.
+//! 4. **policies**: [`policy_common`] (what the two stages share), [`selection`],
+//!    [`hints`] → [`envelope`], and the [`snapshot`] holding them per role.
+//! 5. **router**: [`router`], the data plane. It describes a booking to the policy
+//!    stages in plain views; only the stages build the ABI's records.
+//! 6. **faces**: [`engine_events`], [`wire`], [`replay`], [`gateway`],
+//!    [`service`]; [`testing`], the few internals the end-to-end tests reach;
+//!    and `main.rs`, the CLI, which nothing imports.
 
-pub mod catalog;
-pub mod config;
+// 1. domain
 pub mod counters;
 pub mod domain;
-pub mod engine_events;
-pub mod envelope;
-pub mod event_source;
-pub mod gateway;
-pub mod hints;
-pub mod loader;
 pub mod logging;
+pub mod splice;
+pub mod trust;
+
+// 2. config
+pub mod config;
+
+// 3. plugins
+pub mod catalog;
+pub mod loader;
 pub mod models;
 pub mod plugin_log;
 pub mod registry;
-pub mod replay;
-pub mod router;
+
+// 4. policies
+pub mod envelope;
+pub mod hints;
+pub mod policy_common;
 pub mod selection;
-pub mod service;
 pub mod snapshot;
-pub mod splice;
+
+// 5. router
+pub mod router;
+
+// 6. faces
+pub mod engine_events;
+pub mod gateway;
+pub mod replay;
+pub mod service;
+pub mod testing;
 pub mod wire;

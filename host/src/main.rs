@@ -499,8 +499,10 @@ fn check(file: &Path, mode: Option<RouterMode>) -> anyhow::Result<ExitCode> {
             worker.models.join(", "),
             match &worker.kv_events {
                 None => "none".to_string(),
-                Some(kvhint::event_source::KvEvents::Approximate) => "approximate".to_string(),
-                Some(kvhint::event_source::KvEvents::Source(source)) => source.endpoint.clone(),
+                Some(kvhint::domain::event_source::KvEvents::Approximate) =>
+                    "approximate".to_string(),
+                Some(kvhint::domain::event_source::KvEvents::Source(source)) =>
+                    source.endpoint.clone(),
             }
         );
     }

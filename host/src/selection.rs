@@ -22,63 +22,119 @@
 //! (reason `quarantined`), so a broken plugin neither floods the log with a
 //! warning per booking nor keeps every booking waiting on it.
 
-use crate::counters::Counter;
-use crate::hints::{HintLimits, LatencyHistogram, Quarantine, QuarantineState};
+use crate::domain::{Role, WorkerView};
+use crate::policy_common::{
+    ffi_identity, ffi_worker, reuse, HintLimits, Quarantine, QuarantineState,
+};
+pub use crate::policy_common::{FallbackReason, SelectionStats};
 use crate::registry::{ConstructedSelection, ErrorKind, Origin};
-use abi_stable::std_types::{RResult, RSlice};
-use kvhint_plugin_api::abi::{FfiCandidate, FfiSelectionPolicyBox, FfiSelectionRequest};
-use std::sync::atomic::{AtomicU64, Ordering};
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
+use kvhint_plugin_api::abi::{
+    FfiCandidate, FfiPeerCopy, FfiSelectionPolicyBox, FfiSelectionRequest,
+};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 /// The built-in selection policy a failing one falls back to.
 pub const FALLBACK_TYPE: &str = "dynamo-default-cost-fn";
 
-/// Why a booking was placed by the fallback.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FallbackReason {
-    Error = 0,
-    Panic = 1,
-    OutOfRange = 2,
-    /// Not called: quarantined until the next reload.
-    Quarantined = 3,
+/// A request to place, as the router describes it: plain values, from which the
+/// stage builds the ABI's record (so an ABI change stops here, not in the router).
+#[derive(Debug, Clone, Copy)]
+pub struct SelectionRequest<'a> {
+    pub request_id: &'a str,
+    pub role: Role,
+    /// Full blocks in the prompt.
+    pub request_blocks: usize,
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    pub lora_name: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+    /// The session context as JSON object text, if any.
+    pub session_context: Option<&'a str>,
 }
 
-impl FallbackReason {
-    pub const ALL: [FallbackReason; 4] = [
-        Self::Error,
-        Self::Panic,
-        Self::OutOfRange,
-        Self::Quarantined,
-    ];
+/// One worker the request could go to, as the router describes it.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    pub worker: WorkerView<'a>,
+    /// Leading request blocks this worker already holds.
+    pub cached_blocks: usize,
+    /// Open bookings on it, the blocks they hold, and those still to prefill.
+    pub active_requests: u64,
+    pub active_blocks: u64,
+    pub prefill_blocks: u64,
+    /// The best copy a peer could supply: the peer and the leading request blocks
+    /// it holds (only when the policy wants peer copies; see
+    /// [`SelectionStage::wants_peer_copies`]).
+    pub peer_copy: Option<(WorkerView<'a>, usize)>,
+}
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Error => "error",
-            Self::Panic => "panic",
-            Self::OutOfRange => "out_of_range",
-            Self::Quarantined => "quarantined",
-        }
+/// A booking's candidates, kept in the form the policy reads, so the router's
+/// views are turned into ABI records once, as they are pushed, and never copied
+/// again. Its buffer comes from, and goes back to, a [`SpareCandidates`].
+pub struct Candidates<'a> {
+    records: Vec<FfiCandidate<'a>>,
+}
+
+impl<'a> Candidates<'a> {
+    pub fn push(&mut self, candidate: Candidate<'a>) {
+        self.records.push(FfiCandidate {
+            worker: ffi_worker(candidate.worker),
+            cached_blocks: candidate.cached_blocks as u64,
+            active_requests: candidate.active_requests,
+            active_blocks: candidate.active_blocks,
+            prefill_blocks: candidate.prefill_blocks,
+            peer_copy: match candidate.peer_copy {
+                Some((source, cached_blocks)) => ROption::RSome(FfiPeerCopy {
+                    source: ffi_worker(source),
+                    cached_blocks: cached_blocks as u64,
+                }),
+                None => ROption::RNone,
+            },
+        });
+    }
+
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Candidate `index`'s cached prefix, in blocks (0 past the end).
+    pub fn cached_blocks(&self, index: usize) -> usize {
+        self.records
+            .get(index)
+            .map_or(0, |c| c.cached_blocks as usize)
     }
 }
 
-/// Counters of one role's selection policy, kept across reloads.
-#[derive(Debug, Default)]
-pub struct SelectionStats {
-    /// Counted per thread ([`crate::counters`]): every booking adds to it.
-    pub calls: Counter,
-    /// By [`FallbackReason`].
-    pub fallbacks: [AtomicU64; 4],
-    /// Calls that took longer than the time budget.
-    pub over_budget: AtomicU64,
-    /// Times the policy was quarantined until a reload.
-    pub quarantines: AtomicU64,
-    pub latency: LatencyHistogram,
+/// The buffer a thread's bookings build their [`Candidates`] in, reused from one
+/// booking to the next so the hot path does not allocate it per call.
+#[derive(Default)]
+pub struct SpareCandidates {
+    spare: Vec<FfiCandidate<'static>>,
 }
 
-impl SelectionStats {
-    pub fn fallbacks(&self, reason: FallbackReason) -> u64 {
-        self.fallbacks[reason as usize].load(Ordering::Relaxed)
+impl SpareCandidates {
+    /// An empty list in the spare buffer (which is empty until it comes back).
+    pub fn take<'a>(&mut self) -> Candidates<'a> {
+        Candidates {
+            records: reuse(std::mem::take(&mut self.spare)),
+        }
+    }
+
+    /// Takes the list's buffer back for the next booking.
+    pub fn put_back(&mut self, candidates: Candidates<'_>) {
+        self.spare = reuse(candidates.records);
+    }
+
+    /// Bytes the buffer keeps between bookings.
+    pub fn retained_bytes(&self) -> usize {
+        self.spare.capacity() * std::mem::size_of::<FfiCandidate<'static>>()
     }
 }
 
@@ -169,7 +225,29 @@ impl SelectionStage {
         tracing::error!(policy = %self.type_name, why, "selection policy quarantined until the next reload; its role is booked by the built-in default selection");
     }
 
-    /// The policy's choice among `candidates` (not empty), or the fallback's.
+    /// The policy's choice among the router's `candidates` (not empty), or the
+    /// fallback's.
+    pub fn select_candidates(
+        &self,
+        request: &SelectionRequest<'_>,
+        candidates: &Candidates<'_>,
+    ) -> Chosen {
+        self.select(
+            &FfiSelectionRequest {
+                request_id: RStr::from_str(request.request_id),
+                role: RStr::from_str(request.role.as_str()),
+                request_blocks: request.request_blocks as u64,
+                prompt_tokens: request.prompt_tokens as u64,
+                block_size: request.block_size as u32,
+                identity: ffi_identity(request.lora_name, request.cache_salt),
+                session_context: RStr::from_str(request.session_context.unwrap_or("")),
+            },
+            &candidates.records,
+        )
+    }
+
+    /// The policy's choice among `candidates` (not empty), or the fallback's: the
+    /// ABI's records as they are (the benches and tests build them directly).
     pub fn select(
         &self,
         request: &FfiSelectionRequest<'_>,

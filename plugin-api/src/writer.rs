@@ -16,13 +16,24 @@
 //!   the grammar, rolls the buffer back to where that policy began: it loses
 //!   its own actions and nothing else.
 //!
+//! - Engine hashes go out as their engine published them: SGLang publishes
+//!   signed 64-bit hashes, which policies see as `u64` (the same bits). The host
+//!   records the hash slices it lent the policies from such engines
+//!   ([`SignedHashes`]), and [`MessageWriter::u64_array`] writes an array it gets
+//!   back from one of them as signed integers. No ABI change and no action type
+//!   or payload field known to the host: a policy passes on the slice (or part of
+//!   it) it was given, as `kv_fetch` does, and it is written as its source
+//!   published it. A copy the policy made itself is its own and goes out unsigned.
+//!
 //! The router links this in; plugin-api's `testing` module uses it too, so a
 //! plugin's unit tests see exactly the message the router would send.
 
 use crate::abi::{FfiActionWriter, FfiWriterVtable};
 use abi_stable::marker_type::ErasedObject;
 use abi_stable::std_types::{RSlice, RStr};
+use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::rc::Rc;
 
 /// The envelope's `protocol_version`.
 pub const PROTOCOL_VERSION: &str = "0.1";
@@ -86,6 +97,45 @@ pub struct MessageWriter {
     mark: Mark,
     /// Bytes the envelope's head takes (a message with no action is none).
     head_len: usize,
+    /// The booking's lent slices of signed engine hashes, if the host set them.
+    signed: Option<Rc<SignedHashes>>,
+}
+
+/// The slices of engine hashes a host lent one booking's policies whose engines
+/// publish signed 64-bit hashes (SGLang's), by address: an array written from
+/// within one of them goes out signed. Single-threaded, as a booking is.
+#[derive(Debug, Default)]
+pub struct SignedHashes {
+    /// `[start, end)` addresses of each lent slice.
+    ranges: RefCell<Vec<(usize, usize)>>,
+}
+
+impl SignedHashes {
+    /// Forgets every slice (a new booking).
+    pub fn clear(&self) {
+        self.ranges.borrow_mut().clear();
+    }
+
+    /// Records `hashes`, lent to a policy, as published signed. The host must keep
+    /// them where they are until [`Self::clear`]: an address is all that is kept.
+    pub fn lend(&self, hashes: &[u64]) {
+        if !hashes.is_empty() {
+            let range = hashes.as_ptr_range();
+            self.ranges
+                .borrow_mut()
+                .push((range.start as usize, range.end as usize));
+        }
+    }
+
+    /// Whether `values` lies wholly within a slice lent as signed.
+    pub fn covers(&self, values: &[u64]) -> bool {
+        let range = values.as_ptr_range();
+        let (start, end) = (range.start as usize, range.end as usize);
+        self.ranges
+            .borrow()
+            .iter()
+            .any(|&(from, to)| from <= start && end <= to)
+    }
 }
 
 impl Default for MessageWriter {
@@ -109,6 +159,7 @@ impl Default for MessageWriter {
                 type_ends: 0,
             },
             head_len: 0,
+            signed: None,
         }
     }
 }
@@ -125,6 +176,12 @@ pub enum PolicyOutput {
 impl MessageWriter {
     /// Starts a message for `message_id` with room for `max_actions` actions,
     /// reusing the buffers of the last one.
+    /// Where this message's signed engine hashes are recorded (`None`: there are
+    /// none); kept until set again.
+    pub fn set_signed_hashes(&mut self, signed: Option<Rc<SignedHashes>>) {
+        self.signed = signed;
+    }
+
     pub fn begin_message(&mut self, message_id: &str, max_actions: usize) {
         self.out.clear();
         self.stack.clear();
@@ -486,18 +543,44 @@ impl MessageWriter {
         // word), then the room left over is cut off. Formatting each value into a
         // buffer and appending it would cost a `memcpy` call per value: most of the
         // time of a fetch of thousands of hashes (a profile of the hint-stage bench).
+        // A signed engine's hashes: a value above `i64::MAX` is the negative number
+        // with the same bits, at most 19 digits and a sign, so the room suffices.
+        let signed =
+            !values.is_empty() && self.signed.as_ref().is_some_and(|lent| lent.covers(values));
         let start = self.out.len();
         self.out
             .resize(start + values.len() * 21 + 2 + DECIMAL_ROOM, 0);
         let room = &mut self.out[start..];
         room[0] = b'[';
         let mut at = 1;
-        for (i, &value) in values.iter().enumerate() {
-            if i > 0 {
-                room[at] = b',';
-                at += 1;
+        // Two loops rather than a test per value: the unsigned one stays the loop
+        // it was before signed hashes were known here (measured slower with the
+        // test inside, on the booking bench's 12-digit hashes).
+        if signed {
+            for (i, &value) in values.iter().enumerate() {
+                if i > 0 {
+                    room[at] = b',';
+                    at += 1;
+                }
+                if value > i64::MAX as u64 {
+                    room[at] = b'-';
+                    at += 1;
+                }
+                let magnitude = if value > i64::MAX as u64 {
+                    value.wrapping_neg()
+                } else {
+                    value
+                };
+                at += write_decimal(&mut room[at..], magnitude);
             }
-            at += write_decimal(&mut room[at..], value);
+        } else {
+            for (i, &value) in values.iter().enumerate() {
+                if i > 0 {
+                    room[at] = b',';
+                    at += 1;
+                }
+                at += write_decimal(&mut room[at..], value);
+            }
         }
         room[at] = b']';
         self.out.truncate(start + at + 1);
@@ -993,6 +1076,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn lent_signed_hashes_go_out_signed() {
+        let lent: Vec<u64> = vec![u64::MAX - 4, 7, 1 << 63];
+        let own = lent.clone();
+        let signed = Rc::new(SignedHashes::default());
+        signed.lend(&lent);
+        let mut w = MessageWriter::default();
+        w.set_signed_hashes(Some(Rc::clone(&signed)));
+        w.begin_message("r", 32);
+        w.begin_policy();
+        for hashes in [&lent[..], &lent[1..], &own[..]] {
+            w.begin_action("kv.fetch", "1.0");
+            w.begin_object();
+            w.key("block_hashes");
+            w.u64_array(hashes);
+            w.end_object();
+            w.end_action();
+        }
+        assert_eq!(w.end_policy(true), PolicyOutput::Kept(3));
+        let m = message(&mut w);
+        assert_eq!(
+            m["actions"][0]["payload"]["block_hashes"],
+            serde_json::json!([-5, 7, i64::MIN]),
+            "the lent slice, as its engine published it"
+        );
+        assert_eq!(
+            m["actions"][1]["payload"]["block_hashes"],
+            serde_json::json!([7, i64::MIN]),
+            "part of it, likewise"
+        );
+        assert_eq!(
+            m["actions"][2]["payload"]["block_hashes"],
+            serde_json::json!([u64::MAX - 4, 7, 1u64 << 63]),
+            "the policy's own copy is its own: unsigned"
+        );
+        signed.clear();
+        assert!(!signed.covers(&lent));
     }
 
     #[test]

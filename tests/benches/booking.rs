@@ -56,16 +56,21 @@ fn book_quantiles(
     let mut times = Vec::new();
     let started = Instant::now();
     while (started.elapsed() < budget || times.len() < 20) && times.len() < 50_000 {
-        let clock = Instant::now();
-        let booking = router.book(role, black_box(request));
-        let us = clock.elapsed().as_secs_f64() * 1e6;
-        drop(black_box(booking));
-        let _ = router.release(request.request_id);
-        times.push(us);
+        times.push(timed_book(router, role, request));
     }
     let p50 = median(&mut times);
     let p99 = quantile(&mut times, 0.99);
     (times.len(), p50, p99)
+}
+
+/// One `book()`, in µs; the booking is dropped and released outside the clock.
+fn timed_book(router: &Router, role: &RoleRuntime, request: &BookRequest<'_>) -> f64 {
+    let clock = Instant::now();
+    let booking = router.book(role, black_box(request));
+    let us = clock.elapsed().as_secs_f64() * 1e6;
+    drop(black_box(booking));
+    let _ = router.release(request.request_id);
+    us
 }
 
 fn snapshot() -> (Snapshot, kvhint::loader::Loader, kvhint_e2e::ConfigFixture) {
@@ -107,6 +112,12 @@ fn holders(workers: u64, blocks: usize, shared: bool) -> Vec<(u64, usize)> {
 }
 
 fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
+    fleet(workers, prompt, shared, 0, false)
+}
+
+/// A router whose engine hashes are `id << 32 | high` onwards; with `signed`,
+/// every worker's engine is marked as publishing signed 64-bit hashes (SGLang's).
+fn fleet(workers: u64, prompt: &[u32], shared: bool, high: u64, signed: bool) -> Router {
     let router = Router::new(BLOCK);
     let blocks = prompt.len() / BLOCK;
     for id in 0..workers {
@@ -118,10 +129,51 @@ fn router(workers: u64, prompt: &[u32], shared: bool) -> Router {
             dp_rank: 0,
         };
         router
-            .apply_kv_event(key, stored(prompt, held, id << 32))
+            .apply_kv_event(key, stored(prompt, held, high | id << 32))
             .expect("stores");
+        if signed {
+            assert!(router.mark_signed_hashes(key));
+        }
     }
     router
+}
+
+/// A hinted booking in a fleet whose engines publish signed hashes (SGLang) against
+/// the same fleet publishing them unsigned: the same engine hashes (all above
+/// `i64::MAX`, so the signed fleet's `kv.fetch` names every one negative), `book()`
+/// timed call by call, interleaved in batches so both see the same machine. The p50
+/// of each, in µs, and the signed fleet's message (to check it is signed).
+fn signed_vs_unsigned(
+    role: &RoleRuntime,
+    request: &BookRequest<'_>,
+    workers: u64,
+    shared: bool,
+) -> (f64, f64, String) {
+    const HIGH: u64 = 1 << 63;
+    let fleets = [
+        fleet(workers, request.token_ids, shared, HIGH, false),
+        fleet(workers, request.token_ids, shared, HIGH, true),
+    ];
+    let message = |router: &Router| {
+        let booking = router.book(role, request).expect("books");
+        router.release(request.request_id).expect("releases");
+        booking
+            .hint
+            .message()
+            .map(|m| m.get().to_string())
+            .unwrap_or_default()
+    };
+    assert!(message(&fleets[0]).contains("[9223372"), "unsigned fleet");
+    let signed_message = message(&fleets[1]);
+    let (rounds, batch) = if is_bench() { (60, 500) } else { (2, 10) };
+    let mut times = [Vec::new(), Vec::new()];
+    for _ in 0..rounds {
+        for (router, times) in fleets.iter().zip(&mut times) {
+            times.extend((0..batch).map(|_| timed_book(router, role, request)));
+        }
+    }
+    let [unsigned, signed] = &mut times;
+    (median(unsigned), median(signed), signed_message)
 }
 
 /// The candidates the router builds for a booking of `blocks` blocks on a
@@ -264,6 +316,17 @@ fn benches(c: &mut Criterion) {
             quantile_lines.push(format!(
                 "booking {layout}/{workers}_workers/{tokens}_tokens book_p50_us={p50:.2} p99_us={p99:.2} samples={samples}{target}"
             ));
+            // A hinted booking costs the same whether the fleet's engines publish
+            // signed hashes or not (issue 26, item 3): measured on the target's size.
+            if workers == 64 && tokens == 4096 {
+                let (unsigned, signed, message) =
+                    signed_vs_unsigned(role, &request, workers, shared);
+                assert!(message.contains("[-"), "signed fleet: {message}");
+                quantile_lines.push(format!(
+                    "booking {layout}/{workers}_workers/{tokens}_tokens signed_hashes book_p50_us unsigned={unsigned:.2} signed={signed:.2} ratio={:.3}",
+                    signed / unsigned
+                ));
+            }
 
             // The same booking's selection, linked vs loaded.
             let blocks = tokens / BLOCK;

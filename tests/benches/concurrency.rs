@@ -51,12 +51,12 @@
 
 use crossbeam_utils::CachePadded;
 use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
-use kvhint::router::background::set_current_thread;
 use kvhint::router::index::{KvEvent, StoredBlock};
-use kvhint::router::ingest::Ingest;
 use kvhint::router::workers::{Load, WorkerRegistration};
 use kvhint::router::{BookRequest, Router};
 use kvhint::snapshot::{RoleRuntime, Snapshot};
+use kvhint::testing::set_current_thread;
+use kvhint::testing::Ingest;
 use kvhint_e2e::bench::is_bench;
 use std::collections::VecDeque;
 use std::fmt::Write as _;

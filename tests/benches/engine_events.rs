@@ -19,13 +19,13 @@
 //! `cargo bench -p kvhint-e2e --bench engine_events`. Under `cargo test --benches` it runs
 //! a quick mode whose figures are not measurements.
 
+use kvhint::domain::event_source::KvEventSource;
 use kvhint::domain::WorkerKey;
-use kvhint::engine_events::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
-use kvhint::engine_events::subscriber::SubscriberOptions;
 use kvhint::engine_events::{EngineEvents, Origin};
-use kvhint::event_source::KvEventSource;
-use kvhint::router::ingest::Ingest;
 use kvhint::router::Router;
+use kvhint::testing::Ingest;
+use kvhint::testing::SubscriberOptions;
+use kvhint::testing::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use kvhint_e2e::bench::{is_bench, median, quantile};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

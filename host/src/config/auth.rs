@@ -241,7 +241,7 @@ fn read_token_file(path: &Path) -> Result<Vec<(usize, String)>, String> {
     // Who could have written it: the owner, and every directory on its way (through
     // any symlinks), as the loader checks a plugin file. Another user who owns the
     // file, or can write a directory it sits in, would choose the tokens.
-    crate::loader::trust::check_token_file(path, &meta).map_err(|e| e.to_string())?;
+    crate::trust::check_token_file(path, &meta).map_err(|e| e.to_string())?;
     if meta.len() > MAX_TOKEN_FILE_BYTES {
         return Err(format!(
             "is {} bytes, more than a token file's {MAX_TOKEN_FILE_BYTES}; it holds one token per line",

@@ -5,8 +5,8 @@
 
 use super::yaml::{join, key_location, location, node_location, to_json, Walker};
 use super::Location;
+use crate::domain::event_source::{Endpoints, KvEventSource, KvEvents};
 use crate::domain::{parse_http_endpoint, Engine, Role};
-use crate::event_source::{Endpoints, KvEventSource, KvEvents};
 use marked_yaml::Node;
 use std::path::{Path, PathBuf};
 

@@ -3,8 +3,8 @@
 
 use super::yaml::{join, key_location, location, node_location, to_json, Walker};
 use super::Location;
+use crate::domain::event_source::{Endpoints, KvEventSource};
 use crate::domain::{Role, ThreadPolicy};
-use crate::event_source::{Endpoints, KvEventSource};
 use marked_yaml::Node;
 
 /// `kv_events:`.

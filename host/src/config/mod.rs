@@ -10,7 +10,7 @@
 pub mod auth;
 mod gateway;
 mod kv_events;
-mod yaml;
+pub(crate) mod yaml;
 
 pub use auth::AuthConfig;
 pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
@@ -19,7 +19,6 @@ use marked_yaml::{LoaderOptions, Node};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-pub use yaml::text_scans;
 use yaml::{join, key_location, location, node_location, Walker};
 
 /// A plugin file to load, with an optional sha256 pin.

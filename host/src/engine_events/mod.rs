@@ -9,13 +9,13 @@
 //! Threads, not async tasks: libzmq sockets block, and a source's work is a poll, a
 //! decode and a hand-off.
 
-pub mod decode;
-pub mod stats;
-pub mod subscriber;
+pub(crate) mod decode;
+pub(crate) mod stats;
+pub(crate) mod subscriber;
 
 use crate::config::KvEventsConfig;
+use crate::domain::event_source::{Endpoints, KvEventSource, SourceError};
 use crate::domain::{WorkerKey, WorkerRegistration};
-use crate::event_source::{Endpoints, KvEventSource, SourceError};
 use crate::router::ingest::Ingest;
 use crate::router::{Router, RouterError};
 use arc_swap::ArcSwap;
@@ -116,7 +116,7 @@ pub const FDS_PER_SOURCE: u64 = 4;
 fn is_private_dir(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).is_ok_and(|m| {
-        let me = crate::loader::trust::effective_uid();
+        let me = crate::trust::effective_uid();
         m.is_dir() && (m.uid() == me || m.uid() == 0) && m.mode() & 0o022 == 0
     })
 }
@@ -444,7 +444,7 @@ impl EngineEvents {
                     dp_rank,
                     role: configured.role,
                     runtime_data: configured.runtime_data.clone(),
-                    kv_events: Some(crate::event_source::KvEvents::Source(
+                    kv_events: Some(crate::domain::event_source::KvEvents::Source(
                         configured.source.clone(),
                     )),
                     http_endpoint: None,

@@ -20,8 +20,8 @@
 
 use super::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use super::stats::{SourceState, SourceStats};
+use crate::domain::event_source::Endpoints;
 use crate::domain::WorkerKey;
-use crate::event_source::Endpoints;
 use crate::router::background::Follower;
 use crate::router::index::{ApplyStats, KvEvent};
 use crate::router::ingest::Ingest;

@@ -26,8 +26,8 @@
 //! directory, removed when the loader is dropped: those commands write nothing
 //! else.
 
-use super::trust::{self, effective_uid};
 use super::LoadErrorKind;
+use crate::trust::{self, effective_uid};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;

@@ -29,7 +29,7 @@
 mod cache;
 pub mod elf;
 pub mod probe;
-pub mod trust;
+use crate::trust;
 
 pub use cache::{default_cache_dir, CacheMode};
 pub use probe::ProbeMode;

@@ -22,10 +22,10 @@
 //! replaces (config, plugins, constructed policies) is the snapshot, whose role a
 //! booking is handed, so a booking runs wholly on the policies it started with.
 
-pub mod background;
+pub(crate) mod background;
 pub mod bookings;
 pub mod index;
-pub mod ingest;
+pub(crate) mod ingest;
 mod open_count;
 pub mod persistent;
 pub mod workers;
@@ -33,19 +33,14 @@ pub mod workers;
 pub use crate::hints::PolicyFailure;
 pub use crate::hints::{Hint, HintSkip};
 
-use crate::domain::{Role, Worker, WorkerKey};
-use crate::hints::{
-    ffi_worker, reuse, BookedRequest, CommittedCopyView, PeerHashSource, PeerRows, PeerView,
-};
+use crate::domain::{Role, Worker, WorkerKey, WorkerView};
+use crate::hints::{BookedRequest, CommittedCopyView, PeerHashSource, PeerRows, PeerView};
+use crate::selection::{Candidate, SelectionRequest, SpareCandidates};
 use crate::snapshot::{RoleRuntime, Snapshot};
-use abi_stable::std_types::{ROption, RStr};
 use arc_swap::ArcSwap;
 use bookings::{Bookings, Reservation};
 use index::shared::SharedIndex;
 use index::{identity_seed, seeded_block_hashes, KvEvent, Matches, Slot};
-use kvhint_plugin_api::abi::{
-    FfiCandidate, FfiPeerCopy, FfiRequestIdentity, FfiSelectionRequest, FfiWorker,
-};
 use std::cell::RefCell;
 use std::sync::Arc;
 use workers::{Listed, Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
@@ -215,8 +210,8 @@ struct Scratch {
     hashes: Vec<u64>,
     matches: Matches,
     /// Spare: the candidates of a booking borrow its worker table, so they
-    /// live in a `Vec` of that lifetime and come back here empty.
-    candidates: Vec<FfiCandidate<'static>>,
+    /// live in a list of that lifetime and come back here empty.
+    candidates: SpareCandidates,
     ranked: Vec<Ranked>,
     /// With a filter ([`Router::book_among`]): the position in the role's list of
     /// each admitted candidate.
@@ -230,7 +225,7 @@ impl Scratch {
     fn retained_bytes(&mut self) -> usize {
         self.matches.retained_bytes()
             + self.hashes.capacity() * 8
-            + self.candidates.capacity() * std::mem::size_of::<FfiCandidate<'static>>()
+            + self.candidates.retained_bytes()
             + self.ranked.capacity() * std::mem::size_of::<Ranked>()
             + self.rows.retained_bytes()
     }
@@ -251,9 +246,6 @@ pub struct Router {
     /// Serialises registrations (each rewrites the table); bookings never take it.
     registration: parking_lot::Mutex<()>,
     bookings: Bookings,
-    /// Some worker's engine publishes signed hashes: bookings then check whether
-    /// their `kv.fetch` names one (otherwise they skip the check).
-    any_signed: std::sync::atomic::AtomicBool,
 }
 
 impl Router {
@@ -264,7 +256,6 @@ impl Router {
             workers: ArcSwap::from_pointee(WorkerTable::default()),
             registration: parking_lot::Mutex::new(()),
             bookings: Bookings::default(),
-            any_signed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -276,7 +267,6 @@ impl Router {
         match self.workers.load().get(key) {
             Some(entry) => {
                 entry.signed_hashes.store(true, Ordering::Relaxed);
-                self.any_signed.store(true, Ordering::Relaxed);
                 true
             }
             None => false,
@@ -592,16 +582,16 @@ impl Router {
             ranked.sort_by(|a, b| b.cached.cmp(&a.cached).then(a.key.cmp(&b.key)));
         }
 
-        let mut candidates: Vec<FfiCandidate<'_>> = reuse(std::mem::take(spare));
+        let mut candidates = spare.take();
         peer_copies.clear();
         // The candidates offered a copy are mostly offered it by one peer (the longest
-        // holder that can supply them), so its record is built once and reused: built
-        // per candidate, its four dependent loads were a quarter of this loop's time.
-        let mut last_source: Option<(usize, FfiWorker<'_>)> = None;
+        // holder that can supply them), so its view is read once and reused: read per
+        // candidate, its four dependent loads were a quarter of this loop's time.
+        let mut last_source: Option<(usize, WorkerView<'_>)> = None;
         let mut source = |at: usize| match last_source {
             Some((cached_at, worker)) if cached_at == at => Some(worker),
             _ => {
-                let worker = ffi_worker(&table.by_slot(ranked[at].slot)?.worker);
+                let worker = table.by_slot(ranked[at].slot)?.worker.view();
                 last_source = Some((at, worker));
                 Some(worker)
             }
@@ -621,38 +611,30 @@ impl Router {
             };
             peer_copies.push(peer_copy);
             let load = listed.load.get();
-            candidates.push(FfiCandidate {
-                worker: ffi_listed(listed),
-                cached_blocks: cached_blocks as u64,
+            candidates.push(Candidate {
+                worker: listed.view(),
+                cached_blocks,
                 active_requests: load.active_requests,
                 active_blocks: load.active_blocks,
                 prefill_blocks: load.prefill_blocks,
-                peer_copy: match peer_copy.and_then(|at| Some((at, source(at)?))) {
-                    Some((at, source)) => ROption::RSome(FfiPeerCopy {
-                        source,
-                        cached_blocks: ranked[at].cached as u64,
-                    }),
-                    None => ROption::RNone,
-                },
+                peer_copy: peer_copy.and_then(|at| Some((source(at)?, ranked[at].cached))),
             });
         }
-        let chosen = policy.select(
-            &FfiSelectionRequest {
-                request_id: RStr::from_str(request.request_id),
-                role: RStr::from_str(request.role.as_str()),
-                request_blocks: hashes.len() as u64,
-                prompt_tokens: request.token_ids.len() as u64,
-                block_size: self.block_size as u32,
-                identity: FfiRequestIdentity {
-                    lora_name: RStr::from_str(request.lora_name.unwrap_or("")),
-                    cache_salt: RStr::from_str(request.cache_salt.unwrap_or("")),
-                },
-                session_context: RStr::from_str(request.session_context.unwrap_or("")),
+        let chosen = policy.select_candidates(
+            &SelectionRequest {
+                request_id: request.request_id,
+                role: request.role,
+                request_blocks: hashes.len(),
+                prompt_tokens: request.token_ids.len(),
+                block_size: self.block_size,
+                lora_name: request.lora_name,
+                cache_salt: request.cache_salt,
+                session_context: request.session_context,
             },
             &candidates,
         );
-        let chosen_cached = candidates[chosen.index].cached_blocks as usize;
-        *spare = reuse(candidates);
+        let chosen_cached = candidates.cached_blocks(chosen.index);
+        spare.put_back(candidates);
         // The table lists every candidate by slot too; it is the one this booking read.
         let entry_at = if filtered {
             admitted[chosen.index]
@@ -754,6 +736,7 @@ impl Router {
         rows.reset(ranked.len());
         let source = IndexRows {
             router: self,
+            table,
             hashes,
             ranked,
         };
@@ -804,32 +787,6 @@ impl Router {
             committed,
         );
         booking.hint = result.hint;
-        // Only where some engine publishes signed hashes, and only for a message that
-        // went out: no allocation on any other booking.
-        if let Hint::Sent { message, .. } = &mut booking.hint {
-            if self.any_signed.load(std::sync::atomic::Ordering::Relaxed) {
-                let signed = |key: WorkerKey| {
-                    table
-                        .get(key)
-                        .is_some_and(|e| e.signed_hashes.load(std::sync::atomic::Ordering::Relaxed))
-                };
-                if ranked.iter().any(|r| signed(r.key)) {
-                    let from_signed = |endpoint: &str| {
-                        ranked.iter().any(|r| {
-                            signed(r.key)
-                                && table
-                                    .by_slot(r.slot)
-                                    .is_some_and(|e| &*e.worker.source_control_endpoint == endpoint)
-                        })
-                    };
-                    if let Some(rewritten) =
-                        crate::envelope::signed_fetch_hashes(message, from_signed)
-                    {
-                        *message = rewritten;
-                    }
-                }
-            }
-        }
         booking.dropped_actions = result.dropped_actions;
         booking.policy_failures = result.failures;
         if !result.kv_copy_sent {
@@ -869,31 +826,25 @@ impl Router {
 /// is `ranked[i]`, named for its first `cached` request blocks.
 struct IndexRows<'a> {
     router: &'a Router,
+    table: &'a WorkerTable,
     hashes: &'a [u64],
     ranked: &'a [Ranked],
 }
 
 impl PeerHashSource for IndexRows<'_> {
-    fn fill(&self, peer: usize, out: &mut Vec<u64>) {
+    fn fill(&self, peer: usize, out: &mut Vec<u64>) -> bool {
         let Some(r) = self.ranked.get(peer) else {
-            return;
+            return false;
         };
         let query = &self.hashes[..r.cached.min(self.hashes.len())];
         self.router
             .index
             .read(|index| index.engine_hashes(r.slot, query, out));
-    }
-}
-
-/// [`ffi_worker`]'s record, read from the table's inline candidate list rather than
-/// through the worker's `Arc`.
-fn ffi_listed(listed: &Listed) -> FfiWorker<'_> {
-    FfiWorker {
-        worker_id: listed.key.worker_id,
-        dp_rank: listed.key.dp_rank,
-        router_hint: listed.router_hint,
-        worker_type: RStr::from_str(&listed.worker_type),
-        source_control_endpoint: RStr::from_str(&listed.source_control_endpoint),
+        self.table.by_slot(r.slot).is_some_and(|entry| {
+            entry
+                .signed_hashes
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
     }
 }
 

@@ -11,7 +11,7 @@
 
 use super::index::Slot;
 use super::persistent::{Keyed, SlotVec, SortedSeq};
-use crate::domain::{Role, Worker, WorkerKey};
+use crate::domain::{Role, Worker, WorkerKey, WorkerView};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -117,6 +117,17 @@ pub struct Listed {
 }
 
 impl Listed {
+    /// The worker as the policy stages show it, read from this inline entry
+    /// rather than through the worker's `Arc`.
+    pub fn view(&self) -> WorkerView<'_> {
+        WorkerView {
+            key: self.key,
+            router_hint: self.router_hint,
+            worker_type: &self.worker_type,
+            source_control_endpoint: &self.source_control_endpoint,
+        }
+    }
+
     fn of(entry: &WorkerEntry) -> Self {
         Self {
             key: entry.worker.key,

@@ -14,6 +14,9 @@
 //! others may add entries but not rename or remove ours. It is never accepted
 //! as the directory that holds the plugins (or the cache) itself: there anyone
 //! could add a `lib*.so`.
+//!
+//! A leaf with the domain at the bottom of the layers, not part of the loader: the
+//! loader checks plugin files and its cache with it, the config its token files.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;

@@ -2,6 +2,8 @@
 //! worker advertises. It imports nothing of the crate, so any module may use it
 //! without creating a cycle.
 
+pub mod event_source;
+
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -145,7 +147,7 @@ pub struct WorkerRegistration {
     /// Or `"approximate"`: the engine publishes none, and the router credits the
     /// worker with the blocks it routed there, for a bounded time.
     #[serde(default)]
-    pub kv_events: Option<crate::event_source::KvEvents>,
+    pub kv_events: Option<event_source::KvEvents>,
     /// Where the worker's engine serves HTTP (`http://10.0.0.7:8000`), for the
     /// gateway to forward requests to.
     #[serde(default)]
@@ -285,7 +287,26 @@ pub struct RuntimeDataError {
     pub problem: String,
 }
 
+/// A worker as the policy stages show it to policies, borrowed: the fields a
+/// selection or hint policy reads, without the ABI's record (the stages build that).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerView<'a> {
+    pub key: WorkerKey,
+    pub router_hint: bool,
+    pub worker_type: &'a str,
+    pub source_control_endpoint: &'a str,
+}
+
 impl Worker {
+    pub fn view(&self) -> WorkerView<'_> {
+        WorkerView {
+            key: self.key,
+            router_hint: self.router_hint,
+            worker_type: &self.worker_type,
+            source_control_endpoint: &self.source_control_endpoint,
+        }
+    }
+
     pub fn from_registration(registration: WorkerRegistration) -> Result<Self, RuntimeDataError> {
         let key = WorkerKey {
             worker_id: registration.worker_id,
@@ -413,7 +434,7 @@ impl Worker {
             http,
             approximate_kv: matches!(
                 registration.kv_events,
-                Some(crate::event_source::KvEvents::Approximate)
+                Some(event_source::KvEvents::Approximate)
             ),
         })
     }
