@@ -58,17 +58,6 @@ impl EngineRows {
             .collect()
     }
 
-    /// The last holder word and the last name of the own rows, if any: read ahead of a
-    /// join (see [`KvIndex::store_resolved`](super::KvIndex::store_resolved)), so that
-    /// the cache lines [`add_own`](Self::add_own) writes are on their way while the
-    /// join claims its names.
-    #[inline(always)]
-    pub(super) fn own_tail(&self) -> Option<(u64, u64)> {
-        let odd = self.odd.as_deref()?;
-        let word = odd.slots.words().last().map_or(0, |w| w.bits);
-        Some((word, odd.rows.last().copied().unwrap_or(0)))
-    }
-
     /// Whether some holder has a row of its own.
     pub(super) fn has_odd(&self) -> bool {
         self.odd.is_some()

@@ -272,11 +272,6 @@ impl KvIndex {
                 continue;
             };
             let Place { block, node, pos } = here;
-            // A worker naming blocks by a hash seed of its own joins with a row of its
-            // own, written at the end of the node's own rows: those lines are read now,
-            // so that their misses overlap the claims of its names in its own map below
-            // instead of following them (a tenth of the seeded/1024w/32k bench's ingest).
-            std::hint::black_box(self.nodes[node as usize].engines.own_tail());
             let after = joined;
             joined = NO_NODE;
             let held = self.nodes[node as usize].holders.contains(slot);
