@@ -8,14 +8,21 @@
 //! - `shared`: every worker holds a prefix of a different length, from one block to all;
 //! - `salted`: worker 0 holds the whole prompt 64 times over, each time under other engine
 //!   hashes (what 64 cache salts would publish), and up to three other workers hold ¼, ½, ¾;
+//! - `seeded`: as `shared`, but every worker's engine hashes come from a seed of its own, in
+//!   the layout and the background alike: the same tokens are named differently on every
+//!   worker (vLLM with a non-cryptographic prefix-caching hash and no shared
+//!   `PYTHONHASHSEED` seeds each process at random, issue 29);
 //! - behind every layout a background of 131,072 blocks (2,048 in quick mode): each worker
 //!   holds unrelated 64-block sequences, each opening with one of 32 shared 8-block "system
 //!   prompts"; a worker's second sequence after the same system prompt is stored chained onto
-//!   its parent, as an engine publishes it.
+//!   its parent, as an engine publishes it (under `seeded` restated whole instead, since
+//!   Dynamo's `RadixTree` resolves a parent only by the engine hash of whichever worker
+//!   stored that block first).
 //!
-//! Engine block hashes look random (full u64 range) but are a function of the block's prefix
-//! and the cache salt, so every worker names the same unsalted prefix alike, as engines of one
-//! model and hash seed do. Dynamo's `RadixTree` depends on that: it resolves a store's parent
+//! Engine block hashes look random (full u64 range) but are a function of the block's prefix,
+//! the cache salt and the worker's hash seed; outside `seeded` every worker has the same seed,
+//! so every worker names the same unsalted prefix alike, as engines of one model and hash seed
+//! do. Dynamo's `RadixTree` depends on that: it resolves a store's parent
 //! and a removal through the engine hashes of whichever worker stored a block first.
 //!
 //! Figures:
@@ -463,10 +470,11 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Engine hashes of every block of `tokens`: a chain over the blocks' tokens, keyed by the
-/// cache salt (0 = none), so they look random and a prefix is named alike wherever it is stored.
-fn engine_chain(tokens: &[u32], salt: u64) -> Vec<u64> {
-    let mut chain = mix(salt.wrapping_add(0x5EED));
+/// Engine hashes of every block of `tokens`: a chain over the blocks' tokens, keyed by
+/// `seed` (a cache salt, a worker's hash seed; 0 = none), so they look random and a prefix is
+/// named alike wherever it is stored under the same seed.
+fn engine_chain(tokens: &[u32], seed: u64) -> Vec<u64> {
+    let mut chain = mix(seed.wrapping_add(0x5EED));
     tokens
         .chunks_exact(BLOCK)
         .map(|block| {
@@ -483,6 +491,7 @@ enum Layout {
     Sparse,
     Shared,
     Salted,
+    Seeded,
 }
 
 impl Layout {
@@ -491,6 +500,25 @@ impl Layout {
             Layout::Sparse => "sparse",
             Layout::Shared => "shared",
             Layout::Salted => "salted",
+            Layout::Seeded => "seeded",
+        }
+    }
+
+    /// Whether a worker's second sequence after a system prompt is stored chained onto
+    /// its parent. Not under `seeded`: Dynamo's `RadixTree` keeps one engine hash per
+    /// block position (the first storer's), so a parent named by another worker's seed
+    /// is `ParentBlockNotFound` there; the engine restates the system prompt instead,
+    /// as it does on a prefix hit with `kv_cache_report_mode="full"`.
+    fn chains(self) -> bool {
+        !matches!(self, Layout::Seeded)
+    }
+
+    /// The seed of `worker`'s engine hashes: its own under `seeded` (never a salt's value),
+    /// else the one every worker shares.
+    fn seed(self, worker: u64) -> u64 {
+        match self {
+            Layout::Seeded => mix(worker ^ 0x5EED_ED29) | 1 << 63,
+            Layout::Sparse | Layout::Shared | Layout::Salted => 0,
         }
     }
 }
@@ -546,9 +574,11 @@ impl Workload {
                 let sys = (worker as usize * 7 + seq) % SYSTEM_PROMPTS;
                 let mut text = system[sys].clone();
                 text.extend(rng.tokens(BACKGROUND_SEQ_BLOCKS - SYSTEM_PROMPT_BLOCKS));
-                let engine = engine_chain(&text, 0);
+                let engine = engine_chain(&text, layout.seed(worker));
                 let (start, parent) = match opened.get(&(worker, sys)) {
-                    Some(&parent) => (SYSTEM_PROMPT_BLOCKS, Some(parent)),
+                    Some(&parent) if layout.chains() => (SYSTEM_PROMPT_BLOCKS, Some(parent)),
+                    // Restated whole, system prompt and all (see `Layout::chains`).
+                    Some(_) => (0, None),
                     None => {
                         opened.insert((worker, sys), engine[SYSTEM_PROMPT_BLOCKS - 1]);
                         (0, None)
@@ -566,7 +596,8 @@ impl Workload {
             }
         }
 
-        // The layout: (worker, prompt blocks held, salt).
+        // The layout: (worker, prompt blocks held, engine-hash seed: a salt, or the worker's
+        // own seed under `seeded`).
         let n = workers as u64;
         let holders: Vec<(u64, usize, u64)> = match layout {
             Layout::Sparse => {
@@ -575,10 +606,10 @@ impl Workload {
                     .map(|i| (i * n / k, blocks * (i as usize + 1) / k as usize, 0))
                     .collect()
             }
-            Layout::Shared => (0..n)
+            Layout::Shared | Layout::Seeded => (0..n)
                 .map(|w| {
                     let held = 1 + (blocks - 1) * w as usize / (workers - 1).max(1);
-                    (w, held, 0)
+                    (w, held, layout.seed(w))
                 })
                 .collect(),
             Layout::Salted => {
@@ -595,8 +626,8 @@ impl Workload {
         };
         let mut held: HashMap<u64, usize> = HashMap::new();
         let mut prompt_engine = HashSet::new();
-        for (worker, blocks, salt) in holders {
-            let engine = engine_chain(&texts[0][..blocks * BLOCK], salt);
+        for (worker, blocks, seed) in holders {
+            let engine = engine_chain(&texts[0][..blocks * BLOCK], seed);
             prompt_engine.extend(engine.iter().enumerate().map(|(d, &h)| (worker, d, h)));
             let most = held.entry(worker).or_default();
             *most = (*most).max(blocks);
@@ -884,7 +915,12 @@ fn main() {
         n.parse::<usize>()
             .expect("PEERS_PROFILE_BUILDS: a number of builds")
     });
-    for layout in [Layout::Sparse, Layout::Shared, Layout::Salted] {
+    for layout in [
+        Layout::Sparse,
+        Layout::Shared,
+        Layout::Salted,
+        Layout::Seeded,
+    ] {
         for &n in workers {
             for &tokens in prompts {
                 let name = format!("{}/{n}w/{}k", layout.name(), tokens / 1024);

@@ -89,10 +89,21 @@ impl EngineRows {
             self.common.extend(names);
             self.odd = None;
         } else if !names.clone().eq(self.common.iter().copied()) {
-            let len = self.common.len();
-            let odd = self.odd.get_or_insert_with(Box::default);
-            let at = odd.slots.position(slot) * len;
-            if odd.slots.insert(slot) {
+            self.add_own(slot, names);
+        }
+    }
+
+    /// `slot` joins the node with a row of its own, `names`.
+    fn add_own(&mut self, slot: Slot, names: impl Iterator<Item = u64>) {
+        let len = self.common.len();
+        let odd = self.odd.get_or_insert_with(Box::default);
+        let at = odd.slots.position(slot) * len;
+        if odd.slots.insert(slot) {
+            if at == odd.rows.len() {
+                // After every other own row (a worker registered after the others):
+                // appended, without `splice`'s bookkeeping for a tail to move.
+                odd.rows.extend(names);
+            } else {
                 odd.rows.splice(at..at, names);
             }
         }
@@ -105,13 +116,13 @@ impl EngineRows {
     /// compare took 37 of such a join's ~570 instructions; this one takes about 20).
     #[inline]
     pub(super) fn add_pairs(&mut self, slot: Slot, items: &[(u64, u64)], first: bool) {
-        if !first
-            && items.len() == self.common.len()
-            && items.iter().zip(&self.common).all(|(item, c)| item.0 == *c)
-        {
-            return;
+        let names = items.iter().map(|(engine, _)| *engine);
+        if first || items.len() != self.common.len() {
+            self.add(slot, names, first);
+        } else if !items.iter().zip(&self.common).all(|(item, c)| item.0 == *c) {
+            // Compared already: no second compare in `add`.
+            self.add_own(slot, names);
         }
-        self.add(slot, items.iter().map(|(engine, _)| *engine), first);
     }
 
     /// `slot` leaves the node.

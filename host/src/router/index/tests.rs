@@ -893,6 +893,12 @@ impl KvIndex {
         book.all().map(|(_, w)| w.backed).sum()
     }
 
+    /// Rows of their own (holders naming a node's blocks otherwise than its shared
+    /// row), over all nodes.
+    fn own_rows(&self) -> usize {
+        self.live_nodes().map(|n| n.engines.own_rows().len()).sum()
+    }
+
     /// Every structural invariant the tree relies on; panics with the first broken one.
     fn check_invariants(&self) {
         let book = self.book();
@@ -1055,7 +1061,7 @@ fn random_events_with_copies_match_a_reference_model() {
         0x2545_f491_4f6c_dd1d,
         0xdead_beef_cafe_f00d,
     ] {
-        events_against_the_model(seed, false);
+        events_against_the_model(seed, Naming::PerWorker, &model_workers(6));
     }
 }
 
@@ -1066,12 +1072,48 @@ fn random_events_with_copies_match_a_reference_model() {
 #[test]
 fn random_events_with_names_shared_by_every_worker_match_a_reference_model() {
     for seed in [0x51ed_2701_4f6c_dd1d_u64, 0x0bad_5eed_1234_5678] {
-        events_against_the_model(seed, true);
+        events_against_the_model(seed, Naming::Shared, &model_workers(6));
     }
 }
 
-fn events_against_the_model(seed: u64, shared_names: bool) {
+/// The same streams with every worker hashing blocks under a seed of its own (vLLM with
+/// a non-cryptographic prefix-caching hash and no shared `PYTHONHASHSEED`: issue 29), so
+/// that the same tokens have unrelated names on every worker, but for two workers that
+/// share a seed; with a fleet of a few workers, and one spread over two holder words.
+#[test]
+fn random_events_with_a_hash_seed_per_worker_match_a_reference_model() {
+    for seed in [0x5eed_2901_9e37_79b9_u64, 0x0dd5_eed5_2545_f491] {
+        events_against_the_model(seed, Naming::Seeded, &model_workers(6));
+    }
+    events_against_the_model(0x29_5eed_dead_beef, Naming::Seeded, &model_workers(70));
+}
+
+/// How the model's workers name blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Naming {
+    /// Alike on every worker (engines of one model and hash seed).
+    Shared,
+    /// The shared names with the worker's id mixed in.
+    PerWorker,
+    /// A hash of the block under the worker's own seed; the first and the last worker
+    /// share one.
+    Seeded,
+}
+
+/// `n` workers for the reference-model streams: ids 1.., with a few dp ranks.
+fn model_workers(n: u64) -> Vec<WorkerKey> {
+    (0..n)
+        .map(|i| match i {
+            1 => w(1, 1),
+            4 => w(4, 2),
+            _ => w(i + 1, 0),
+        })
+        .collect()
+}
+
+fn events_against_the_model(seed: u64, naming: Naming, workers: &[WorkerKey]) {
     use std::collections::BTreeMap;
+    let shared_names = naming == Naming::Shared;
 
     /// A copy goes; if it is the named copy, the newest extra becomes the named one.
     fn drop_name(h: &mut BTreeMap<u64, (u64, Vec<u64>)>, seq: u64, engine: u64) {
@@ -1098,7 +1140,7 @@ fn events_against_the_model(seed: u64, shared_names: bool) {
     docs[3][BS] += 2; // shares 1
     docs[4].reverse(); // shares nothing
     docs[5][10 * BS] += 5; // shares 10
-    let workers = [w(1, 0), w(1, 1), w(2, 0), w(3, 0), w(4, 2), w(5, 0)];
+    let last = workers.len() - 1;
 
     // seq → (the name a fetch uses, the other engine hashes held for it)
     type Held = BTreeMap<u64, (u64, Vec<u64>)>;
@@ -1107,13 +1149,28 @@ fn events_against_the_model(seed: u64, shared_names: bool) {
     let mut seq_of: BTreeMap<(WorkerKey, u64), u64> = BTreeMap::new();
     let mut matches = Matches::new();
     let (mut rings, mut reused, mut merged_back, mut most_backed) = (0, 0, 0, 0);
-    for step in 0..6000 {
-        let k = workers[next(workers.len() as u64) as usize];
+    let mut most_own_rows = 0;
+    let steps = if workers.len() > 8 { 3000 } else { 6000 };
+    for step in 0..steps {
+        let at = next(workers.len() as u64) as usize;
+        let k = workers[at];
         let h = held.entry(k).or_default();
         // Engine names: a function of the block and a salt (and of the worker, unless
         // every worker names blocks alike); sometimes another block's.
-        let own = if shared_names { 0 } else { k.worker_id << 48 };
-        let name = |seq: u64, salt: u64| seq.rotate_left(17) ^ own ^ salt;
+        let own = match naming {
+            Naming::Shared => 0,
+            Naming::PerWorker => k.worker_id << 48,
+            // The first and the last worker share a seed.
+            Naming::Seeded => 0x5eed ^ (if at == last { 0 } else { at as u64 }) << 32,
+        };
+        let name = |seq: u64, salt: u64| match naming {
+            Naming::Shared | Naming::PerWorker => seq.rotate_left(17) ^ own ^ salt,
+            Naming::Seeded => {
+                // Nothing in common with the name under another seed.
+                let z = (seq ^ own).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                (z ^ (z >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ salt
+            }
+        };
         match next(12) {
             0..=6 => {
                 let d = next(docs.len() as u64) as usize;
@@ -1217,6 +1274,7 @@ fn events_against_the_model(seed: u64, shared_names: bool) {
         }
         index.check_invariants();
         most_backed = most_backed.max(index.backed_copies());
+        most_own_rows = most_own_rows.max(index.own_rows());
         assert_eq!(index.len(), seq_of.len(), "step {step}: copies");
         let distinct: std::collections::BTreeSet<u64> =
             held.values().flat_map(|h| h.keys().copied()).collect();
@@ -1257,7 +1315,12 @@ fn events_against_the_model(seed: u64, shared_names: bool) {
         }
     }
     // (Fewer salts with shared names: fewer blocks held under several names.)
-    let rings_wanted = if shared_names { 50 } else { 200 };
+    // (And with a large fleet: fewer stores per worker.)
+    let rings_wanted = if shared_names || workers.len() > 8 {
+        50
+    } else {
+        200
+    };
     assert!(
         rings > rings_wanted && reused > 100 && merged_back > 10,
         "{rings} {reused} {merged_back}"
@@ -1266,6 +1329,11 @@ fn events_against_the_model(seed: u64, shared_names: bool) {
     assert!(
         !shared_names || most_backed >= 10,
         "backed copies at most {most_backed}"
+    );
+    // Seeds of their own must have put many holders' rows of their own in nodes.
+    assert!(
+        naming != Naming::Seeded || most_own_rows >= 10,
+        "own rows at most {most_own_rows}"
     );
 }
 
