@@ -875,6 +875,8 @@ fn sigterm_during_a_reload_whose_probe_hangs_exits_at_once_and_kills_the_probe()
         libc::kill(pid, libc::SIGHUP);
     }
     std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: `kill` touches no memory of ours; `pid` is still the child's, as
+    // nothing has reaped it yet (`try_wait` below is the first wait).
     unsafe {
         libc::kill(pid, libc::SIGTERM);
     }

@@ -672,31 +672,88 @@ fn the_quick_bench_mode_judges_no_target() {
     assert!(loadgen.contains("bench::verdict(settings.quick"));
 }
 
+/// The names of the workspace's crates that declare a dependency (of any
+/// kind: normal, dev or build, renamed or not) on the crate `banned`, with the
+/// manifest each is declared in, as `cargo metadata` reads every member.
+fn crates_declaring(banned: &str) -> Vec<String> {
+    // Cargo sets `CARGO` for the tests it runs: the same cargo, so the same
+    // manifest parser, as the build. `--no-deps` reads the members' manifests
+    // only (no resolution, no lock file); `--offline` keeps it from ever
+    // reaching for the network regardless.
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let root = workspace_root();
+    let output = kvhint_e2e::run_bounded(
+        Command::new(cargo)
+            .args([
+                "metadata",
+                "--format-version",
+                "1",
+                "--no-deps",
+                "--offline",
+            ])
+            .arg("--manifest-path")
+            .arg(root.join("Cargo.toml")),
+        BOUND,
+    );
+    assert!(
+        output.status.success(),
+        "cargo metadata failed: {}",
+        text(&output.stderr)
+    );
+    let metadata: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let packages = metadata["packages"].as_array().unwrap();
+    // Every member is read, not a list kept by hand: the fixture plugins too.
+    let names: Vec<&str> = packages
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    for member in [
+        "kvhint",
+        "kvhint-plugin-api",
+        "kvhint-e2e",
+        "fixture-raw-abi",
+    ] {
+        assert!(names.contains(&member), "{member} not in {names:?}");
+    }
+    packages
+        .iter()
+        .filter(|package| {
+            package["dependencies"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|dependency| dependency["name"] == banned)
+        })
+        .map(|package| {
+            format!(
+                "{} ({})",
+                package["name"].as_str().unwrap(),
+                package["manifest_path"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn no_crate_declares_serde_yaml() {
     // The config is parsed with marked-yaml; serde_yaml is only a dependency
     // of a benchmark peer (dynamo-kv-router), never one of ours.
-    let root = workspace_root();
-    let mut manifests = vec![root.join("Cargo.toml")];
-    for dir in [
-        "host",
-        "plugin-api",
-        "tests",
-        "plugins/kv-fetch",
-        "plugins/harness-prefetch",
-    ] {
-        manifests.push(root.join(dir).join("Cargo.toml"));
-    }
-    for manifest in manifests {
-        let text = std::fs::read_to_string(&manifest).unwrap();
-        assert!(
-            !text
-                .lines()
-                .any(|l| l.trim_start().starts_with("serde_yaml")),
-            "{} declares serde_yaml",
-            manifest.display()
-        );
-    }
+    let declaring = crates_declaring("serde_yaml");
+    assert!(
+        declaring.is_empty(),
+        "declares serde_yaml as a dependency: {}",
+        declaring.join(", ")
+    );
+    // A `[workspace.dependencies]` entry is no member's dependency until one
+    // inherits it, so `cargo metadata` does not show it: the root manifest is
+    // read for one as well.
+    let root = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
+    assert!(
+        !root
+            .lines()
+            .any(|l| l.trim_start().starts_with("serde_yaml")),
+        "the workspace's Cargo.toml declares serde_yaml"
+    );
 }
 
 #[test]

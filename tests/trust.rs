@@ -857,6 +857,8 @@ fn auth_and_limit_mistakes_are_located_and_check_reads_the_token_files() {
 #[test]
 fn a_token_file_another_user_owns_or_in_a_directory_others_can_write_is_refused() {
     // Owned by another user (only root can make one here).
+    // SAFETY: `geteuid` takes no arguments, touches no memory of ours and
+    // cannot fail (POSIX).
     if unsafe { libc::geteuid() } == 0 {
         let (dir, config) = setup("", true);
         let token = dir.path().join("worker.token");

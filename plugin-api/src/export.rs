@@ -441,6 +441,11 @@ macro_rules! export_plugin {
                     kvhint_plugin_module,
                 )
             }
+            // SAFETY: `from_constructor::<M>` needs the constructor's erased
+            // `PrefixRef` to have been cast from a `PrefixRef<M>`'s. It is:
+            // `__call_root_module_loader` takes `kvhint_plugin_module`, which
+            // returns a `PluginModRef` (the `M` here), and erases that module's
+            // own prefix reference, as the attribute's expansion does.
             unsafe {
                 $crate::__private::abi_stable::library::LibHeader::from_constructor::<
                     $crate::abi::PluginModRef,

@@ -156,6 +156,9 @@ extern "C" fn test_peer_hashes(state: *const ErasedObject, peer: u64) -> RSlice<
     // policy's call (the `'static` is the ABI's way of spelling "this call").
     let booking = unsafe { &*state.cast::<TestBooking>() };
     match booking.peers.get(peer as usize) {
+        // SAFETY: the pointer and length are one live `Vec`'s, so they make a
+        // valid slice; that `Vec` is in the borrowed booking, so the slice
+        // stays valid for the policy's call, as the `'static` above means.
         Some(peer) => unsafe {
             RSlice::from_raw_parts(peer.block_hashes.as_ptr(), peer.block_hashes.len())
         },

@@ -566,15 +566,22 @@ pub mod allocations {
     unsafe impl GlobalAlloc for Counting {
         unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
             count(layout.size());
+            // SAFETY: our caller upholds `GlobalAlloc::alloc`'s contract (a
+            // non-zero-size `layout`); it is passed on to `System` unchanged.
             unsafe { System.alloc(layout) }
         }
 
         unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: every block this allocator hands out came from `System`
+            // (`alloc`, `realloc` above), so `ptr` is a `System` block of
+            // `layout`, as our caller guarantees for this allocator.
             unsafe { System.dealloc(ptr, layout) }
         }
 
         unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
             count(new_size);
+            // SAFETY: as in `dealloc`, `ptr` is a `System` block of `layout`;
+            // our caller guarantees `new_size`'s contract, passed on unchanged.
             unsafe { System.realloc(ptr, layout, new_size) }
         }
     }

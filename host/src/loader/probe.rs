@@ -407,8 +407,11 @@ fn nonce() -> std::io::Result<String> {
 /// Whether the child `pid` has exited, without reaping it (its pid, and so its
 /// process group's id, stays reserved until it is reaped).
 fn exited(pid: i32) -> std::io::Result<bool> {
-    // SAFETY: waitid fills the siginfo it is given.
+    // SAFETY: `siginfo_t` is a plain C struct of integers and pointers, for
+    // which all zero bytes are a valid value.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a live, writable `siginfo_t` for the whole call, which
+    // is all `waitid` writes to; with `WNOWAIT` it reaps nothing.
     let rc = unsafe {
         libc::waitid(
             libc::P_PID,
