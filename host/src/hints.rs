@@ -26,6 +26,7 @@ use crate::policy_common::{ffi_identity, ffi_worker, reuse};
 use crate::registry::{ConstructedPolicy, ErrorKind, Origin};
 use abi_stable::marker_type::ErasedObject;
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr};
+use elsa::FrozenVec;
 use kvhint_plugin_api::abi::{FfiHintContext, FfiHintPolicyBox, FfiKvCopy, FfiPeer, FfiPeerHashes};
 use kvhint_plugin_api::policy::Commitments;
 use kvhint_plugin_api::writer::{MessageWriter, PolicyOutput, SignedHashes};
@@ -367,15 +368,17 @@ pub trait PeerHashSource {
 }
 
 /// The rows of peers' engine hashes a booking's policies asked for, each read
-/// once. An arena: a row handed out stays where it is until [`Self::reset`],
-/// so the slices policies hold stay valid while later rows are read.
+/// once. A row handed out stays where it is until [`Self::reset`] (an
+/// `elsa::FrozenVec` only ever appends, and a row's own heap buffer never moves),
+/// so the slices policies hold stay valid while later rows are read, with no
+/// `unsafe` here; the buffers go back to a spare list to be reused.
 #[derive(Default)]
 pub struct PeerRows {
     /// Per listed peer, its row in `rows`, if read.
     of_peer: RefCell<Vec<u32>>,
-    rows: RefCell<Vec<Vec<u64>>>,
-    /// Rows in use (`rows` beyond it are spare buffers).
-    used: std::cell::Cell<usize>,
+    rows: FrozenVec<Vec<u64>>,
+    /// Emptied buffers of earlier bookings' rows.
+    spare: RefCell<Vec<Vec<u64>>>,
     /// The rows in use whose engines publish signed hashes, for the writer.
     signed: Rc<SignedHashes>,
 }
@@ -388,49 +391,42 @@ impl PeerRows {
         let of_peer = self.of_peer.get_mut();
         of_peer.clear();
         of_peer.resize(peers, NOT_READ);
-        self.used.set(0);
+        let spare = self.spare.get_mut();
+        spare.extend(self.rows.as_mut().drain(..).map(|mut row| {
+            row.clear();
+            row
+        }));
         self.signed.clear();
     }
 
     /// Bytes its buffers keep between bookings.
     pub fn retained_bytes(&mut self) -> usize {
-        let rows: usize = self.rows.get_mut().iter().map(|r| r.capacity() * 8).sum();
-        rows + self.of_peer.get_mut().capacity() * 4
+        let in_use: usize = self.rows.as_mut().iter().map(|r| r.capacity() * 8).sum();
+        let spare: usize = self.spare.get_mut().iter().map(|r| r.capacity() * 8).sum();
+        in_use + spare + self.of_peer.get_mut().capacity() * 4
     }
 
     /// Peer `peer`'s row, read through `source` on first use.
     pub fn row(&self, peer: usize, source: &dyn PeerHashSource) -> &[u64] {
         let known = self.of_peer.borrow().get(peer).copied();
-        let at = match known {
-            None => return &[],
+        match known {
+            None => &[],
             Some(NOT_READ) => {
-                let at = self.used.get();
-                {
-                    let mut rows = self.rows.borrow_mut();
-                    if rows.len() == at {
-                        rows.push(Vec::new());
-                    }
-                    let row = &mut rows[at];
-                    row.clear();
-                    if source.fill(peer, row) {
-                        // The row stays where it is until `reset`, which forgets it.
-                        self.signed.lend(row);
-                    }
+                let mut row = self.spare.borrow_mut().pop().unwrap_or_default();
+                let signed = source.fill(peer, &mut row);
+                let at = self.rows.len();
+                let row = self.rows.push_get(row);
+                if signed {
+                    // The row stays where it is until `reset`, which forgets it.
+                    self.signed.lend(row);
                 }
-                self.used.set(at + 1);
                 if let Some(slot) = self.of_peer.borrow_mut().get_mut(peer) {
                     *slot = at as u32;
                 }
-                at
+                row
             }
-            Some(at) => at as usize,
-        };
-        let rows = self.rows.borrow();
-        let row = &rows[at];
-        // SAFETY: a row in use is never written again before `reset`, which
-        // takes `&mut self` and so ends every borrow this returns; pushing more
-        // rows may move the outer `Vec`, but not a row's own heap buffer.
-        unsafe { std::slice::from_raw_parts(row.as_ptr(), row.len()) }
+            Some(at) => self.rows.get(at as usize).unwrap_or(&[]),
+        }
     }
 }
 

@@ -58,10 +58,29 @@ impl<'w> Actions<'w> {
 /// for a fetch's thousands of hashes); under any other serializer, an ordinary
 /// sequence. Use it as `#[serde(serialize_with = "u64_array")]`.
 pub fn u64_array<S: ser::Serializer>(values: &[u64], serializer: S) -> Result<S::Ok, S::Error> {
-    U64_ARRAY.with(|slot| slot.set(Some((values.as_ptr(), values.len()))));
-    let result = serializer.serialize_newtype_struct(U64_ARRAY_NAME, &Seq(values));
-    U64_ARRAY.with(|slot| slot.set(None));
-    result
+    let _lent = Lent::new(values);
+    serializer.serialize_newtype_struct(U64_ARRAY_NAME, &Seq(values))
+}
+
+/// `values` lent to [`U64_ARRAY`] for as long as this lives: dropping it (on return
+/// or during an unwind out of a panicking serializer) takes the pointer back, so the
+/// slot never names a slice that is gone, and a slot already taken (a nested
+/// `u64_array`) is restored as it was.
+struct Lent {
+    before: Option<(*const u64, usize)>,
+}
+
+impl Lent {
+    fn new(values: &[u64]) -> Self {
+        let before = U64_ARRAY.with(|slot| slot.replace(Some((values.as_ptr(), values.len()))));
+        Self { before }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        U64_ARRAY.with(|slot| slot.set(self.before));
+    }
 }
 
 const U64_ARRAY_NAME: &str = "\u{0}kvhint::u64_array";
@@ -215,8 +234,10 @@ impl<'a> ser::Serializer for Values<'a> {
     ) -> Result<(), PayloadError> {
         if name == U64_ARRAY_NAME {
             if let Some((pointer, len)) = U64_ARRAY.with(|slot| slot.get()) {
-                // SAFETY: set by `u64_array` from a live `&[u64]` for the
-                // duration of this very call.
+                // SAFETY: the slot is only `Some` while a `Lent` guard in
+                // `u64_array` lives, which borrows the `&[u64]` it names for its
+                // whole life and clears the slot when dropped, unwinding included;
+                // this call runs inside that `u64_array` call.
                 let values = unsafe { std::slice::from_raw_parts(pointer, len) };
                 call!(self.writer, u64_array, RSlice::from_slice(values));
                 return Ok(());
@@ -565,4 +586,65 @@ impl ser::Serializer for KeyText {
 
 fn key_must_be_a_string() -> PayloadError {
     PayloadError("a map key must be a string, an integer, a char or a boolean".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sink that fails the way a plugin's own code might, in the middle of an array.
+    struct PanicsOnWrite;
+
+    impl std::io::Write for PanicsOnWrite {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            panic!("the sink gave up");
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[derive(serde::Serialize)]
+    struct Fetch {
+        #[serde(serialize_with = "u64_array")]
+        hashes: Vec<u64>,
+    }
+
+    fn lent() -> Option<(*const u64, usize)> {
+        U64_ARRAY.with(|slot| slot.get())
+    }
+
+    #[test]
+    fn a_serializer_that_panics_mid_array_leaves_no_pointer_to_the_dropped_slice() {
+        let unwound = std::panic::catch_unwind(|| {
+            let fetch = Fetch {
+                hashes: vec![1, 2, 3],
+            };
+            let _ = serde_json::to_writer(PanicsOnWrite, &fetch);
+        });
+        assert!(unwound.is_err(), "the sink panics");
+        assert_eq!(lent(), None, "the unwind took the lent slice back");
+    }
+
+    #[test]
+    fn a_nested_u64_array_restores_the_outer_slice_when_it_ends() {
+        let outer = [7u64, 8];
+        let _outer = Lent::new(&outer);
+        {
+            let inner = [9u64];
+            let _inner = Lent::new(&inner);
+            assert_eq!(lent(), Some((inner.as_ptr(), 1)));
+        }
+        assert_eq!(lent(), Some((outer.as_ptr(), 2)));
+    }
+
+    #[test]
+    fn under_another_serializer_u64_array_is_an_ordinary_sequence() {
+        let fetch = Fetch {
+            hashes: vec![1, u64::MAX],
+        };
+        let text = serde_json::to_string(&fetch).unwrap_or_default();
+        assert_eq!(text, format!("{{\"hashes\":[1,{}]}}", u64::MAX));
+        assert_eq!(lent(), None);
+    }
 }

@@ -4,9 +4,7 @@
 //! the same lock, and each lock is held for one map insert or remove. The duplicate
 //! check stays exact: a request id lives in one shard, and inserting it is the check.
 //! The open count ([`OpenCount`]) keeps the `router.max_open_bookings` cap exact too
-//! (counted in before the insert, out again if the insert is refused), from
-//! allowances each thread holds, so a booking writes no line of it that another
-//! booking thread writes.
+//! (counted in before the insert, out again if the insert is refused).
 //!
 //! Each booking keeps when it was made, so one a client never releases (it crashed,
 //! or forgot) is released by [`Bookings::expire`] after `router.booking_ttl`.
