@@ -3,9 +3,10 @@
 //! plugins directory, real plugin `.so` files) and real signals. Every wait is
 //! bounded; no test asserts a duration.
 
+use kvhint_e2e::process::LineReader;
 use kvhint_e2e::{drop_in, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -314,14 +315,9 @@ fn sighup_right_after_start_does_not_kill_serve() {
             sent_while_ignored += 1;
         }
         // Wait, bounded, for `listening on` or for the process to end.
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx.recv_timeout(BOUND).unwrap_or_default();
+        let line = LineReader::new(child.stdout.take().unwrap())
+            .line(BOUND)
+            .unwrap_or_default();
         let exit: Option<ExitStatus> = child.try_wait().unwrap();
         let _ = child.kill();
         let _ = child.wait();
@@ -395,14 +391,9 @@ fn a_sighup_0_to_2_ms_after_spawn_ends_serve_only_before_its_first_code() {
         unsafe {
             libc::kill(pid, libc::SIGHUP);
         }
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let line = rx.recv_timeout(BOUND).unwrap_or_default();
+        let line = LineReader::new(child.stdout.take().unwrap())
+            .line(BOUND)
+            .unwrap_or_default();
         let _ = child.kill();
         let exit = child.wait().unwrap();
         let ended_by_hangup =

@@ -4,9 +4,10 @@
 //! request ids that try to forge log lines. Each test runs the real binary on
 //! 127.0.0.1 and bounds every wait.
 
+use kvhint_e2e::process::{wait_or_kill, LineReader};
 use kvhint_e2e::{kvhint_bin, private_dir, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -340,15 +341,16 @@ fn start_raw(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    let _ = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    let bound = Duration::from_secs(30);
+    let stdout = LineReader::new(child.stdout.take().unwrap());
+    let line = stdout.line(bound).unwrap_or_default();
     if line.starts_with("listening on ") {
         return (None, line, child);
     }
-    let status = child.wait().unwrap();
-    let mut err = String::new();
-    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-    (Some(status), err, child)
+    let stderr = LineReader::new(child.stderr.take().unwrap());
+    let status = wait_or_kill(&mut child, bound)
+        .unwrap_or_else(|| panic!("serve neither listened nor exited within {bound:?}"));
+    (Some(status), stderr.rest(bound), child)
 }
 
 #[test]
@@ -371,8 +373,7 @@ fn a_non_loopback_listen_without_auth_refuses_to_start_unless_allowed_and_then_w
     assert!(status.is_none(), "serve started: {line}");
     let _ = child.kill();
     let _ = child.wait();
-    let mut err = String::new();
-    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    let err = LineReader::new(child.stderr.take().unwrap()).rest(Duration::from_secs(10));
     assert!(err.contains("serving without authentication"), "{err}");
 
     // With auth, a non-loopback address needs no flag.

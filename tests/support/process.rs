@@ -113,6 +113,25 @@ impl LineReader {
     }
 }
 
+impl LineReader {
+    /// Every line still to come, until the pipe closes or `within` has passed,
+    /// each with its newline: what a test prints when a child failed.
+    pub fn rest(&self, within: Duration) -> String {
+        let deadline = std::time::Instant::now() + within;
+        let mut text = String::new();
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            match self.line(left) {
+                Ok(line) => {
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+                Err(_) => break,
+            }
+        }
+        text
+    }
+}
+
 /// Waits at most `within` for `child` to exit; SIGKILLs and reaps it if it has
 /// not. Returns its status if it exited by itself.
 pub fn wait_or_kill(child: &mut Child, within: Duration) -> Option<ExitStatus> {
