@@ -535,3 +535,224 @@ impl HintStage {
         }
     }
 }
+
+/// The hint stage driven in process, through the same ABI records a loaded `.so`
+/// gets, with policies linked into the test binary: what `.ci/run` also runs under
+/// Miri, where the stage's `unsafe` (the peer-hash callback, the rows it lends,
+/// the signed-hash addresses) is checked against the aliasing rules.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Role, Worker, WorkerRegistration};
+    use crate::registry::Registry;
+    use kvhint_plugin_api::prelude::{
+        export_plugin, Actions, HintContext, HintError, HintPolicy, HintPolicyConstructor,
+        HintRegistry, RegistryError,
+    };
+    use std::cell::Cell;
+
+    /// Reads every peer's row, holding the earlier ones while it reads the later
+    /// ones, and sends one fetch per peer: the arena must keep them all in place.
+    struct FetchFromEveryPeer;
+
+    #[derive(serde::Serialize)]
+    struct Fetch<'a> {
+        peer: u64,
+        #[serde(serialize_with = "kvhint_plugin_api::actions::u64_array")]
+        block_hashes: &'a [u64],
+    }
+
+    impl HintPolicy for FetchFromEveryPeer {
+        fn build_hints(
+            &self,
+            context: &HintContext<'_>,
+            actions: &mut Actions<'_>,
+        ) -> Result<(), HintError> {
+            let rows: Vec<(u64, &[u64])> = context
+                .peers()
+                .map(|peer| (peer.worker().id(), peer.block_hashes()))
+                .collect();
+            // Read again: the second read of a peer is the same row, not a new one.
+            let again: Vec<&[u64]> = context.peers().map(|peer| peer.block_hashes()).collect();
+            for ((peer, row), second) in rows.iter().zip(&again) {
+                assert_eq!(row.as_ptr(), second.as_ptr());
+                actions.push(
+                    "kv.fetch",
+                    "1.0",
+                    &Fetch {
+                        peer: *peer,
+                        block_hashes: row,
+                    },
+                )?;
+            }
+            Ok(())
+        }
+    }
+
+    fn register(registry: &mut HintRegistry) -> Result<(), RegistryError> {
+        registry.register_hint_policy(
+            "fetch_from_every_peer",
+            Arc::new(|_| Ok(HintPolicyConstructor::shared(FetchFromEveryPeer))),
+            [],
+        )
+    }
+
+    export_plugin!(register);
+
+    fn stage(policy: &str) -> HintStage {
+        let mut registry = Registry::with_builtins().expect("the built-ins register");
+        registry
+            .add_module(
+                Origin::BuiltIn {
+                    crate_name: "hint-stage-test".into(),
+                },
+                kvhint_plugin_module(),
+            )
+            .expect("the test module registers");
+        let constructed = registry
+            .construct(policy, &serde_json::json!({}))
+            .expect("the policy builds");
+        HintStage::new(
+            vec![HintPolicyInstance::new(policy, constructed)],
+            HintLimits::default(),
+        )
+    }
+
+    fn worker(id: u64) -> Worker {
+        let registration: WorkerRegistration = serde_json::from_value(serde_json::json!({
+            "worker_id": id,
+            "role": "decode",
+            "runtime_data": {
+                "router_hint": true,
+                "router_hint_worker_type": "decode",
+                "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.0.{id}:23280")},
+            },
+        }))
+        .expect("a registration");
+        assert_eq!(registration.role, Role::Decode);
+        Worker::from_registration(registration).expect("a worker")
+    }
+
+    /// Peer `i`'s row is `i * 100 + 0..len`; peers listed odd publish signed.
+    struct Rows {
+        lens: Vec<usize>,
+        reads: Cell<usize>,
+    }
+
+    impl PeerHashSource for Rows {
+        fn fill(&self, peer: usize, out: &mut Vec<u64>) -> bool {
+            self.reads.set(self.reads.get() + 1);
+            let len = self.lens.get(peer).copied().unwrap_or(0);
+            out.extend((0..len as u64).map(|b| {
+                if peer % 2 == 1 {
+                    u64::MAX - b
+                } else {
+                    peer as u64 * 100 + b
+                }
+            }));
+            peer % 2 == 1
+        }
+    }
+
+    fn run(
+        stage: &HintStage,
+        rows: &mut PeerRows,
+        source: &Rows,
+        peers: &[Worker],
+    ) -> serde_json::Value {
+        let booked = worker(1);
+        rows.reset(peers.len());
+        let result = stage.run_booking(
+            &BookedRequest {
+                request_id: "r1",
+                worker: &booked,
+                cached_blocks: 0,
+                prompt_tokens: 64,
+                block_size: 16,
+                lora_name: None,
+                cache_salt: None,
+                session_context: None,
+                selection_policy: "kvcr",
+                block_hashes: &[1, 2, 3, 4],
+            },
+            peers
+                .iter()
+                .zip(&source.lens)
+                .map(|(worker, &len)| PeerView {
+                    worker,
+                    cached_blocks: len,
+                }),
+            rows,
+            source,
+            None,
+        );
+        assert!(result.failures.is_empty(), "{:?}", result.failures);
+        let message = result.hint.message().expect("a message went out");
+        serde_json::from_str(message.get()).expect("the message is JSON")
+    }
+
+    #[test]
+    fn every_peer_row_a_policy_holds_stays_valid_while_it_reads_the_next_and_signed_rows_go_out_signed(
+    ) {
+        let stage = stage("fetch_from_every_peer");
+        let peers = [worker(2), worker(3), worker(4)];
+        let source = Rows {
+            lens: vec![3, 2, 4],
+            reads: Cell::new(0),
+        };
+        let mut rows = PeerRows::default();
+        for booking in 0..2 {
+            source.reads.set(0);
+            let message = run(&stage, &mut rows, &source, &peers);
+            assert_eq!(
+                source.reads.get(),
+                3,
+                "booking {booking}: each row read once"
+            );
+            let actions = message["actions"].as_array().expect("actions");
+            let fetched: Vec<(u64, serde_json::Value)> = actions
+                .iter()
+                .map(|a| {
+                    (
+                        a["payload"]["peer"].as_u64().unwrap_or(0),
+                        a["payload"]["block_hashes"].clone(),
+                    )
+                })
+                .collect();
+            assert_eq!(
+                fetched,
+                [
+                    (2, serde_json::json!([0, 1, 2])),
+                    // Listed second (odd): published signed, so written signed.
+                    (3, serde_json::json!([-1, -2])),
+                    (4, serde_json::json!([200, 201, 202, 203])),
+                ],
+                "booking {booking}"
+            );
+        }
+        // The second booking reused the first one's buffers.
+        assert!(rows.retained_bytes() >= 9 * 8);
+    }
+
+    #[test]
+    fn kv_fetch_reads_only_the_chosen_peers_row() {
+        let stage = stage("kv_fetch");
+        let peers = [worker(2), worker(3)];
+        let source = Rows {
+            lens: vec![4, 2],
+            reads: Cell::new(0),
+        };
+        let mut rows = PeerRows::default();
+        let message = run(&stage, &mut rows, &source, &peers);
+        assert_eq!(source.reads.get(), 1);
+        assert_eq!(message["actions"][0]["action_type"], "kv.fetch", "{message}");
+        assert_eq!(
+            message["actions"][0]["payload"]["block_hashes"],
+            serde_json::json!([0, 1, 2, 3])
+        );
+        assert_eq!(
+            message["actions"][0]["payload"]["source_control_endpoint"],
+            "tcp://10.0.0.2:23280"
+        );
+    }
+}
