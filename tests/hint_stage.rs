@@ -312,6 +312,39 @@ fn constructor_errors_and_panics_are_reported_with_plugin_and_type() {
     );
 }
 
+thread_local! {
+    /// The scripted clock's reading, and how long each coming policy call takes.
+    static SCRIPT: std::cell::RefCell<(u64, u32, std::collections::VecDeque<u64>)> =
+        const { std::cell::RefCell::new((0, 0, std::collections::VecDeque::new())) };
+}
+
+/// A clock a stage reads twice per policy call (before and after): the second
+/// reading is the first plus the next scripted duration, whatever the machine
+/// did meanwhile. Bookings run on the test's own thread, so the script is too.
+fn scripted_clock() -> u64 {
+    SCRIPT.with(|script| {
+        let (now, reads, durations) = &mut *script.borrow_mut();
+        *reads += 1;
+        if *reads % 2 == 0 {
+            *now += durations
+                .pop_front()
+                .expect("a policy call the test did not script");
+        }
+        *now
+    })
+}
+
+/// Scripts the coming policy calls' durations, in call order.
+fn script(durations: &[u64]) {
+    SCRIPT.with(|script| script.borrow_mut().2.extend(durations));
+}
+
+fn scripted_calls_left() -> usize {
+    SCRIPT.with(|script| script.borrow().2.len())
+}
+
+const SLOW_NS: u64 = 2_000_000;
+
 #[test]
 fn a_policy_whose_calls_keep_running_over_its_budget_is_quarantined_until_reload() {
     let (registry, ..) = registry();
@@ -320,16 +353,25 @@ fn a_policy_whose_calls_keep_running_over_its_budget_is_quarantined_until_reload
         quarantine_after_overruns: 3,
         ..HintLimits::default()
     };
-    // Every call of `slow` sleeps 2 ms: 20 times the 100 µs budget.
+    // Every call of `slow` takes 2 ms by the stage's clock (20 times the 100 µs
+    // budget), every call of `harness_prefetch` none: the clock is scripted, so
+    // a slow moment of the machine cannot add an overrun.
     let stage = stage_with(
         &registry,
         &[
-            ("slow", "slow", json!({"sleep_us": 2000})),
+            ("slow", "slow", json!({"sleep_us": 0})),
             ("harness_prefetch", "harness_prefetch", json!({})),
         ],
         limits,
-    );
+    )
+    .with_clock(scripted_clock);
     for round in 1..=5 {
+        if round <= 3 {
+            script(&[SLOW_NS, 0]);
+        } else {
+            // Quarantined: only `harness_prefetch` is called.
+            script(&[0]);
+        }
         let outcome = booking().with_raw_context(|context| stage.run(context));
         let types = action_types(&message(&outcome));
         if round <= 3 {
@@ -340,6 +382,7 @@ fn a_policy_whose_calls_keep_running_over_its_budget_is_quarantined_until_reload
         }
         assert!(outcome.failures.is_empty(), "an overrun is not a failure");
     }
+    assert_eq!(scripted_calls_left(), 0, "every scripted call was made");
     let slow = &stage.policies()[0];
     assert_eq!(slow.stats.over_budget.load(Ordering::Relaxed), 3);
     assert_eq!(slow.stats.skipped_quarantined.load(Ordering::Relaxed), 2);
@@ -359,25 +402,36 @@ fn overruns_must_come_in_a_row_to_quarantine() {
     // Slow on every other call only: never two overruns in a row.
     let stage = stage_with(
         &registry,
-        &[("slow", "slow", json!({"sleep_us": 2000, "every": 2}))],
+        &[("slow", "slow", json!({"sleep_us": 0}))],
         limits,
-    );
-    for _ in 0..10 {
+    )
+    .with_clock(scripted_clock);
+    for call in 0..10 {
+        script(&[if call % 2 == 0 { SLOW_NS } else { 0 }]);
         let outcome = booking().with_raw_context(|context| stage.run(context));
         assert_eq!(action_types(&message(&outcome)), ["test.slow"]);
     }
     let slow = &stage.policies()[0];
     assert_eq!(slow.stats.over_budget.load(Ordering::Relaxed), 5);
     assert!(!slow.is_quarantined());
+    // Two in a row do.
+    script(&[SLOW_NS, SLOW_NS]);
+    for _ in 0..2 {
+        booking().with_raw_context(|context| stage.run(context));
+    }
+    assert_eq!(slow.stats.over_budget.load(Ordering::Relaxed), 7);
+    assert_eq!(slow.quarantine(), Some(Quarantine::OverBudget));
     // And no budget at all (0) counts nothing.
     let unbudgeted = stage_with(
         &registry,
-        &[("slow", "slow", json!({"sleep_us": 2000}))],
+        &[("slow", "slow", json!({"sleep_us": 0}))],
         HintLimits {
             budget_ns: 0,
             ..HintLimits::default()
         },
-    );
+    )
+    .with_clock(scripted_clock);
+    script(&[SLOW_NS; 3]);
     for _ in 0..3 {
         booking().with_raw_context(|context| unbudgeted.run(context));
     }

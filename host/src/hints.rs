@@ -123,11 +123,34 @@ pub struct HintOutcome {
 pub struct HintStage {
     policies: Vec<HintPolicyInstance>,
     limits: HintLimits,
+    /// What times each policy call against the budget: the monotonic clock,
+    /// or a test's script (so a test of the budget never depends on how fast
+    /// the machine is).
+    clock: Clock,
+}
+
+/// Nanoseconds on a monotonic clock; only differences between two readings mean
+/// anything.
+pub type Clock = fn() -> u64;
+
+/// The monotonic clock, in nanoseconds since its first reading in this process.
+pub fn monotonic_ns() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
 impl HintStage {
     pub fn new(policies: Vec<HintPolicyInstance>, limits: HintLimits) -> Self {
-        Self { policies, limits }
+        Self {
+            policies,
+            limits,
+            clock: monotonic_ns,
+        }
+    }
+
+    /// The same stage with its policy calls timed by `clock` (tests).
+    pub fn with_clock(self, clock: Clock) -> Self {
+        Self { clock, ..self }
     }
 
     pub fn policies(&self) -> &[HintPolicyInstance] {
@@ -196,9 +219,9 @@ impl HintStage {
         }
         stats.calls.add(1);
         writer.begin_policy();
-        let started = Instant::now();
+        let started = (self.clock)();
         let result = instance.policy.build_hints(context, &mut writer.ffi());
-        let took = started.elapsed().as_nanos() as u64;
+        let took = (self.clock)().saturating_sub(started);
         stats.latency.observe(took);
         let timed = instance.quarantine.timed(took, &self.limits);
         if timed.over_budget {
@@ -745,7 +768,10 @@ mod tests {
         let mut rows = PeerRows::default();
         let message = run(&stage, &mut rows, &source, &peers);
         assert_eq!(source.reads.get(), 1);
-        assert_eq!(message["actions"][0]["action_type"], "kv.fetch", "{message}");
+        assert_eq!(
+            message["actions"][0]["action_type"], "kv.fetch",
+            "{message}"
+        );
         assert_eq!(
             message["actions"][0]["payload"]["block_hashes"],
             serde_json::json!([0, 1, 2, 3])
