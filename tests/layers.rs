@@ -52,6 +52,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "engine_events",
             "wire",
             "replay",
+            "report",
             "gateway",
             "service",
             "testing",

@@ -1,0 +1,286 @@
+//! What `kvhint check` and `kvhint plugins` print: a config as the router
+//! understood it, and each plugin file as the loader found it.
+//!
+//! Apart from the CLI so that the text an operator reads is built by the library
+//! (and can be tested without a process), while `main.rs` only parses arguments
+//! and picks an exit code.
+
+use crate::catalog::FileReport;
+use crate::config::Config;
+use crate::registry::{ConstructedSelection, Registry};
+use crate::snapshot::{self, Snapshot};
+use std::io::{self, Write};
+use std::path::Path;
+
+/// `kvhint check`'s report of a config that loaded: the router mode, each plugin,
+/// each role's selection and hint policies, auth, models, workers and engine
+/// event sources.
+pub fn check(
+    out: &mut impl Write,
+    file: &Path,
+    config: &Config,
+    snapshot: &Snapshot,
+) -> io::Result<()> {
+    writeln!(
+        out,
+        "{}: ok (router mode {}, block size {})",
+        file.display(),
+        snapshot.mode,
+        snapshot.block_size
+    )?;
+    for plugin in &snapshot.plugins {
+        let mut types = Vec::new();
+        if !plugin.hint_types.is_empty() {
+            types.push(format!("hint types: {}", plugin.hint_types.join(", ")));
+        }
+        if !plugin.selection_types.is_empty() {
+            types.push(format!(
+                "selection types: {}",
+                plugin.selection_types.join(", ")
+            ));
+        }
+        if types.is_empty() {
+            types.push("no policy types".into());
+        }
+        writeln!(
+            out,
+            "plugin {} {} from {} ({})",
+            plugin.name,
+            plugin.version,
+            plugin.path.display(),
+            types.join("; ")
+        )?;
+    }
+    for role in &snapshot.roles {
+        let commits = if role.commits_kv_copies {
+            ", commits KV copies"
+        } else {
+            ""
+        };
+        let booked_by = if role.booking_selection_type != role.selection_type {
+            format!(
+                " (booked by `{}` under this router mode)",
+                role.booking_selection_type
+            )
+        } else {
+            String::new()
+        };
+        writeln!(
+            out,
+            "role {}: selection {} {}{commits}{booked_by}",
+            role.role, role.selection_type, role.selection_parameters
+        )?;
+        if let crate::registry::Origin::Plugin { .. } = &*role.booking_selection().origin {
+            writeln!(
+                out,
+                "  selection policy from {}",
+                role.booking_selection().origin
+            )?;
+        }
+        let from = match role.hints_from {
+            snapshot::HintsFrom::Listed => "listed",
+            snapshot::HintsFrom::Defaults => "defaults for its selection policy",
+            snapshot::HintsFrom::ExplicitlyNone => "`hints: []`",
+            snapshot::HintsFrom::NotKvPath => "not on the KV path",
+        };
+        let policies = role.hints.policies();
+        if policies.is_empty() {
+            writeln!(out, "  hints ({from}): none")?;
+        } else {
+            writeln!(out, "  hints ({from}):")?;
+        }
+        for (i, policy) in policies.iter().enumerate() {
+            writeln!(
+                out,
+                "    {}. {} (type {}, {}, commitments {})",
+                i + 1,
+                policy.name,
+                policy.type_name,
+                policy.origin,
+                policy.commitments
+            )?;
+        }
+    }
+    match &snapshot.tokens {
+        Some(tokens) => {
+            let classes: Vec<String> = crate::config::auth::Caller::ALL
+                .iter()
+                .map(|&caller| match tokens.count(caller) {
+                    0 => format!("{caller} (admin token only)"),
+                    1 => format!("{caller} 1 token"),
+                    n => format!("{caller} {n} tokens"),
+                })
+                .collect();
+            writeln!(out, "auth: {}", classes.join(", "))?;
+        }
+        None => writeln!(
+            out,
+            "auth: none (serve refuses a non-loopback --listen without --allow-unauthenticated)"
+        )?,
+    }
+    for model in &config.models {
+        let cache = match snapshot
+            .models
+            .get(&model.name)
+            .map(|m| m.tokenizer.piece_cache())
+        {
+            Some(Ok(_)) => format!("tokenizer cache {} MiB", config.gateway.tokenizer_cache_mib),
+            Some(Err(why)) => format!("no tokenizer cache: {why}"),
+            None => "not loaded".into(),
+        };
+        writeln!(
+            out,
+            "model {}: role {}, tokenizer {}{}, {cache}",
+            model.name,
+            model.role,
+            model.tokenizer.display(),
+            model
+                .lora
+                .as_deref()
+                .map(|l| format!(", lora {l}"))
+                .unwrap_or_default()
+        )?;
+    }
+    for worker in &config.workers {
+        writeln!(
+            out,
+            "worker {} ({}, {} rank{}): {} at {}, models {}, kv events {}",
+            worker.worker_id,
+            worker.role,
+            worker.dp_size,
+            if worker.dp_size == 1 { "" } else { "s" },
+            worker.engine,
+            worker.http_endpoint,
+            worker.models.join(", "),
+            match &worker.kv_events {
+                None => "none".to_string(),
+                Some(crate::domain::event_source::KvEvents::Approximate) =>
+                    "approximate".to_string(),
+                Some(crate::domain::event_source::KvEvents::Source(source)) =>
+                    source.endpoint.clone(),
+            }
+        )?;
+    }
+    let kv_events = &config.kv_events;
+    if !kv_events.sources.is_empty() {
+        writeln!(
+            out,
+            "kv_events: media {}, {} source{}",
+            kv_events.media.join(", "),
+            kv_events.sources.len(),
+            if kv_events.sources.len() == 1 {
+                ""
+            } else {
+                "s"
+            }
+        )?;
+        for source in &kv_events.sources {
+            writeln!(
+                out,
+                "  worker {} ({}, {} rank{}): {} {}{}",
+                source.worker_id,
+                source.role,
+                source.dp_size,
+                if source.dp_size == 1 { "" } else { "s" },
+                if source.source.bind {
+                    "bind"
+                } else {
+                    "connect"
+                },
+                source.source.endpoint,
+                source
+                    .source
+                    .replay_endpoint
+                    .as_deref()
+                    .map(|r| format!(", replay {r}"))
+                    .unwrap_or_default()
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// `kvhint plugins`' report of each plugin file: what it registered, with each
+/// type's commitments and defaults, or why it was refused. Returns how many were
+/// refused.
+pub fn plugins(
+    out: &mut impl Write,
+    registry: &Registry,
+    reports: &[FileReport],
+) -> io::Result<usize> {
+    let mut refused = 0;
+    if reports.is_empty() {
+        writeln!(out, "no plugin files (lib*.so) found")?;
+    }
+    for report in reports {
+        writeln!(out, "{}", report.path.display())?;
+        match &report.result {
+            Ok(loaded) => {
+                let info = &loaded.plugin.info;
+                writeln!(
+                    out,
+                    "  plugin {} {} (kvhint-plugin-api {}, ABI {}), sha256 {}",
+                    info.name,
+                    info.version,
+                    info.api_version,
+                    info.abi_version,
+                    loaded.plugin.sha256
+                )?;
+                for name in &loaded.hint_types {
+                    let Some(hint_type) = registry.get(name) else {
+                        continue;
+                    };
+                    let commitments = match registry.construct(name, &serde_json::json!({})) {
+                        Ok(policy) => policy.commitments.to_string(),
+                        Err(e) => format!("unknown until configured ({e})"),
+                    };
+                    let hosts = if hint_type.default_hosts().is_empty() {
+                        "none (runs only where a role lists it)".to_string()
+                    } else {
+                        hint_type
+                            .default_hosts()
+                            .iter()
+                            .map(|h| h.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    };
+                    writeln!(
+                        out,
+                        "  hint {name}: commitments {commitments}; default under: {hosts}"
+                    )?;
+                }
+                for name in &loaded.selection_types {
+                    let declared = match registry.construct_selection(
+                        name,
+                        &serde_json::json!({}),
+                        &Default::default(),
+                    ) {
+                        Ok(policy) => selection_declarations(&policy),
+                        Err(e) => format!("unknown until configured ({e})"),
+                    };
+                    writeln!(out, "  selection {name}: {declared}")?;
+                }
+            }
+            Err(errors) => {
+                refused += 1;
+                for error in errors {
+                    writeln!(out, "  refused: {error}")?;
+                }
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// What a constructed selection policy declared, for `plugins`.
+fn selection_declarations(policy: &ConstructedSelection) -> String {
+    let mut said = vec![if policy.kv_aware() {
+        "KV-aware"
+    } else {
+        "not KV-aware (no hints under it)"
+    }];
+    if policy.commits_kv_copies() {
+        said.push("commits KV copies with these parameters");
+    }
+    said.join(", ")
+}
