@@ -24,7 +24,7 @@ use crate::config::{
 use crate::domain::BookingLimits;
 use crate::hints::{HintLimits, HintPolicyInstance, HintStage, PolicyStatsRegistry};
 use crate::loader::Loader;
-use crate::registry::{ConstructedPolicy, Registry, RegistryError};
+use crate::registry::{ConstructedPolicy, ConstructedSelection, Registry, RegistryError};
 use crate::selection::{SelectionStage, FALLBACK_TYPE};
 use kvhint_plugin_api::abi::FfiRouterSettings;
 use kvhint_plugin_api::policy::Commitments;
@@ -422,24 +422,51 @@ struct RoleContext<'a> {
     booking_limits: BookingLimits,
 }
 
+/// One role's runtime: its selection policy, its hint policies, the rule that a
+/// copy-committing selection has exactly one sender, and the stage bookings use.
+/// Every problem is reported to `builder`; `None` if the role cannot run.
 fn build_role(
     builder: &mut Builder<'_>,
     role: &RoleConfig,
     context: &RoleContext<'_>,
 ) -> Option<RoleRuntime> {
-    let RoleContext {
-        mode,
-        registry,
-        limits,
-        settings,
-        policy_stats,
-        booking_limits,
-    } = *context;
-    let selection_type = &role.selection.type_name;
-    let selection = match registry.construct_selection(
-        selection_type,
+    let selection = role_selection(builder, role, context);
+    // A selection policy that could not be built is already reported; judging
+    // its hints as if it were KV-aware keeps that the only error about it.
+    let selection_kv_aware = selection.as_ref().is_none_or(|s| s.kv_aware());
+    let on_kv_path = context.mode.is_kv() && selection_kv_aware;
+    let (instances, hints_from) = role_hints(builder, role, context, on_kv_path);
+    let selection = selection?;
+    let commits_kv_copies = on_kv_path && selection.commits_kv_copies();
+    if commits_kv_copies {
+        check_one_copy_sender(builder, role, context.registry, &instances);
+    }
+    let (booking_selection, booking_selection_type) =
+        booking_stage(builder, role, context, selection)?;
+    Some(RoleRuntime {
+        role: role.role,
+        selection_type: role.selection.type_name.clone(),
+        selection_parameters: role.selection.parameters.value.clone(),
+        booking_selection,
+        booking_selection_type,
+        commits_kv_copies,
+        on_kv_path,
+        hints: HintStage::new(instances, context.limits),
+        hints_from,
+        limits: context.booking_limits,
+    })
+}
+
+/// The role's configured selection policy, built from its parameters.
+fn role_selection(
+    builder: &mut Builder<'_>,
+    role: &RoleConfig,
+    context: &RoleContext<'_>,
+) -> Option<ConstructedSelection> {
+    match context.registry.construct_selection(
+        &role.selection.type_name,
         &role.selection.parameters.value,
-        &settings,
+        &context.settings,
     ) {
         Ok(policy) => Some(policy),
         Err(e @ RegistryError::BadParameters { .. }) => {
@@ -450,11 +477,26 @@ fn build_role(
             builder.error(&role.selection.type_at, e.to_string());
             None
         }
-    };
-    // A selection policy that could not be built is already reported; judging
-    // its hints as if it were KV-aware keeps that the only error about it.
-    let selection_kv_aware = selection.as_ref().is_none_or(|s| s.kv_aware());
-    let on_kv_path = mode.is_kv() && selection_kv_aware;
+    }
+}
+
+/// The role's hint policies, in order, and where the list came from: the role's
+/// own `hints`, the selection policy's defaults, or none off the KV path (where a
+/// listed hint is an error).
+fn role_hints(
+    builder: &mut Builder<'_>,
+    role: &RoleConfig,
+    context: &RoleContext<'_>,
+    on_kv_path: bool,
+) -> (Vec<HintPolicyInstance>, HintsFrom) {
+    let RoleContext {
+        mode,
+        registry,
+        settings,
+        policy_stats,
+        ..
+    } = *context;
+    let selection_type = &role.selection.type_name;
     let (instances, hints_from) = match (&role.hints, on_kv_path) {
         (Some(items), false) if !items.is_empty() => {
             let why = if mode.is_kv() {
@@ -483,7 +525,7 @@ fn build_role(
             HintsFrom::Defaults,
         ),
     };
-    let instances: Vec<HintPolicyInstance> = instances
+    let instances = instances
         .into_iter()
         .map(|(name, constructed)| {
             let stats = policy_stats
@@ -492,42 +534,74 @@ fn build_role(
             HintPolicyInstance::with_stats(name, constructed, stats)
         })
         .collect();
-    let selection = selection?;
-    let commits_kv_copies = on_kv_path && selection.commits_kv_copies();
+    (instances, hints_from)
+}
+
+/// A selection policy that commits KV copies needs exactly one hint policy that
+/// sends them (declares `Commitments::KV_COPY`). Judged only when every hint
+/// policy of the role was built: a missing one is already reported.
+fn check_one_copy_sender(
+    builder: &mut Builder<'_>,
+    role: &RoleConfig,
+    registry: &Registry,
+    instances: &[HintPolicyInstance],
+) {
+    let selection_type = &role.selection.type_name;
     let expected = match &role.hints {
         Some(items) => items.len(),
         None => registry.defaults_for(selection_type).len(),
     };
-    if commits_kv_copies && instances.len() == expected {
-        let senders: Vec<&str> = instances
-            .iter()
-            .filter(|p| p.commitments.contains(Commitments::KV_COPY))
-            .map(|p| p.name.as_str())
-            .collect();
-        if senders.len() != 1 {
-            let all: Vec<&str> = instances.iter().map(|p| p.name.as_str()).collect();
-            let found = if senders.is_empty() {
-                format!(
-                    "none of its hint policies declares it (resolved: [{}])",
-                    all.join(", ")
-                )
-            } else {
-                format!("{} declare it: {}", senders.len(), senders.join(", "))
-            };
-            let why = if selection_type == "kvcr" {
-                " (shared_cache_multiplier > 0)"
-            } else {
-                " (it declares commits_kv_copies with these parameters)"
-            };
-            builder.error(
-                &role.at,
-                format!(
-                    "role {}: selection policy `{selection_type}` commits KV copies{why}, so exactly one hint policy must send them (declare Commitments::KV_COPY, e.g. kv_fetch); {found}",
-                    role.role
-                ),
-            );
-        }
+    if instances.len() != expected {
+        return;
     }
+    let senders: Vec<&str> = instances
+        .iter()
+        .filter(|p| p.commitments.contains(Commitments::KV_COPY))
+        .map(|p| p.name.as_str())
+        .collect();
+    if senders.len() == 1 {
+        return;
+    }
+    let all: Vec<&str> = instances.iter().map(|p| p.name.as_str()).collect();
+    let found = if senders.is_empty() {
+        format!(
+            "none of its hint policies declares it (resolved: [{}])",
+            all.join(", ")
+        )
+    } else {
+        format!("{} declare it: {}", senders.len(), senders.join(", "))
+    };
+    let why = if selection_type == "kvcr" {
+        " (shared_cache_multiplier > 0)"
+    } else {
+        " (it declares commits_kv_copies with these parameters)"
+    };
+    builder.error(
+        &role.at,
+        format!(
+            "role {}: selection policy `{selection_type}` commits KV copies{why}, so exactly one hint policy must send them (declare Commitments::KV_COPY, e.g. kv_fetch); {found}",
+            role.role
+        ),
+    );
+}
+
+/// The stage bookings of the role go through: the configured policy in KV mode,
+/// the mode's own policy otherwise, with the built-in default as the fallback for
+/// a booking where the policy fails. Returns it with the booking policy's type.
+fn booking_stage(
+    builder: &mut Builder<'_>,
+    role: &RoleConfig,
+    context: &RoleContext<'_>,
+    selection: ConstructedSelection,
+) -> Option<(SelectionStage, String)> {
+    let RoleContext {
+        mode,
+        registry,
+        limits,
+        settings,
+        policy_stats,
+        ..
+    } = *context;
     let booking_selection = if mode.is_kv() {
         selection
     } else {
@@ -536,8 +610,7 @@ fn build_role(
             .ok()?
     };
     let booking_selection_type = booking_selection.type_name.clone();
-    // The built-in default, for bookings where the policy fails; the default
-    // itself needs none.
+    // The default itself needs no fallback.
     let fallback = if booking_selection_type == FALLBACK_TYPE {
         None
     } else {
@@ -555,20 +628,8 @@ fn build_role(
     let selection_stats = policy_stats
         .map(|registry| registry.selection(role.role.as_str(), &booking_selection_type))
         .unwrap_or_default();
-    let booking_selection =
-        SelectionStage::with_limits(booking_selection, fallback, selection_stats, limits);
-    Some(RoleRuntime {
-        role: role.role,
-        selection_type: selection_type.clone(),
-        selection_parameters: role.selection.parameters.value.clone(),
-        booking_selection,
-        booking_selection_type,
-        commits_kv_copies,
-        on_kv_path,
-        hints: HintStage::new(instances, limits),
-        hints_from,
-        limits: booking_limits,
-    })
+    let stage = SelectionStage::with_limits(booking_selection, fallback, selection_stats, limits);
+    Some((stage, booking_selection_type))
 }
 
 fn listed_hints(
