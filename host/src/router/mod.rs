@@ -28,22 +28,24 @@ pub mod index;
 pub(crate) mod ingest;
 mod open_count;
 pub mod persistent;
+mod select;
 pub mod workers;
 
 pub use crate::hints::PolicyFailure;
 pub use crate::hints::{Hint, HintSkip};
 
-use crate::domain::{Role, Worker, WorkerKey, WorkerView};
+use crate::domain::{Role, Worker, WorkerKey};
 use crate::hints::{BookedRequest, CommittedCopyView, PeerHashSource, PeerRows, PeerView};
-use crate::selection::{Candidate, SelectionRequest, SpareCandidates};
+use crate::selection::{SelectionRequest, SpareCandidates};
 use crate::snapshot::{RoleRuntime, Snapshot};
 use arc_swap::ArcSwap;
 use bookings::{Bookings, Reservation};
 use index::shared::SharedIndex;
-use index::{identity_seed, seeded_block_hashes, KvEvent, Matches, Slot};
+use index::{identity_seed, seeded_block_hashes, KvEvent, Matches};
+use select::Ranked;
 use std::cell::RefCell;
 use std::sync::Arc;
-use workers::{Listed, Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
+use workers::{Load, LoadCell, WorkerEntry, WorkerRegistration, WorkerTable};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RouterError {
@@ -191,16 +193,6 @@ impl Plan<'_> {
             policy_failures: Vec::new(),
         }
     }
-}
-
-/// A matching worker as the booking ranks peers: longest prefix first, then by key.
-/// By slot, not by `Arc`: cloning every matched worker's `Arc` per booking would make
-/// their reference counts cache lines that every core writes.
-#[derive(Clone, Copy)]
-struct Ranked {
-    cached: usize,
-    slot: Slot,
-    key: WorkerKey,
 }
 
 /// Buffers a booking reuses on its thread, so the hot path does not allocate
@@ -518,7 +510,7 @@ impl Router {
     }
 
     /// Step 2: candidates with their cached prefixes → the selection policy → the
-    /// load reserved.
+    /// load reserved. Each part is in `select`; this reads as the order they run in.
     fn select_and_reserve<'t>(
         &self,
         role: &RoleRuntime,
@@ -531,27 +523,8 @@ impl Router {
         if entries.is_empty() {
             return Err(RouterError::NoWorkers(request.role));
         }
-        // With a filter, the candidates are the admitted entries, and `admitted`
-        // maps a candidate's position back to its entry.
-        let admitted = &mut scratch.admitted;
-        admitted.clear();
-        if let Some(eligible) = eligible {
-            admitted.extend(
-                entries
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, listed)| {
-                        table
-                            .by_slot(listed.slot)
-                            .is_some_and(|entry| eligible(&entry.worker))
-                    })
-                    .map(|(at, _)| at),
-            );
-            if admitted.is_empty() {
-                return Err(RouterError::NoEligibleWorkers(request.role));
-            }
-        }
-        let filtered = eligible.is_some();
+        let filtered = select::admit(table, entries, eligible, &mut scratch.admitted)
+            .ok_or(RouterError::NoEligibleWorkers(request.role))?;
         let kv = role.on_kv_path;
         let policy = role.booking_selection();
         let wants_peer_copies = kv && policy.wants_peer_copies();
@@ -566,60 +539,24 @@ impl Router {
         } = scratch;
         let query: &[u64] = if kv { hashes } else { &[] };
         self.index.read(|index| index.lookup(query, matches));
-
-        // Peers that could supply a copy, longest prefix first, then by key. The
-        // matches come shortest first, so reversed they are nearly sorted already and
-        // the (adaptive) sort is about linear.
-        ranked.clear();
-        if kv && (wants_peer_copies || !role.hints.is_empty()) {
-            ranked.extend(matches.found().iter().rev().filter_map(|f| {
-                table.by_slot(f.slot).map(|entry| Ranked {
-                    cached: f.cached,
-                    slot: f.slot,
-                    key: entry.worker.key,
-                })
-            }));
-            ranked.sort_by(|a, b| b.cached.cmp(&a.cached).then(a.key.cmp(&b.key)));
-        }
-
+        select::rank_holders(
+            table,
+            matches,
+            kv && (wants_peer_copies || !role.hints.is_empty()),
+            ranked,
+        );
+        let admitted = filtered.then_some(&admitted[..]);
         let mut candidates = spare.take();
-        peer_copies.clear();
-        // The candidates offered a copy are mostly offered it by one peer (the longest
-        // holder that can supply them), so its view is read once and reused: read per
-        // candidate, its four dependent loads were a quarter of this loop's time.
-        let mut last_source: Option<(usize, WorkerView<'_>)> = None;
-        let mut source = |at: usize| match last_source {
-            Some((cached_at, worker)) if cached_at == at => Some(worker),
-            _ => {
-                let worker = table.by_slot(ranked[at].slot)?.worker.view();
-                last_source = Some((at, worker));
-                Some(worker)
-            }
-        };
-        let listed_entries = (0..if filtered {
-            admitted.len()
-        } else {
-            entries.len()
-        })
-            .map(|i| &entries[if filtered { admitted[i] } else { i }]);
-        for listed in listed_entries {
-            let cached_blocks = matches.cached_in_slot(listed.slot);
-            let peer_copy = if wants_peer_copies && listed.router_hint {
-                best_peer(table, ranked, listed, cached_blocks)
-            } else {
-                None
-            };
-            peer_copies.push(peer_copy);
-            let load = listed.load.get();
-            candidates.push(Candidate {
-                worker: listed.view(),
-                cached_blocks,
-                active_requests: load.active_requests,
-                active_blocks: load.active_blocks,
-                prefill_blocks: load.prefill_blocks,
-                peer_copy: peer_copy.and_then(|at| Some((source(at)?, ranked[at].cached))),
-            });
-        }
+        select::offer(
+            table,
+            entries,
+            admitted,
+            matches,
+            ranked,
+            wants_peer_copies,
+            &mut candidates,
+            peer_copies,
+        );
         let chosen = policy.select_candidates(
             &SelectionRequest {
                 request_id: request.request_id,
@@ -636,11 +573,7 @@ impl Router {
         let chosen_cached = candidates.cached_blocks(chosen.index);
         spare.put_back(candidates);
         // The table lists every candidate by slot too; it is the one this booking read.
-        let entry_at = if filtered {
-            admitted[chosen.index]
-        } else {
-            chosen.index
-        };
+        let entry_at = admitted.map_or(chosen.index, |admitted| admitted[chosen.index]);
         let Some(booked) = table.by_slot(entries[entry_at].slot).map(|e| &**e) else {
             return Err(RouterError::NoWorkers(request.role));
         };
@@ -658,15 +591,41 @@ impl Router {
                     },
                 )
             });
-        // Reserve: the prompt's blocks as decode load, the uncached part (less any
-        // committed copy) as prefill work.
+        self.reserve(
+            role,
+            request,
+            hashes.len(),
+            booked,
+            chosen_cached,
+            committed_copy,
+        )?;
+        Ok(Plan {
+            booked,
+            cached_blocks: chosen_cached,
+            committed_copy,
+            selection_fallback: chosen.fallback.map(|reason| reason.as_str()),
+        })
+    }
+
+    /// Reserves the booking's load on `booked`: the prompt's blocks as decode load,
+    /// the uncached part (less any committed copy) as prefill work; refused for a
+    /// request id already open or past the open-bookings cap.
+    fn reserve(
+        &self,
+        role: &RoleRuntime,
+        request: &BookRequest<'_>,
+        request_blocks: usize,
+        booked: &WorkerEntry,
+        cached_blocks: usize,
+        committed_copy: Option<CommittedCopy>,
+    ) -> Result<(), RouterError> {
         let prefill_start = committed_copy
             .map(|c| c.last_block)
-            .unwrap_or(chosen_cached);
+            .unwrap_or(cached_blocks);
         let load = Load {
             active_requests: 1,
             active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
-            prefill_blocks: hashes.len().saturating_sub(prefill_start) as u64,
+            prefill_blocks: request_blocks.saturating_sub(prefill_start) as u64,
         };
         let reserved = self.bookings.insert(
             request.request_id,
@@ -680,22 +639,12 @@ impl Router {
             role.limits.max_open_bookings,
         );
         match reserved {
-            Ok(()) => {}
-            Err(bookings::Refused::Duplicate) => {
-                return Err(RouterError::DuplicateRequest(
-                    request.request_id.to_string(),
-                ))
-            }
-            Err(bookings::Refused::Full { open }) => {
-                return Err(RouterError::TooManyOpenBookings { open })
-            }
+            Ok(()) => Ok(()),
+            Err(bookings::Refused::Duplicate) => Err(RouterError::DuplicateRequest(
+                request.request_id.to_string(),
+            )),
+            Err(bookings::Refused::Full { open }) => Err(RouterError::TooManyOpenBookings { open }),
         }
-        Ok(Plan {
-            booked,
-            cached_blocks: chosen_cached,
-            committed_copy,
-            selection_fallback: chosen.fallback.map(|reason| reason.as_str()),
-        })
     }
 
     /// Step 3: the hint stage, or why it does not run; fills `booking.hint`.
@@ -846,20 +795,4 @@ impl PeerHashSource for IndexRows<'_> {
                 .load(std::sync::atomic::Ordering::Relaxed)
         })
     }
-}
-
-/// The eligible peer (same worker type, hint-capable, with a source endpoint)
-/// holding the longest prefix beyond `worker`'s own, as its position in
-/// `ranked`. `ranked` is sorted longest first, then by key, so the first
-/// eligible one wins ties by key.
-fn best_peer(
-    table: &WorkerTable,
-    ranked: &[Ranked],
-    worker: &Listed,
-    cached_blocks: usize,
-) -> Option<usize> {
-    ranked
-        .iter()
-        .take_while(|r| r.cached > cached_blocks)
-        .position(|r| r.key != worker.key && table.can_supply(r.slot, worker.slot))
 }
