@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
 
+pub mod envoy;
 pub mod llamacpp;
 pub mod process;
 pub mod provision;
@@ -827,6 +828,9 @@ pub struct Server {
     pub base: String,
     pub agent: ureq::Agent,
     pub log_file: PathBuf,
+    /// What `serve` prints after `listening on …` (the endpoint picker's
+    /// address, say); kept open so that printing never meets a closed pipe.
+    pub stdout: process::LineReader,
 }
 
 impl Server {
@@ -885,6 +889,7 @@ impl Server {
             base: format!("http://{address}"),
             agent,
             log_file: log,
+            stdout,
         }
     }
 
