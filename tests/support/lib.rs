@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
 
+pub mod capture;
 pub mod envoy;
 pub mod llamacpp;
 pub mod process;
