@@ -498,7 +498,14 @@ fn a_hint_reaches_an_sglang_worker_through_envoy() {
         .filter(|a| a["action_type"] == "kv.fetch")
         .collect();
     assert_eq!(fetch.len(), 1, "{body}");
-    assert_eq!(fetch[0]["source_control_endpoint"], control(2));
+    let payload = &fetch[0]["payload"];
+    assert_eq!(payload["source_control_endpoint"], control(2), "{body}");
+    // The blocks worker 2 holds, by the hashes its events named.
+    assert_eq!(
+        payload["block_hashes"],
+        json!([500, 501, 502, 503]),
+        "{body}"
+    );
     assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1.0);
 }
 
