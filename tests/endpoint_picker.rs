@@ -562,3 +562,76 @@ fn grpc_health_answers_liveness_and_readiness() {
     }
     assert_eq!(check(""), serving);
 }
+
+/// Every error for a config, each as `kvhint check` prints it (the temporary
+/// directory cut off).
+fn config_errors(yaml: &str) -> Vec<String> {
+    let fixture = kvhint_e2e::config_file(yaml);
+    match kvhint_e2e::snapshot_of(&fixture, None) {
+        Ok(_) => Vec::new(),
+        Err(errors) => errors
+            .0
+            .iter()
+            .map(|e| {
+                let text = e.to_string();
+                match text.find("kvhint.yaml") {
+                    Some(i) => text[i..].to_string(),
+                    None => text,
+                }
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn endpoint_picker_config_mistakes_are_each_located() {
+    let roles = "worker_selection:\n  aggregated: dynamo-default-cost-fn\n";
+    assert_eq!(
+        config_errors(&format!(
+            "{roles}endpoint_picker:\n  listen: localhost:9002\n  fallback: 2\n  max_body_bytes: 0\n"
+        )),
+        vec![
+            "kvhint.yaml:4:11: endpoint_picker.listen: `localhost:9002` is not an IP:PORT address; write e.g. `127.0.0.1:9002` (a host name is not resolved here)",
+            "kvhint.yaml:5:3: endpoint_picker.fallback: unknown key `fallback` (did you mean `fallbacks`?); expected one of: listen, fallbacks, max_body_bytes",
+            "kvhint.yaml:6:19: endpoint_picker.max_body_bytes: expected a whole number from 1 to 1073741824, found `0`",
+        ]
+    );
+    assert_eq!(
+        config_errors(&format!("{roles}endpoint_picker:\n  fallbacks: 99\n")),
+        vec![
+            "kvhint.yaml:4:3: endpoint_picker: `endpoint_picker.listen` is missing: give the gRPC address Envoy's ext_proc filter calls, e.g. `listen: 127.0.0.1:9002`",
+            "kvhint.yaml:4:14: endpoint_picker.fallbacks: expected a whole number from 0 to 16, found `99`",
+        ]
+    );
+    assert_eq!(
+        config_errors(&format!("{roles}endpoint_picker: 9002\n")),
+        vec!["kvhint.yaml:3:18: endpoint_picker: expected a mapping, found a scalar"]
+    );
+    assert!(config_errors(&format!(
+        "{roles}endpoint_picker:\n  listen: 127.0.0.1:9002\n  fallbacks: 1\n"
+    ))
+    .is_empty());
+}
+
+#[test]
+fn serve_refuses_a_non_loopback_endpoint_picker_without_allow_unauthenticated() {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        "worker_selection:\n  aggregated: dynamo-default-cost-fn\nendpoint_picker:\n  listen: 0.0.0.0:0\n",
+    )
+    .unwrap();
+    let output = kvhint_e2e::run_bounded(
+        std::process::Command::new(kvhint_e2e::kvhint_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config),
+        Duration::from_secs(60),
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("endpoint_picker.listen 0.0.0.0:0 is not a loopback address"),
+        "{stderr}"
+    );
+}
