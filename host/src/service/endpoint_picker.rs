@@ -86,9 +86,10 @@ pub async fn serve(
         .await;
     let readiness = tokio::spawn(readiness(Arc::clone(&app), reporter));
     let picker = Picker { app, config };
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // No Nagle: each ext_proc message is small and answered at once (with it, a
+    // message waits for the peer's delayed ACK, ~40 ms).
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let result = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .add_service(health)
         .add_service(ExternalProcessorServer::new(picker))
         .serve_with_incoming_shutdown(incoming, shutdown)
