@@ -207,6 +207,9 @@ fn the_bootstraps_the_suite_runs_pass_envoy_s_validation_and_a_broken_one_does_n
             picker: "127.0.0.1:9002".into(),
             subset: Some(vec!["127.0.0.1:8000".into()]),
         },
+        Routing::PickerByMetadata {
+            picker: "127.0.0.1:9002".into(),
+        },
         Routing::RoundRobin {
             workers: vec!["127.0.0.1:8000".into(), "127.0.0.1:8001".into()],
         },
@@ -311,6 +314,42 @@ fn envoy_sends_each_request_to_the_worker_kvhint_booked() {
         drop(stream);
         until_idle(&picker.server);
     }
+}
+
+/// Envoy's cluster reads the destination from the `envoy.lb` dynamic metadata
+/// alone (no header): the metadata kvhint sends routes the request too.
+#[test]
+fn the_envoy_lb_metadata_alone_routes_each_request_to_the_booked_worker() {
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1, &w2], "");
+    let envoy = Envoy::start(&Routing::PickerByMetadata {
+        picker: picker.address.clone(),
+    });
+    let workers = [&w1, &w2];
+    for _ in 0..2 {
+        let stream = long_stream(&envoy);
+        let status = picker.server.status();
+        let booked: Vec<u64> = status["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+            .map(|w| w["worker_id"].as_u64().unwrap())
+            .collect();
+        assert_eq!(booked.len(), 1, "{status}");
+        let chosen = booked[0] as usize;
+        assert_eq!(slots_busy(workers[chosen - 1]), 1);
+        assert_eq!(slots_busy(workers[2 - chosen]), 0);
+        drop(stream);
+        until_idle(&picker.server);
+    }
+    let (status, worker, text) = call(
+        &format!("{}/v1/completions", envoy.url()),
+        &json!({"model": MODEL_NAME, "prompt": "Metadata", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{text}\n{}", envoy.log());
+    assert!(worker == 1 || worker == 2);
 }
 
 #[test]

@@ -47,6 +47,9 @@ pub enum Routing {
         /// filter, as a Gateway API implementation sets it.
         subset: Option<Vec<String>>,
     },
+    /// Like `Picker`, but the `ORIGINAL_DST` cluster reads the destination from
+    /// the `envoy.lb` dynamic metadata kvhint sends, not from the header.
+    PickerByMetadata { picker: String },
     /// Envoy's own round-robin over `workers` (`127.0.0.1:PORT` each).
     RoundRobin { workers: Vec<String> },
 }
@@ -56,8 +59,13 @@ pub enum Routing {
 pub fn bootstrap(routing: &Routing) -> String {
     let mut filters = String::new();
     let mut clusters = String::new();
-    let cluster = match routing {
-        Routing::Picker { picker, subset } => {
+    let picked = match routing {
+        Routing::Picker { picker, subset } => Some((picker, subset.as_ref(), false)),
+        Routing::PickerByMetadata { picker } => Some((picker, None, true)),
+        Routing::RoundRobin { .. } => None,
+    };
+    let cluster = match (picked, routing) {
+        (Some((picker, subset, by_metadata)), _) => {
             if let Some(subset) = subset {
                 let list = subset
                     .iter()
@@ -93,8 +101,15 @@ pub fn bootstrap(routing: &Routing) -> String {
               metadata_options:
                 forwarding_namespaces:
                   untyped: [envoy.lb.subset_hint]
+                receiving_namespaces:
+                  untyped: [envoy.lb]
 "#,
             );
+            let destination = if by_metadata {
+                "metadata_key:\n        key: envoy.lb\n        path: [{key: x-gateway-destination-endpoint}]"
+            } else {
+                "use_http_header: true\n      http_header_name: x-gateway-destination-endpoint"
+            };
             let (host, port) = split(picker);
             clusters.push_str(&format!(
                 r#"  - name: original_destination_cluster
@@ -102,8 +117,7 @@ pub fn bootstrap(routing: &Routing) -> String {
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 5s
     original_dst_lb_config:
-      use_http_header: true
-      http_header_name: x-gateway-destination-endpoint
+      {destination}
   - name: kvhint_epp
     type: STATIC
     connect_timeout: 5s
@@ -120,7 +134,7 @@ pub fn bootstrap(routing: &Routing) -> String {
             ));
             "original_destination_cluster"
         }
-        Routing::RoundRobin { workers } => {
+        (None, Routing::RoundRobin { workers }) => {
             let endpoints: String = workers
                 .iter()
                 .map(|w| {
@@ -143,6 +157,7 @@ pub fn bootstrap(routing: &Routing) -> String {
             ));
             "workers"
         }
+        (None, _) => unreachable!("every picker routing names its picker"),
     };
     format!(
         r#"admin:
