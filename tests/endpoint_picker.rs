@@ -25,11 +25,16 @@ struct Picker {
 }
 
 fn start_picker(yaml: &str) -> Picker {
+    start_picker_with(yaml, "")
+}
+
+/// [`start_picker`] with more `endpoint_picker:` keys (`  key: value\n` lines).
+fn start_picker_with(yaml: &str, picker_keys: &str) -> Picker {
     let dir = private_dir();
     let config = dir.path().join("kvhint.yaml");
     std::fs::write(
         &config,
-        format!("{yaml}endpoint_picker:\n  listen: 127.0.0.1:0\n"),
+        format!("{yaml}endpoint_picker:\n  listen: 127.0.0.1:0\n{picker_keys}"),
     )
     .unwrap();
     let server = Server::start(&config, &[], dir.path());
@@ -766,4 +771,214 @@ fn released_reason_sum(metrics: &str, reason: &str) -> f64 {
         .lines()
         .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// The protocol itself, spoken to kvhint as Envoy speaks it: request headers and
+/// a body in two chunks; the answer to the headers names the booked worker first
+/// and `endpoint_picker.fallbacks` others after it, in the header and in the
+/// `envoy.lb` metadata alike, drops `content-length` (the body changed), and the
+/// body comes back whole, spliced, ending the stream. The stream closing before
+/// any response releases the booking.
+#[test]
+fn a_raw_ext_proc_exchange_names_the_booked_worker_then_a_fallback() {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        body_mutation, processing_request, processing_response, HttpBody, HttpHeaders,
+        ProcessingRequest,
+    };
+    use envoy_types::pb::google::protobuf::value::Kind;
+    // Two workers that are never called (the proxy forwards, not kvhint); no
+    // health checks, so both stay eligible.
+    let picker = start_picker_with(
+        &format!(
+            "router:\n  block_size: 16\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+             models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+             gateway:\n  health:\n    interval_ms: 0\n\
+             workers:\n\
+             \x20 - worker_id: 1\n    http_endpoint: http://127.0.0.1:18001\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n\
+             \x20 - worker_id: 2\n    http_endpoint: http://127.0.0.1:18002\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n",
+            qwen3_tokenizer_dir().display()
+        ),
+        "  fallbacks: 1\n",
+    );
+    let header = |key: &str, value: &str| HeaderValue {
+        key: key.to_string(),
+        raw_value: value.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    let body = json!({"model": MODEL_NAME, "prompt": "Raw ext_proc", "max_tokens": 2}).to_string();
+    let (first, second) = body.as_bytes().split_at(10);
+    let messages = vec![
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":method", "POST"),
+                        header(":path", "/v1/completions"),
+                        header("content-length", &body.len().to_string()),
+                        // A client's own destination is overwritten.
+                        header("x-gateway-destination-endpoint", "10.9.9.9:1"),
+                    ],
+                }),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: first.to_vec(),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: second.to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ];
+    // Multi-threaded: the connection's tasks keep running between block_ons
+    // (the stream's close must reach kvhint after the requests are dropped).
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let address = format!("http://{}", picker.address);
+    // The stream stays open (as Envoy's does while the request is forwarded)
+    // until `requests` is dropped.
+    let (requests, outbound) = tokio::sync::mpsc::channel(8);
+    let (responses, inbound) = runtime.block_on(async {
+        for message in messages {
+            requests.send(message).await.unwrap();
+        }
+        let channel = tonic::transport::Endpoint::from_shared(address)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = ExternalProcessorClient::new(channel);
+        let mut inbound = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut responses = Vec::new();
+        // Up to the body chunk that ends the request's stream.
+        loop {
+            let response = tokio::time::timeout(Duration::from_secs(20), inbound.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap_or_else(|| panic!("the stream ended early: {responses:?}"));
+            let last = match &response.response {
+                Some(processing_response::Response::RequestBody(b)) => matches!(
+                    b.response
+                        .as_ref()
+                        .and_then(|r| r.body_mutation.as_ref())
+                        .and_then(|m| m.mutation.as_ref()),
+                    Some(body_mutation::Mutation::StreamedResponse(c)) if c.end_of_stream
+                ),
+                _ => false,
+            };
+            responses.push(response);
+            if last {
+                break;
+            }
+        }
+        (responses, inbound)
+    });
+    assert!(responses.len() >= 2, "{responses:?}");
+    let Some(processing_response::Response::RequestHeaders(headers)) = &responses[0].response
+    else {
+        panic!("the headers' answer comes first: {responses:?}");
+    };
+    let mutation = headers
+        .response
+        .as_ref()
+        .and_then(|r| r.header_mutation.as_ref())
+        .unwrap();
+    let set = |key: &str| -> String {
+        mutation
+            .set_headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == key)
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+            .unwrap_or_else(|| panic!("no {key}: {mutation:?}"))
+    };
+    let destination = set("x-gateway-destination-endpoint");
+    let endpoints: Vec<&str> = destination.split(',').collect();
+    assert_eq!(endpoints.len(), 2, "{destination}");
+    let mut sorted = endpoints.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, vec!["127.0.0.1:18001", "127.0.0.1:18002"]);
+    // The first is the booked one.
+    let status = picker.server.status();
+    let booked: Vec<u64> = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect();
+    let expected: u64 = if endpoints[0].ends_with("18001") {
+        1
+    } else {
+        2
+    };
+    assert_eq!(booked, vec![expected], "{status}");
+    assert!(set("x-kvhint-request-id").starts_with("kvh-"));
+    assert_eq!(set("x-request-id"), set("x-kvhint-request-id"));
+    assert_eq!(mutation.remove_headers, vec!["content-length".to_string()]);
+    let lb = responses[0]
+        .dynamic_metadata
+        .as_ref()
+        .and_then(|m| m.fields.get("envoy.lb"))
+        .and_then(|v| match &v.kind {
+            Some(Kind::StructValue(s)) => s.fields.get("x-gateway-destination-endpoint"),
+            _ => None,
+        })
+        .and_then(|v| match &v.kind {
+            Some(Kind::StringValue(s)) => Some(s.clone()),
+            _ => None,
+        });
+    assert_eq!(lb.as_deref(), Some(destination.as_str()));
+    // The body, whole and spliced (the prompt as token ids), ending the stream.
+    let mut sent = Vec::new();
+    let mut ended = false;
+    for response in &responses[1..] {
+        let Some(processing_response::Response::RequestBody(body)) = &response.response else {
+            panic!("only body chunks follow: {response:?}");
+        };
+        let Some(body_mutation::Mutation::StreamedResponse(chunk)) = body
+            .response
+            .as_ref()
+            .and_then(|r| r.body_mutation.as_ref())
+            .and_then(|m| m.mutation.as_ref())
+        else {
+            panic!("a streamed body chunk: {body:?}");
+        };
+        assert!(!ended, "nothing after the end of stream");
+        sent.extend_from_slice(&chunk.body);
+        ended = chunk.end_of_stream;
+    }
+    assert!(ended);
+    let sent: Value = serde_json::from_slice(&sent).unwrap();
+    assert!(
+        sent["prompt"].as_array().is_some_and(|ids| !ids.is_empty()),
+        "{sent}"
+    );
+    assert_eq!(sent["max_tokens"], 2);
+    // The stream closes with no response (Envoy reset it): the booking is released.
+    drop(requests);
+    drop(inbound);
+    until_idle(&picker.server);
+    assert_eq!(released(&picker.server, "client_disconnect"), 1.0);
 }
