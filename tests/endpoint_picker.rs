@@ -39,8 +39,7 @@ fn start_picker_with(yaml: &str, picker_keys: &str) -> Picker {
     .unwrap();
     let server = Server::start(&config, &[], dir.path());
     let line = server
-        .stdout
-        .line(Duration::from_secs(30))
+        .stdout_line(Duration::from_secs(30))
         .unwrap_or_else(|e| panic!("no picker address: {e}\n{}", server.log()));
     let address = line
         .trim()

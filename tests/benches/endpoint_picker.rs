@@ -98,8 +98,7 @@ fn main() {
         dir.path(),
     );
     let line = kvhint
-        .stdout
-        .line(Duration::from_secs(30))
+        .stdout_line(Duration::from_secs(30))
         .unwrap_or_else(|e| panic!("no endpoint picker address: {e}\n{}", kvhint.log()));
     let picker = line
         .trim()

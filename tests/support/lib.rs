@@ -831,7 +831,7 @@ pub struct Server {
     pub log_file: PathBuf,
     /// What `serve` prints after `listening on …` (the endpoint picker's
     /// address, say); kept open so that printing never meets a closed pipe.
-    pub stdout: process::LineReader,
+    stdout: Mutex<process::LineReader>,
 }
 
 impl Server {
@@ -890,12 +890,20 @@ impl Server {
             base: format!("http://{address}"),
             agent,
             log_file: log,
-            stdout,
+            stdout: Mutex::new(stdout),
         }
     }
 
     pub fn address(&self) -> &str {
         self.base.trim_start_matches("http://")
+    }
+
+    /// The next line `serve` prints to stdout, waiting at most `within`.
+    pub fn stdout_line(&self, within: Duration) -> Result<String, process::NoLine> {
+        self.stdout
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .line(within)
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {
