@@ -981,3 +981,28 @@ fn a_raw_ext_proc_exchange_names_the_booked_worker_then_a_fallback() {
     until_idle(&picker.server);
     assert_eq!(released(&picker.server, "client_disconnect"), 1.0);
 }
+
+/// The router's TTL is the last resort: a booking whose response outlives
+/// `router.booking_ttl` is released by the router while Envoy still streams it,
+/// and the exchange's own release at the end finds it gone and counts it as the
+/// TTL's.
+#[test]
+fn a_booking_past_the_ttl_is_released_by_the_router_while_envoy_streams() {
+    let w1 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1], "  booking_ttl: 1s\n");
+    let envoy = envoy_for(&picker, None);
+    let mut stream = long_stream(&envoy);
+    picker
+        .server
+        .wait_for("the TTL to release the streaming request's booking", |s| {
+            s.status()["open_bookings"] == 0
+        });
+    // Still streaming: the answer goes on after the router let the booking go.
+    assert!(!read_some(&mut stream, 200).is_empty());
+    drop(stream);
+    picker
+        .server
+        .wait_for("the exchange to end", |s| released(s, "ttl") == 1.0);
+    assert_eq!(released(&picker.server, "client_disconnect"), 0.0);
+    assert_eq!(released(&picker.server, "completed"), 0.0);
+}
