@@ -23,16 +23,16 @@
 //! vLLM wheels, the Qwen3 tokenizer) comes from `kvhint_e2e::provision`. Every read
 //! from a child or a socket has a deadline.
 
+use kvhint_e2e::capture::Upstream;
 use kvhint_e2e::llamacpp::qwen3_tokenizer_dir;
 use kvhint_e2e::process::{spawn_tied, wait_or_kill, LineReader};
 use kvhint_e2e::provision::{python, vllm_plugin_wheel, vllm_wheel};
 use kvhint_e2e::{private_dir, run_bounded, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const BLOCK: usize = 16;
@@ -45,149 +45,6 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog while the router
     can be fetched instead of computed again, and the hint names those blocks by the \
     engine's own hashes so that the receiving engine can pull them from its peer. A longer \
     prompt makes more blocks, and more blocks make the test say more about the hashes.";
-
-// ---------------------------------------------------------------------------
-// A capture server: an engine's HTTP front, recording what it is sent.
-
-#[derive(Debug, Clone)]
-struct Captured {
-    method: String,
-    path: String,
-    body: Vec<u8>,
-}
-
-struct Upstream {
-    port: u16,
-    seen: Arc<Mutex<Vec<Captured>>>,
-}
-
-impl Upstream {
-    fn start() -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let record = Arc::clone(&seen);
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                let record = Arc::clone(&record);
-                std::thread::spawn(move || serve_connection(stream, &record));
-            }
-        });
-        Upstream { port, seen }
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// The bodies of the POSTs it got on `path`.
-    fn posts(&self, path: &str) -> Vec<Value> {
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|c| c.method == "POST" && c.path == path)
-            .map(|c| {
-                serde_json::from_slice(&c.body).unwrap_or_else(|e| {
-                    panic!("not JSON ({e}): {}", String::from_utf8_lossy(&c.body))
-                })
-            })
-            .collect()
-    }
-
-    fn clear(&self) {
-        self.seen.lock().unwrap().clear();
-    }
-}
-
-/// Answers requests on one connection (keep-alive) until it closes or is quiet
-/// for 10 s.
-fn serve_connection(stream: TcpStream, seen: &Mutex<Vec<Captured>>) {
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut writer = stream.try_clone().unwrap();
-    let mut reader = BufReader::new(stream);
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut parts = line.split_whitespace();
-        let (method, path) = (
-            parts.next().unwrap_or("").to_string(),
-            parts.next().unwrap_or("").to_string(),
-        );
-        let (mut length, mut chunked) = (0usize, false);
-        loop {
-            let mut header = String::new();
-            if reader.read_line(&mut header).unwrap_or(0) == 0 {
-                return;
-            }
-            let header = header.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            let (name, value) = header.split_once(':').unwrap_or((header, ""));
-            let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
-            if name == "content-length" {
-                length = value.parse().unwrap_or(0);
-            } else if name == "transfer-encoding" && value.contains("chunked") {
-                chunked = true;
-            }
-        }
-        let mut body = Vec::new();
-        if chunked {
-            loop {
-                let mut size = String::new();
-                if reader.read_line(&mut size).unwrap_or(0) == 0 {
-                    return;
-                }
-                let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-                let mut chunk = vec![0; size + 2];
-                if reader.read_exact(&mut chunk).is_err() {
-                    return;
-                }
-                if size == 0 {
-                    break;
-                }
-                body.extend_from_slice(&chunk[..size]);
-            }
-        } else {
-            body.resize(length, 0);
-            if reader.read_exact(&mut body).is_err() {
-                return;
-            }
-        }
-        let answer = match (method.as_str(), path.as_str()) {
-            ("GET", "/health") => json!({}),
-            ("POST", "/generate") => json!({
-                "text": "ok", "output_ids": [9707],
-                "meta_info": {"id": "captured", "finish_reason": {"type": "length", "length": 1},
-                              "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}}),
-            ("POST", "/v1/completions") => json!({
-                "id": "cmpl-captured", "object": "text_completion", "created": 0, "model": MODEL,
-                "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
-            _ => json!({"error": "not here"}),
-        };
-        seen.lock().unwrap().push(Captured { method, path, body });
-        let answer = answer.to_string();
-        let head = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            answer.len()
-        );
-        if writer
-            .write_all(head.as_bytes())
-            .and_then(|()| writer.write_all(answer.as_bytes()))
-            .and_then(|()| writer.flush())
-            .is_err()
-        {
-            return;
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------
 // The engines' own KV-event publishers, driven over stdin/stdout.

@@ -30,6 +30,8 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
 
+pub mod capture;
+pub mod envoy;
 pub mod llamacpp;
 pub mod process;
 pub mod provision;
@@ -827,6 +829,9 @@ pub struct Server {
     pub base: String,
     pub agent: ureq::Agent,
     pub log_file: PathBuf,
+    /// What `serve` prints after `listening on …` (the endpoint picker's
+    /// address, say); kept open so that printing never meets a closed pipe.
+    stdout: Mutex<process::LineReader>,
 }
 
 impl Server {
@@ -885,11 +890,20 @@ impl Server {
             base: format!("http://{address}"),
             agent,
             log_file: log,
+            stdout: Mutex::new(stdout),
         }
     }
 
     pub fn address(&self) -> &str {
         self.base.trim_start_matches("http://")
+    }
+
+    /// The next line `serve` prints to stdout, waiting at most `within`.
+    pub fn stdout_line(&self, within: Duration) -> Result<String, process::NoLine> {
+        self.stdout
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .line(within)
     }
 
     pub fn get(&self, path: &str) -> (u16, String) {

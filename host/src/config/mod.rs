@@ -8,11 +8,13 @@
 //! reported against the locations kept here.
 
 pub mod auth;
+mod endpoint_picker;
 mod gateway;
 mod kv_events;
 pub(crate) mod yaml;
 
 pub use auth::AuthConfig;
+pub use endpoint_picker::EndpointPickerConfig;
 pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
@@ -271,6 +273,8 @@ pub struct Config {
     pub workers: Vec<ConfiguredWorker>,
     /// `gateway:`: how requests are forwarded.
     pub gateway: GatewayConfig,
+    /// `endpoint_picker:`: the ext_proc listener for Envoy, if any.
+    pub endpoint_picker: Option<EndpointPickerConfig>,
 }
 
 impl Config {
@@ -415,6 +419,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         models: Vec::new(),
         workers: Vec::new(),
         gateway: GatewayConfig::default(),
+        endpoint_picker: None,
     };
     if let Some(map) = walker.mapping(&root, "") {
         walker.known_keys(
@@ -429,6 +434,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
                 "models",
                 "workers",
                 "gateway",
+                "endpoint_picker",
             ],
         );
         if let Some(node) = map.get_node("models") {
@@ -439,6 +445,9 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         }
         if let Some(node) = map.get_node("gateway") {
             config.gateway = gateway::gateway(&mut walker, node);
+        }
+        if let Some(node) = map.get_node("endpoint_picker") {
+            config.endpoint_picker = endpoint_picker::endpoint_picker(&mut walker, node);
         }
         if let Some(node) = map.get_node("plugins") {
             config.plugins = plugins(&mut walker, node, base);

