@@ -13,7 +13,10 @@
 //! the race happened): a booking left open on a worker deregistered under it, events
 //! resurrecting a deregistered worker's cache, and a committed copy that disagreed with
 //! the kv.fetch sent when the source's cache shrank between selection and the hint
-//! stage. Before the fixes they caught the race in most runs.
+//! stage. Before the fixes they caught the race in most runs; each also has a
+//! deterministic twin that forces the interleaving through the router's test hooks
+//! (`kvhint::router::hooks`, the `test-hooks` feature), and fails every time without
+//! its fix.
 //!
 //! Every loop is bounded by a count, so the file runs in a few seconds in a debug build.
 
@@ -975,4 +978,181 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
         disagreements.len(),
         &disagreements[..disagreements.len().min(5)]
     );
+}
+
+// The three races above, each forced at the point where it happens through the
+// router's test hooks (`kvhint::router::hooks`): deterministic, so each runs once,
+// beside the probabilistic versions, which also cover what no hook names.
+
+/// A prompt's request for the hooked tests.
+fn request<'a>(id: &'a str, tokens: &'a [u32]) -> BookRequest<'a> {
+    BookRequest {
+        request_id: id,
+        role: Role::Decode,
+        token_ids: tokens,
+        session_context: None,
+        lora_name: None,
+        cache_salt: None,
+    }
+}
+
+#[test]
+fn a_worker_deregistered_between_selection_and_reservation_keeps_no_booking() {
+    use kvhint::router::hooks::{on_pause, Pause};
+    let (snapshot, _loader, _fixture) = snapshot();
+    let role = snapshot.role(Role::Decode).expect("decode role");
+    let router = std::sync::Arc::new(Router::new(BLOCK));
+    for id in 0..2 {
+        router.register_worker(registration(id, 0)).unwrap();
+    }
+    // The first worker a booking chooses leaves before the booking reserves.
+    let left = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let _hook = on_pause({
+        let (router, left) = (std::sync::Arc::clone(&router), std::sync::Arc::clone(&left));
+        move |at| {
+            if let Pause::Chosen { worker } = at {
+                let mut left = left.lock().unwrap();
+                if left.is_empty() {
+                    router.deregister_worker(worker).unwrap();
+                    left.push(worker);
+                }
+            }
+        }
+    });
+    let tokens = prompt(0);
+    let booking = router.book(role, &request("r-1", &tokens)).unwrap();
+    let left = left.lock().unwrap().clone();
+    assert_eq!(left.len(), 1, "the hook ran");
+    assert_ne!(booking.worker, left[0], "booked on the worker that left");
+    assert_eq!(router.open_bookings(), 1);
+    let live = loads(&router);
+    assert_eq!(live.len(), 1);
+    assert_eq!(live[&booking.worker].active_requests, 1);
+    router.release("r-1").unwrap();
+    assert_eq!(router.open_bookings(), 0);
+    assert!(loads(&router).values().all(|l| *l == Load::default()));
+}
+
+#[test]
+fn events_checked_against_a_table_that_still_lists_a_deregistered_worker_store_nothing() {
+    use kvhint::router::hooks::{on_pause, Pause};
+    let router = std::sync::Arc::new(Router::new(BLOCK));
+    let w = key(1);
+    router.register_worker(registration(1, 0)).unwrap();
+    // The worker leaves after the batch read the table, before its events reach
+    // the index.
+    let fired = std::sync::Arc::new(AtomicUsize::new(0));
+    let _hook = on_pause({
+        let (router, fired) = (
+            std::sync::Arc::clone(&router),
+            std::sync::Arc::clone(&fired),
+        );
+        move |at| {
+            if at == Pause::EventsTableRead && fired.fetch_add(1, Ordering::Relaxed) == 0 {
+                router.deregister_worker(w).unwrap();
+            }
+        }
+    });
+    let tokens = prompt(0);
+    let results = router.apply_kv_events([(
+        w,
+        KvEvent::stored(None, blocks_of(&tokens, 0, 1, false, 0..4)),
+    )]);
+    assert_eq!(fired.load(Ordering::Relaxed), 1, "the hook ran");
+    assert_eq!(results.len(), 1);
+    assert_eq!(
+        router.index_len(),
+        0,
+        "the gone worker's blocks were stored: {results:?}"
+    );
+    // Registered again, it is credited with nothing from before.
+    router.register_worker(registration(1, 1)).unwrap();
+    assert_eq!(router.read_index(|index| matches_of(index, &tokens)), []);
+}
+
+#[test]
+fn a_copy_source_that_shrinks_before_the_hint_stage_gets_the_copy_the_booking_reports() {
+    use kvhint::router::hooks::{on_pause, Pause};
+    let (snapshot, _loader, _fixture) = snapshot();
+    let role = snapshot.role(Role::Decode).expect("decode role");
+    let router = std::sync::Arc::new(Router::new(BLOCK));
+    for id in 0..2 {
+        router.register_worker(registration(id, 0)).unwrap();
+    }
+    let tokens = prompt(0);
+    let quarter = PROMPT_BLOCKS / 4;
+    // Between the reservation and the hint stage, the copy's source evicts its tail
+    // down to `keep` blocks.
+    let keep = std::sync::Arc::new(AtomicUsize::new(0));
+    let fired = std::sync::Arc::new(AtomicUsize::new(0));
+    let _hook = on_pause({
+        let (router, keep, fired) = (
+            std::sync::Arc::clone(&router),
+            std::sync::Arc::clone(&keep),
+            std::sync::Arc::clone(&fired),
+        );
+        move |at| {
+            if let Pause::Reserved {
+                copy_source: Some(source),
+                ..
+            } = at
+            {
+                fired.fetch_add(1, Ordering::Relaxed);
+                let evicted = (keep.load(Ordering::Relaxed)..PROMPT_BLOCKS)
+                    .map(|i| engine_hash(source.worker_id, 0, false, i))
+                    .collect();
+                router
+                    .apply_kv_event(
+                        source,
+                        KvEvent::Removed {
+                            block_hashes: evicted,
+                        },
+                    )
+                    .unwrap();
+            }
+        }
+    });
+    for (round, kept) in [(0, 1), (1, PROMPT_BLOCKS / 2)] {
+        // Worker 1 holds the whole prompt, worker 0 a quarter: kvcr with a
+        // multiplier books worker 0 with a copy from worker 1.
+        for (w, held) in [(0, quarter), (1, PROMPT_BLOCKS)] {
+            router.apply_kv_event(key(w), KvEvent::Cleared).unwrap();
+            router
+                .apply_kv_event(
+                    key(w),
+                    KvEvent::stored(None, blocks_of(&tokens, 0, w, false, 0..held)),
+                )
+                .unwrap();
+        }
+        keep.store(kept, Ordering::Relaxed);
+        let id = format!("c-{round}");
+        let booking = router.book(role, &request(&id, &tokens)).unwrap();
+        assert_eq!(
+            fired.load(Ordering::Relaxed),
+            round + 1,
+            "a copy was committed: {booking:?}"
+        );
+        assert_eq!(booking.worker, key(0));
+        check_booking(&booking, tokens.len());
+        // The booking, its reservation and its fetch all say the same copy.
+        assert_eq!(loads(&router)[&key(0)], reserved(&booking, tokens.len()));
+        assert_eq!(copy_disagreement(&booking), None);
+        match kept {
+            // Shorter than the booked worker's own prefix: withdrawn, no fetch.
+            1 => {
+                assert_eq!(booking.committed_copy, None, "{booking:?}");
+                assert_eq!(fetch_of(&booking), None, "{booking:?}");
+            }
+            // Shrunk: it claims what the source still holds.
+            _ => {
+                let copy = booking.committed_copy.expect("the copy is kept, shorter");
+                assert_eq!(
+                    (copy.source, copy.first_block, copy.last_block),
+                    (key(1), quarter, kept)
+                );
+                assert_eq!(fetch_of(&booking), Some((endpoint(1, 0), kept)));
+            }
+        }
+        router.release(&id).unwrap();
+    }
 }

@@ -24,6 +24,7 @@
 
 pub(crate) mod background;
 pub mod bookings;
+pub mod hooks;
 pub mod index;
 pub(crate) mod ingest;
 mod open_count;
@@ -338,6 +339,7 @@ impl Router {
         events: impl IntoIterator<Item = (WorkerKey, KvEvent)>,
     ) -> Vec<Result<index::ApplyStats, RouterError>> {
         let table = self.workers.load();
+        hooks::pause(hooks::Pause::EventsTableRead);
         // An event for an unknown worker is answered here; the others go to the index
         // in order, and their results fill the places kept for them.
         let mut results: Vec<Result<index::ApplyStats, RouterError>> = Vec::new();
@@ -494,6 +496,10 @@ impl Router {
         loop {
             let table = self.workers.load();
             let plan = self.select_and_reserve(role, request, &table, eligible, scratch)?;
+            hooks::pause(hooks::Pause::Reserved {
+                worker: plan.booked.worker.key,
+                copy_source: plan.committed_copy.map(|copy| copy.source),
+            });
             if self.workers.load().get(plan.booked.worker.key).is_some() {
                 let mut booking = plan.booking(request, scratch.hashes.len());
                 self.hint(role, request, &plan, &table, scratch, &mut booking);
@@ -591,6 +597,9 @@ impl Router {
                     },
                 )
             });
+        hooks::pause(hooks::Pause::Chosen {
+            worker: booked.worker.key,
+        });
         self.reserve(
             role,
             request,
