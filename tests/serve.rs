@@ -370,6 +370,61 @@ fn bad_requests_get_4xx_in_one_shape_and_change_nothing() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// Every error answer is counted once, by its code, whoever answered it: a
+/// handler, an extractor, the router's fallbacks, or the front door (in OpenAI's
+/// shape). One middleware counts them all.
+#[test]
+fn every_error_answer_is_counted_once_by_its_code() {
+    let roles = "  decode:\n    type: dynamo-default-cost-fn\n    hints: []\n";
+    let setup = Setup::with_prefetch(roles);
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    let calls: [(&str, &str, &str, u16); 6] = [
+        ("GET", "/book", "", 405),
+        ("GET", "/no-such-endpoint", "", 404),
+        ("POST", "/book", "{not json", 400),
+        (
+            "POST",
+            "/release",
+            "{\"request_id\": \"never-booked\"}",
+            404,
+        ),
+        ("DELETE", "/workers/abc", "", 400),
+        ("POST", "/v1/completions", "{not json", 400),
+    ];
+    for (method, path, body, expected) in calls {
+        let url = format!("{}{path}", server.base);
+        let response = match method {
+            "GET" => server.agent.get(&url).call(),
+            "DELETE" => server.agent.delete(&url).call(),
+            _ => server
+                .agent
+                .post(&url)
+                .header("content-type", "application/json")
+                .send(body),
+        }
+        .unwrap();
+        assert_eq!(response.status().as_u16(), expected, "{method} {path}");
+    }
+    let (_, metrics) = server.get("/metrics");
+    let counted: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvhint_api_errors_total{"))
+        .collect();
+    let mut counted = counted;
+    counted.sort();
+    assert_eq!(
+        counted,
+        [
+            "kvhint_api_errors_total{error=\"bad_request\"} 2",
+            "kvhint_api_errors_total{error=\"invalid_json\"} 1",
+            "kvhint_api_errors_total{error=\"method_not_allowed\"} 1",
+            "kvhint_api_errors_total{error=\"not_found\"} 1",
+            "kvhint_api_errors_total{error=\"unknown_request\"} 1",
+        ],
+        "{metrics}"
+    );
+}
+
 #[test]
 fn sighup_reloads_the_config() {
     let setup = Setup::with_prefetch(&prefetch_roles(1));

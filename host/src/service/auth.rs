@@ -56,7 +56,6 @@ pub async fn guard(
     match verdict {
         Ok(()) => next.run(request).await,
         Err(error) => {
-            app.metrics.error(error.code);
             let mut response = error.into_response();
             if response.status() == StatusCode::UNAUTHORIZED {
                 response.headers_mut().insert(

@@ -2,9 +2,13 @@
 //! with the status code that fits, so clients can branch on `error` and show
 //! `detail` to a person.
 
+use super::App;
 use crate::router::RouterError;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
@@ -67,6 +71,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({ "error": self.code, "detail": self.detail });
         let mut response = (self.status, axum::Json(body)).into_response();
+        response.extensions_mut().insert(ErrorCode(self.code));
         // For the front door's routes, which answer in OpenAI's shape instead.
         response.extensions_mut().insert(self);
         response
@@ -96,10 +101,27 @@ pub async fn openai_shape(response: Response) -> Response {
     let (mut parts, _) = response.into_parts();
     parts.headers.remove(axum::http::header::CONTENT_LENGTH);
     let mut out = (error.status, axum::Json(body)).into_response();
+    out.extensions_mut().insert(ErrorCode(error.code));
     for (name, value) in &parts.headers {
         if name != axum::http::header::CONTENT_TYPE {
             out.headers_mut().insert(name.clone(), value.clone());
         }
     }
     out
+}
+
+/// The code of the error a response answers, as `kvhint_errors_total` counts it:
+/// every error answer carries it, whichever shape its body takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorCode(pub &'static str);
+
+/// Counts each error answer by its code: the one place API errors are counted,
+/// so a handler cannot forget to (the ext_proc listener counts its own, outside
+/// HTTP).
+pub async fn count_errors(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    if let Some(ErrorCode(code)) = response.extensions().get::<ErrorCode>() {
+        app.metrics.error(code);
+    }
+    response
 }

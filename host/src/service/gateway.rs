@@ -98,8 +98,11 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
 /// An error in OpenAI's shape, counted.
 pub fn error_response(app: &App, error: GatewayError) -> Response {
     app.gateway.stats.refused(error.status.as_u16());
-    app.metrics.error(error.code);
-    (error.status, axum::Json(error.body())).into_response()
+    let mut response = (error.status, axum::Json(error.body())).into_response();
+    response
+        .extensions_mut()
+        .insert(super::error::ErrorCode(error.code));
+    response
 }
 
 async fn handle(
@@ -112,7 +115,6 @@ async fn handle(
     let body = match body {
         Ok(RawJson(body)) => body,
         Err(error) => {
-            app.metrics.error(error.code);
             // The front door's layer turns it into OpenAI's shape.
             return error.into_response();
         }

@@ -138,27 +138,25 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
                 "this endpoint does not take that method; see docs/api.md",
             )
         })
-        .with_state(app);
-    body::limit_layers(routes, max_body_bytes)
-}
-
-/// Counts the error, then returns it.
-fn counted(app: &App, error: impl Into<ApiError>) -> ApiError {
-    let error = error.into();
-    app.metrics.error(error.code);
-    error
+        .with_state(Arc::clone(&app));
+    // Outermost, so it sees every response: each error answer carries its code
+    // (`error::ErrorCode`), and this is the one place they are counted.
+    body::limit_layers(routes, max_body_bytes).layer(axum::middleware::from_fn_with_state(
+        app,
+        error::count_errors,
+    ))
 }
 
 async fn register_worker(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<WorkerRegistration>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let JsonBody(registration) = body.map_err(|e| counted(&app, e))?;
+    let JsonBody(registration) = body.map_err(|e| ApiError::from(e))?;
     let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
     let new = app
         .engine_events
         .register(&app.router, registration, Origin::Registration)
-        .map_err(|e| counted(&app, membership_error(e)))?;
+        .map_err(|e| ApiError::from(membership_error(e)))?;
     let status = if new {
         StatusCode::CREATED
     } else {
@@ -198,17 +196,17 @@ async fn deregister_worker(
     query: Result<Query<RankQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let UrlPath(worker_id) = worker_id.map_err(|e| {
-        counted(
-            &app,
-            ApiError::bad_request(format!("{}; the worker id is a number", e.body_text())),
-        )
+        ApiError::from(ApiError::bad_request(format!(
+            "{}; the worker id is a number",
+            e.body_text()
+        )))
     })?;
     let Query(RankQuery { dp_rank }) =
-        query.map_err(|e| counted(&app, ApiError::bad_request(e.body_text())))?;
+        query.map_err(|e| ApiError::from(ApiError::bad_request(e.body_text())))?;
     let key = crate::domain::WorkerKey { worker_id, dp_rank };
     app.engine_events
         .deregister(&app.router, key)
-        .map_err(|e| counted(&app, e))?;
+        .map_err(|e| ApiError::from(e))?;
     Ok(Json(
         json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
     ))
@@ -218,21 +216,16 @@ async fn kv_event(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<KvEventBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
+    let JsonBody(body) = body.map_err(|e| ApiError::from(e))?;
     let key = body.key();
     let applied = app
         .ingest
         .submit(key, body.event)
-        .map_err(|e| counted(&app, ApiError::overloaded(e.to_string())))?;
+        .map_err(|e| ApiError::from(ApiError::overloaded(e.to_string())))?;
     let stats = applied
         .await
-        .map_err(|_| {
-            counted(
-                &app,
-                ApiError::overloaded("the KV-event ingestion path stopped"),
-            )
-        })?
-        .map_err(|e| counted(&app, e))?;
+        .map_err(|_| ApiError::from(ApiError::overloaded("the KV-event ingestion path stopped")))?
+        .map_err(|e| ApiError::from(e))?;
     app.metrics.kv_events.fetch_add(1, Ordering::Relaxed);
     Ok(Json(json!({
         "stored": stats.stored,
@@ -245,7 +238,7 @@ async fn book(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<BookBody>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
+    let JsonBody(body) = body.map_err(|e| ApiError::from(e))?;
     let worker = Arc::clone(&app);
     let booked = app
         .bookings
@@ -265,12 +258,11 @@ async fn book(
         })
         .await
         .map_err(|_| {
-            counted(
-                &app,
-                ApiError::overloaded("every booking thread is busy and the booking queue is full"),
-            )
+            ApiError::from(ApiError::overloaded(
+                "every booking thread is busy and the booking queue is full",
+            ))
         })?;
-    let text = booked.map_err(|e| counted(&app, e))?;
+    let text = booked.map_err(|e| ApiError::from(e))?;
     Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
 }
 
@@ -278,11 +270,11 @@ async fn release(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<ReleaseBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let JsonBody(body) = body.map_err(|e| counted(&app, e))?;
+    let JsonBody(body) = body.map_err(|e| ApiError::from(e))?;
     let worker = app
         .router
         .release(&body.request_id)
-        .map_err(|e| counted(&app, e))?;
+        .map_err(|e| ApiError::from(e))?;
     Ok(Json(json!({
         "request_id": body.request_id,
         "worker_id": worker.worker_id,
@@ -422,22 +414,19 @@ async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Va
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     match result {
         Ok(generation) => Ok(Json(json!({"reloaded": true, "generation": generation}))),
-        Err(errors) => Err(counted(
-            &app,
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "reload_failed",
-                format!(
-                    "the previous snapshot keeps serving; {}",
-                    errors
-                        .0
-                        .iter()
-                        .map(|e| e.to_string())
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                ),
+        Err(errors) => Err(ApiError::from(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "reload_failed",
+            format!(
+                "the previous snapshot keeps serving; {}",
+                errors
+                    .0
+                    .iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; ")
             ),
-        )),
+        ))),
     }
 }
 
