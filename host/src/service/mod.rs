@@ -151,12 +151,12 @@ async fn register_worker(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<WorkerRegistration>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let JsonBody(registration) = body.map_err(|e| ApiError::from(e))?;
+    let JsonBody(registration) = body?;
     let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
     let new = app
         .engine_events
         .register(&app.router, registration, Origin::Registration)
-        .map_err(|e| ApiError::from(membership_error(e)))?;
+        .map_err(membership_error)?;
     let status = if new {
         StatusCode::CREATED
     } else {
@@ -196,17 +196,11 @@ async fn deregister_worker(
     query: Result<Query<RankQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let UrlPath(worker_id) = worker_id.map_err(|e| {
-        ApiError::from(ApiError::bad_request(format!(
-            "{}; the worker id is a number",
-            e.body_text()
-        )))
+        ApiError::bad_request(format!("{}; the worker id is a number", e.body_text()))
     })?;
-    let Query(RankQuery { dp_rank }) =
-        query.map_err(|e| ApiError::from(ApiError::bad_request(e.body_text())))?;
+    let Query(RankQuery { dp_rank }) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let key = crate::domain::WorkerKey { worker_id, dp_rank };
-    app.engine_events
-        .deregister(&app.router, key)
-        .map_err(|e| ApiError::from(e))?;
+    app.engine_events.deregister(&app.router, key)?;
     Ok(Json(
         json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
     ))
@@ -216,16 +210,15 @@ async fn kv_event(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<KvEventBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let JsonBody(body) = body.map_err(|e| ApiError::from(e))?;
+    let JsonBody(body) = body?;
     let key = body.key();
     let applied = app
         .ingest
         .submit(key, body.event)
-        .map_err(|e| ApiError::from(ApiError::overloaded(e.to_string())))?;
+        .map_err(|e| ApiError::overloaded(e.to_string()))?;
     let stats = applied
         .await
-        .map_err(|_| ApiError::from(ApiError::overloaded("the KV-event ingestion path stopped")))?
-        .map_err(|e| ApiError::from(e))?;
+        .map_err(|_| ApiError::overloaded("the KV-event ingestion path stopped"))??;
     app.metrics.kv_events.fetch_add(1, Ordering::Relaxed);
     Ok(Json(json!({
         "stored": stats.stored,
@@ -238,7 +231,7 @@ async fn book(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<BookBody>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let JsonBody(body) = body.map_err(|e| ApiError::from(e))?;
+    let JsonBody(body) = body?;
     let worker = Arc::clone(&app);
     let booked = app
         .bookings
@@ -258,11 +251,9 @@ async fn book(
         })
         .await
         .map_err(|_| {
-            ApiError::from(ApiError::overloaded(
-                "every booking thread is busy and the booking queue is full",
-            ))
+            ApiError::overloaded("every booking thread is busy and the booking queue is full")
         })?;
-    let text = booked.map_err(|e| ApiError::from(e))?;
+    let text = booked?;
     Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
 }
 
@@ -270,11 +261,8 @@ async fn release(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<ReleaseBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let JsonBody(body) = body.map_err(|e| ApiError::from(e))?;
-    let worker = app
-        .router
-        .release(&body.request_id)
-        .map_err(|e| ApiError::from(e))?;
+    let JsonBody(body) = body?;
+    let worker = app.router.release(&body.request_id)?;
     Ok(Json(json!({
         "request_id": body.request_id,
         "worker_id": worker.worker_id,
@@ -414,7 +402,7 @@ async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Va
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     match result {
         Ok(generation) => Ok(Json(json!({"reloaded": true, "generation": generation}))),
-        Err(errors) => Err(ApiError::from(ApiError::new(
+        Err(errors) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "reload_failed",
             format!(
@@ -426,7 +414,7 @@ async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Va
                     .collect::<Vec<_>>()
                     .join("; ")
             ),
-        ))),
+        )),
     }
 }
 
