@@ -15,6 +15,7 @@ pub mod listener;
 pub mod metrics;
 pub mod pool;
 pub mod reload;
+pub mod status;
 mod watch;
 
 use crate::config::{self, RouterMode};
@@ -98,7 +99,7 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
     };
     let admin = axum::Router::new()
         .route("/workers/{worker_id}", delete(deregister_worker))
-        .route("/admin/status", get(status))
+        .route("/admin/status", get(status::status))
         .route("/admin/reload", post(admin_reload));
     let worker = axum::Router::new()
         .route("/workers", post(register_worker))
@@ -278,119 +279,6 @@ async fn healthz(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     let text = app.metrics.render(&app);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
-}
-
-async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
-    let snapshot = app.snapshot.load_full();
-    let roles: Vec<serde_json::Value> = snapshot
-        .roles
-        .iter()
-        .map(|role| {
-            json!({
-                "role": role.role,
-                "selection": role.selection_type,
-                "booked_by": role.booking_selection_type,
-                "selection_origin": role.booking_selection().origin.to_string(),
-                "selection_quarantined": role.booking_selection().is_quarantined(),
-                "selection_quarantine_reason": role.booking_selection().quarantine().map(|q| q.as_str()),
-                "selection_fallbacks": crate::selection::FallbackReason::ALL
-                    .iter()
-                    .map(|r| (r.as_str(), role.booking_selection().stats.fallbacks(*r)))
-                    .collect::<std::collections::BTreeMap<_, _>>(),
-                "parameters": role.selection_parameters,
-                "commits_kv_copies": role.commits_kv_copies,
-                "hints_from": role.hints_from,
-                "hints": role.hints.policies().iter().map(|p| json!({
-                    "name": p.name,
-                    "type": p.type_name,
-                    "origin": p.origin.to_string(),
-                    "commitments": p.commitments.to_string(),
-                    "quarantined": p.is_quarantined(),
-                    "quarantine_reason": p.quarantine().map(|q| q.as_str()),
-                })).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
-    let workers: Vec<serde_json::Value> = app
-        .router
-        .workers()
-        .iter()
-        .map(|(worker, load)| {
-            json!({
-                "worker_id": worker.key.worker_id,
-                "dp_rank": worker.key.dp_rank,
-                "role": worker.role,
-                "router_hint": worker.router_hint,
-                "load": load,
-                "http_endpoint": worker.http.as_ref().map(|h| &*h.base),
-                "engine": worker.http.as_ref().map(|h| h.engine.as_str()),
-                "models": worker.http.as_ref().map(|h| h.models.iter().map(|m| &**m).collect::<Vec<_>>()),
-                "kv_events": if worker.approximate_kv { "approximate" } else { "events" },
-                "approximate_blocks": worker.approximate_kv.then(|| app.gateway.approximate.blocks(worker.key)),
-                "health": app.gateway.health.view(worker.key),
-            })
-        })
-        .collect();
-    Json(json!({
-        "generation": snapshot.generation,
-        "config_file": snapshot.config_file,
-        "router_mode": snapshot.mode.as_str(),
-        "block_size": snapshot.block_size,
-        "plugins": snapshot.plugins,
-        "roles": roles,
-        "libraries_mapped": app.reloader.loader.libraries_mapped(),
-        "reloads": app.reloader.status(),
-        "workers": workers,
-        "open_bookings": app.router.open_bookings(),
-        "expired_bookings": app.router.expired_bookings(),
-        "booking_ttl_s": snapshot.booking_ttl_s,
-        "auth": snapshot.tokens.is_some(),
-        "kv_event_sources": kv_event_sources(&app),
-        "kv_events_thread_policy": app.ingest.scheduling().get().as_str(),
-        "thread_policy_refusals": app.ingest.scheduling().refusals(),
-    }))
-}
-
-/// Each engine subscription: where, its state, and how far it got.
-fn kv_event_sources(app: &App) -> Vec<serde_json::Value> {
-    app.engine_events
-        .sources()
-        .iter()
-        .map(|source| {
-            let stats = source.stats();
-            let last_seq = stats.last_seq.load(Ordering::Relaxed);
-            json!({
-                "worker_id": source.worker.worker_id,
-                "dp_rank": source.worker.dp_rank,
-                "origin": source.origin.as_str(),
-                "endpoint": source.endpoints.events,
-                "replay_endpoint": source.endpoints.replay,
-                "topic": source.endpoints.topic,
-                "mode": if source.endpoints.bind { "bind" } else { "connect" },
-                "state": stats.state().as_str(),
-                "last_error": stats.last_error(),
-                "last_seq": (last_seq != crate::engine_events::stats::NO_SEQ).then_some(last_seq),
-                "last_event_age_ms": stats.age_ms(),
-                "lag_ms": stats.lag_ms.load(Ordering::Relaxed),
-                "batches": stats.batches.load(Ordering::Relaxed),
-                "gaps": stats.gaps.load(Ordering::Relaxed),
-                "replays": stats.replays.load(Ordering::Relaxed),
-                "resyncs": stats.resyncs.load(Ordering::Relaxed),
-                "restarts": stats.restarts.load(Ordering::Relaxed),
-                "reconnects": stats.reconnects.load(Ordering::Relaxed),
-                "decode_errors": stats.decode_errors.load(Ordering::Relaxed),
-                "unknown_parent": stats.unknown_parent.load(Ordering::Relaxed),
-                "dropped": stats.dropped.load(Ordering::Relaxed),
-                "hashes": if stats.signed_hashes.load(Ordering::Relaxed) {
-                    "signed"
-                } else if stats.digest_hashes.load(Ordering::Relaxed) {
-                    "digest"
-                } else {
-                    "unsigned"
-                },
-            })
-        })
-        .collect()
 }
 
 async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
