@@ -53,6 +53,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "wire",
             "replay",
             "gateway",
+            "replication",
             "service",
             "testing",
         ],

@@ -10,12 +10,14 @@
 pub mod auth;
 mod gateway;
 mod kv_events;
+mod replication;
 pub(crate) mod yaml;
 
 pub use auth::AuthConfig;
 pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
+pub use replication::ReplicationConfig;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -271,6 +273,8 @@ pub struct Config {
     pub workers: Vec<ConfiguredWorker>,
     /// `gateway:`: how requests are forwarded.
     pub gateway: GatewayConfig,
+    /// `replication:`, if this router shares load with other replicas.
+    pub replication: Option<ReplicationConfig>,
 }
 
 impl Config {
@@ -415,6 +419,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         models: Vec::new(),
         workers: Vec::new(),
         gateway: GatewayConfig::default(),
+        replication: None,
     };
     if let Some(map) = walker.mapping(&root, "") {
         walker.known_keys(
@@ -429,6 +434,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
                 "models",
                 "workers",
                 "gateway",
+                "replication",
             ],
         );
         if let Some(node) = map.get_node("models") {
@@ -448,6 +454,9 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         }
         if let Some(node) = map.get_node("kv_events") {
             config.kv_events = kv_events::kv_events(&mut walker, node);
+        }
+        if let Some(node) = map.get_node("replication") {
+            config.replication = replication::replication(&mut walker, node);
         }
         if let Some(node) = map.get_node("auth") {
             config.auth = auth::auth(&mut walker, node, base);

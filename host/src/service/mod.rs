@@ -61,6 +61,10 @@ pub struct App {
     pub exposure: auth::Exposure,
     /// The front door's upstream client, worker health and counters.
     pub gateway: crate::gateway::Gateway,
+    /// `replication:` as configured at start (fixed until restart).
+    pub replication_config: Option<config::ReplicationConfig>,
+    /// Load shared with the other replicas, once `serve` started it.
+    pub replication: std::sync::OnceLock<Arc<crate::replication::Replication>>,
 }
 
 #[derive(Debug, Clone)]
@@ -365,7 +369,59 @@ async fn status(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
         "kv_event_sources": kv_event_sources(&app),
         "kv_events_thread_policy": app.ingest.scheduling().get().as_str(),
         "thread_policy_refusals": app.ingest.scheduling().refusals(),
+        "replication": replication_status(&app),
     }))
+}
+
+/// Replication as `/admin/status` shows it: the peers, the age of each one's last
+/// message, and the checksum of the summed view (equal on replicas that agree).
+fn replication_status(app: &App) -> serde_json::Value {
+    let Some(replication) = app.replication.get() else {
+        return serde_json::Value::Null;
+    };
+    let view = replication.view();
+    json!({
+        "name": replication.name(),
+        "fleet": replication.fleet(),
+        "incarnation": replication.incarnation(),
+        "connected": replication.connected(),
+        "ready": view.ready,
+        "peers": view.peers,
+        "refused": view.refused.iter().map(|(name, block_size)| json!({
+            "name": name,
+            "block_size": block_size,
+            "reason": "another block size",
+        })).collect::<Vec<_>>(),
+        "checksum": crate::replication::checksum(&app.router),
+        "stats": view.stats,
+    })
+}
+
+/// Starts sharing load with the other replicas, if the config asks, and keeps the
+/// config fingerprint they are told current across reloads.
+async fn start_replication(app: &Arc<App>) -> anyhow::Result<()> {
+    let Some(config) = app.replication_config.as_ref() else {
+        return Ok(());
+    };
+    let fingerprint = crate::replication::fingerprint(&app.snapshot.load());
+    let replication =
+        crate::replication::Replication::start(Arc::clone(&app.router), config, fingerprint)
+            .await?;
+    let _ = app.replication.set(Arc::clone(&replication));
+    let weak = Arc::downgrade(app);
+    tokio::spawn(async move {
+        let mut generation = 0;
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let Some(app) = weak.upgrade() else { return };
+            let snapshot = app.snapshot.load();
+            if snapshot.generation != generation {
+                generation = snapshot.generation;
+                replication.set_fingerprint(crate::replication::fingerprint(&snapshot));
+            }
+        }
+    });
+    Ok(())
 }
 
 /// Each engine subscription: where, its state, and how far it got.
@@ -511,6 +567,8 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         gateway: crate::gateway::Gateway::new(std::time::Duration::from_millis(
             config.gateway.connect_timeout_ms,
         )),
+        replication_config: config.replication.clone(),
+        replication: std::sync::OnceLock::new(),
     }))
 }
 
@@ -608,6 +666,7 @@ pub async fn serve(
             app.engine_events.set_max_sources(most as usize);
         }
     }
+    start_replication(&app).await?;
     let for_sources = sources * per_source;
     let connections = options.connections.capped_by_file_limit(for_sources);
     println!("listening on {address}");
@@ -634,6 +693,7 @@ pub async fn serve(
 
     let metrics = Arc::clone(&app.metrics);
     let stopping = Arc::clone(&app);
+    let replication = app.replication.get().cloned();
     listener::serve(
         listener,
         routes(app, options.max_body_bytes),
@@ -661,5 +721,9 @@ pub async fn serve(
     .await;
     sweeper.abort();
     health.abort();
+    if let Some(replication) = replication {
+        // Goodbye: the peers drop this replica's load now, not after the timeout.
+        replication.shutdown().await;
+    }
     Ok(())
 }
