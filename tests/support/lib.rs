@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 pub use tempfile::TempDir;
 
 pub mod llamacpp;
+pub mod nats;
 pub mod process;
 pub mod provision;
 pub mod vllm_render;

@@ -350,10 +350,13 @@ fn publish(shared: &Shared, client: &async_nats::Client, handle: &tokio::runtime
         };
         // The client buffers while NATS is away; when its buffer is full, the message
         // is dropped rather than wait (totals are absolute: the next one corrects it).
-        let sent = handle.block_on(tokio::time::timeout(
-            Duration::from_millis(50),
-            client.publish(shared.subject.clone(), payload),
-        ));
+        let sent = handle.block_on(async {
+            tokio::time::timeout(
+                Duration::from_millis(50),
+                client.publish(shared.subject.clone(), payload),
+            )
+            .await
+        });
         if matches!(sent, Ok(Ok(()))) {
             shared.counters.published.fetch_add(1, Ordering::Relaxed);
         } else {
