@@ -123,10 +123,6 @@ impl Replica {
     }
 }
 
-fn view_is(replica: &Replica, want: &[u64]) -> bool {
-    replica.view() == want
-}
-
 /// Waits (bounded) until every replica's view is `want` and their checksums agree.
 fn agree(replicas: &[&Replica], want: &[u64]) {
     let deadline = Instant::now() + BOUND;
@@ -364,6 +360,23 @@ fn with_nats_down_no_booking_fails_and_the_views_converge_when_it_is_back() {
     agree(&[&a, &b], &a.view());
 }
 
+/// A replica whose NATS server is not up yet starts and books on its own view;
+/// once the server is up, it joins.
+#[test]
+fn a_replica_starts_and_books_before_nats_is_up() {
+    let port = free_port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let a = start(&url, "a", 16, FAST);
+    assert_eq!(a.replication()["connected"], false);
+    a.book("early");
+    assert_eq!(total(&a.view()), 1);
+    let _nats = NatsServer::start_on(port);
+    let b = start(&url, "b", 16, FAST);
+    a.wait("connects", |_| a.replication()["connected"] == true);
+    agree(&[&a, &b], &a.view());
+    assert_eq!(total(&b.view()), 1);
+}
+
 /// A TCP proxy between one replica and NATS, which the test can cut (every
 /// connection closed, new ones refused) and restore on the same port.
 struct Proxy {
@@ -483,7 +496,6 @@ fn a_peer_with_another_block_size_is_refused() {
         "{}",
         a.server.log()
     );
-    let _ = view_is;
 }
 
 /// A `replication` section with mistakes is refused with each located.
@@ -515,5 +527,4 @@ fn a_bad_replication_section_is_refused_with_its_place() {
     ] {
         assert!(text.contains(needle), "{needle:?} missing from\n{text}");
     }
-    let _ = free_port;
 }
