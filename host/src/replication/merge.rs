@@ -562,7 +562,7 @@ mod tests {
 
     fn worker(i: u64) -> WorkerId {
         WorkerId {
-            role: if i % 2 == 0 {
+            role: if i.is_multiple_of(2) {
                 Role::Aggregated
             } else {
                 Role::Decode
@@ -703,8 +703,8 @@ mod tests {
             }
             // Settle: a digest from everyone, delivered without loss among the
             // stale messages still in flight.
-            for r in 0..n {
-                let m = replicas[r].digest();
+            for (r, replica) in replicas.iter_mut().enumerate() {
+                let m = replica.digest();
                 bus.send(&mut rng, r, n, m, false);
             }
             while let Some((to, m)) = bus.take(&mut rng) {
