@@ -13,11 +13,13 @@
 //!   view has none of its load; target ≤ 4 s.
 //! - `over-booking`: two replicas book one prompt alternately at 4,000 bookings/s in all;
 //!   worker 0 holds the prompt (`overlap_score_weight: 200` makes it worth about 200
-//!   bookings). The figure judged is the issue's: bookings placed without seeing the
-//!   other's, summed over bookings as the number of the other replica's open bookings the
-//!   booking replica's view missed; without and with replication, target ≥ 10× less.
-//!   Beside it, the hot worker's load and the bookings misplaced against one router alone
-//!   placing the same bookings (every worker's load beyond its load there, summed).
+//!   bookings before another worker is cheaper). Over-booking of the hot worker = its
+//!   load (both replicas' bookings) when the first booking goes elsewhere, minus the same
+//!   for one router alone placing the same bookings; without and with replication,
+//!   target ≥ 10× less. Beside it, the bookings placed without seeing the other's
+//!   (summed over bookings: the other replica's open bookings the view missed), and the
+//!   final loads against one router alone's (the spread phase evens out without
+//!   replication too, since both replicas see their own half alike).
 //!
 //! Quick mode (`cargo test -p kvhint-e2e --benches`): fewer bookings, no verdicts.
 //!
@@ -297,25 +299,29 @@ fn dead_replica(rt: &tokio::runtime::Runtime, nats: &NatsServer, quick: bool) {
     );
 }
 
+/// What one alternating run of two replicas (or one router alone) did.
+struct HotRun {
+    /// The hot worker's load (both replicas' bookings) when the first booking
+    /// went to another worker: what it took before it was seen as full.
+    hot_at_first_spill: u64,
+    /// Each worker's final load.
+    loads: Vec<u64>,
+    /// Summed over bookings: the other replica's open bookings the booking
+    /// replica's view was missing.
+    unseen: u64,
+}
+
 /// `a` and `b` each book `n` requests of the same prompt, alternately, at 4,000
-/// bookings/s in all (`a` and `b` the same router: one router alone). Returns each
-/// worker's final load, and the bookings placed unseen: summed over every booking, how
-/// many of the other replica's open bookings the booking replica's view was missing.
-fn hot_run(a: &Router, b: &Router, snapshot: &Snapshot, n: usize, tag: &str) -> (Vec<u64>, u64) {
+/// bookings/s in all (`a` and `b` the same router: one router alone).
+fn hot_run(a: &Router, b: &Router, snapshot: &Snapshot, n: usize, tag: &str) -> HotRun {
     let tokens = prompt(9);
     let interval = Duration::from_micros(250);
     let start = Instant::now() + Duration::from_millis(5);
     let same = std::ptr::eq(a, b);
-    let mut unseen = 0;
-    for i in 0..n {
-        for (k, (me, other)) in [(a, b), (b, a)].into_iter().enumerate() {
-            pace(start + interval * (2 * i + k) as u32);
-            if !same {
-                unseen += local_requests(other).saturating_sub(remote_requests(me));
-            }
-            book(me, snapshot, &format!("{tag}-{k}-{i}"), &tokens);
-        }
-    }
+    let hot = WorkerKey {
+        worker_id: 0,
+        dp_rank: 0,
+    };
     let loads = |r: &Router| -> Vec<u64> {
         let table = r.worker_table();
         (0..WORKERS)
@@ -329,13 +335,34 @@ fn hot_run(a: &Router, b: &Router, snapshot: &Snapshot, n: usize, tag: &str) -> 
             })
             .collect()
     };
-    let mut total = loads(a);
-    if !same {
-        for (t, l) in total.iter_mut().zip(loads(b)) {
-            *t += l;
+    let truth = || -> Vec<u64> {
+        let mut total = loads(a);
+        if !same {
+            for (t, l) in total.iter_mut().zip(loads(b)) {
+                *t += l;
+            }
+        }
+        total
+    };
+    let mut unseen = 0;
+    let mut spill = None;
+    for i in 0..n {
+        for (k, (me, other)) in [(a, b), (b, a)].into_iter().enumerate() {
+            pace(start + interval * (2 * i + k) as u32);
+            if !same {
+                unseen += local_requests(other).saturating_sub(remote_requests(me));
+            }
+            let before = truth()[0];
+            if book(me, snapshot, &format!("{tag}-{k}-{i}"), &tokens) != hot && spill.is_none() {
+                spill = Some(before);
+            }
         }
     }
-    (total, unseen)
+    HotRun {
+        hot_at_first_spill: spill.unwrap_or(u64::MAX),
+        loads: truth(),
+        unseen,
+    }
 }
 
 /// Bookings placed on a worker beyond what one router with the whole view placed there.
@@ -375,13 +402,14 @@ fn over_booking(rt: &tokio::runtime::Runtime, url: &str, quick: bool) {
         "router: {block_size: 16}\nworker_selection:\n  decode:\n    type: dynamo-default-cost-fn\n    parameters: {overlap_score_weight: 200}\n",
     );
     let (snapshot, _loader) = kvhint_e2e::snapshot_of(&fixture, None).expect("config builds");
-    let n = if quick { 150 } else { 300 };
+    // Enough for each replica alone to fill the hot worker (about 200) and spill.
+    let n = 300;
     // One router alone, for the same 2n bookings.
     let alone = hot_router(&snapshot);
-    let (single, _) = hot_run(&alone, &alone, &snapshot, n, "alone");
+    let single = hot_run(&alone, &alone, &snapshot, n, "alone");
     // Two replicas that do not share load.
     let (a, b) = (hot_router(&snapshot), hot_router(&snapshot));
-    let (apart, unseen_apart) = hot_run(&a, &b, &snapshot, n, "apart");
+    let apart = hot_run(&a, &b, &snapshot, n, "apart");
     // Two replicas sharing load.
     let (a, b) = (hot_router(&snapshot), hot_router(&snapshot));
     let _ra = replicate(rt, &a, url, "hot-a", "hot");
@@ -394,18 +422,25 @@ fn over_booking(rt: &tokio::runtime::Runtime, url: &str, quick: bool) {
     wait_until("b sees the release", Duration::from_secs(10), || {
         remote_requests(&b) == 0
     });
-    let (shared, unseen_shared) = hot_run(&a, &b, &snapshot, n, "shared");
-    let factor = unseen_apart as f64 / (unseen_shared.max(1)) as f64;
+    let shared = hot_run(&a, &b, &snapshot, n, "shared");
+    let over = |run: &HotRun| {
+        run.hot_at_first_spill
+            .saturating_sub(single.hot_at_first_spill)
+    };
+    let (over_apart, over_shared) = (over(&apart), over(&shared));
+    let factor = over_apart as f64 / (over_shared.max(1)) as f64;
+    let unseen_factor = apart.unseen as f64 / (shared.unseen.max(1)) as f64;
     println!(
-        "over-booking, 2 replicas booking one prompt alternately at 4,000/s ({} bookings; worker 0 holds the prompt, worth ~200 bookings at overlap_score_weight 200):\n  bookings placed unseen (summed over bookings: the other replica's open bookings missing from the view): without replication {unseen_apart}, with {unseen_shared}: {factor:.1}× less (target ≥ 10×: {})\n  hot worker's load: alone {}, without replication {} (+{}), with {}; bookings misplaced vs one router alone (every worker): without {}, with {}",
+        "over-booking, 2 replicas booking one prompt alternately at 4,000/s ({} bookings; worker 0 holds the prompt, worth ~200 bookings at overlap_score_weight 200):\n  hot worker's load when the first booking went elsewhere: one router alone {}, two replicas without replication {} (over-booked by {over_apart}), with {} (by {over_shared}): {factor:.1}× less (target ≥ 10×: {})\n  bookings placed unseen (summed over bookings: the other replica's open bookings missing from the view): without replication {}, with {}: {unseen_factor:.1}× less\n  final loads against one router alone's (bookings on a worker beyond its load there, summed): without {}, with {}",
         2 * n,
+        single.hot_at_first_spill,
+        apart.hot_at_first_spill,
+        shared.hot_at_first_spill,
         verdict(quick, factor >= 10.0),
-        single[0],
-        apart[0],
-        apart[0].saturating_sub(single[0]),
-        shared[0],
-        misplaced(&apart, &single),
-        misplaced(&shared, &single),
+        apart.unseen,
+        shared.unseen,
+        misplaced(&apart.loads, &single.loads),
+        misplaced(&shared.loads, &single.loads),
     );
 }
 

@@ -488,7 +488,7 @@ async fn receive(
                 if !outcome.changed.is_empty() {
                     apply(&shared.router, &merge, &outcome.changed);
                 }
-                if matches!(message.body, Body::Delta { .. }) {
+                if matches!(message.body, Body::Delta { .. }) && !outcome.refused {
                     shared.counters.lag(unix_us().saturating_sub(message.sent_us));
                 }
                 if outcome.send_digest {
