@@ -294,12 +294,15 @@ impl Merge {
         self.fingerprint = fingerprint;
     }
 
-    /// Starts the joining wait again (back on the bus after being cut off).
+    /// Back on the bus after being cut off: the answers are collected afresh. A
+    /// replica that was ready stays ready (it books on its own view meanwhile, as it
+    /// did while cut off); one still joining waits again from now.
     pub fn rejoin(&mut self, now: Instant) {
-        self.started = now;
         self.answered.clear();
         self.mentioned.clear();
-        self.ready = false;
+        if !self.ready {
+            self.started = now;
+        }
     }
 
     pub fn stats(&self) -> MergeStats {
