@@ -58,7 +58,7 @@ fn unknown_keys_anywhere_with_a_suggestion() {
     assert_errors(
         "worker_selction: {}\n",
         &[
-            "kvhint.yaml:1:1: worker_selction: unknown key `worker_selction` (did you mean `worker_selection`?); expected one of: plugins, router, kv_events, auth, worker_selection, models, workers, gateway, endpoint_picker",
+            "kvhint.yaml:1:1: worker_selction: unknown key `worker_selction` (did you mean `worker_selection`?); expected one of: plugins, router, kv_events, auth, worker_selection, models, workers, gateway, replication, endpoint_picker",
             "kvhint.yaml:1:1: worker_selection: `worker_selection` is missing: configure at least one role (aggregated, prefill or decode)",
         ],
     );

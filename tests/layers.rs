@@ -54,6 +54,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "replay",
             "report",
             "gateway",
+            "replication",
             "service",
             "testing",
         ],

@@ -16,7 +16,9 @@
 //! 5. **router**: [`router`], the data plane. It describes a booking to the policy
 //!    stages in plain views; only the stages build the ABI's records.
 //! 6. **faces**: [`engine_events`], [`wire`], [`replay`], [`gateway`],
-//!    [`service`], [`report`] (what `check` and `plugins` print); [`testing`], the few internals the end-to-end tests reach;
+//!    [`replication`] (load shared between replicas over NATS), [`service`],
+//!    [`report`] (what `check` and `plugins` print); [`testing`], the few internals
+//!    the end-to-end tests reach;
 //!    and `main.rs`, the CLI, which nothing imports.
 
 // 1. domain
@@ -50,6 +52,7 @@ pub mod router;
 pub mod engine_events;
 pub mod gateway;
 pub mod replay;
+pub mod replication;
 pub mod report;
 pub mod service;
 pub mod testing;

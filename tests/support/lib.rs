@@ -33,6 +33,7 @@ pub use tempfile::TempDir;
 pub mod capture;
 pub mod envoy;
 pub mod llamacpp;
+pub mod nats;
 pub mod process;
 pub mod provision;
 pub mod vllm_render;

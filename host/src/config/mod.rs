@@ -16,6 +16,7 @@ mod endpoint_picker;
 mod gateway;
 mod kv_events;
 mod model;
+mod replication;
 pub(crate) mod yaml;
 
 pub use crate::domain::{Role, RouterMode};
@@ -25,6 +26,7 @@ pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
 pub use model::*;
+pub use replication::ReplicationConfig;
 use std::path::{Path, PathBuf};
 use yaml::{join, key_location, location, node_location, Walker};
 
@@ -164,6 +166,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         models: Vec::new(),
         workers: Vec::new(),
         gateway: GatewayConfig::default(),
+        replication: None,
         endpoint_picker: None,
     };
     if let Some(map) = walker.mapping(&root, "") {
@@ -179,6 +182,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
                 "models",
                 "workers",
                 "gateway",
+                "replication",
                 "endpoint_picker",
             ],
         );
@@ -202,6 +206,9 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         }
         if let Some(node) = map.get_node("kv_events") {
             config.kv_events = kv_events::kv_events(&mut walker, node);
+        }
+        if let Some(node) = map.get_node("replication") {
+            config.replication = replication::replication(&mut walker, node);
         }
         if let Some(node) = map.get_node("auth") {
             config.auth = auth::auth(&mut walker, node, base);

@@ -7,7 +7,7 @@
 
 use super::{
     AuthConfig, ConfiguredWorker, EndpointPickerConfig, GatewayConfig, KvEventsConfig, ModelConfig,
-    Role, RouterMode,
+    ReplicationConfig, Role, RouterMode,
 };
 use std::collections::BTreeMap;
 use std::fmt;
@@ -263,6 +263,8 @@ pub struct Config {
     pub gateway: GatewayConfig,
     /// `endpoint_picker:`: the ext_proc listener for Envoy, if any.
     pub endpoint_picker: Option<EndpointPickerConfig>,
+    /// `replication:`, if this router shares load with other replicas.
+    pub replication: Option<ReplicationConfig>,
 }
 
 impl Config {

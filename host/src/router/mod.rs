@@ -388,6 +388,12 @@ impl Router {
         self.workers.load().get(key).map(|e| Arc::clone(&e.worker))
     }
 
+    /// The worker table as bookings see it now (the replication task reads and
+    /// writes the load cells through it).
+    pub fn worker_table(&self) -> Arc<WorkerTable> {
+        self.workers.load_full()
+    }
+
     /// Every worker with its load, by key.
     pub fn workers(&self) -> Vec<(Arc<Worker>, Load)> {
         self.workers

@@ -8,6 +8,11 @@
 //! workers never write the same cache line. A booking may see a load a few microseconds
 //! stale (another booking's reservation landing while it compares costs), as Dynamo's
 //! router does; each reservation itself is exact.
+//!
+//! With replication (`host/src/replication/`), a cell also holds the sum of the other
+//! replicas' load on the worker, in the same cache line: only the replication task
+//! writes it, a booking reads it beside the local load, and selection sees the two
+//! added ([`LoadCell::get`]). Bookings add to and free the local part only.
 
 use super::index::Slot;
 use super::persistent::{Keyed, SlotVec, SortedSeq};
@@ -27,6 +32,21 @@ pub struct Load {
     pub prefill_blocks: u64,
 }
 
+impl Load {
+    /// The two loads added (saturating).
+    pub fn plus(self, other: Load) -> Load {
+        Load {
+            active_requests: self.active_requests.saturating_add(other.active_requests),
+            active_blocks: self.active_blocks.saturating_add(other.active_blocks),
+            prefill_blocks: self.prefill_blocks.saturating_add(other.prefill_blocks),
+        }
+    }
+
+    pub fn is_zero(&self) -> bool {
+        *self == Load::default()
+    }
+}
+
 /// A worker's load as atomics; aligned so two workers' counters never share a line.
 #[derive(Debug)]
 #[repr(align(64))]
@@ -34,6 +54,11 @@ pub struct LoadCell {
     active_requests: AtomicU64,
     active_blocks: AtomicU64,
     prefill_blocks: AtomicU64,
+    /// The other replicas' load on this worker, summed; written by the replication
+    /// task only (zero without replication).
+    remote_requests: AtomicU64,
+    remote_blocks: AtomicU64,
+    remote_prefill: AtomicU64,
     /// Which cell this is, never reused: an open booking names the cell it added its
     /// load to by this, so a release frees the load from that cell only.
     id: u64,
@@ -46,6 +71,9 @@ impl Default for LoadCell {
             active_requests: AtomicU64::new(0),
             active_blocks: AtomicU64::new(0),
             prefill_blocks: AtomicU64::new(0),
+            remote_requests: AtomicU64::new(0),
+            remote_blocks: AtomicU64::new(0),
+            remote_prefill: AtomicU64::new(0),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
         }
     }
@@ -56,12 +84,50 @@ impl LoadCell {
         self.id
     }
 
+    /// The load selection sees: this replica's bookings and the other replicas'.
     pub fn get(&self) -> Load {
+        Load {
+            active_requests: self
+                .active_requests
+                .load(Ordering::Relaxed)
+                .wrapping_add(self.remote_requests.load(Ordering::Relaxed)),
+            active_blocks: self
+                .active_blocks
+                .load(Ordering::Relaxed)
+                .wrapping_add(self.remote_blocks.load(Ordering::Relaxed)),
+            prefill_blocks: self
+                .prefill_blocks
+                .load(Ordering::Relaxed)
+                .wrapping_add(self.remote_prefill.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// This replica's bookings' load only (what it publishes to its peers).
+    pub fn local(&self) -> Load {
         Load {
             active_requests: self.active_requests.load(Ordering::Relaxed),
             active_blocks: self.active_blocks.load(Ordering::Relaxed),
             prefill_blocks: self.prefill_blocks.load(Ordering::Relaxed),
         }
+    }
+
+    /// The other replicas' load, summed, as last set.
+    pub fn remote(&self) -> Load {
+        Load {
+            active_requests: self.remote_requests.load(Ordering::Relaxed),
+            active_blocks: self.remote_blocks.load(Ordering::Relaxed),
+            prefill_blocks: self.remote_prefill.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets the other replicas' summed load (the replication task only).
+    pub fn set_remote(&self, load: Load) {
+        self.remote_requests
+            .store(load.active_requests, Ordering::Relaxed);
+        self.remote_blocks
+            .store(load.active_blocks, Ordering::Relaxed);
+        self.remote_prefill
+            .store(load.prefill_blocks, Ordering::Relaxed);
     }
 
     pub fn add(&self, load: Load) {
@@ -286,7 +352,25 @@ impl WorkerTable {
 
 #[cfg(test)]
 mod tests {
-    use super::Listed;
+    use super::{Listed, Load, LoadCell};
+
+    /// A cell is one cache line: the remote sums sit beside the local load.
+    #[test]
+    fn a_load_cell_is_one_cache_line_and_adds_the_remote_sum() {
+        assert_eq!(std::mem::size_of::<LoadCell>(), 64);
+        let cell = LoadCell::default();
+        let one = Load {
+            active_requests: 1,
+            active_blocks: 4,
+            prefill_blocks: 2,
+        };
+        cell.add(one);
+        cell.set_remote(one.plus(one));
+        assert_eq!(cell.local(), one);
+        assert_eq!(cell.get().active_requests, 3);
+        cell.sub(one);
+        assert_eq!(cell.get(), one.plus(one));
+    }
 
     /// The candidate list is read whole by every booking: a field added to `Listed`
     /// should be worth the bytes every booking then reads per worker.

@@ -800,6 +800,7 @@ fn gateway(out: &mut String, app: &super::App) {
         }
     }
     tokenizer_cache(out, &app.snapshot.load().models);
+    replication(out, app);
     let mut health = Vec::new();
     for (worker, _) in app.router.workers() {
         if worker.http.is_none() {
@@ -874,5 +875,108 @@ fn tokenizer_cache(out: &mut String, models: &crate::models::Models) {
         "gauge",
         "What the tokenizer cache holds, in bytes (gateway.tokenizer_cache_mib bounds it).",
         &held,
+    );
+}
+
+/// Replication (`replication:`): propagation lag of the peers' load, corrections the
+/// digests made (0 in steady state: each is a lost message), peers dropped, and
+/// messages refused. No samples without replication.
+fn replication(out: &mut String, app: &super::App) {
+    let Some(replication) = app.replication.get() else {
+        return;
+    };
+    let counters = replication.counters();
+    let view = replication.view();
+    let name = "kvhint_replication_propagation_lag_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} A peer's load change seen there to applied here (deltas; clocks of both hosts).\n# TYPE {name} histogram"
+    );
+    let mut cumulative = 0;
+    for (bound, count) in crate::replication::LAG_BUCKETS_US
+        .iter()
+        .zip(counters.lag_buckets.iter())
+    {
+        cumulative += count.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"{}\"}} {cumulative}",
+            *bound as f64 / 1e6
+        );
+    }
+    let count = counters.lag_count.load(Ordering::Relaxed);
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+    let _ = writeln!(
+        out,
+        "{name}_sum {}",
+        counters.lag_sum_us.load(Ordering::Relaxed) as f64 / 1e6
+    );
+    let _ = writeln!(out, "{name}_count {count}");
+    family(
+        out,
+        "kvhint_replication_digest_corrections_total",
+        "counter",
+        "Worker totals a peer's digest corrected (a message was lost; 0 in steady state).",
+        &[(String::new(), view.stats.corrections as f64)],
+    );
+    family(
+        out,
+        "kvhint_replication_peers_dropped_total",
+        "counter",
+        "Peers removed from the sums: silent past replication.peer_timeout_ms, said goodbye, or replaced by a restart under the same name.",
+        &[
+            ("{reason=\"silent\"}".to_string(), view.stats.dropped_silent as f64),
+            ("{reason=\"goodbye\"}".to_string(), view.stats.left as f64),
+            ("{reason=\"restarted\"}".to_string(), view.stats.replaced as f64),
+        ],
+    );
+    family(
+        out,
+        "kvhint_replication_refused_total",
+        "counter",
+        "Peer messages ignored because the peer uses another block size.",
+        &[(String::new(), view.stats.refused_block_size as f64)],
+    );
+    family(
+        out,
+        "kvhint_replication_config_mismatches_total",
+        "counter",
+        "Peers heard with another config or plugin set (their load is summed; warned).",
+        &[(String::new(), view.stats.fingerprint_mismatches as f64)],
+    );
+    family(
+        out,
+        "kvhint_replication_peers",
+        "gauge",
+        "Peers whose load is summed now.",
+        &[(String::new(), view.peers.len() as f64)],
+    );
+    family(
+        out,
+        "kvhint_replication_connected",
+        "gauge",
+        "1 while connected to NATS.",
+        &[(String::new(), f64::from(u8::from(replication.connected())))],
+    );
+    family(
+        out,
+        "kvhint_replication_messages_total",
+        "counter",
+        "Messages published and received on the fleet's subject, and publishes dropped while NATS was away.",
+        &[
+            ("{direction=\"published\"}".to_string(), counters.published.load(Ordering::Relaxed) as f64),
+            ("{direction=\"received\"}".to_string(), counters.received.load(Ordering::Relaxed) as f64),
+            ("{direction=\"publish_failed\"}".to_string(), counters.publish_failures.load(Ordering::Relaxed) as f64),
+        ],
+    );
+    family(
+        out,
+        "kvhint_replication_disconnects_total",
+        "counter",
+        "Times the connection to NATS was lost.",
+        &[(
+            String::new(),
+            counters.disconnects.load(Ordering::Relaxed) as f64,
+        )],
     );
 }

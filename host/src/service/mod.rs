@@ -65,6 +65,10 @@ pub struct App {
     pub gateway: crate::gateway::Gateway,
     /// `endpoint_picker:` as the config had it at start (the gRPC listener's).
     pub endpoint_picker: Option<config::EndpointPickerConfig>,
+    /// `replication:` as configured at start (fixed until restart).
+    pub replication_config: Option<config::ReplicationConfig>,
+    /// Load shared with the other replicas, once `serve` started it.
+    pub replication: std::sync::OnceLock<Arc<crate::replication::Replication>>,
 }
 
 #[derive(Debug, Clone)]
@@ -281,6 +285,33 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
+/// Starts sharing load with the other replicas, if the config asks, and keeps the
+/// config fingerprint they are told current across reloads.
+async fn start_replication(app: &Arc<App>) -> anyhow::Result<()> {
+    let Some(config) = app.replication_config.as_ref() else {
+        return Ok(());
+    };
+    let fingerprint = crate::replication::fingerprint(&app.snapshot.load());
+    let replication =
+        crate::replication::Replication::start(Arc::clone(&app.router), config, fingerprint)
+            .await?;
+    let _ = app.replication.set(Arc::clone(&replication));
+    let weak = Arc::downgrade(app);
+    tokio::spawn(async move {
+        let mut generation = 0;
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let Some(app) = weak.upgrade() else { return };
+            let snapshot = app.snapshot.load();
+            if snapshot.generation != generation {
+                generation = snapshot.generation;
+                replication.set_fingerprint(crate::replication::fingerprint(&snapshot));
+            }
+        }
+    });
+    Ok(())
+}
+
 async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
     let worker = Arc::clone(&app);
     let result = tokio::task::spawn_blocking(move || {
@@ -380,6 +411,8 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         gateway: crate::gateway::Gateway::new(std::time::Duration::from_millis(
             config.gateway.connect_timeout_ms,
         )),
+        replication_config: config.replication.clone(),
+        replication: std::sync::OnceLock::new(),
     }))
 }
 
@@ -477,6 +510,7 @@ pub async fn serve(
             app.engine_events.set_max_sources(most as usize);
         }
     }
+    start_replication(&app).await?;
     let for_sources = sources * per_source;
     let connections = options.connections.capped_by_file_limit(for_sources);
     println!("listening on {address}");
@@ -504,6 +538,7 @@ pub async fn serve(
 
     let metrics = Arc::clone(&app.metrics);
     let stopping = Arc::clone(&app);
+    let replication = app.replication.get().cloned();
     listener::serve(
         listener,
         routes(app, options.max_body_bytes),
@@ -534,6 +569,10 @@ pub async fn serve(
     if let Some((stop, picker)) = picker {
         let _ = stop.send(());
         let _ = picker.await;
+    }
+    if let Some(replication) = replication {
+        // Goodbye: the peers drop this replica's load now, not after the timeout.
+        replication.shutdown().await;
     }
     Ok(())
 }

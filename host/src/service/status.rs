@@ -9,6 +9,8 @@ use super::App;
 use crate::domain::{Role, WorkerKey};
 use crate::engine_events::stats::NO_SEQ;
 use crate::gateway::health::HealthView;
+use crate::replication::merge::PeerStatus;
+use crate::replication::StatsView;
 use crate::router::workers::Load;
 use crate::selection::FallbackReason;
 use crate::service::reload::ReloadStatus;
@@ -41,6 +43,31 @@ pub struct Status<'a> {
     pub kv_event_sources: Vec<SourceStatus>,
     pub kv_events_thread_policy: &'static str,
     pub thread_policy_refusals: u64,
+    /// `null` unless `replication:` is configured.
+    pub replication: Option<ReplicationStatus<'a>>,
+}
+
+/// Load shared with other replicas: the peers, the age of each one's last
+/// message, and the checksum of the summed view (equal on replicas that agree).
+#[derive(Serialize)]
+pub struct ReplicationStatus<'a> {
+    pub name: &'a str,
+    pub fleet: &'a str,
+    pub incarnation: u64,
+    pub connected: bool,
+    pub ready: bool,
+    pub peers: Vec<PeerStatus>,
+    pub refused: Vec<RefusedPeer>,
+    pub checksum: String,
+    pub stats: StatsView,
+}
+
+/// A peer whose messages are ignored.
+#[derive(Serialize)]
+pub struct RefusedPeer {
+    pub name: String,
+    pub block_size: u64,
+    pub reason: &'static str,
 }
 
 /// A role: its selection policy, as configured and as it books, and its hints.
@@ -199,6 +226,28 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         kv_event_sources: kv_event_sources(&app),
         kv_events_thread_policy: app.ingest.scheduling().get().as_str(),
         thread_policy_refusals: app.ingest.scheduling().refusals(),
+        replication: app.replication.get().map(|replication| {
+            let view = replication.view();
+            ReplicationStatus {
+                name: replication.name(),
+                fleet: replication.fleet(),
+                incarnation: replication.incarnation(),
+                connected: replication.connected(),
+                ready: view.ready,
+                peers: view.peers,
+                refused: view
+                    .refused
+                    .into_iter()
+                    .map(|(name, block_size)| RefusedPeer {
+                        name,
+                        block_size,
+                        reason: "another block size",
+                    })
+                    .collect(),
+                checksum: crate::replication::checksum(&app.router),
+                stats: view.stats,
+            }
+        }),
     })
     .into_response()
 }
