@@ -454,7 +454,7 @@ fn main() {
         .expect("runtime");
     let (snapshot, _loader, _fixture) = kvhint_e2e::kvcr_snapshot();
     println!(
-        "replicas bench ({}; nats-server on 127.0.0.1:{}; a 2-core VM shared with another build: noisy)",
+        "replicas bench ({}; nats-server on 127.0.0.1:{}; timings vary with what else the machine runs)",
         if quick {
             "quick mode, debug build"
         } else {
