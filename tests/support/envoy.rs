@@ -297,6 +297,34 @@ impl Envoy {
         }
     }
 
+    /// Requests Envoy's listener holds now (`downstream_rq_active`), from its admin
+    /// API; `None` if the admin API did not answer.
+    pub fn active_requests(&self) -> Option<u64> {
+        let admin = std::fs::read_to_string(self.dir.path().join("admin-address")).ok()?;
+        let mut response = crate::llamacpp::agent()
+            .get(&format!("http://{}/stats", admin.trim()))
+            .call()
+            .ok()?;
+        let text = response.body_mut().read_to_string().ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix("http.inference.downstream_rq_active: "))
+            .and_then(|n| n.trim().parse().ok())
+    }
+
+    /// Waits (bounded) until Envoy holds no request, so no ext_proc stream can
+    /// still open a booking; panics past 30 s.
+    pub fn wait_idle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.active_requests() != Some(0) {
+            assert!(
+                Instant::now() < deadline,
+                "Envoy still holds requests after 30 s: {:?}",
+                self.active_requests()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// `http://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("http://{}", self.address)
