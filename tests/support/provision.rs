@@ -31,8 +31,8 @@
 //! npm), every test that needs it fails with a message that says what to
 //! install and how: never a skip, never a hang (every command has a bound).
 
-use crate::process::wait_or_kill;
-use crate::{e2e_target_dir, progress, workspace_root, HEARTBEAT};
+use crate::paths::{e2e_target_dir, workspace_root};
+use crate::process::{progress, wait_or_kill, HEARTBEAT};
 use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
