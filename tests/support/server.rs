@@ -147,6 +147,18 @@ impl Server {
             .line(within)
     }
 
+    /// The endpoint picker's address, from the `endpoint picker listening on
+    /// …` line `serve` prints after its own when `endpoint_picker:` is set.
+    pub fn picker_address(&self) -> String {
+        let line = self
+            .stdout_line(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("no endpoint picker address: {e}\n{}", self.log()));
+        line.trim()
+            .strip_prefix("endpoint picker listening on ")
+            .unwrap_or_else(|| panic!("unexpected line {line:?}\n{}", self.log()))
+            .to_string()
+    }
+
     pub fn get(&self, path: &str) -> (u16, String) {
         let mut response = self
             .agent
