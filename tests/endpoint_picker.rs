@@ -568,7 +568,11 @@ fn two_hundred_requests_cut_off_at_random_points_through_envoy_leave_nothing_ope
     assert_eq!(released, booked, "{metrics}");
     assert!(booked > 100.0, "most requests were booked: {booked}");
     assert!(
-        sample(&metrics, "kvhint_gateway_releases_total{reason=\"completed\"} ").unwrap_or(0.0)
+        sample(
+            &metrics,
+            "kvhint_gateway_releases_total{reason=\"completed\"} "
+        )
+        .unwrap_or(0.0)
             > 25.0,
         "the requests read to the end were released as completed"
     );

@@ -262,16 +262,19 @@ fn a_publisher_restart_clears_the_worker_and_follows_the_new_sequence() {
 
 fn until_joined_again(server: &Server, publisher: &mut Publisher) {
     let before = source_status(server)["batches"].as_u64().unwrap_or(0);
-    Waiting::new("the restarted publisher to be heard", Duration::from_secs(20))
-        .every(Duration::from_millis(50))
-        .report(|| source_status(server).to_string())
-        .until(|| {
-            publisher.publish(
-                json!([{"type": "BlockRemoved", "block_hashes": [2]}]),
-                false,
-            );
-            (source_status(server)["batches"].as_u64().unwrap_or(0) > before).then_some(())
-        });
+    Waiting::new(
+        "the restarted publisher to be heard",
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(50))
+    .report(|| source_status(server).to_string())
+    .until(|| {
+        publisher.publish(
+            json!([{"type": "BlockRemoved", "block_hashes": [2]}]),
+            false,
+        );
+        (source_status(server)["batches"].as_u64().unwrap_or(0) > before).then_some(())
+    });
 }
 
 #[test]
@@ -397,8 +400,7 @@ fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
     let booking = Waiting::new("rank 1 to hold the block", Duration::from_secs(20))
         .report(|| format!("the last booking: {}", last.borrow()))
         .until(|| {
-            let booking =
-                book_and_release(&server, &format!("dp-{}", rank1(&server)), &prompt);
+            let booking = book_and_release(&server, &format!("dp-{}", rank1(&server)), &prompt);
             let held = booking["cached_blocks"] == 1;
             last.replace(booking.clone());
             held.then_some(booking)
@@ -617,9 +619,11 @@ fn a_bind_address_in_use_is_retried_until_it_frees() {
     assert!(error.contains("cannot bind tcp://127.0.0.1"), "{error}");
     assert_eq!(source.stat(|s| s.connects.load(Ordering::Relaxed)), 0);
     drop(squatter);
-    wait::until_true("a bind after the port freed", Duration::from_secs(20), || {
-        source.stat(|s| s.connects.load(Ordering::Relaxed)) > 0
-    });
+    wait::until_true(
+        "a bind after the port freed",
+        Duration::from_secs(20),
+        || source.stat(|s| s.connects.load(Ordering::Relaxed)) > 0,
+    );
     source.events.shutdown();
 }
 
@@ -635,7 +639,13 @@ fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
     publisher.publish(json!([stored(&[801], Some(123_456), &orphan)]), false);
     Waiting::new("an unknown parent to be seen", Duration::from_secs(20))
         .report(|| source_status(server).to_string())
-        .until(|| (source_status(server)["unknown_parent"].as_u64().unwrap_or(0) > 0).then_some(()));
+        .until(|| {
+            (source_status(server)["unknown_parent"]
+                .as_u64()
+                .unwrap_or(0)
+                > 0)
+            .then_some(())
+        });
     // The rebuild clears the worker, then replays: once the second replay (the first
     // loaded the history at start) has begun, the clear is done, so a block seen from
     // then on came back from the replay buffer.

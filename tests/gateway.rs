@@ -115,11 +115,13 @@ fn a_completion_prompt_goes_to_the_worker_as_the_token_ids_the_router_hashed() {
         .iter()
         .map(|t| t.as_u64().unwrap())
         .collect();
-    let by_text = call_with(&agent,
+    let by_text = call_with(
+        &agent,
         &format!("{}/v1/completions", server.base),
         &json!({"model": MODEL_NAME, "prompt": text, "max_tokens": 6, "temperature": 0}),
     );
-    let by_ids = call_with(&agent,
+    let by_ids = call_with(
+        &agent,
         &format!("{}/v1/completions", w1.url()),
         &json!({"model": MODEL_NAME, "prompt": ids, "max_tokens": 6, "temperature": 0}),
     );
@@ -157,12 +159,14 @@ fn chats_sharing_a_system_prompt_take_its_ids_from_the_tokenizer_cache_even_afte
         .iter()
         .enumerate()
     {
-        let (status, _, through) = call_with(&agent,
+        let (status, _, through) = call_with(
+            &agent,
             &format!("{}/v1/chat/completions", server.base),
             &chat(question),
         );
         assert_eq!(status, 200, "{through}");
-        let (_, _, straight) = call_with(&agent,
+        let (_, _, straight) = call_with(
+            &agent,
             &format!("{}/v1/chat/completions", w1.url()),
             &chat(question),
         );
@@ -177,7 +181,8 @@ fn chats_sharing_a_system_prompt_take_its_ids_from_the_tokenizer_cache_even_afte
     // A reload that leaves the tokenizer's files alone keeps its cache warm.
     let (status, body) = server.post("/admin/reload", &json!({}));
     assert_eq!(status, 200, "{body}");
-    let (status, _, through) = call_with(&agent,
+    let (status, _, through) = call_with(
+        &agent,
         &format!("{}/v1/chat/completions", server.base),
         &chat("And a third question?"),
     );
@@ -196,7 +201,8 @@ fn repeated_long_prompts_stay_where_their_prefix_is_in_approximate_mode() {
     let agent = agent();
     let long: String = (0..120).map(|i| format!("word{i} ")).collect();
     let ask = |prompt: &str| {
-        call_with(&agent,
+        call_with(
+            &agent,
             &format!("{}/v1/completions", server.base),
             &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}),
         )
@@ -344,7 +350,8 @@ fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
         &workers,
         "  idle_timeout_ms: 300\n  max_attempts: 1\n  health:\n    interval_ms: 0\n",
     );
-    let (status, _, text) = call_with(&agent(),
+    let (status, _, text) = call_with(
+        &agent(),
         &format!("{}/v1/completions", server.base),
         &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}),
     );

@@ -118,7 +118,7 @@ fn a_killed_worker_restarts_on_the_same_port() {
     let before = completion(&worker);
     worker.kill();
     assert!(!worker.is_running());
-    let agent = kvhint_e2e::llamacpp::agent();
+    let agent = kvhint_e2e::http::agent();
     assert!(
         agent
             .get(&format!("{}/health", worker.url()))

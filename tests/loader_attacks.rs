@@ -6,6 +6,7 @@
 //! being denied.
 
 use kvhint::loader::LoadErrorKind;
+use kvhint_e2e::http::book_and_release;
 use kvhint_e2e::{config_file, kvhint_bin, loader, plugin_so, private_dir, Server, TempDir};
 use serde_json::json;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -285,14 +286,9 @@ fn register_and_book(server: &Server, id: &str) {
         "/workers",
         &json!({"worker_id": 1, "role": "decode", "runtime_data": {"router_hint": true}}),
     );
+    // A second call registers the same worker again (200).
     assert!(status == 201 || status == 200, "{body}");
-    let (status, body) = server.post(
-        "/book",
-        &json!({"request_id": id, "role": "decode", "token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}),
-    );
-    assert_eq!(status, 200, "{body}");
-    let (status, body) = server.post("/release", &json!({"request_id": id}));
-    assert_eq!(status, 200, "{body}");
+    book_and_release(server, id, &[1, 2, 3, 4, 5, 6, 7, 8]);
 }
 
 #[test]

@@ -4,7 +4,8 @@
 //! are short, and what is asserted is load, peers and checksums as `/admin/status`
 //! and `/metrics` show them.
 
-use kvhint_e2e::nats::{free_port, NatsServer};
+use kvhint_e2e::nats::NatsServer;
+use kvhint_e2e::process::free_port;
 use kvhint_e2e::{drop_in, kvhint_bin, private_dir, Server, TempDir};
 use serde_json::{json, Value};
 use std::io::{Read, Write};

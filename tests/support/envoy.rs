@@ -8,8 +8,8 @@
 //! The bootstrap is checked with `envoy --mode validate` before Envoy starts.
 
 use crate::process::spawn_tied;
-use crate::wait::Waiting;
 use crate::provision::python;
+use crate::wait::Waiting;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;

@@ -190,14 +190,17 @@ pub fn source_status(server: &Server) -> Value {
 /// what is sent before its subscription reaches the publisher. A probe is
 /// heard at the latest at the next check, 50 ms later.
 pub fn until_joined(server: &Server, publisher: &mut Publisher) {
-    Waiting::new("the subscription to hear the publisher", Duration::from_secs(30))
-        .every(Duration::from_millis(50))
-        .report(|| format!("{}\n{}", source_status(server), server.log()))
-        .until(|| {
-            publisher.publish(
-                json!([{"type": "BlockRemoved", "block_hashes": [999_999]}]),
-                false,
-            );
-            (source_status(server)["batches"].as_u64().unwrap_or(0) > 0).then_some(())
-        });
+    Waiting::new(
+        "the subscription to hear the publisher",
+        Duration::from_secs(30),
+    )
+    .every(Duration::from_millis(50))
+    .report(|| format!("{}\n{}", source_status(server), server.log()))
+    .until(|| {
+        publisher.publish(
+            json!([{"type": "BlockRemoved", "block_hashes": [999_999]}]),
+            false,
+        );
+        (source_status(server)["batches"].as_u64().unwrap_or(0) > 0).then_some(())
+    });
 }

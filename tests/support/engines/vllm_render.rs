@@ -8,8 +8,8 @@
 //! and the binary unpacked from it into `target/e2e/vllm-render/`.
 
 use crate::process::spawn_tied;
-use crate::wait::Waiting;
 use crate::provision::{once, provisioned, python, run_with_progress};
+use crate::wait::Waiting;
 use crate::{e2e_target_dir, private_dir, TempDir};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
