@@ -396,15 +396,14 @@ fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
         });
     let prompt = tokens(6_000, 1);
     publisher.publish(json!([stored(&[601], None, &prompt)]), false);
-    let last = std::cell::RefCell::new(Value::Null);
-    let booking = Waiting::new("rank 1 to hold the block", Duration::from_secs(20))
-        .report(|| format!("the last booking: {}", last.borrow()))
-        .until(|| {
-            let booking = book_and_release(&server, &format!("dp-{}", rank1(&server)), &prompt);
-            let held = booking["cached_blocks"] == 1;
-            last.replace(booking.clone());
-            held.then_some(booking)
-        });
+    let booking = wait::until_ok("rank 1 to hold the block", Duration::from_secs(20), || {
+        let booking = book_and_release(&server, &format!("dp-{}", rank1(&server)), &prompt);
+        if booking["cached_blocks"] == 1 {
+            Ok(booking)
+        } else {
+            Err(format!("the last booking: {booking}"))
+        }
+    });
     assert_eq!(booking["dp_rank"], 1, "{booking}");
     assert_eq!(server.status()["kv_event_sources"][0]["batches"], 0);
 }

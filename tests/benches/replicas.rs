@@ -33,6 +33,7 @@ use kvhint::router::{BookRequest, Router};
 use kvhint::snapshot::Snapshot;
 use kvhint_e2e::bench::{interleaved_medians, is_bench, quantile, verdict};
 use kvhint_e2e::nats::NatsServer;
+use kvhint_e2e::wait::Waiting;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,12 +104,12 @@ fn local_requests(router: &Router) -> u64 {
         .sum()
 }
 
+/// Polls `check` every 2 ms (a replica's lag is what some of these waits
+/// measure) until it holds, within `bound`.
 fn wait_until(what: &str, bound: Duration, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + bound;
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    Waiting::new(what, bound)
+        .every(Duration::from_millis(2))
+        .until(|| check().then_some(()));
 }
 
 /// Sleeps (spinning the last stretch) until `at`.

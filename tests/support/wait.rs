@@ -28,6 +28,16 @@ pub fn until<T>(what: &str, bound: Duration, check: impl FnMut() -> Option<T>) -
     Waiting::new(what, bound).until(check)
 }
 
+/// Like [`until`], for a check that says what it saw instead (`Err`): the
+/// failure shows the last of it.
+pub fn until_ok<T, E: std::fmt::Display>(
+    what: &str,
+    bound: Duration,
+    check: impl FnMut() -> Result<T, E>,
+) -> T {
+    Waiting::new(what, bound).until_ok(check)
+}
+
 /// [`until`] for a check that is a plain condition.
 pub fn until_true(what: &str, bound: Duration, mut check: impl FnMut() -> bool) {
     until(what, bound, || check().then_some(()))
@@ -70,29 +80,29 @@ impl<'a> Waiting<'a> {
     /// Polls `check` until it returns `Some`, at least once and until the
     /// bound has passed; fails the test otherwise.
     pub fn until<T>(self, mut check: impl FnMut() -> Option<T>) -> T {
+        self.until_ok(|| check().ok_or(""))
+    }
+
+    /// Polls `check` until it returns `Ok`, at least once and until the bound
+    /// has passed; fails the test otherwise, with the last `Err` (what was
+    /// seen instead: a view, a status).
+    pub fn until_ok<T, E: std::fmt::Display>(self, mut check: impl FnMut() -> Result<T, E>) -> T {
         let started = Instant::now();
         let mut checks = 0u64;
-        loop {
+        let last = loop {
             checks += 1;
-            if let Some(value) = check() {
-                return value;
-            }
-            let Some(left) = self.bound.checked_sub(started.elapsed()) else {
-                break;
+            let seen = match check() {
+                Ok(value) => return value,
+                Err(seen) => seen,
             };
-            std::thread::sleep(self.every.min(left));
-            if started.elapsed() >= self.bound {
-                // One last look at the bound, as a check may just have come true.
-                checks += 1;
-                if let Some(value) = check() {
-                    return value;
-                }
-                break;
+            match self.bound.checked_sub(started.elapsed()) {
+                Some(left) if !left.is_zero() => std::thread::sleep(self.every.min(left)),
+                _ => break seen,
             }
-        }
+        };
         let report = self.report.map(|r| r()).unwrap_or_default();
         panic!(
-            "timed out after {:?} ({checks} checks) waiting for {}\n{report}",
+            "timed out after {:?} ({checks} checks) waiting for {}\n{last}\n{report}",
             self.bound, self.what
         );
     }
