@@ -120,7 +120,7 @@ fn main() {
         for system in &systems {
             for url in &system.urls {
                 n += 1;
-                timed_post(&agent, &format!("{url}{path}"), &body(n).to_string()).0;
+                timed_post(&agent, &format!("{url}{path}"), &body(n).to_string());
             }
         }
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); systems.len()];

@@ -235,10 +235,10 @@ pub fn timed_post(agent: &ureq::Agent, url: &str, body: &str) -> (f64, f64) {
 }
 
 /// A small deterministic generator, so a failing run can be replayed.
-pub struct Lcg(pub u64);
+struct Lcg(u64);
 
 impl Lcg {
-    pub fn next(&mut self) -> u64 {
+    fn next(&mut self) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
