@@ -82,6 +82,38 @@ fn released(server: &Server, reason: &str) -> f64 {
     )
 }
 
+/// The workers with a request open, by the router's `/admin/status`.
+fn loaded_workers(status: &Value) -> Vec<u64> {
+    status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect()
+}
+
+/// `rounds` long streams through `envoy`, one at a time: kvhint books exactly
+/// one of the two `workers`, and that worker's engine is the one running it.
+fn booked_worker_runs_each(
+    picker: &Picker,
+    envoy: &Envoy,
+    workers: [&LlamaWorker; 2],
+    rounds: usize,
+) {
+    for _ in 0..rounds {
+        let stream = long_stream(envoy);
+        let status = picker.server.status();
+        let booked = loaded_workers(&status);
+        assert_eq!(booked.len(), 1, "{status}");
+        let chosen = booked[0] as usize;
+        assert_eq!(workers[chosen - 1].slots_busy(), 1);
+        assert_eq!(workers[2 - chosen].slots_busy(), 0);
+        drop(stream);
+        picker.server.until_idle();
+    }
+}
+
 /// A long streamed completion through Envoy, read until its first events came.
 fn long_stream(envoy: &Envoy) -> TcpStream {
     let long = json!({"model": MODEL_NAME, "prompt": "Count forever:", "max_tokens": 3000,
@@ -175,15 +207,7 @@ fn envoy_sends_each_request_to_the_worker_kvhint_booked() {
     for _ in 0..2 {
         let stream = long_stream(&envoy);
         streams.push(stream);
-        let status = picker.server.status();
-        let loaded: Vec<u64> = status["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
-            .map(|w| w["worker_id"].as_u64().unwrap())
-            .collect();
-        booked = loaded;
+        booked = loaded_workers(&picker.server.status());
     }
     booked.sort_unstable();
     assert_eq!(booked, vec![1, 2], "kvhint booked both workers");
@@ -195,23 +219,7 @@ fn envoy_sends_each_request_to_the_worker_kvhint_booked() {
     picker.server.until_idle();
     // One request at a time: the booked worker (the response header) is the one
     // whose engine ran it (its slot is busy while it streams).
-    for _ in 0..3 {
-        let stream = long_stream(&envoy);
-        let status = picker.server.status();
-        let booked: Vec<u64> = status["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
-            .map(|w| w["worker_id"].as_u64().unwrap())
-            .collect();
-        assert_eq!(booked.len(), 1, "{status}");
-        let chosen = booked[0] as usize;
-        assert_eq!(workers[chosen - 1].slots_busy(), 1);
-        assert_eq!(workers[2 - chosen].slots_busy(), 0);
-        drop(stream);
-        picker.server.until_idle();
-    }
+    booked_worker_runs_each(&picker, &envoy, workers, 3);
 }
 
 /// Envoy's cluster reads the destination from the `envoy.lb` dynamic metadata
@@ -225,23 +233,7 @@ fn the_envoy_lb_metadata_alone_routes_each_request_to_the_booked_worker() {
         picker: picker.address.clone(),
     });
     let workers = [&w1, &w2];
-    for _ in 0..2 {
-        let stream = long_stream(&envoy);
-        let status = picker.server.status();
-        let booked: Vec<u64> = status["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
-            .map(|w| w["worker_id"].as_u64().unwrap())
-            .collect();
-        assert_eq!(booked.len(), 1, "{status}");
-        let chosen = booked[0] as usize;
-        assert_eq!(workers[chosen - 1].slots_busy(), 1);
-        assert_eq!(workers[2 - chosen].slots_busy(), 0);
-        drop(stream);
-        picker.server.until_idle();
-    }
+    booked_worker_runs_each(&picker, &envoy, workers, 2);
     let (status, worker, text) = call(
         &format!("{}/v1/completions", envoy.url()),
         &json!({"model": MODEL_NAME, "prompt": "Metadata", "max_tokens": 2}),

@@ -140,6 +140,19 @@ fn blocks_reach_the_next_booking(server: &Server, publisher: &mut Publisher) {
     assert_eq!(status["hashes"], "signed", "{status}");
 }
 
+/// SGLang's publisher binding 127.0.0.1 without a replay socket, and a fleet
+/// whose worker 3 subscribes to it.
+fn bound() -> (Publisher, Fleet) {
+    let port = free_port();
+    let publisher = Publisher::sglang(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    (publisher, fleet)
+}
+
 /// SGLang's publisher binding 127.0.0.1 with its replay socket, and a fleet whose
 /// worker 3 subscribes to both.
 fn bound_with_replay() -> (Publisher, Fleet) {
@@ -201,13 +214,7 @@ fn a_dropped_batch_is_recovered_through_the_engines_replay_socket() {
 
 #[test]
 fn without_a_replay_socket_a_gap_resyncs_the_worker_from_new_events() {
-    let port = free_port();
-    let mut publisher = Publisher::sglang(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let (mut publisher, fleet) = bound();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     let old = tokens(2_000, 1);
@@ -711,13 +718,7 @@ fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
 /// counted, and the log says which setting to change.
 #[test]
 fn a_store_of_another_block_size_is_refused_and_the_log_names_the_setting() {
-    let port = free_port();
-    let mut publisher = Publisher::sglang(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let (mut publisher, fleet) = bound();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     let tokens: Vec<u32> = (0..32).collect();

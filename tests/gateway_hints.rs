@@ -26,7 +26,7 @@
 use kvhint_e2e::engines::capture::Upstream;
 use kvhint_e2e::engines::{until_joined, Publisher};
 use kvhint_e2e::http::{book, book_and_release, metric_or_zero, register_worker, release};
-use kvhint_e2e::llamacpp::qwen3_tokenizer_dir;
+use kvhint_e2e::llamacpp::{hf_ids, qwen3_tokenizer_dir};
 use kvhint_e2e::process::free_port;
 use kvhint_e2e::provision::{python, vllm_plugin_wheel};
 use kvhint_e2e::wait::Waiting;
@@ -48,28 +48,6 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog while the router
 
 // ---------------------------------------------------------------------------
 // The fleet.
-
-/// The tokenizer's ids for `text` (HF tokenizers, the same tokenizer.json the
-/// router loads).
-fn tokenizer_ids(text: &str) -> Vec<u32> {
-    let script = "import json, sys\n\
-                  from tokenizers import Tokenizer\n\
-                  t = Tokenizer.from_file(sys.argv[1])\n\
-                  print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
-    let output = run_bounded(
-        Command::new(python())
-            .args(["-c", script])
-            .arg(qwen3_tokenizer_dir().join("tokenizer.json"))
-            .arg(text),
-        Duration::from_secs(120),
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap()
-}
 
 struct Fleet {
     server: Server,
@@ -226,7 +204,7 @@ fn write_json(dir: &Path, name: &str, value: &Value) -> std::path::PathBuf {
 
 #[test]
 fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts() {
-    let ids = tokenizer_ids(TEXT);
+    let ids = hf_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     assert!(blocks >= 4, "{} tokens", ids.len());
     // SGLang's hashes are signed 64-bit values.
@@ -315,7 +293,7 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
 
 #[test]
 fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
-    let ids = tokenizer_ids(TEXT);
+    let ids = hf_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     // vLLM's default integer hashes, below 2^63.
     let hashes: Vec<i64> = (0..blocks as i64)
@@ -376,7 +354,7 @@ fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
 
 #[test]
 fn a_vllm_worker_without_the_plugin_gets_no_hint_and_it_is_counted() {
-    let ids = tokenizer_ids(TEXT);
+    let ids = hf_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     let hashes: Vec<i64> = (0..blocks as i64).map(|i| 17 + i).collect();
     let port = free_port();

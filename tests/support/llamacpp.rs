@@ -252,6 +252,29 @@ impl Drop for LlamaWorker {
     }
 }
 
+/// HF tokenizers' ids for `text` with Qwen3's tokenizer.json (the one the
+/// router and the tiny model load), from the harness's Python environment;
+/// no special tokens added.
+pub fn hf_ids(text: &str) -> Vec<u32> {
+    let script = "import json, sys\n\
+                  from tokenizers import Tokenizer\n\
+                  t = Tokenizer.from_file(sys.argv[1])\n\
+                  print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
+    let output = crate::process::run_bounded(
+        Command::new(python())
+            .args(["-c", script])
+            .arg(qwen3_tokenizer_dir().join("tokenizer.json"))
+            .arg(text),
+        Duration::from_secs(120),
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
 /// A worker entry for a config's `workers:` section: worker `id` served by
 /// `worker` (llama.cpp, the tiny model, approximate KV events).
 pub fn worker_yaml(id: u64, worker: &LlamaWorker) -> String {

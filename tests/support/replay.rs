@@ -14,6 +14,40 @@ pub fn decode_worker(id: u64) -> kvhint::router::workers::WorkerRegistration {
     .expect("registration")
 }
 
+/// A decode request `id` for `tokens`, with no session, LoRA or cache salt.
+pub fn decode_request<'a>(id: &'a str, tokens: &'a [u32]) -> kvhint::router::BookRequest<'a> {
+    kvhint::router::BookRequest {
+        request_id: id,
+        role: kvhint::domain::Role::Decode,
+        token_ids: tokens,
+        session_context: None,
+        lora_name: None,
+        cache_salt: None,
+    }
+}
+
+/// The first `blocks` full blocks of `prompt` (`block_size` tokens each),
+/// stored by one worker in one event, with engine hashes from `engine_base`.
+pub fn stored_event(
+    prompt: &[u32],
+    block_size: usize,
+    blocks: usize,
+    engine_base: u64,
+) -> kvhint::router::index::KvEvent {
+    kvhint::router::index::KvEvent::stored(
+        None,
+        prompt
+            .chunks_exact(block_size)
+            .take(blocks)
+            .enumerate()
+            .map(|(i, chunk)| kvhint::router::index::StoredBlock {
+                block_hash: engine_base + i as u64,
+                token_ids: chunk.into(),
+            })
+            .collect(),
+    )
+}
+
 /// Replays trace records (JSON values) on a fresh router; returns each booking
 /// as JSON and the error lines.
 pub fn replay_records(
