@@ -150,6 +150,30 @@ fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
     );
 }
 
+/// [`fleet`] of `engine` workers (with `extra` runtime data), worker 2
+/// subscribed to `publisher` on `port`: once the subscription hears it, the
+/// prompt's blocks (`ids`, engine `hashes`) are published and the holder
+/// loaded ([`load_the_holder`]), so the next booking of the prompt goes to
+/// worker 1 with a `kv.fetch` from worker 2.
+fn primed_fleet(
+    engine: &str,
+    extra: Value,
+    port: u16,
+    publisher: &mut Publisher,
+    ids: &[u32],
+    hashes: &[i64],
+) -> Fleet {
+    let fleet = fleet(
+        engine,
+        extra,
+        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+    );
+    until_joined(&fleet.server, publisher);
+    publish_blocks(publisher, ids, hashes);
+    load_the_holder(&fleet.server, ids, ids.len() / BLOCK);
+    fleet
+}
+
 /// The one `kv.fetch` action in an envelope.
 fn the_fetch(envelope: &Value) -> &Value {
     let fetches: Vec<&Value> = envelope["actions"]
@@ -221,15 +245,8 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
         format!("tcp://127.0.0.1:{port}"),
         "--bind".into(),
     ]);
-    let fleet = fleet(
-        "sglang",
-        json!({}),
-        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
-    );
+    let fleet = primed_fleet("sglang", json!({}), port, &mut publisher, &ids, &hashes);
     let server = &fleet.server;
-    until_joined(server, &mut publisher);
-    publish_blocks(&mut publisher, &ids, &hashes);
-    load_the_holder(server, &ids, blocks);
 
     let (status, reply) = server.post(
         "/generate",
@@ -302,15 +319,15 @@ fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
     let port = free_port();
     // vLLM binds only a wildcard host.
     let mut publisher = Publisher::vllm(&["--endpoint".into(), format!("tcp://*:{port}")]);
-    let fleet = fleet(
+    let fleet = primed_fleet(
         "vllm",
         json!({"kvhint_endpoint_plugin": true}),
-        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+        port,
+        &mut publisher,
+        &ids,
+        &hashes,
     );
     let server = &fleet.server;
-    until_joined(server, &mut publisher);
-    publish_blocks(&mut publisher, &ids, &hashes);
-    load_the_holder(server, &ids, blocks);
 
     let (status, reply) = server.post(
         "/v1/completions",
@@ -360,15 +377,8 @@ fn a_vllm_worker_without_the_plugin_gets_no_hint_and_it_is_counted() {
     let port = free_port();
     // vLLM binds only a wildcard host.
     let mut publisher = Publisher::vllm(&["--endpoint".into(), format!("tcp://*:{port}")]);
-    let fleet = fleet(
-        "vllm",
-        json!({}),
-        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
-    );
+    let fleet = primed_fleet("vllm", json!({}), port, &mut publisher, &ids, &hashes);
     let server = &fleet.server;
-    until_joined(server, &mut publisher);
-    publish_blocks(&mut publisher, &ids, &hashes);
-    load_the_holder(server, &ids, blocks);
     let (status, reply) = server.post(
         "/v1/completions",
         &json!({"model": MODEL, "prompt": TEXT, "max_tokens": 1}),
