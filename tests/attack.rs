@@ -12,8 +12,9 @@
 use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{block_hashes, KvEvent, Matches, StoredBlock};
 use kvhint::router::workers::WorkerRegistration;
-use kvhint::router::{BookRequest, Router};
+use kvhint::router::Router;
 use kvhint_e2e::allocations::{counted, Counting};
+use kvhint_e2e::replay::decode_request;
 use kvhint_e2e::{config_file, snapshot_of};
 
 #[global_allocator]
@@ -119,14 +120,7 @@ fn duplicate_engine_hashes_cannot_blow_up_a_maximum_length_booking() {
         );
 
         let request_id = format!("attack-{round}");
-        let request = BookRequest {
-            request_id: &request_id,
-            role: Role::Decode,
-            token_ids: &prompt,
-            session_context: None,
-            lora_name: None,
-            cache_salt: None,
-        };
+        let request = decode_request(&request_id, &prompt);
         let started = std::time::Instant::now();
         let (booking, allocated) = counted(|| router.book(role, &request));
         let elapsed = started.elapsed();

@@ -23,8 +23,9 @@
 use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{block_hashes, KvEvent, KvIndex, Matches, StoredBlock};
 use kvhint::router::workers::{Load, WorkerRegistration};
-use kvhint::router::{BookRequest, Booking, Router, RouterError};
+use kvhint::router::{Booking, Router, RouterError};
 use kvhint::snapshot::{RoleRuntime, Snapshot};
+use kvhint_e2e::replay::decode_request;
 use kvhint_e2e::{config_file, snapshot_of, ConfigFixture};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -414,14 +415,7 @@ fn concurrent_bookings_events_and_registrations_leave_exact_state() {
                             &p[..]
                         };
                         let id = format!("unique-{t}-{i}");
-                        let request = BookRequest {
-                            request_id: &id,
-                            role: Role::Decode,
-                            token_ids: tokens,
-                            session_context: None,
-                            lora_name: None,
-                            cache_salt: None,
-                        };
+                        let request = decode_request(&id, tokens);
                         let booking = router.book(role, &request).expect("a unique id books");
                         check_booking(&booking, tokens.len());
                         if i.is_multiple_of(5) {
@@ -449,17 +443,7 @@ fn concurrent_bookings_events_and_registrations_leave_exact_state() {
                         let id = format!("dup-{r}");
                         let tokens = &prompts[r % PROMPTS];
                         barrier.wait();
-                        let won = match router.book(
-                            role,
-                            &BookRequest {
-                                request_id: &id,
-                                role: Role::Decode,
-                                token_ids: tokens,
-                                session_context: None,
-                                lora_name: None,
-                                cache_salt: None,
-                            },
-                        ) {
+                        let won = match router.book(role, &decode_request(&id, tokens)) {
                             Ok(booking) => {
                                 check_booking(&booking, tokens.len());
                                 Some(booking)
@@ -616,19 +600,7 @@ fn book_open(
         .map(|i| {
             let id = format!("{prefix}-{i}");
             let tokens = &prompts[i % prompts.len()];
-            let booking = router
-                .book(
-                    role,
-                    &BookRequest {
-                        request_id: &id,
-                        role: Role::Decode,
-                        token_ids: tokens,
-                        session_context: None,
-                        lora_name: None,
-                        cache_salt: None,
-                    },
-                )
-                .unwrap();
+            let booking = router.book(role, &decode_request(&id, tokens)).unwrap();
             check_booking(&booking, tokens.len());
             booking
         })
@@ -753,17 +725,7 @@ fn deregistration_racing_bookings_leaves_no_orphan_booking() {
                     while !done.load(Ordering::Relaxed) && i < 50_000 {
                         let id = format!("b{t}-{i}");
                         i += 1;
-                        match router.book(
-                            role,
-                            &BookRequest {
-                                request_id: &id,
-                                role: Role::Decode,
-                                token_ids: &prompts[i % PROMPTS],
-                                session_context: None,
-                                lora_name: None,
-                                cache_salt: None,
-                            },
-                        ) {
+                        match router.book(role, &decode_request(&id, &prompts[i % PROMPTS])) {
                             Ok(b) => booked.push(b),
                             Err(RouterError::NoWorkers(_)) => thread::yield_now(),
                             Err(e) => panic!("{e}"),
@@ -915,19 +877,7 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
     let book = |i: usize| {
         let id = format!("c-{i}");
         let tokens = &prompts[i % PROMPTS];
-        let booking = router
-            .book(
-                role,
-                &BookRequest {
-                    request_id: &id,
-                    role: Role::Decode,
-                    token_ids: tokens,
-                    session_context: None,
-                    lora_name: None,
-                    cache_salt: None,
-                },
-            )
-            .unwrap();
+        let booking = router.book(role, &decode_request(&id, tokens)).unwrap();
         router.release(&id).unwrap();
         check_booking(&booking, tokens.len());
         booking
@@ -984,18 +934,6 @@ fn committed_copy_matches_the_fetch_sent_under_events() {
 // router's test hooks (`kvhint::router::hooks`): deterministic, so each runs once,
 // beside the probabilistic versions, which also cover what no hook names.
 
-/// A prompt's request for the hooked tests.
-fn request<'a>(id: &'a str, tokens: &'a [u32]) -> BookRequest<'a> {
-    BookRequest {
-        request_id: id,
-        role: Role::Decode,
-        token_ids: tokens,
-        session_context: None,
-        lora_name: None,
-        cache_salt: None,
-    }
-}
-
 #[test]
 fn a_worker_deregistered_between_selection_and_reservation_keeps_no_booking() {
     use kvhint::router::hooks::{on_pause, Pause};
@@ -1020,7 +958,7 @@ fn a_worker_deregistered_between_selection_and_reservation_keeps_no_booking() {
         }
     });
     let tokens = prompt(0);
-    let booking = router.book(role, &request("r-1", &tokens)).unwrap();
+    let booking = router.book(role, &decode_request("r-1", &tokens)).unwrap();
     let left = left.lock().unwrap().clone();
     assert_eq!(left.len(), 1, "the hook ran");
     assert_ne!(booking.worker, left[0], "booked on the worker that left");
@@ -1126,7 +1064,7 @@ fn a_copy_source_that_shrinks_before_the_hint_stage_gets_the_copy_the_booking_re
         }
         keep.store(kept, Ordering::Relaxed);
         let id = format!("c-{round}");
-        let booking = router.book(role, &request(&id, &tokens)).unwrap();
+        let booking = router.book(role, &decode_request(&id, &tokens)).unwrap();
         assert_eq!(
             fired.load(Ordering::Relaxed),
             round + 1,

@@ -1,30 +1,9 @@
 //! Every class of config error, each with its message and its line and column,
 //! as `kvhint check` reports them: all errors at once, in file order.
 
-use kvhint_e2e::{config_file, kvhint_bin, snapshot_of};
+use kvhint_e2e::errors::config_errors as errors;
+use kvhint_e2e::{config_file, kvhint_bin};
 use std::process::Command;
-
-/// The errors for a config, one string per error.
-fn errors(yaml: &str) -> Vec<String> {
-    let fixture = config_file(yaml);
-    match snapshot_of(&fixture, None) {
-        Ok(_) => Vec::new(),
-        Err(errors) => errors
-            .0
-            .iter()
-            .map(|e| {
-                let text = e.to_string();
-                // Strip the temporary directory: "kvhint.yaml:L:C: …", and name it
-                // `<dir>` where a message names a file in it.
-                let text = match text.find("kvhint.yaml") {
-                    Some(i) => text[i..].to_string(),
-                    None => text,
-                };
-                text.replace(&fixture.dir.path().display().to_string(), "<dir>")
-            })
-            .collect(),
-    }
-}
 
 /// `yaml` gives exactly this one error, word for word.
 fn assert_one(yaml: &str, expected: &str) {

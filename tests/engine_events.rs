@@ -5,6 +5,7 @@
 use kvhint::router::index::{block_content, identity_seed, HashedBlock, KvEvent};
 use kvhint::router::{BookRequest, Router};
 use kvhint::testing::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
+use kvhint_e2e::engines::{self, write_msgpack};
 use kvhint_e2e::{kvcr_snapshot, workspace_root};
 use serde_json::json;
 use std::path::PathBuf;
@@ -370,54 +371,6 @@ fn random_and_mutated_bytes_never_panic_and_every_failure_is_an_error() {
     assert!(ok > 100 && failed > 10_000, "ok {ok}, failed {failed}");
 }
 
-/// Minimal msgpack for the JSON shapes an engine event has; `{"bytes": [..]}` is a
-/// byte string.
-fn msgpack(out: &mut Vec<u8>, value: &serde_json::Value) {
-    use serde_json::Value;
-    match value {
-        Value::Null => rmp::encode::write_nil(out).unwrap(),
-        Value::Bool(b) => rmp::encode::write_bool(out, *b).unwrap(),
-        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-            (Some(u), _) => {
-                rmp::encode::write_uint(out, u).unwrap();
-            }
-            (None, Some(i)) => {
-                rmp::encode::write_sint(out, i).unwrap();
-            }
-            _ => rmp::encode::write_f64(out, n.as_f64().unwrap()).unwrap(),
-        },
-        Value::String(s) => rmp::encode::write_str(out, s).unwrap(),
-        Value::Array(items) => {
-            rmp::encode::write_array_len(out, items.len() as u32).unwrap();
-            for item in items {
-                msgpack(out, item);
-            }
-        }
-        Value::Object(map) if map.len() == 1 && map.contains_key("bytes") => {
-            let bytes: Vec<u8> = map["bytes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|b| b.as_u64().unwrap() as u8)
-                .collect();
-            rmp::encode::write_bin(out, &bytes).unwrap();
-        }
-        Value::Object(map) => {
-            rmp::encode::write_map_len(out, map.len() as u32).unwrap();
-            for (k, v) in map {
-                rmp::encode::write_str(out, k).unwrap();
-                msgpack(out, v);
-            }
-        }
-    }
-}
-
-fn batch_of(events: serde_json::Value) -> Vec<u8> {
-    let mut out = Vec::new();
-    msgpack(&mut out, &json!([1.7e9, events, 0]));
-    out
-}
-
 /// The start of a batch `[ts, [event]]` whose one event the caller writes by hand.
 fn one_event_batch() -> Vec<u8> {
     let mut payload = Vec::new();
@@ -452,15 +405,15 @@ fn token_ids_of_every_width_decode_exactly_up_to_the_payloads_last_byte() {
     ];
     let tokens: Vec<u32> = edges.iter().chain(edges.iter().rev()).copied().collect();
     let expected = vec![plain(tokens[..16].to_vec()), plain(tokens[16..].to_vec())];
-    let map_form = batch_of(json!([{"type": "BlockStored", "block_hashes": [1, 2],
+    let map_form = engines::batch(json!([{"type": "BlockStored", "block_hashes": [1, 2],
         "parent_block_hash": null, "token_ids": tokens, "block_size": 16}]));
     let mut array_form = Vec::new();
-    msgpack(
+    write_msgpack(
         &mut array_form,
         &json!([1.7e9, [["BlockStored", [1, 2], null, tokens]]]),
     );
     let mut ids = Vec::new();
-    msgpack(&mut ids, &json!(tokens));
+    write_msgpack(&mut ids, &json!(tokens));
     assert!(array_form.ends_with(&ids), "the ids end the payload");
     for payload in [map_form, array_form] {
         let batch = decode(&payload);
@@ -518,7 +471,7 @@ fn ids_in_any_encoding_anywhere_in_a_long_list_decode_exactly() {
     payload.extend_from_slice(&[0xa2, 0xff, 0xfe]);
     rmp::encode::write_str(&mut payload, "ignored").unwrap();
     rmp::encode::write_str(&mut payload, "block_hashes").unwrap();
-    msgpack(&mut payload, &json!(hashes));
+    write_msgpack(&mut payload, &json!(hashes));
     rmp::encode::write_str(&mut payload, "parent_block_hash").unwrap();
     rmp::encode::write_nil(&mut payload).unwrap();
     rmp::encode::write_str(&mut payload, "token_ids").unwrap();
@@ -545,7 +498,7 @@ fn a_token_count_past_the_end_of_the_payload_is_refused_at_the_count() {
     let mut payload = one_event_batch();
     rmp::encode::write_array_len(&mut payload, 4).unwrap();
     rmp::encode::write_str(&mut payload, "BlockStored").unwrap();
-    msgpack(&mut payload, &json!([1]));
+    write_msgpack(&mut payload, &json!([1]));
     rmp::encode::write_nil(&mut payload).unwrap();
     // token_ids: an array32 header of 2^31 ids, then three bytes.
     payload.extend_from_slice(&[0xdd, 0x80, 0, 0, 0, 1, 2, 3]);
@@ -564,7 +517,7 @@ fn a_token_count_past_the_end_of_the_payload_is_refused_at_the_count() {
 #[test]
 fn sglang_eagle_bigram_tokens_decode_to_their_first_token() {
     let pairs: Vec<serde_json::Value> = (0..16u32).map(|t| json!([t, t + 1])).collect();
-    let batch = decode(&batch_of(
+    let batch = decode(&engines::batch(
         json!([{"type": "BlockStored", "block_hashes": [-1],
         "parent_block_hash": null, "token_ids": pairs, "block_size": 16, "lora_id": null}]),
     ));
@@ -576,7 +529,7 @@ fn sglang_eagle_bigram_tokens_decode_to_their_first_token() {
 
 #[test]
 fn a_contradictory_event_is_refused_alone_and_skipped_events_do_not_set_the_hash_form() {
-    let batch = decode(&batch_of(json!([
+    let batch = decode(&engines::batch(json!([
         // 2 hashes, 1 block of tokens: refused, counted.
         {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": null,
          "token_ids": (0..16).collect::<Vec<u32>>(), "block_size": 16},
@@ -614,7 +567,7 @@ fn a_contradictory_event_is_refused_alone_and_skipped_events_do_not_set_the_hash
     settings.media.push("CPU".into());
     let mut out = DecodedBatch::default();
     decode_batch(
-        &batch_of(
+        &engines::batch(
             json!([{"type": "BlockStored", "block_hashes": [{"bytes": vec![7; 32]}],
             "parent_block_hash": null, "token_ids": [], "block_size": 0, "medium": "CPU"}]),
         ),
@@ -631,7 +584,7 @@ fn a_contradictory_event_is_refused_alone_and_skipped_events_do_not_set_the_hash
 
 #[test]
 fn unknown_event_types_are_counted_and_skipped() {
-    let batch = decode(&batch_of(json!([
+    let batch = decode(&engines::batch(json!([
         {"type": "BlockPinned", "block_hashes": [1], "whatever": {"nested": [1, 2]}},
         ["SomethingNew", 1, 2, 3],
         {"type": "AllBlocksCleared"}

@@ -12,125 +12,16 @@
 //! `KVHINT_VLLM_WHEEL` to use a wheel you have. Every read from a publisher has a
 //! deadline: a hung publisher fails its test.
 
-use kvhint_e2e::process::{spawn_tied, wait_or_kill, LineReader};
-use kvhint_e2e::provision::{python, vllm_wheel};
-use kvhint_e2e::{private_dir, workspace_root, Server};
+use kvhint_e2e::engines::{batch, source_status, until_joined, Publisher};
+use kvhint_e2e::http::{book_and_release, decode_worker_body, register_worker};
+use kvhint_e2e::process::free_port;
+use kvhint_e2e::wait::{self, Waiting};
+use kvhint_e2e::{private_dir, Server};
 use serde_json::{json, Value};
-use std::io::Write;
 use std::net::TcpListener;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const BLOCK: u32 = 16;
-
-/// How long a publisher may take to answer a command (or to start).
-const REPLY_WITHIN: Duration = Duration::from_secs(60);
-
-/// A port on 127.0.0.1 outside the ephemeral range, free when asked.
-fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU16, Ordering};
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 21_000 + (std::process::id() % 400) as u16 * 20;
-    for _ in 0..2_000 {
-        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 8_000;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port between 21000 and 29999");
-}
-
-/// The engine's publisher, driven over stdin/stdout.
-struct Publisher {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: LineReader,
-    script: String,
-}
-
-impl Publisher {
-    /// SGLang 0.5.23's publisher.
-    fn start(args: &[String]) -> Publisher {
-        Self::start_engine("sglang_publisher.py", args)
-    }
-
-    /// `script` in `tests/engines/`: `sglang_publisher.py` or `vllm_publisher.py`.
-    fn start_engine(script: &str, args: &[String]) -> Publisher {
-        let python = python();
-        let path = workspace_root().join("tests/engines").join(script);
-        let mut command = Command::new(python);
-        command
-            .arg(&path)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child =
-            spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
-        let stdin = child.stdin.take().unwrap();
-        let stdout = LineReader::new(child.stdout.take().unwrap());
-        let mut publisher = Publisher {
-            child,
-            stdin,
-            stdout,
-            script: script.into(),
-        };
-        let ready = publisher.line();
-        assert_eq!(
-            ready["ready"],
-            true,
-            "{} did not start: {ready} (its stderr is above; the interpreter is {})",
-            path.display(),
-            python.display()
-        );
-        publisher
-    }
-
-    /// vLLM 0.23.0's publisher, read out of the wheel the harness provides.
-    fn start_vllm(args: &[String]) -> Publisher {
-        let mut args = args.to_vec();
-        args.extend(["--wheel".into(), vllm_wheel().display().to_string()]);
-        Self::start_engine("vllm_publisher.py", &args)
-    }
-
-    /// The publisher's next line, as JSON; fails the test if none comes within
-    /// [`REPLY_WITHIN`].
-    fn line(&mut self) -> Value {
-        let line = match self.stdout.line(REPLY_WITHIN) {
-            Ok(line) => line,
-            Err(why) => {
-                let status = wait_or_kill(&mut self.child, Duration::ZERO);
-                panic!(
-                    "{} gave no answer: {why} (exit status: {})",
-                    self.script,
-                    status.map_or("still running, killed".into(), |s| s.to_string())
-                )
-            }
-        };
-        serde_json::from_str(&line).unwrap_or_else(|_| panic!("{} said {line:?}", self.script))
-    }
-
-    fn command(&mut self, command: Value) -> Value {
-        writeln!(self.stdin, "{command}").unwrap();
-        self.stdin.flush().unwrap();
-        let reply = self.line();
-        assert!(reply.get("error").is_none(), "{command} → {reply}");
-        reply
-    }
-
-    fn publish(&mut self, events: Value, drop: bool) -> u64 {
-        let reply = self.command(json!({"op": "publish", "events": events, "drop": drop}));
-        reply["published"].as_u64().unwrap()
-    }
-}
-
-impl Drop for Publisher {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
-        let _ = self.stdin.flush();
-        wait_or_kill(&mut self.child, Duration::from_secs(3));
-    }
-}
 
 fn tokens(start: u32, blocks: u32) -> Vec<u32> {
     (start..start + blocks * BLOCK).collect()
@@ -161,33 +52,19 @@ fn fleet(source: Value) -> Fleet {
     .unwrap();
     let server = Server::start(&config, &[], dir.path());
     for id in [1u64, 2, 3] {
-        let mut body = json!({"worker_id": id, "role": "decode", "runtime_data": {
-            "router_hint": true, "router_hint_worker_type": "decode",
-            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.0.{id}:23280")}}});
+        let mut body = decode_worker_body(id);
         if id == 3 {
             body["kv_events"] = source.clone();
         }
-        let (status, reply) = server.post("/workers", &body);
-        assert_eq!(status, 201, "{reply}");
+        register_worker(&server, &body);
     }
     Fleet { server, _dir: dir }
-}
-
-fn book(server: &Server, id: &str, tokens: &[u32]) -> Value {
-    let (status, booking) = server.post(
-        "/book",
-        &json!({"request_id": id, "role": "decode", "token_ids": tokens}),
-    );
-    assert_eq!(status, 200, "{booking}");
-    let (status, _) = server.post("/release", &json!({"request_id": id}));
-    assert_eq!(status, 200);
-    booking
 }
 
 /// Worker 3's cached blocks for `tokens`, as the index sees them (the most any worker
 /// holds, read off a booking's committed copy or its own cached prefix).
 fn held_by_3(server: &Server, id: &str, tokens: &[u32]) -> usize {
-    let booking = book(server, id, tokens);
+    let booking = book_and_release(server, id, tokens);
     if booking["worker_id"] == 3 {
         return booking["cached_blocks"].as_u64().unwrap() as usize;
     }
@@ -199,49 +76,17 @@ fn held_by_3(server: &Server, id: &str, tokens: &[u32]) -> usize {
     }
 }
 
-fn source_status(server: &Server) -> Value {
-    server.status()["kv_event_sources"]
-        .as_array()
-        .and_then(|s| s.first().cloned())
-        .unwrap_or(Value::Null)
-}
-
-/// Publishes probes until the subscription hears one (ZMQ's slow joiner: a SUB
-/// socket misses what is sent before its subscription reaches the publisher).
-fn until_joined(server: &Server, publisher: &mut Publisher) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        publisher.publish(
-            json!([{"type": "BlockRemoved", "block_hashes": [999_999]}]),
-            false,
-        );
-        std::thread::sleep(Duration::from_millis(50));
-        if source_status(server)["batches"].as_u64().unwrap_or(0) > 0 {
-            return;
-        }
-    }
-    panic!(
-        "the subscription never heard the publisher: {}\n{}",
-        source_status(server),
-        server.log()
-    );
-}
-
 fn wait_held(server: &Server, tokens: &[u32], want: usize, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
     let mut n = 0;
-    while Instant::now() < deadline {
+    Waiting::new(
+        &format!("{what}: worker 3 to hold {want} blocks"),
+        Duration::from_secs(20),
+    )
+    .report(|| format!("{}\n{}", source_status(server), server.log()))
+    .until(|| {
         n += 1;
-        if held_by_3(server, &format!("probe-{what}-{n}"), tokens) == want {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!(
-        "{what}: worker 3 never held {want} blocks: {}\n{}",
-        source_status(server),
-        server.log()
-    );
+        (held_by_3(server, &format!("probe-{what}-{n}"), tokens) == want).then_some(())
+    });
 }
 
 /// The first booking after a publish sees its blocks, and the `kv.fetch` names the
@@ -295,11 +140,24 @@ fn blocks_reach_the_next_booking(server: &Server, publisher: &mut Publisher) {
     assert_eq!(status["hashes"], "signed", "{status}");
 }
 
+/// SGLang's publisher binding 127.0.0.1 without a replay socket, and a fleet
+/// whose worker 3 subscribes to it.
+fn bound() -> (Publisher, Fleet) {
+    let port = free_port();
+    let publisher = Publisher::sglang(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--bind".into(),
+    ]);
+    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    (publisher, fleet)
+}
+
 /// SGLang's publisher binding 127.0.0.1 with its replay socket, and a fleet whose
 /// worker 3 subscribes to both.
 fn bound_with_replay() -> (Publisher, Fleet) {
     let (port, replay) = (free_port(), free_port());
-    let publisher = Publisher::start(&[
+    let publisher = Publisher::sglang(&[
         "--endpoint".into(),
         format!("tcp://127.0.0.1:{port}"),
         "--replay-endpoint".into(),
@@ -327,7 +185,7 @@ fn sglang_binds_kvhint_connects_and_the_next_booking_sees_the_blocks() {
 fn kvhint_binds_sglang_connects_and_the_next_booking_sees_the_blocks() {
     let port = free_port();
     let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}"), "bind": true}));
-    let mut publisher = Publisher::start(&[
+    let mut publisher = Publisher::sglang(&[
         "--endpoint".into(),
         format!("tcp://127.0.0.1:{port}"),
         "--connect".into(),
@@ -356,13 +214,7 @@ fn a_dropped_batch_is_recovered_through_the_engines_replay_socket() {
 
 #[test]
 fn without_a_replay_socket_a_gap_resyncs_the_worker_from_new_events() {
-    let port = free_port();
-    let mut publisher = Publisher::start(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let (mut publisher, fleet) = bound();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     let old = tokens(2_000, 1);
@@ -417,21 +269,19 @@ fn a_publisher_restart_clears_the_worker_and_follows_the_new_sequence() {
 
 fn until_joined_again(server: &Server, publisher: &mut Publisher) {
     let before = source_status(server)["batches"].as_u64().unwrap_or(0);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
+    Waiting::new(
+        "the restarted publisher to be heard",
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(50))
+    .report(|| source_status(server).to_string())
+    .until(|| {
         publisher.publish(
             json!([{"type": "BlockRemoved", "block_hashes": [2]}]),
             false,
         );
-        std::thread::sleep(Duration::from_millis(50));
-        if source_status(server)["batches"].as_u64().unwrap_or(0) > before {
-            return;
-        }
-    }
-    panic!(
-        "never heard the restarted publisher: {}",
-        source_status(server)
-    );
+        (source_status(server)["batches"].as_u64().unwrap_or(0) > before).then_some(())
+    });
 }
 
 #[test]
@@ -459,7 +309,7 @@ fn a_bad_source_refuses_the_registration_and_says_which_field() {
 #[test]
 fn config_sources_register_subscribe_and_follow_reloads() {
     let port = free_port();
-    let mut publisher = Publisher::start(&[
+    let mut publisher = Publisher::sglang(&[
         "--endpoint".into(),
         format!("tcp://127.0.0.1:{port}"),
         "--bind".into(),
@@ -505,7 +355,7 @@ fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
     let base = free_port();
     // Keep base + 1 free for the rank-1 publisher.
     let _ = free_port();
-    let mut publisher = Publisher::start(&[
+    let mut publisher = Publisher::sglang(&[
         "--endpoint".into(),
         format!("tcp://127.0.0.1:{base}"),
         "--bind".into(),
@@ -539,33 +389,29 @@ fn a_dp_rank_subscribes_at_port_plus_rank_and_its_events_land_on_that_rank() {
             .as_u64()
             .unwrap_or(0)
     };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while rank1(&server) == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "rank 1 never heard its publisher"
-        );
-        publisher.publish(
-            json!([{"type": "BlockRemoved", "block_hashes": [9]}]),
-            false,
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    Waiting::new("rank 1 to hear its publisher", Duration::from_secs(20))
+        .every(Duration::from_millis(50))
+        .until(|| {
+            if rank1(&server) > 0 {
+                return Some(());
+            }
+            publisher.publish(
+                json!([{"type": "BlockRemoved", "block_hashes": [9]}]),
+                false,
+            );
+            None
+        });
     let prompt = tokens(6_000, 1);
     publisher.publish(json!([stored(&[601], None, &prompt)]), false);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let booking = book(&server, &format!("dp-{}", rank1(&server)), &prompt);
+    let booking = wait::until_ok("rank 1 to hold the block", Duration::from_secs(20), || {
+        let booking = book_and_release(&server, &format!("dp-{}", rank1(&server)), &prompt);
         if booking["cached_blocks"] == 1 {
-            assert_eq!(booking["dp_rank"], 1, "{booking}");
-            break;
+            Ok(booking)
+        } else {
+            Err(format!("the last booking: {booking}"))
         }
-        assert!(
-            Instant::now() < deadline,
-            "rank 1 never held the block: {booking}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    });
+    assert_eq!(booking["dp_rank"], 1, "{booking}");
     assert_eq!(server.status()["kv_event_sources"][0]["batches"], 0);
 }
 
@@ -654,12 +500,13 @@ impl InProcess {
 
     /// Publishes probes until the subscription has applied one.
     fn join(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.stat(|s| s.batches.load(std::sync::atomic::Ordering::Relaxed)) == 0 {
-            assert!(Instant::now() < deadline, "never joined");
+        wait::until("the subscription to join", Duration::from_secs(20), || {
+            if self.stat(|s| s.batches.load(std::sync::atomic::Ordering::Relaxed)) > 0 {
+                return Some(());
+            }
             self.send(&stored_batch(1, 1), true);
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            None
+        });
     }
 
     /// Publishes a one-block batch until the index holds it.
@@ -669,22 +516,19 @@ impl InProcess {
         kvhint::router::index::block_hashes(&tokens, BLOCK as usize, &mut hashes);
         let mut matches = kvhint::router::index::Matches::new();
         let payload = stored_batch(first_hash, 1);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            self.send(&payload, true);
-            std::thread::sleep(Duration::from_millis(20));
-            let held = self.router.read_index(|index| {
-                index.lookup(&hashes, &mut matches);
-                !matches.found().is_empty()
-            });
-            if held {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "block {first_hash} never arrived"
-            );
-        }
+        wait::until(
+            &format!("block {first_hash} to arrive"),
+            Duration::from_secs(30),
+            || {
+                self.send(&payload, true);
+                std::thread::sleep(Duration::from_millis(20));
+                let held = self.router.read_index(|index| {
+                    index.lookup(&hashes, &mut matches);
+                    !matches.found().is_empty()
+                });
+                held.then_some(())
+            },
+        );
     }
 }
 
@@ -702,16 +546,9 @@ fn stored_batch(first_hash: u64, blocks: u64) -> Vec<u8> {
         .map(|t| t + first_hash as u32)
         .collect();
     let hashes: Vec<u64> = (first_hash..first_hash + blocks).collect();
-    let event = json!({"type": "BlockStored", "block_hashes": hashes,
-                       "parent_block_hash": null, "token_ids": tokens,
-                       "block_size": BLOCK, "medium": "GPU"});
-    let mut out = Vec::new();
-    rmp::encode::write_array_len(&mut out, 3).unwrap();
-    rmp::encode::write_f64(&mut out, 1.7e9).unwrap();
-    rmp::encode::write_array_len(&mut out, 1).unwrap();
-    write_msgpack(&mut out, &event);
-    rmp::encode::write_uint(&mut out, 0).unwrap();
-    out
+    batch(json!([{"type": "BlockStored", "block_hashes": hashes,
+                  "parent_block_hash": null, "token_ids": tokens,
+                  "block_size": BLOCK, "medium": "GPU"}]))
 }
 
 /// A publisher far faster than the router: the socket's high-water mark drops what the
@@ -727,12 +564,15 @@ fn a_flood_is_dropped_at_the_socket_and_resynchronised_not_queued() {
     for _ in 0..20_000 {
         source.send(&flood, false);
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while source.stat(|s| s.gaps.load(Ordering::Relaxed)) == 0 {
-        assert!(Instant::now() < deadline, "no gap seen after a flood");
-        source.send(&flood, true);
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    Waiting::new("a gap after a flood", Duration::from_secs(30))
+        .every(Duration::from_millis(5))
+        .until(|| {
+            if source.stat(|s| s.gaps.load(Ordering::Relaxed)) > 0 {
+                return Some(());
+            }
+            source.send(&flood, true);
+            None
+        });
     assert!(
         source.stat(|s| s.resyncs.load(Ordering::Relaxed)) >= 1,
         "a gap without replay resyncs"
@@ -777,60 +617,22 @@ fn a_bind_address_in_use_is_retried_until_it_frees() {
     let port = free_port();
     let squatter = TcpListener::bind(("127.0.0.1", port)).unwrap();
     source.attach(&format!("tcp://127.0.0.1:{port}"), true);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while source.stat(|s| s.socket_errors.load(Ordering::Relaxed)) < 2 {
-        assert!(Instant::now() < deadline, "the bind was not retried");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait::until_true("the bind to be retried", Duration::from_secs(20), || {
+        source.stat(|s| s.socket_errors.load(Ordering::Relaxed)) >= 2
+    });
     let view = &source.events.sources()[0];
     let error = view.stats().last_error().unwrap_or_default();
     assert!(error.contains("cannot bind tcp://127.0.0.1"), "{error}");
     assert_eq!(source.stat(|s| s.connects.load(Ordering::Relaxed)), 0);
     drop(squatter);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while source.stat(|s| s.connects.load(Ordering::Relaxed)) == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "never bound after the port freed"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait::until_true(
+        "a bind after the port freed",
+        Duration::from_secs(20),
+        || source.stat(|s| s.connects.load(Ordering::Relaxed)) > 0,
+    );
     source.events.shutdown();
 }
 
-/// Minimal msgpack writer for the JSON values an engine event holds.
-fn write_msgpack(out: &mut Vec<u8>, value: &Value) {
-    match value {
-        Value::Null => rmp::encode::write_nil(out).unwrap(),
-        Value::Bool(b) => rmp::encode::write_bool(out, *b).unwrap(),
-        Value::Number(n) => match n.as_u64() {
-            Some(u) => {
-                rmp::encode::write_uint(out, u).unwrap();
-            }
-            None => {
-                rmp::encode::write_sint(out, n.as_i64().unwrap()).unwrap();
-            }
-        },
-        Value::String(s) => rmp::encode::write_str(out, s).unwrap(),
-        Value::Array(items) => {
-            rmp::encode::write_array_len(out, items.len() as u32).unwrap();
-            for item in items {
-                write_msgpack(out, item);
-            }
-        }
-        Value::Object(map) => {
-            rmp::encode::write_map_len(out, map.len() as u32).unwrap();
-            for (k, v) in map {
-                rmp::encode::write_str(out, k).unwrap();
-                write_msgpack(out, v);
-            }
-        }
-    }
-}
-
-/// A stored event chained onto a block the worker never stored (its store was lost
-/// before the router subscribed) is not just refused: the worker is rebuilt from the
-/// engine's replay buffer, so what the engine still buffers stays credited.
 #[test]
 fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
     let (mut publisher, fleet) = bound_with_replay();
@@ -841,22 +643,22 @@ fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
     wait_held(server, &kept, 1, "a root block");
     let orphan = tokens(8_000, 1);
     publisher.publish(json!([stored(&[801], Some(123_456), &orphan)]), false);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while source_status(server)["unknown_parent"]
-        .as_u64()
-        .unwrap_or(0)
-        == 0
-    {
-        assert!(Instant::now() < deadline, "{}", source_status(server));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    Waiting::new("an unknown parent to be seen", Duration::from_secs(20))
+        .report(|| source_status(server).to_string())
+        .until(|| {
+            (source_status(server)["unknown_parent"]
+                .as_u64()
+                .unwrap_or(0)
+                > 0)
+            .then_some(())
+        });
     // The rebuild clears the worker, then replays: once the second replay (the first
     // loaded the history at start) has begun, the clear is done, so a block seen from
     // then on came back from the replay buffer.
-    while source_status(server)["replays"].as_u64().unwrap_or(0) < 2 {
-        assert!(Instant::now() < deadline, "{}", source_status(server));
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    Waiting::new("the second replay to begin", Duration::from_secs(20))
+        .every(Duration::from_millis(5))
+        .report(|| source_status(server).to_string())
+        .until(|| (source_status(server)["replays"].as_u64().unwrap_or(0) >= 2).then_some(()));
     assert!(source_status(server)["resyncs"].as_u64().unwrap() >= 1);
     wait_held(server, &kept, 1, "the root block after the rebuild");
 }
@@ -868,7 +670,7 @@ fn an_unknown_parent_rebuilds_the_worker_from_the_replay_buffer() {
 fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
     let (port, replay) = (free_port(), free_port());
     // vLLM binds only a wildcard host; its replay socket always binds.
-    let mut publisher = Publisher::start_vllm(&[
+    let mut publisher = Publisher::vllm(&[
         "--endpoint".into(),
         format!("tcp://*:{port}"),
         "--replay-endpoint".into(),
@@ -916,13 +718,7 @@ fn vllm_0_23_replay_without_the_topic_frame_recovers_a_gap() {
 /// counted, and the log says which setting to change.
 #[test]
 fn a_store_of_another_block_size_is_refused_and_the_log_names_the_setting() {
-    let port = free_port();
-    let mut publisher = Publisher::start(&[
-        "--endpoint".into(),
-        format!("tcp://127.0.0.1:{port}"),
-        "--bind".into(),
-    ]);
-    let fleet = fleet(json!({"endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let (mut publisher, fleet) = bound();
     let server = &fleet.server;
     until_joined(server, &mut publisher);
     let tokens: Vec<u32> = (0..32).collect();

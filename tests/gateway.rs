@@ -4,21 +4,17 @@
 //! requests go through `kvhint serve`, are tokenized with the model's tokenizer,
 //! booked, forwarded, streamed back, and released on every way out.
 
-use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
-use kvhint_e2e::{private_dir, Server, TempDir};
+use kvhint_e2e::http::{
+    agent, call_with, cut_off_requests, metric_or_zero, raw_post, read_some, sum_of,
+};
+use kvhint_e2e::llamacpp::{
+    qwen3_tokenizer_dir, stable, stable_events, worker_yaml, LlamaWorker, MODEL_NAME,
+};
+use kvhint_e2e::{private_dir, wait, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
-
-/// A worker entry for the config's `workers:` section.
-fn worker_yaml(id: u64, worker: &LlamaWorker) -> String {
-    format!(
-        "  - worker_id: {id}\n    http_endpoint: {}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
-        worker.url()
-    )
-}
+use std::time::Duration;
 
 /// A config serving the tiny model through `workers`, with fast health checks.
 fn config(dir: &TempDir, workers: &str, gateway: &str) -> PathBuf {
@@ -44,89 +40,8 @@ fn serve(dir: &TempDir, workers: &str, gateway: &str) -> Server {
     Server::start(&config, &[], dir.path())
 }
 
-/// Which worker kvhint booked, from its response header.
-fn booked_worker(response: &ureq::http::Response<ureq::Body>) -> u64 {
-    response
-        .headers()
-        .get("x-kvhint-worker")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no x-kvhint-worker header: {:?}", response.headers()))
-}
-
-/// POSTs `body` to `url`: status, worker header (0 if none), body text.
-fn call(agent: &ureq::Agent, url: &str, body: &Value) -> (u16, u64, String) {
-    let mut response = agent
-        .post(url)
-        .header("content-type", "application/json")
-        .send(body.to_string())
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = response.status().as_u16();
-    let worker = if response.headers().contains_key("x-kvhint-worker") {
-        booked_worker(&response)
-    } else {
-        0
-    };
-    let text = response.body_mut().read_to_string().unwrap();
-    (status, worker, text)
-}
-
-/// A response with the fields that differ from one answer to the next taken out:
-/// the completion's id, its creation time, llama.cpp's timings, and how many
-/// prompt tokens its prompt cache held (the second of two equal requests finds
-/// the first one's).
-fn stable(text: &str) -> Value {
-    let mut value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
-    if let Some(map) = value.as_object_mut() {
-        for key in ["id", "created", "timings"] {
-            map.remove(key);
-        }
-        if let Some(usage) = map.get_mut("usage").and_then(Value::as_object_mut) {
-            usage.remove("prompt_tokens_details");
-        }
-    }
-    value
-}
-
-/// An SSE stream's events, each made [`stable`].
-fn stable_events(text: &str) -> Vec<Value> {
-    text.split("\n\n")
-        .filter_map(|event| event.strip_prefix("data: "))
-        .map(|data| {
-            if data.trim() == "[DONE]" {
-                Value::String("[DONE]".into())
-            } else {
-                stable(data)
-            }
-        })
-        .collect()
-}
-
-fn agent() -> ureq::Agent {
-    kvhint_e2e::llamacpp::agent()
-}
-
 fn open_bookings(server: &Server) -> u64 {
     server.status()["open_bookings"].as_u64().unwrap()
-}
-
-/// Waits until the router holds no booking and no worker carries load.
-fn until_idle(server: &Server) {
-    server.wait_for("zero open bookings and zero load", |s| {
-        let status = s.status();
-        status["open_bookings"] == 0
-            && status["workers"].as_array().unwrap().iter().all(|w| {
-                w["load"] == json!({"active_requests": 0, "active_blocks": 0, "prefill_blocks": 0})
-            })
-    });
-}
-
-fn metric(server: &Server, name_and_labels: &str) -> f64 {
-    let (_, text) = server.get("/metrics");
-    text.lines()
-        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 #[test]
@@ -141,10 +56,10 @@ fn completions_and_chats_through_kvhint_answer_as_the_worker_does() {
         ("/v1/completions", &completion),
         ("/v1/chat/completions", &chat),
     ] {
-        let (status, worker, through) = call(&agent, &format!("{}{path}", server.base), body);
+        let (status, worker, through) = call_with(&agent, &format!("{}{path}", server.base), body);
         assert_eq!(status, 200, "{through}");
         assert_eq!(worker, 1);
-        let (status, _, straight) = call(&agent, &format!("{}{path}", w1.url()), body);
+        let (status, _, straight) = call_with(&agent, &format!("{}{path}", w1.url()), body);
         assert_eq!(status, 200, "{straight}");
         assert_eq!(stable(&through), stable(&straight), "{path}");
         // The worker counted the prompt the router tokenized: the same tokens.
@@ -156,9 +71,9 @@ fn completions_and_chats_through_kvhint_answer_as_the_worker_does() {
         let mut streamed = body.clone();
         streamed["stream"] = json!(true);
         streamed["stream_options"] = json!({"include_usage": true});
-        let (status, _, through) = call(&agent, &format!("{}{path}", server.base), &streamed);
+        let (status, _, through) = call_with(&agent, &format!("{}{path}", server.base), &streamed);
         assert_eq!(status, 200, "{through}");
-        let (_, _, straight) = call(&agent, &format!("{}{path}", w1.url()), &streamed);
+        let (_, _, straight) = call_with(&agent, &format!("{}{path}", w1.url()), &streamed);
         let events = stable_events(&through);
         assert_eq!(events, stable_events(&straight), "{path}");
         assert!(
@@ -169,9 +84,9 @@ fn completions_and_chats_through_kvhint_answer_as_the_worker_does() {
         );
         assert_eq!(events.last(), Some(&Value::String("[DONE]".into())));
     }
-    until_idle(&server);
+    server.until_idle();
     assert_eq!(
-        metric(
+        metric_or_zero(
             &server,
             "kvhint_gateway_releases_total{reason=\"completed\"}"
         ),
@@ -200,12 +115,12 @@ fn a_completion_prompt_goes_to_the_worker_as_the_token_ids_the_router_hashed() {
         .iter()
         .map(|t| t.as_u64().unwrap())
         .collect();
-    let by_text = call(
+    let by_text = call_with(
         &agent,
         &format!("{}/v1/completions", server.base),
         &json!({"model": MODEL_NAME, "prompt": text, "max_tokens": 6, "temperature": 0}),
     );
-    let by_ids = call(
+    let by_ids = call_with(
         &agent,
         &format!("{}/v1/completions", w1.url()),
         &json!({"model": MODEL_NAME, "prompt": ids, "max_tokens": 6, "temperature": 0}),
@@ -231,7 +146,7 @@ fn chats_sharing_a_system_prompt_take_its_ids_from_the_tokenizer_cache_even_afte
                             {"role": "user", "content": question}]})
     };
     let hits = |server: &Server| {
-        metric(
+        metric_or_zero(
             server,
             &format!(
                 "kvhint_tokenizer_cache_text_bytes_total{{model=\"{MODEL_NAME}\",result=\"hit\"}}"
@@ -244,13 +159,13 @@ fn chats_sharing_a_system_prompt_take_its_ids_from_the_tokenizer_cache_even_afte
         .iter()
         .enumerate()
     {
-        let (status, _, through) = call(
+        let (status, _, through) = call_with(
             &agent,
             &format!("{}/v1/chat/completions", server.base),
             &chat(question),
         );
         assert_eq!(status, 200, "{through}");
-        let (_, _, straight) = call(
+        let (_, _, straight) = call_with(
             &agent,
             &format!("{}/v1/chat/completions", w1.url()),
             &chat(question),
@@ -266,14 +181,14 @@ fn chats_sharing_a_system_prompt_take_its_ids_from_the_tokenizer_cache_even_afte
     // A reload that leaves the tokenizer's files alone keeps its cache warm.
     let (status, body) = server.post("/admin/reload", &json!({}));
     assert_eq!(status, 200, "{body}");
-    let (status, _, through) = call(
+    let (status, _, through) = call_with(
         &agent,
         &format!("{}/v1/chat/completions", server.base),
         &chat("And a third question?"),
     );
     assert_eq!(status, 200, "{through}");
     assert_eq!(hits(&server), 2.0 * system_piece);
-    until_idle(&server);
+    server.until_idle();
 }
 
 #[test]
@@ -286,7 +201,7 @@ fn repeated_long_prompts_stay_where_their_prefix_is_in_approximate_mode() {
     let agent = agent();
     let long: String = (0..120).map(|i| format!("word{i} ")).collect();
     let ask = |prompt: &str| {
-        call(
+        call_with(
             &agent,
             &format!("{}/v1/completions", server.base),
             &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}),
@@ -327,45 +242,7 @@ fn repeated_long_prompts_stay_where_their_prefix_is_in_approximate_mode() {
         .map(|w| &w["kv_events"])
         .collect();
     assert!(kinds.iter().all(|k| *k == "approximate"), "{status}");
-    until_idle(&server);
-}
-
-/// Sends `body` to `path` on `address` over a raw connection, so a test can
-/// close it whenever it likes.
-fn raw_post(address: &str, path: &str, body: &Value) -> TcpStream {
-    let mut stream = TcpStream::connect(address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    let body = body.to_string();
-    write!(
-        stream,
-        "POST {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    stream
-}
-
-/// Reads until `want` bytes came (or the stream ended).
-fn read_some(stream: &mut TcpStream, want: usize) -> Vec<u8> {
-    let mut got = Vec::new();
-    let mut buffer = [0u8; 4096];
-    while got.len() < want {
-        match stream.read(&mut buffer) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => got.extend_from_slice(&buffer[..n]),
-        }
-    }
-    got
-}
-
-fn slots_busy(worker: &LlamaWorker) -> usize {
-    let (_, slots) = worker.get("/slots");
-    let slots: Value = serde_json::from_str(&slots).unwrap_or(Value::Null);
-    slots.as_array().map_or(0, |s| {
-        s.iter().filter(|s| s["is_processing"] == true).count()
-    })
+    server.until_idle();
 }
 
 #[test]
@@ -381,19 +258,16 @@ fn a_client_that_goes_away_cancels_the_engine_task_and_frees_the_booking() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("data: "), "streaming: {head}");
     assert_eq!(open_bookings(&server), 1);
-    assert_eq!(slots_busy(&w1), 1, "the engine is generating");
+    assert_eq!(w1.slots_busy(), 1, "the engine is generating");
     drop(stream);
-    until_idle(&server);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while slots_busy(&w1) > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the engine still runs the task after the client left"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    server.until_idle();
+    wait::until_true(
+        "the engine to stop the task after the client left",
+        Duration::from_secs(10),
+        || w1.slots_busy() == 0,
+    );
     assert_eq!(
-        metric(
+        metric_or_zero(
             &server,
             "kvhint_gateway_releases_total{reason=\"client_disconnect\"}"
         ),
@@ -411,15 +285,15 @@ fn a_killed_worker_gets_no_request_after_its_refusal_and_is_back_after_its_resta
     let agent = agent();
     let body = json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0});
     let url = format!("{}/v1/completions", server.base);
-    assert_eq!(call(&agent, &url, &body).1, 1, "ties go to worker 1");
+    assert_eq!(call_with(&agent, &url, &body).1, 1, "ties go to worker 1");
     w1.kill();
     // Every request succeeds on worker 2; only the first one tried worker 1.
     for _ in 0..10 {
-        let (status, worker, text) = call(&agent, &url, &body);
+        let (status, worker, text) = call_with(&agent, &url, &body);
         assert_eq!((status, worker), (200, 2), "{text}");
     }
     assert!(
-        metric(&server, "kvhint_gateway_retries_total") <= 1.0,
+        metric_or_zero(&server, "kvhint_gateway_retries_total") <= 1.0,
         "at most the first request tried the dead worker"
     );
     let status = server.status();
@@ -445,11 +319,11 @@ fn a_killed_worker_gets_no_request_after_its_refusal_and_is_back_after_its_resta
         })
     });
     assert_eq!(
-        call(&agent, &url, &body).1,
+        call_with(&agent, &url, &body).1,
         1,
         "worker 1 takes requests again"
     );
-    until_idle(&server);
+    server.until_idle();
 }
 
 #[test]
@@ -476,7 +350,7 @@ fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
         &workers,
         "  idle_timeout_ms: 300\n  max_attempts: 1\n  health:\n    interval_ms: 0\n",
     );
-    let (status, _, text) = call(
+    let (status, _, text) = call_with(
         &agent(),
         &format!("{}/v1/completions", server.base),
         &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}),
@@ -486,7 +360,7 @@ fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
     assert_eq!(error["error"]["code"], "idle_timeout", "{error}");
     assert_eq!(open_bookings(&server), 0);
     assert_eq!(
-        metric(
+        metric_or_zero(
             &server,
             "kvhint_gateway_releases_total{reason=\"idle_timeout\"}"
         ),
@@ -494,19 +368,6 @@ fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
     );
     drop(server);
     drop(held);
-}
-
-/// A small deterministic generator, so a failing run can be replayed.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
 }
 
 #[test]
@@ -517,63 +378,19 @@ fn a_thousand_requests_cut_off_at_random_points_leave_nothing_open() {
     let workers = format!("{}{}", worker_yaml(1, &w1), worker_yaml(2, &w2));
     let server = serve(&dir, &workers, "");
     let address = server.address().to_string();
-    let threads: Vec<_> = (0..8u64)
-        .map(|t| {
-            let address = address.clone();
-            std::thread::spawn(move || {
-                let mut rng = Lcg(0x9e37_79b9 ^ t);
-                let mut ends = [0usize; 4];
-                for i in 0..125 {
-                    let stream = rng.next().is_multiple_of(2);
-                    let body = json!({"model": MODEL_NAME,
-                        "prompt": format!("Request {t}-{i}: {}", "lorem ipsum ".repeat((rng.next() % 40) as usize)),
-                        "max_tokens": 1 + rng.next() % 40, "temperature": 0, "stream": stream});
-                    let mut connection = raw_post(&address, "/v1/completions", &body);
-                    // Where the client goes away: 0 before the head (at once),
-                    // 1 during prefill (a few ms in), 2 mid-stream, 3 never.
-                    let cut = (rng.next() % 4) as usize;
-                    ends[cut] += 1;
-                    match cut {
-                        0 => {}
-                        1 => std::thread::sleep(Duration::from_micros(rng.next() % 3_000)),
-                        2 => {
-                            let _ = read_some(&mut connection, 1 + (rng.next() % 700) as usize);
-                        }
-                        _ => {
-                            let _ = read_some(&mut connection, usize::MAX);
-                        }
-                    }
-                    drop(connection);
-                }
-                ends
-            })
-        })
-        .collect();
-    let mut ends = [0usize; 4];
-    for thread in threads {
-        let counts = thread.join().unwrap();
-        for (total, n) in ends.iter_mut().zip(counts) {
-            *total += n;
-        }
-    }
+    // Where each client goes away: before the head (at once), during prefill
+    // (a few ms in), mid-stream, or never.
+    let ends = cut_off_requests(&address, MODEL_NAME, 8, 125, 0x9e37_79b9);
     assert_eq!(ends.iter().sum::<usize>(), 1000);
     assert!(
         ends.iter().all(|n| *n > 150),
         "each way out was taken: {ends:?}"
     );
-    until_idle(&server);
+    server.until_idle();
     // Every booking the gateway made was released exactly once.
     let (_, metrics) = server.get("/metrics");
-    let released: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("kvhint_gateway_releases_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    let booked: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("kvhint_bookings_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let released = sum_of(&metrics, "kvhint_gateway_releases_total{");
+    let booked = sum_of(&metrics, "kvhint_bookings_total{");
     assert_eq!(released, booked, "{metrics}");
     assert!(booked > 500.0, "most requests were booked: {booked}");
 }

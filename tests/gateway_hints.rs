@@ -23,21 +23,21 @@
 //! vLLM wheels, the Qwen3 tokenizer) comes from `kvhint_e2e::provision`. Every read
 //! from a child or a socket has a deadline.
 
-use kvhint_e2e::capture::Upstream;
-use kvhint_e2e::llamacpp::qwen3_tokenizer_dir;
-use kvhint_e2e::process::{spawn_tied, wait_or_kill, LineReader};
-use kvhint_e2e::provision::{python, vllm_plugin_wheel, vllm_wheel};
+use kvhint_e2e::engines::capture::Upstream;
+use kvhint_e2e::engines::{until_joined, Publisher};
+use kvhint_e2e::http::{book, book_and_release, metric_or_zero, register_worker, release};
+use kvhint_e2e::llamacpp::{hf_ids, qwen3_tokenizer_dir};
+use kvhint_e2e::process::free_port;
+use kvhint_e2e::provision::{python, vllm_plugin_wheel};
+use kvhint_e2e::wait::Waiting;
 use kvhint_e2e::{private_dir, run_bounded, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
-use std::io::Write;
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 const BLOCK: usize = 16;
 const MODEL: &str = "qwen3";
-const REPLY_WITHIN: Duration = Duration::from_secs(60);
 
 /// A prompt of several 16-token blocks in Qwen3's vocabulary.
 const TEXT: &str = "The quick brown fox jumps over the lazy dog while the router decides \
@@ -47,122 +47,7 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog while the router
     prompt makes more blocks, and more blocks make the test say more about the hashes.";
 
 // ---------------------------------------------------------------------------
-// The engines' own KV-event publishers, driven over stdin/stdout.
-
-struct Publisher {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: LineReader,
-}
-
-impl Publisher {
-    fn start(script: &str, args: &[String]) -> Publisher {
-        let path = workspace_root().join("tests/engines").join(script);
-        let mut command = Command::new(python());
-        command
-            .arg(&path)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = spawn_tied(command).unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = LineReader::new(child.stdout.take().unwrap());
-        let mut publisher = Publisher {
-            child,
-            stdin,
-            stdout,
-        };
-        let ready = publisher.line();
-        assert_eq!(ready["ready"], true, "{script} did not start: {ready}");
-        publisher
-    }
-
-    /// SGLang 0.5.23's publisher, binding `port` on 127.0.0.1.
-    fn sglang(port: u16) -> Publisher {
-        Self::start(
-            "sglang_publisher.py",
-            &[
-                "--endpoint".into(),
-                format!("tcp://127.0.0.1:{port}"),
-                "--bind".into(),
-            ],
-        )
-    }
-
-    /// vLLM 0.23.0's publisher (read out of its wheel), binding `port` (vLLM binds
-    /// only a wildcard host).
-    fn vllm(port: u16) -> Publisher {
-        Self::start(
-            "vllm_publisher.py",
-            &[
-                "--endpoint".into(),
-                format!("tcp://*:{port}"),
-                "--wheel".into(),
-                vllm_wheel().display().to_string(),
-            ],
-        )
-    }
-
-    fn line(&mut self) -> Value {
-        match self.stdout.line(REPLY_WITHIN) {
-            Ok(line) => serde_json::from_str(&line).unwrap_or_else(|_| panic!("said {line:?}")),
-            Err(why) => {
-                wait_or_kill(&mut self.child, Duration::ZERO);
-                panic!("the publisher gave no answer: {why}")
-            }
-        }
-    }
-
-    fn publish(&mut self, events: Value) {
-        let command = json!({"op": "publish", "events": events, "drop": false});
-        writeln!(self.stdin, "{command}").unwrap();
-        self.stdin.flush().unwrap();
-        let reply = self.line();
-        assert!(reply.get("error").is_none(), "{command} → {reply}");
-    }
-}
-
-impl Drop for Publisher {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "{}", json!({"op": "quit"}));
-        let _ = self.stdin.flush();
-        wait_or_kill(&mut self.child, Duration::from_secs(3));
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-// ---------------------------------------------------------------------------
 // The fleet.
-
-/// The tokenizer's ids for `text` (HF tokenizers, the same tokenizer.json the
-/// router loads).
-fn tokenizer_ids(text: &str) -> Vec<u32> {
-    let script = "import json, sys\n\
-                  from tokenizers import Tokenizer\n\
-                  t = Tokenizer.from_file(sys.argv[1])\n\
-                  print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
-    let output = run_bounded(
-        Command::new(python())
-            .args(["-c", script])
-            .arg(qwen3_tokenizer_dir().join("tokenizer.json"))
-            .arg(text),
-        Duration::from_secs(120),
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap()
-}
 
 struct Fleet {
     server: Server,
@@ -205,37 +90,13 @@ fn fleet(engine: &str, extra: Value, events: Value) -> Fleet {
         if *id == 2 {
             body["kv_events"] = events.clone();
         }
-        let (status, reply) = server.post("/workers", &body);
-        assert_eq!(status, 201, "{reply}");
+        register_worker(&server, &body);
     }
     Fleet {
         server,
         upstreams,
         dir,
     }
-}
-
-fn source_batches(server: &Server) -> u64 {
-    server.status()["kv_event_sources"][0]["batches"]
-        .as_u64()
-        .unwrap_or(0)
-}
-
-/// Publishes probes until the subscription hears one (ZMQ's slow joiner).
-fn until_joined(server: &Server, publisher: &mut Publisher) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        publisher.publish(json!([{"type": "BlockRemoved", "block_hashes": [999_999]}]));
-        std::thread::sleep(Duration::from_millis(50));
-        if source_batches(server) > 0 {
-            return;
-        }
-    }
-    panic!(
-        "the subscription never heard the publisher: {}\n{}",
-        server.status()["kv_event_sources"],
-        server.log()
-    );
 }
 
 /// The engine's BlockStored events for the prompt's full blocks, chained.
@@ -250,7 +111,7 @@ fn publish_blocks(publisher: &mut Publisher, ids: &[u32], hashes: &[i64]) {
                    "token_ids": tokens, "block_size": BLOCK, "medium": "GPU"})
         })
         .collect();
-    publisher.publish(Value::Array(events));
+    publisher.publish(Value::Array(events), false);
 }
 
 /// Waits until worker 2 holds the prompt's `blocks`, then loads it with open
@@ -258,46 +119,28 @@ fn publish_blocks(publisher: &mut Publisher, ids: &[u32], hashes: &[i64]) {
 /// worker 2 (that booking is released): the next booking of the prompt goes to
 /// worker 1 with a `kv.fetch` from worker 2.
 fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
-    let deadline = Instant::now() + Duration::from_secs(30);
     let mut n = 0;
-    loop {
+    Waiting::new(
+        &format!("worker 2 to hold {blocks} blocks"),
+        Duration::from_secs(30),
+    )
+    .report(|| format!("{}\n{}", server.status()["kv_event_sources"], server.log()))
+    .until(|| {
         n += 1;
-        assert!(
-            Instant::now() < deadline,
-            "worker 2 never held {blocks} blocks: {}\n{}",
-            server.status()["kv_event_sources"],
-            server.log()
-        );
-        let id = format!("probe-{n}");
-        let (status, booking) = server.post(
-            "/book",
-            &json!({"request_id": id, "role": "decode", "token_ids": ids}),
-        );
-        assert_eq!(status, 200, "{booking}");
-        let held =
-            booking["worker_id"] == 2 && booking["cached_blocks"].as_u64() == Some(blocks as u64);
-        let (status, _) = server.post("/release", &json!({"request_id": id}));
-        assert_eq!(status, 200);
-        if held {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        let booking = book_and_release(server, &format!("probe-{n}"), ids);
+        (booking["worker_id"] == 2 && booking["cached_blocks"].as_u64() == Some(blocks as u64))
+            .then_some(())
+    });
     for i in 0..20 {
         let id = format!("load-{i}");
-        let (status, booking) = server.post(
-            "/book",
-            &json!({"request_id": id, "role": "decode", "token_ids": ids}),
-        );
-        assert_eq!(status, 200, "{booking}");
+        let booking = book(server, &id, "decode", ids);
         if booking["worker_id"] == 1 {
             assert_eq!(
                 the_fetch(&booking["hint"])["source_control_endpoint"],
                 control_endpoint(2),
                 "{booking}"
             );
-            let (status, _) = server.post("/release", &json!({"request_id": id}));
-            assert_eq!(status, 200);
+            release(server, &id);
             return;
         }
     }
@@ -305,6 +148,30 @@ fn load_the_holder(server: &Server, ids: &[u32], blocks: usize) {
         "kvcr never booked the prompt away from its loaded holder\n{}",
         server.log()
     );
+}
+
+/// [`fleet`] of `engine` workers (with `extra` runtime data), worker 2
+/// subscribed to `publisher` on `port`: once the subscription hears it, the
+/// prompt's blocks (`ids`, engine `hashes`) are published and the holder
+/// loaded ([`load_the_holder`]), so the next booking of the prompt goes to
+/// worker 1 with a `kv.fetch` from worker 2.
+fn primed_fleet(
+    engine: &str,
+    extra: Value,
+    port: u16,
+    publisher: &mut Publisher,
+    ids: &[u32],
+    hashes: &[i64],
+) -> Fleet {
+    let fleet = fleet(
+        engine,
+        extra,
+        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+    );
+    until_joined(&fleet.server, publisher);
+    publish_blocks(publisher, ids, hashes);
+    load_the_holder(&fleet.server, ids, ids.len() / BLOCK);
+    fleet
 }
 
 /// The one `kv.fetch` action in an envelope.
@@ -326,15 +193,6 @@ fn hashes_of(payload: &Value) -> Vec<i64> {
         .iter()
         .map(|h| h.as_i64().or_else(|| h.as_u64().map(|u| u as i64)).unwrap())
         .collect()
-}
-
-fn metric(server: &Server, line_start: &str) -> u64 {
-    let (status, metrics) = server.get("/metrics");
-    assert_eq!(status, 200);
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(line_start))
-        .map_or(0, |v| v.trim().parse().unwrap())
 }
 
 /// Runs `script` in `tests/engines/` with the harness's Python; returns its
@@ -370,7 +228,7 @@ fn write_json(dir: &Path, name: &str, value: &Value) -> std::path::PathBuf {
 
 #[test]
 fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts() {
-    let ids = tokenizer_ids(TEXT);
+    let ids = hf_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     assert!(blocks >= 4, "{} tokens", ids.len());
     // SGLang's hashes are signed 64-bit values.
@@ -382,16 +240,13 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
         })
         .collect();
     let port = free_port();
-    let mut publisher = Publisher::sglang(port);
-    let fleet = fleet(
-        "sglang",
-        json!({}),
-        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
-    );
+    let mut publisher = Publisher::sglang(&[
+        "--endpoint".into(),
+        format!("tcp://127.0.0.1:{port}"),
+        "--bind".into(),
+    ]);
+    let fleet = primed_fleet("sglang", json!({}), port, &mut publisher, &ids, &hashes);
     let server = &fleet.server;
-    until_joined(server, &mut publisher);
-    publish_blocks(&mut publisher, &ids, &hashes);
-    load_the_holder(server, &ids, blocks);
 
     let (status, reply) = server.post(
         "/generate",
@@ -433,12 +288,12 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
     assert_eq!(report["routed_dp_rank"], 0);
     assert_eq!(hashes_of(the_fetch(&report["kv_hints"])), hashes);
     assert_eq!(report["gate_kv_hints"], report["kv_hints"]);
-    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1);
+    assert_eq!(metric_or_zero(server, "kvhint_hints_delivered_total "), 1.0);
 
     // An OpenAI route to SGLang: its OpenAI server drops kv_hints, so none is sent,
     // and the hint is counted undeliverable.
     let undeliverable = "kvhint_hints_undeliverable_total{engine=\"sglang\"} ";
-    assert_eq!(metric(server, undeliverable), 0);
+    assert_eq!(metric_or_zero(server, undeliverable), 0.0);
     fleet.upstreams[0].clear();
     let (status, reply) = server.post(
         "/v1/completions",
@@ -449,29 +304,30 @@ fn sglang_generate_gets_input_ids_rid_rank_and_a_kv_fetch_its_own_code_accepts()
     assert_eq!(sent.len(), 1, "to worker 1, which the booking would hint");
     assert!(sent[0].get("kv_hints").is_none(), "{}", sent[0]);
     assert_eq!(sent[0]["prompt"], json!(ids));
-    assert_eq!(metric(server, undeliverable), 1);
+    assert_eq!(metric_or_zero(server, undeliverable), 1.0);
     drop(publisher);
 }
 
 #[test]
 fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
-    let ids = tokenizer_ids(TEXT);
+    let ids = hf_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     // vLLM's default integer hashes, below 2^63.
     let hashes: Vec<i64> = (0..blocks as i64)
         .map(|i| 4_000_000_007 * (i + 1))
         .collect();
     let port = free_port();
-    let mut publisher = Publisher::vllm(port);
-    let fleet = fleet(
+    // vLLM binds only a wildcard host.
+    let mut publisher = Publisher::vllm(&["--endpoint".into(), format!("tcp://*:{port}")]);
+    let fleet = primed_fleet(
         "vllm",
         json!({"kvhint_endpoint_plugin": true}),
-        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
+        port,
+        &mut publisher,
+        &ids,
+        &hashes,
     );
     let server = &fleet.server;
-    until_joined(server, &mut publisher);
-    publish_blocks(&mut publisher, &ids, &hashes);
-    load_the_holder(server, &ids, blocks);
 
     let (status, reply) = server.post(
         "/v1/completions",
@@ -507,28 +363,22 @@ fn a_vllm_worker_with_kvhints_endpoint_plugin_gets_the_hint_into_generate() {
         report["chat_kv_hints"].is_object(),
         "the chat route too: {report}"
     );
-    assert_eq!(metric(server, "kvhint_hints_delivered_total "), 1);
+    assert_eq!(metric_or_zero(server, "kvhint_hints_delivered_total "), 1.0);
     let undeliverable = "kvhint_hints_undeliverable_total{engine=\"vllm\"} ";
-    assert_eq!(metric(server, undeliverable), 0);
+    assert_eq!(metric_or_zero(server, undeliverable), 0.0);
     drop(publisher);
 }
 
 #[test]
 fn a_vllm_worker_without_the_plugin_gets_no_hint_and_it_is_counted() {
-    let ids = tokenizer_ids(TEXT);
+    let ids = hf_ids(TEXT);
     let blocks = ids.len() / BLOCK;
     let hashes: Vec<i64> = (0..blocks as i64).map(|i| 17 + i).collect();
     let port = free_port();
-    let mut publisher = Publisher::vllm(port);
-    let fleet = fleet(
-        "vllm",
-        json!({}),
-        json!({"endpoint": format!("tcp://127.0.0.1:{port}")}),
-    );
+    // vLLM binds only a wildcard host.
+    let mut publisher = Publisher::vllm(&["--endpoint".into(), format!("tcp://*:{port}")]);
+    let fleet = primed_fleet("vllm", json!({}), port, &mut publisher, &ids, &hashes);
     let server = &fleet.server;
-    until_joined(server, &mut publisher);
-    publish_blocks(&mut publisher, &ids, &hashes);
-    load_the_holder(server, &ids, blocks);
     let (status, reply) = server.post(
         "/v1/completions",
         &json!({"model": MODEL, "prompt": TEXT, "max_tokens": 1}),
@@ -538,8 +388,8 @@ fn a_vllm_worker_without_the_plugin_gets_no_hint_and_it_is_counted() {
     assert_eq!(sent.len(), 1);
     assert!(sent[0].get("kv_hints").is_none(), "{}", sent[0]);
     assert_eq!(
-        metric(server, "kvhint_hints_undeliverable_total{engine=\"vllm\"} "),
-        1
+        metric_or_zero(server, "kvhint_hints_undeliverable_total{engine=\"vllm\"} "),
+        1.0
     );
     drop(publisher);
 }

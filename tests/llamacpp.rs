@@ -3,11 +3,8 @@
 //! Qwen3-vocabulary model, deterministic at temperature 0, tokenizing as HF
 //! tokenizers does, and restartable on the same port.
 
-use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
-use kvhint_e2e::provision::python;
+use kvhint_e2e::llamacpp::{hf_ids, LlamaWorker, MODEL_NAME};
 use serde_json::{json, Value};
-use std::process::Command;
-use std::time::Duration;
 
 /// Token ids of some English text in Qwen3's vocabulary.
 const PROMPT: [u64; 8] = [9707, 1879, 11, 419, 374, 264, 1273, 13];
@@ -73,28 +70,6 @@ fn a_chat_completion_renders_qwen3s_template() {
     assert_eq!(reply["usage"]["prompt_tokens"], 9, "{reply}");
 }
 
-/// HF tokenizers' ids for `text` with the same tokenizer.json (in the
-/// harness's Python environment).
-fn hf_ids(text: &str) -> Vec<u64> {
-    let script = "import json, sys\n\
-                  from tokenizers import Tokenizer\n\
-                  t = Tokenizer.from_file(sys.argv[1])\n\
-                  print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
-    let output = kvhint_e2e::run_bounded(
-        Command::new(python())
-            .args(["-c", script])
-            .arg(qwen3_tokenizer_dir().join("tokenizer.json"))
-            .arg(text),
-        Duration::from_secs(120),
-    );
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap()
-}
-
 #[test]
 fn tokenize_agrees_with_hf_tokenizers() {
     let worker = LlamaWorker::start();
@@ -106,7 +81,7 @@ fn tokenize_agrees_with_hf_tokenizers() {
     ] {
         let (status, reply) = worker.post("/tokenize", &json!({"content": text}));
         assert_eq!(status, 200, "{reply}");
-        let ids: Vec<u64> = serde_json::from_value(reply["tokens"].clone()).unwrap();
+        let ids: Vec<u32> = serde_json::from_value(reply["tokens"].clone()).unwrap();
         assert_eq!(ids, hf_ids(text), "{text:?}");
     }
 }
@@ -118,7 +93,7 @@ fn a_killed_worker_restarts_on_the_same_port() {
     let before = completion(&worker);
     worker.kill();
     assert!(!worker.is_running());
-    let agent = kvhint_e2e::llamacpp::agent();
+    let agent = kvhint_e2e::http::agent();
     assert!(
         agent
             .get(&format!("{}/health", worker.url()))

@@ -6,6 +6,8 @@
 //! being denied.
 
 use kvhint::loader::LoadErrorKind;
+use kvhint_e2e::http::book_and_release;
+use kvhint_e2e::wait::{self, Waiting};
 use kvhint_e2e::{config_file, kvhint_bin, loader, plugin_so, private_dir, Server, TempDir};
 use serde_json::json;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -285,14 +287,9 @@ fn register_and_book(server: &Server, id: &str) {
         "/workers",
         &json!({"worker_id": 1, "role": "decode", "runtime_data": {"router_hint": true}}),
     );
+    // A second call registers the same worker again (200).
     assert!(status == 201 || status == 200, "{body}");
-    let (status, body) = server.post(
-        "/book",
-        &json!({"request_id": id, "role": "decode", "token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}),
-    );
-    assert_eq!(status, 200, "{body}");
-    let (status, body) = server.post("/release", &json!({"request_id": id}));
-    assert_eq!(status, 200, "{body}");
+    book_and_release(server, id, &[1, 2, 3, 4, 5, 6, 7, 8]);
 }
 
 #[test]
@@ -880,17 +877,10 @@ fn sigterm_during_a_reload_whose_probe_hangs_exits_at_once_and_kills_the_probe()
     unsafe {
         libc::kill(pid, libc::SIGTERM);
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut status = None;
-    while Instant::now() < deadline {
-        status = server.child.try_wait().unwrap();
-        if status.is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let status = Waiting::new("serve to exit", Duration::from_secs(30))
+        .report(|| std::fs::read_to_string(&server.log_file).unwrap_or_default())
+        .until(|| server.child.try_wait().unwrap());
     let log = server.log();
-    let status = status.unwrap_or_else(|| panic!("serve did not exit within 30 s:\n{log}"));
     assert!(status.success(), "{status:?}\n{log}");
     assert!(log.contains("probes_killed=1"), "{log}");
     assert!(
@@ -898,13 +888,9 @@ fn sigterm_during_a_reload_whose_probe_hangs_exits_at_once_and_kills_the_probe()
         "{log}"
     );
     // The probe died with it: nothing of it is left.
-    let mut left = true;
-    for _ in 0..100 {
-        left = probe_running();
-        if !left {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert!(!left, "the probe outlived the router");
+    wait::until_true(
+        "the probe to end with the router",
+        Duration::from_secs(5),
+        || !probe_running(),
+    );
 }

@@ -3,9 +3,11 @@
 //! plugins directory, real plugin `.so` files) and real signals. Every wait is
 //! bounded; no test asserts a duration.
 
+use kvhint_e2e::http::{book_and_release, register_decode_worker};
 use kvhint_e2e::process::LineReader;
+use kvhint_e2e::trace::tokens;
 use kvhint_e2e::{drop_in, kvhint_bin, plugin_so, private_dir, workspace_root, Server, TempDir};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
@@ -53,25 +55,9 @@ type Setup = kvhint_e2e::PluginSite;
 const PREFETCH_ROLES: &str =
     "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: harness_prefetch}]\n";
 
-fn register_decode_worker(server: &Server, id: u64) {
-    let (status, body) = server.post(
-        "/workers",
-        &json!({"worker_id": id, "role": "decode", "runtime_data": {
-            "router_hint": true, "router_hint_worker_type": "decode",
-            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.0.{id}:23280")}}}),
-    );
-    assert_eq!(status, 201, "{body}");
-}
-
+/// The action types of a booking of a 16-token prompt as request `id` (released).
 fn action_types_of_a_booking(server: &Server, id: &str) -> Vec<String> {
-    let (status, body) = server.post(
-        "/book",
-        &json!({"request_id": id, "role": "decode", "token_ids": (1..=16).collect::<Vec<u32>>()}),
-    );
-    assert_eq!(status, 200, "{body}");
-    let (status, released) = server.post("/release", &json!({"request_id": id}));
-    assert_eq!(status, 200, "{released}");
-    kvhint_e2e::action_types(&body)
+    kvhint_e2e::action_types(&book_and_release(server, id, &tokens(1, 16)))
 }
 
 fn wait_for_log(server: &Server, what: &str, needle: &str) {

@@ -4,7 +4,10 @@
 //! are short, and what is asserted is load, peers and checksums as `/admin/status`
 //! and `/metrics` show them.
 
-use kvhint_e2e::nats::{free_port, NatsServer};
+use kvhint_e2e::http;
+use kvhint_e2e::nats::NatsServer;
+use kvhint_e2e::process::free_port;
+use kvhint_e2e::wait::Waiting;
 use kvhint_e2e::{drop_in, kvhint_bin, private_dir, Server, TempDir};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -12,7 +15,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long any one wait may take before the test fails.
 const BOUND: Duration = Duration::from_secs(30);
@@ -71,17 +74,12 @@ fn tokens(seed: u32) -> Vec<u32> {
 impl Replica {
     /// Books `id`; the booked worker.
     fn book(&self, id: &str) -> u64 {
-        let (status, body) = self.server.post(
-            "/book",
-            &json!({"request_id": id, "role": "aggregated", "token_ids": tokens(id.len() as u32)}),
-        );
-        assert_eq!(status, 200, "{} booking {id}: {body}", self.name);
-        body["worker_id"].as_u64().unwrap()
+        let booking = http::book(&self.server, id, "aggregated", &tokens(id.len() as u32));
+        booking["worker_id"].as_u64().unwrap()
     }
 
     fn release(&self, id: &str) {
-        let (status, body) = self.server.post("/release", &json!({"request_id": id}));
-        assert_eq!(status, 200, "{} releasing {id}: {body}", self.name);
+        http::release(&self.server, id);
     }
 
     /// Open requests per worker as this replica's selection sees them (its own and
@@ -110,10 +108,7 @@ impl Replica {
     }
 
     fn metric(&self, line_prefix: &str) -> f64 {
-        let (_, text) = self.server.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(line_prefix)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {line_prefix} in\n{text}"))
+        http::metric(&self.server, line_prefix)
     }
 
     /// Waits until `check` holds, or fails with every log.
@@ -125,46 +120,50 @@ impl Replica {
 
 /// Waits (bounded) until every replica's view is `want` and their checksums agree.
 fn agree(replicas: &[&Replica], want: &[u64]) {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let views: Vec<Vec<u64>> = replicas.iter().map(|r| r.view()).collect();
-        let sums: Vec<String> = replicas
-            .iter()
-            .map(|r| r.replication()["checksum"].as_str().unwrap().to_string())
-            .collect();
-        if views.iter().all(|v| v == want) && sums.windows(2).all(|w| w[0] == w[1]) {
-            return;
-        }
-        if Instant::now() > deadline {
+    Waiting::new(&format!("the replicas to agree on {want:?}"), BOUND)
+        .every(Duration::from_millis(25))
+        .report(|| {
             let logs: Vec<String> = replicas
                 .iter()
                 .map(|r| format!("--- {} ---\n{}", r.name, r.server.log()))
                 .collect();
-            panic!(
-                "replicas did not agree on {want:?}: views {views:?}, checksums {sums:?}\n{}",
-                logs.join("\n")
-            );
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
+            logs.join("\n")
+        })
+        .until_ok(|| {
+            let views: Vec<Vec<u64>> = replicas.iter().map(|r| r.view()).collect();
+            let sums: Vec<String> = replicas
+                .iter()
+                .map(|r| r.replication()["checksum"].as_str().unwrap().to_string())
+                .collect();
+            if views.iter().all(|v| v == want) && sums.windows(2).all(|w| w[0] == w[1]) {
+                Ok(())
+            } else {
+                Err(format!("views {views:?}, checksums {sums:?}"))
+            }
+        });
 }
 
 /// Waits (bounded) until every replica shows the same view, with `open` open
 /// requests in all, and the same checksum; returns that view.
 fn converge(replicas: &[&Replica], open: u64) -> Vec<u64> {
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let views: Vec<Vec<u64>> = replicas.iter().map(|r| r.view()).collect();
-        if views.iter().all(|v| *v == views[0] && total(v) == open) {
-            agree(replicas, &views[0]);
-            return views[0].clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "views {views:?}, want {open} open"
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
+    let view = same_views(replicas, open);
+    agree(replicas, &view);
+    view
+}
+
+/// Waits (bounded) until every replica shows the same view with `open` open
+/// requests in all; returns it.
+fn same_views(replicas: &[&Replica], open: u64) -> Vec<u64> {
+    Waiting::new(&format!("one view with {open} open"), BOUND)
+        .every(Duration::from_millis(25))
+        .until_ok(|| {
+            let views: Vec<Vec<u64>> = replicas.iter().map(|r| r.view()).collect();
+            if views.iter().all(|v| *v == views[0] && total(v) == open) {
+                Ok(views[0].clone())
+            } else {
+                Err(format!("views {views:?}"))
+            }
+        })
 }
 
 fn total(view: &[u64]) -> u64 {
@@ -223,24 +222,8 @@ fn three_replicas_agree_exactly_after_concurrent_bookings_and_releases() {
         .sum();
     assert_eq!(open, 60);
     // The truth: each replica's own open bookings per worker, summed.
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let views: Vec<Vec<u64>> = replicas.iter().map(|r| r.view()).collect();
-        let sums: Vec<Value> = replicas
-            .iter()
-            .map(|r| r.replication()["checksum"].clone())
-            .collect();
-        if views.iter().all(|v| *v == views[0] && total(v) == open)
-            && sums.iter().all(|s| *s == sums[0])
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "views {views:?} checksums {sums:?}"
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
+    let views = same_views(&replicas.iter().collect::<Vec<_>>(), open);
+    agree(&replicas.iter().collect::<Vec<_>>(), &views);
 }
 
 #[test]
@@ -360,16 +343,7 @@ fn with_nats_down_no_booking_fails_and_the_views_converge_when_it_is_back() {
     a.wait("drops b while NATS is away", |_| a.peers().is_empty());
     nats.restart();
     a.wait("reconnects", |_| a.replication()["connected"] == true);
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let (va, vb) = (a.view(), b.view());
-        if va == vb && total(&va) == 1 + 40 + 50 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "a {va:?} b {vb:?}");
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    agree(&[&a, &b], &a.view());
+    converge(&[&a, &b], 1 + 40 + 50);
 }
 
 /// A replica whose NATS server is not up yet starts and books on its own view;
@@ -470,16 +444,7 @@ fn a_replica_cut_off_from_the_bus_rejoins() {
     a.book("a-0");
     proxy.restore();
     c.wait("reconnects", |_| c.replication()["connected"] == true);
-    let deadline = Instant::now() + BOUND;
-    loop {
-        let views = [a.view(), b.view(), c.view()];
-        if views.iter().all(|v| *v == views[0] && total(v) == 4) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{views:?}");
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    agree(&[&a, &b, &c], &a.view());
+    converge(&[&a, &b, &c], 4);
 }
 
 #[test]

@@ -326,7 +326,7 @@ fn r9_kv_fetch_sends_the_committed_copy() {
 fn r10_a_kv_fetch_names_hashes_as_the_source_engine_published_them() {
     use kvhint::domain::{Role, WorkerKey};
     use kvhint::router::index::{KvEvent, StoredBlock};
-    use kvhint::router::{BookRequest, Router};
+    use kvhint::router::Router;
     let (snapshot, _loader, _fixture) = kvhint_e2e::kvcr_snapshot();
     let role = snapshot.role(Role::Decode).unwrap();
     let prompt: Vec<u32> = (0..64).collect();
@@ -357,15 +357,12 @@ fn r10_a_kv_fetch_names_hashes_as_the_source_engine_published_them() {
             assert!(router.mark_signed_hashes(holder));
         }
         let book = |request_id: &str| {
-            let request = BookRequest {
-                request_id,
-                role: Role::Decode,
-                token_ids: &prompt,
-                session_context: None,
-                lora_name: None,
-                cache_salt: None,
-            };
-            router.book(role, &request).unwrap()
+            router
+                .book(
+                    role,
+                    &kvhint_e2e::replay::decode_request(request_id, &prompt),
+                )
+                .unwrap()
         };
         // Load the holder so kvcr books the cold worker on the holder's copy.
         for i in 0..3 {

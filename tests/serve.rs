@@ -2,6 +2,7 @@
 //! and replaced plugins, reloads under load, and bad requests. Each test runs
 //! the real binary on 127.0.0.1 with an ephemeral port.
 
+use kvhint_e2e::http::{book_and_release, register_decode_worker};
 use kvhint_e2e::trace::tokens;
 use kvhint_e2e::{action_types, plugin_so, workspace_root, Server};
 use serde_json::{json, Value};
@@ -27,25 +28,9 @@ fn prefetch_roles(max_blocks: u32) -> String {
     )
 }
 
-fn register_decode_worker(server: &Server, id: u64) {
-    let (status, body) = server.post(
-        "/workers",
-        &json!({"worker_id": id, "role": "decode", "runtime_data": {
-            "router_hint": true, "router_hint_worker_type": "decode",
-            "router_hint_source_control_endpoints": {"0": format!("tcp://10.0.0.{id}:23280")}}}),
-    );
-    assert_eq!(status, 201, "{body}");
-}
-
+/// Books the tests' 16-token prompt as request `id`, and releases it.
 fn book(server: &Server, id: &str) -> Value {
-    let (status, body) = server.post(
-        "/book",
-        &json!({"request_id": id, "role": "decode", "token_ids": tokens(1, 16)}),
-    );
-    assert_eq!(status, 200, "{body}");
-    let (status, released) = server.post("/release", &json!({"request_id": id}));
-    assert_eq!(status, 200, "{released}");
-    body
+    book_and_release(server, id, &tokens(1, 16))
 }
 
 #[test]

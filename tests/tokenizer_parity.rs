@@ -7,8 +7,8 @@
 //! the warm one (pieces from the tokenizer cache) must equal the engine's ids.
 
 use kvhint::models::{ChatRequest, ModelTokenizer};
+use kvhint_e2e::engines::vllm_render::Renderer;
 use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker};
-use kvhint_e2e::vllm_render::Renderer;
 use serde_json::{json, Value};
 
 fn tokenizer() -> ModelTokenizer {

@@ -4,7 +4,9 @@
 //! request ids that try to forge log lines. Each test runs the real binary on
 //! 127.0.0.1 and bounds every wait.
 
+use kvhint_e2e::http::metric;
 use kvhint_e2e::process::{wait_or_kill, LineReader};
+use kvhint_e2e::wait::Waiting;
 use kvhint_e2e::{kvhint_bin, private_dir, Server, TempDir};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -91,14 +93,6 @@ fn worker_body(id: u64) -> Value {
 
 fn book_body(id: &str) -> Value {
     json!({"request_id": id, "role": "decode", "token_ids": [1, 2, 3, 4]})
-}
-
-fn metric(server: &Server, line_start: &str) -> f64 {
-    let (_, text) = server.get("/metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(line_start))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no metric {line_start} in\n{text}"))
 }
 
 fn status_with(server: &Server, token: &str) -> Value {
@@ -604,16 +598,17 @@ fn slow_connections_beyond_the_file_limit_do_not_lock_new_clients_out() {
         }
     }
     // A new client is served once the deadlines have cleared the slow ones.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut served = false;
-    while Instant::now() < deadline && !served {
-        served = server
-            .agent
-            .get(format!("{}/healthz", server.base))
-            .call()
-            .is_ok_and(|r| r.status().as_u16() == 200);
-    }
-    assert!(served, "a new client was locked out\n{}", server.log());
+    Waiting::new("a new client to be served", Duration::from_secs(30))
+        .every(Duration::ZERO)
+        .report(|| format!("a new client was locked out\n{}", server.log()))
+        .until(|| {
+            server
+                .agent
+                .get(format!("{}/healthz", server.base))
+                .call()
+                .is_ok_and(|r| r.status().as_u16() == 200)
+                .then_some(())
+        });
     assert!(
         server.log().contains("lowered"),
         "the cap was lowered to the file limit:\n{}",

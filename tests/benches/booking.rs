@@ -26,7 +26,7 @@
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvhint::domain::{Role, WorkerKey};
-use kvhint::router::index::{KvEvent, KvIndex, StoredBlock};
+use kvhint::router::index::{KvEvent, KvIndex};
 use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Router};
 use kvhint::selection::SelectionStage;
@@ -34,6 +34,7 @@ use kvhint::snapshot::{RoleRuntime, Snapshot};
 use kvhint_e2e::bench::{
     artifacts, is_bench, median, quantile, selection_medians, selection_stage,
 };
+use kvhint_e2e::replay::decode_request;
 use kvhint_plugin_api::testing::{TestCandidate, TestPlacement, TestWorker};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -83,18 +84,7 @@ fn registration(id: u64) -> WorkerRegistration {
 
 /// `blocks` leading blocks of `prompt`, stored by one worker in one event.
 fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
-    KvEvent::stored(
-        None,
-        prompt
-            .chunks_exact(BLOCK)
-            .take(blocks)
-            .enumerate()
-            .map(|(i, chunk)| StoredBlock {
-                block_hash: engine_base + i as u64,
-                token_ids: chunk.into(),
-            })
-            .collect(),
-    )
+    kvhint_e2e::replay::stored_event(prompt, BLOCK, blocks, engine_base)
 }
 
 /// Which workers hold how many leading blocks of the prompt, by layout.
@@ -273,14 +263,7 @@ fn benches(c: &mut Criterion) {
             // The shared layout at 1,024 workers × 32k tokens is 2M index
             // entries; it is measured, but it takes a while to set up.
             let router = router(workers, &prompt, shared);
-            let request = BookRequest {
-                request_id: "bench",
-                role: Role::Decode,
-                token_ids: &prompt,
-                session_context: None,
-                lora_name: None,
-                cache_salt: None,
-            };
+            let request = decode_request("bench", &prompt);
             let booking = router.book(role, &request).expect("books");
             // kvcr (multiplier 1) books a worker on a peer's copy: the whole
             // path runs, committed copy and kv.fetch included.

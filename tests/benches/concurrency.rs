@@ -53,11 +53,12 @@ use crossbeam_utils::CachePadded;
 use kvhint::domain::{Role, ThreadPolicy, WorkerKey};
 use kvhint::router::index::{KvEvent, StoredBlock};
 use kvhint::router::workers::{Load, WorkerRegistration};
-use kvhint::router::{BookRequest, Router};
+use kvhint::router::Router;
 use kvhint::snapshot::{RoleRuntime, Snapshot};
 use kvhint::testing::set_current_thread;
 use kvhint::testing::Ingest;
 use kvhint_e2e::bench::is_bench;
+use kvhint_e2e::replay::decode_request;
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -106,18 +107,7 @@ fn prompt(j: usize) -> Vec<u32> {
 
 /// `blocks` leading blocks of `prompt`, stored by one worker in one event.
 fn stored(prompt: &[u32], blocks: usize, engine_base: u64) -> KvEvent {
-    KvEvent::stored(
-        None,
-        prompt
-            .chunks_exact(BLOCK)
-            .take(blocks)
-            .enumerate()
-            .map(|(i, chunk)| StoredBlock {
-                block_hash: engine_base + i as u64,
-                token_ids: chunk.into(),
-            })
-            .collect(),
-    )
+    kvhint_e2e::replay::stored_event(prompt, BLOCK, blocks, engine_base)
 }
 
 /// 64 workers; for prompt `j`, workers `j`, `j + 16`, `j + 32`, `j + 48` hold ¼, ½, ¾
@@ -211,14 +201,7 @@ fn measure(
                     let mut book = |record: bool, samples: &mut Vec<u64>| {
                         id.clear();
                         let _ = write!(id, "r{run}-t{t}-{i}");
-                        let request = BookRequest {
-                            request_id: &id,
-                            role: Role::Decode,
-                            token_ids: &prompts[(i + t) % PROMPTS],
-                            session_context: None,
-                            lora_name: None,
-                            cache_salt: None,
-                        };
+                        let request = decode_request(&id, &prompts[(i + t) % PROMPTS]);
                         i += 1;
                         let started = Instant::now();
                         let booking = router.book(role, black_box(&request));
@@ -526,19 +509,7 @@ fn main() {
     // The whole path runs: kvcr commits a peer's copy and kv_fetch sends it.
     for (j, p) in prompts.iter().enumerate() {
         let id = format!("check-{j}");
-        let booking = router
-            .book(
-                role,
-                &BookRequest {
-                    request_id: &id,
-                    role: Role::Decode,
-                    token_ids: p,
-                    session_context: None,
-                    lora_name: None,
-                    cache_salt: None,
-                },
-            )
-            .expect("books");
+        let booking = router.book(role, &decode_request(&id, p)).expect("books");
         assert!(booking.committed_copy.is_some(), "{booking:?}");
         assert!(booking.hint.message().is_some(), "{booking:?}");
         router.release(&id).expect("releases");

@@ -18,37 +18,11 @@
 
 use kvhint_e2e::bench::{self, quantile};
 use kvhint_e2e::envoy::{Envoy, Routing};
-use kvhint_e2e::llamacpp::{agent, qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
+use kvhint_e2e::http::{agent, timed_post};
+use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, worker_yaml, LlamaWorker, MODEL_NAME};
 use kvhint_e2e::{private_dir, Server};
 use serde_json::{json, Value};
-use std::io::Read;
 use std::process::Command;
-use std::time::{Duration, Instant};
-
-/// One request's latency in seconds (to the last byte).
-fn request(agent: &ureq::Agent, url: &str, body: &str) -> f64 {
-    let started = Instant::now();
-    let mut response = agent
-        .post(url)
-        .header("content-type", "application/json")
-        .send(body)
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    if response.status().as_u16() != 200 {
-        let status = response.status();
-        let text = response.body_mut().read_to_string().unwrap_or_default();
-        panic!("POST {url}: {status}: {text}");
-    }
-    let mut reader = response.body_mut().as_reader();
-    let mut buffer = [0u8; 8192];
-    loop {
-        match reader.read(&mut buffer) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) => panic!("reading {url}: {e}"),
-        }
-    }
-    started.elapsed().as_secs_f64()
-}
 
 fn completion(n: u64) -> Value {
     json!({"model": MODEL_NAME,
@@ -84,11 +58,8 @@ fn main() {
          endpoint_picker:\n  listen: 127.0.0.1:0\nworkers:\n",
         qwen3_tokenizer_dir().display()
     );
-    for (i, url) in urls.iter().enumerate() {
-        yaml.push_str(&format!(
-            "  - worker_id: {}\n    http_endpoint: {url}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
-            i + 1
-        ));
+    for (id, worker) in (1..).zip(&workers) {
+        yaml.push_str(&worker_yaml(id, worker));
     }
     std::fs::write(&config, yaml).unwrap();
     let kvhint = Server::start_command(
@@ -97,14 +68,7 @@ fn main() {
         &[],
         dir.path(),
     );
-    let line = kvhint
-        .stdout_line(Duration::from_secs(30))
-        .unwrap_or_else(|e| panic!("no endpoint picker address: {e}\n{}", kvhint.log()));
-    let picker = line
-        .trim()
-        .strip_prefix("endpoint picker listening on ")
-        .unwrap_or_else(|| panic!("unexpected line {line:?}"))
-        .to_string();
+    let picker = kvhint.picker_address();
     let with_kvhint = Envoy::start(&Routing::Picker {
         picker,
         subset: None,
@@ -156,7 +120,7 @@ fn main() {
         for system in &systems {
             for url in &system.urls {
                 n += 1;
-                request(&agent, &format!("{url}{path}"), &body(n).to_string());
+                timed_post(&agent, &format!("{url}{path}"), &body(n).to_string());
             }
         }
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); systems.len()];
@@ -167,7 +131,8 @@ fn main() {
                 for i in 0..per_round {
                     n += 1;
                     let url = &system.urls[i % system.urls.len()];
-                    let latency = request(&agent, &format!("{url}{path}"), &body(n).to_string());
+                    let latency =
+                        timed_post(&agent, &format!("{url}{path}"), &body(n).to_string()).0;
                     samples[s].push(latency);
                 }
             }

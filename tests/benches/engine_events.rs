@@ -27,6 +27,9 @@ use kvhint::testing::Ingest;
 use kvhint::testing::SubscriberOptions;
 use kvhint::testing::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use kvhint_e2e::bench::{is_bench, median, quantile};
+use kvhint_e2e::engines;
+use kvhint_e2e::wait::Waiting;
+use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,56 +37,15 @@ const BLOCK: usize = 16;
 const BLOCKS_PER_EVENT: usize = 32;
 const WORKERS: u64 = 64;
 
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    rmp::encode::write_str(out, s).unwrap();
-}
-
 /// One batch `[ts, [BlockStored, BlockRemoved?], 0]` as the engines encode it.
 fn batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32], removed: &[u64]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(hashes.len() * 40 + 128);
-    rmp::encode::write_array_len(&mut out, 3).unwrap();
-    rmp::encode::write_f64(&mut out, 1.7e9).unwrap();
-    rmp::encode::write_array_len(&mut out, if removed.is_empty() { 1 } else { 2 }).unwrap();
-    rmp::encode::write_map_len(&mut out, 7).unwrap();
-    put_str(&mut out, "type");
-    put_str(&mut out, "BlockStored");
-    put_str(&mut out, "block_hashes");
-    rmp::encode::write_array_len(&mut out, hashes.len() as u32).unwrap();
-    for h in hashes {
-        rmp::encode::write_uint(&mut out, *h).unwrap();
-    }
-    put_str(&mut out, "parent_block_hash");
-    match parent {
-        Some(p) => {
-            rmp::encode::write_uint(&mut out, p).unwrap();
-        }
-        None => rmp::encode::write_nil(&mut out).unwrap(),
-    }
-    put_str(&mut out, "token_ids");
-    rmp::encode::write_array_len(&mut out, tokens.len() as u32).unwrap();
-    for t in tokens {
-        rmp::encode::write_uint(&mut out, u64::from(*t)).unwrap();
-    }
-    put_str(&mut out, "block_size");
-    rmp::encode::write_uint(&mut out, BLOCK as u64).unwrap();
-    put_str(&mut out, "lora_id");
-    rmp::encode::write_nil(&mut out).unwrap();
-    put_str(&mut out, "medium");
-    put_str(&mut out, "GPU");
+    let mut events = vec![json!({"type": "BlockStored", "block_hashes": hashes,
+        "parent_block_hash": parent, "token_ids": tokens, "block_size": BLOCK,
+        "lora_id": null, "medium": "GPU"})];
     if !removed.is_empty() {
-        rmp::encode::write_map_len(&mut out, 3).unwrap();
-        put_str(&mut out, "type");
-        put_str(&mut out, "BlockRemoved");
-        put_str(&mut out, "block_hashes");
-        rmp::encode::write_array_len(&mut out, removed.len() as u32).unwrap();
-        for h in removed {
-            rmp::encode::write_uint(&mut out, *h).unwrap();
-        }
-        put_str(&mut out, "medium");
-        put_str(&mut out, "GPU");
+        events.push(json!({"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU"}));
     }
-    rmp::encode::write_uint(&mut out, 0).unwrap();
-    out
+    engines::batch(Value::Array(events))
 }
 
 fn router() -> Arc<Router> {
@@ -315,12 +277,15 @@ fn latency(samples: usize) {
     };
     // Join: publish until the subscription hears one (ZMQ's slow joiner).
     let probe = batch(&[1], None, &[0; BLOCK], &[]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while router.index_len() == 0 {
-        assert!(Instant::now() < deadline, "the subscription never joined");
-        send(&probe);
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    Waiting::new("the subscription to join", Duration::from_secs(10))
+        .every(Duration::from_millis(5))
+        .until(|| {
+            if router.index_len() > 0 {
+                return Some(());
+            }
+            send(&probe);
+            None
+        });
     let mut waits = Vec::with_capacity(samples);
     let mut hashes = Vec::new();
     let mut matches = kvhint::router::index::Matches::new();

@@ -25,11 +25,12 @@
 //! once, on a debug build, to keep it working.
 
 use kvhint_e2e::bench::{self, quantile};
-use kvhint_e2e::llamacpp::{agent, qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
-use kvhint_e2e::process::spawn_tied;
+use kvhint_e2e::http::{agent, timed_post};
+use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
+use kvhint_e2e::process::{free_port, spawn_tied};
+use kvhint_e2e::wait::Waiting;
 use kvhint_e2e::{private_dir, Server};
 use serde_json::{json, Value};
-use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -84,61 +85,26 @@ fn peer(binary: &str, args: &[String], port: u16) -> Child {
     let mut child =
         spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
     let agent = agent();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let ready = agent
-            .get(&format!("http://127.0.0.1:{port}/v1/models"))
-            .call()
-            .is_ok_and(|r| r.status().as_u16() == 200);
-        if ready {
-            return child;
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+    Waiting::new(
+        &format!("{binary} to answer GET /v1/models"),
+        Duration::from_secs(60),
+    )
+    .every(Duration::from_millis(100))
+    .report(|| std::fs::read_to_string(&log).unwrap_or_default())
+    .until(|| {
+        if let Ok(Some(status)) = child.try_wait() {
             panic!(
-                "{binary} did not answer within 60 s:\n{}",
+                "{binary} exited ({status}):\n{}",
                 std::fs::read_to_string(&log).unwrap_or_default()
             );
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
-
-/// One request: (total seconds, seconds to the first body byte).
-fn request(agent: &ureq::Agent, url: &str, body: &str) -> (f64, f64) {
-    let started = Instant::now();
-    let mut response = agent
-        .post(url)
-        .header("content-type", "application/json")
-        .send(body)
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    if response.status().as_u16() != 200 {
-        let status = response.status();
-        let text = response.body_mut().read_to_string().unwrap_or_default();
-        panic!("POST {url}: {status}: {text}");
-    }
-    let mut reader = response.body_mut().as_reader();
-    let mut buffer = [0u8; 8192];
-    let mut first = None;
-    loop {
-        match reader.read(&mut buffer) {
-            Ok(0) => break,
-            Ok(_) => {
-                first.get_or_insert_with(|| started.elapsed().as_secs_f64());
-            }
-            Err(e) => panic!("reading {url}: {e}"),
-        }
-    }
-    let total = started.elapsed().as_secs_f64();
-    (total, first.unwrap_or(total))
+        agent
+            .get(&format!("http://127.0.0.1:{port}/v1/models"))
+            .call()
+            .is_ok_and(|r| r.status().as_u16() == 200)
+            .then_some(())
+    });
+    child
 }
 
 struct Workload {
@@ -302,7 +268,7 @@ fn main() {
             for system in &systems {
                 for url in &system.urls {
                     let body = (workload.body)(counter.fetch_add(1, Ordering::Relaxed)).to_string();
-                    request(&agent(), &format!("{url}{}", workload.path), &body);
+                    timed_post(&agent(), &format!("{url}{}", workload.path), &body);
                 }
             }
             for round in 0..rounds {
@@ -324,7 +290,7 @@ fn main() {
                                     .map(|i| {
                                         let n = counter.fetch_add(1, Ordering::Relaxed);
                                         let url = &urls[(t + i) % urls.len()];
-                                        request(
+                                        timed_post(
                                             &agent,
                                             &format!("{url}{path}"),
                                             &make(n).to_string(),

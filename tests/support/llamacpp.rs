@@ -20,6 +20,7 @@
 //! worker.restart(); // same port
 //! ```
 
+use crate::http::{agent, get, post};
 use crate::process::{spawn_tied, LineReader};
 use crate::provision::{key_of, npm_package, once, provisioned, python, read, run_with_progress};
 use crate::{e2e_target_dir, workspace_root, TempDir};
@@ -233,6 +234,16 @@ impl LlamaWorker {
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         post(&self.agent, &format!("{}{path}", self.url()), body)
     }
+
+    /// How many of the server's slots are processing a request now (its
+    /// `/slots`).
+    pub fn slots_busy(&self) -> usize {
+        let (_, slots) = self.get("/slots");
+        let slots: Value = serde_json::from_str(&slots).unwrap_or(Value::Null);
+        slots.as_array().map_or(0, |s| {
+            s.iter().filter(|s| s["is_processing"] == true).count()
+        })
+    }
 }
 
 impl Drop for LlamaWorker {
@@ -241,45 +252,65 @@ impl Drop for LlamaWorker {
     }
 }
 
-/// A client for the tests' HTTP calls: statuses are answers, not errors, and
-/// every call has a deadline.
-pub fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .new_agent()
+/// HF tokenizers' ids for `text` with Qwen3's tokenizer.json (the one the
+/// router and the tiny model load), from the harness's Python environment;
+/// no special tokens added.
+pub fn hf_ids(text: &str) -> Vec<u32> {
+    let script = "import json, sys\n\
+                  from tokenizers import Tokenizer\n\
+                  t = Tokenizer.from_file(sys.argv[1])\n\
+                  print(json.dumps(t.encode(sys.argv[2], add_special_tokens=False).ids))\n";
+    let output = crate::process::run_bounded(
+        Command::new(python())
+            .args(["-c", script])
+            .arg(qwen3_tokenizer_dir().join("tokenizer.json"))
+            .arg(text),
+        Duration::from_secs(120),
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
 }
 
-/// `GET url` (a failure to connect fails the test): the status and the body.
-pub fn get(agent: &ureq::Agent, url: &str) -> (u16, String) {
-    let mut response = agent
-        .get(url)
-        .call()
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
-    let status = response.status().as_u16();
-    let body = response
-        .body_mut()
-        .read_to_string()
-        .unwrap_or_else(|e| panic!("GET {url}: reading the body: {e}"));
-    (status, body)
-}
-
-/// `POST url` with a JSON body: the status and the body as JSON (a string if
-/// it is not JSON).
-pub fn post(agent: &ureq::Agent, url: &str, body: &Value) -> (u16, Value) {
-    let mut response = agent
-        .post(url)
-        .header("content-type", "application/json")
-        .send(body.to_string())
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = response.status().as_u16();
-    let text = response
-        .body_mut()
-        .read_to_string()
-        .unwrap_or_else(|e| panic!("POST {url}: reading the body: {e}"));
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+/// A worker entry for a config's `workers:` section: worker `id` served by
+/// `worker` (llama.cpp, the tiny model, approximate KV events).
+pub fn worker_yaml(id: u64, worker: &LlamaWorker) -> String {
+    format!(
+        "  - worker_id: {id}\n    http_endpoint: {}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
+        worker.url()
     )
+}
+
+/// An OpenAI answer with the fields that differ from one answer to the next
+/// taken out: the completion's id, its creation time, llama.cpp's timings, and
+/// how many prompt tokens its prompt cache held (the second of two equal
+/// requests finds the first one's).
+pub fn stable(text: &str) -> Value {
+    let mut value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    if let Some(map) = value.as_object_mut() {
+        for key in ["id", "created", "timings"] {
+            map.remove(key);
+        }
+        if let Some(usage) = map.get_mut("usage").and_then(Value::as_object_mut) {
+            usage.remove("prompt_tokens_details");
+        }
+    }
+    value
+}
+
+/// An SSE stream's events, each made [`stable`] (`[DONE]` as a string).
+pub fn stable_events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .map(|data| {
+            if data.trim() == "[DONE]" {
+                Value::String("[DONE]".into())
+            } else {
+                stable(data)
+            }
+        })
+        .collect()
 }

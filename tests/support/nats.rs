@@ -6,11 +6,12 @@
 //! another one, and a `nats-server` on `PATH` (Debian's package) is the fallback when
 //! `$KVHINT_PYTHON` points at an interpreter without the wheel.
 
-use crate::process::spawn_tied;
-use std::net::{TcpListener, TcpStream};
+use crate::process::{free_port, spawn_tied};
+use crate::wait;
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The `nats-server` binary the tests run.
 pub fn nats_server_bin() -> PathBuf {
@@ -22,20 +23,6 @@ pub fn nats_server_bin() -> PathBuf {
         return beside;
     }
     PathBuf::from("nats-server")
-}
-
-/// A port on 127.0.0.1 outside the ephemeral range, free when asked.
-pub fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU16, Ordering};
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 30_000 + (std::process::id() % 500) as u16 * 20;
-    for _ in 0..2_000 {
-        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 10_000;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port between 30000 and 49999");
 }
 
 /// A running `nats-server`, killed on drop.
@@ -86,15 +73,11 @@ impl NatsServer {
             )
         });
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not listen on {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait::until_true(
+            &format!("nats-server to listen on {}", self.port),
+            Duration::from_secs(30),
+            || TcpStream::connect(("127.0.0.1", self.port)).is_ok(),
+        );
     }
 }
 

@@ -1,9 +1,12 @@
 //! Child processes the tests start: tied to the test process's life, and read
 //! with deadlines, so a hung child fails a test with a message instead of
-//! hanging the run.
+//! hanging the run; commands run to their end within a bound; free ports for
+//! the servers they start; and the `[kvhint-e2e]` progress lines the harness
+//! prints while it builds and fetches.
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, ExitStatus};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -144,4 +147,90 @@ pub fn wait_or_kill(child: &mut Child, within: Duration) -> Option<ExitStatus> {
             None
         }
     }
+}
+
+/// Runs `command` to its end with no stdin, failing the test (not hanging the
+/// run) if it has not ended within `bound`: a command that blocks is a failure.
+/// Its output is read as it comes, so a chatty command never blocks on a full
+/// pipe.
+pub fn run_bounded(command: &mut Command, bound: Duration) -> std::process::Output {
+    use wait_timeout::ChildExt;
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let status = child.wait_timeout(bound).unwrap();
+    let status = match status {
+        Some(status) => status,
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let stderr = stderr.join().unwrap_or_default();
+            panic!(
+                "{command:?} did not end within {bound:?}\n{}",
+                String::from_utf8_lossy(&stderr)
+            );
+        }
+    };
+    std::process::Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    }
+}
+
+/// How often the harness says it is still building (or fetching) when the
+/// command it waits for prints nothing.
+pub(crate) const HEARTBEAT: Duration = Duration::from_secs(20);
+
+/// Writes a progress line straight to the process's stderr: libtest captures
+/// `eprintln!` of passing tests, and a CI log should not sit silent for the
+/// minutes a first build of the fixtures takes.
+pub(crate) fn progress(line: &str) {
+    use std::io::Write;
+    let mut stderr = std::io::stderr().lock();
+    let _ = writeln!(stderr, "[kvhint-e2e] {line}");
+}
+
+/// A port on 127.0.0.1 below Linux's ephemeral range (32768–60999), free when
+/// asked: one a server can bind again after a restart without an outgoing
+/// connection having taken it meanwhile. Each test process starts at its own
+/// offset, so test binaries running at once rarely meet.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const PORTS: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = (std::process::id() % 1_400) * 20;
+    for _ in 0..2_000 {
+        let port = FIRST + (base + NEXT.fetch_add(1, Ordering::Relaxed)) % PORTS;
+        let port = port as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 20000 and 31999");
 }

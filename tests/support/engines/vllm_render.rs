@@ -9,12 +9,13 @@
 
 use crate::process::spawn_tied;
 use crate::provision::{once, provisioned, python, run_with_progress};
+use crate::wait::Waiting;
 use crate::{e2e_target_dir, private_dir, TempDir};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The `vllm-rs` binary from vLLM 0.34.0's wheel (the same wheel the endpoint
 /// plugin's test reads, [`crate::provision::vllm_plugin_wheel`]), unpacked once.
@@ -95,7 +96,7 @@ impl Renderer {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
         let child = spawn_tied(command).expect("cannot run vllm-rs");
-        let agent = crate::llamacpp::agent();
+        let agent = crate::http::agent();
         let renderer = Renderer {
             child,
             port,
@@ -103,18 +104,11 @@ impl Renderer {
             agent,
         };
         // It loads the tokenizer (seconds for a large vocabulary), then listens.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return renderer;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "vllm-rs render did not listen within 120 s:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        Waiting::new("vllm-rs render to listen", Duration::from_secs(120))
+            .every(Duration::from_millis(50))
+            .report(|| std::fs::read_to_string(&log).unwrap_or_default())
+            .until(|| std::net::TcpStream::connect(("127.0.0.1", port)).ok());
+        renderer
     }
 
     /// The token ids vLLM renders for a chat request.
@@ -128,7 +122,7 @@ impl Renderer {
     }
 
     fn ids(&self, path: &str, request: &Value) -> Vec<u32> {
-        let (status, reply) = crate::llamacpp::post(
+        let (status, reply) = crate::http::post(
             &self.agent,
             &format!("http://127.0.0.1:{}{path}", self.port),
             request,
