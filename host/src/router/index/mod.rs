@@ -11,8 +11,8 @@
 //! the router's chained *sequence hash* ([`hashing`]). A node is a run of consecutive
 //! blocks that the same set of workers holds: their sequence hashes side by side, the
 //! holder set as 64-slot bitmap words ([`holders`]), and the holders' engine hashes of
-//! those blocks ([`rows`]: one row they share, and own rows for holders that name them
-//! otherwise). A lookup ([`lookup`]) compares the request's hashes with a node's run
+//! those blocks ([`rows`]: one row they share; a holder that names some of them otherwise
+//! keeps those names in a map of its own, by block). A lookup ([`lookup`]) compares the request's hashes with a node's run
 //! one after the other — a sequential compare, no hash-map probe — and meets a map only
 //! where the run ends and a child starts; entering a node ANDs the still-matching set
 //! with the node's holders, one word per 64 workers. So its cost is the matched blocks
@@ -110,6 +110,8 @@ pub struct KvIndex {
     free_slots: Vec<Slot>,
     /// (worker, engine hash) copies held.
     entries: usize,
+    /// Each worker's names that differ from their nodes' shared rows ([`rows`]).
+    own: rows::OwnNames,
     /// The writer's engine names ([`names`]): one book for this index and, under
     /// [`shared::SharedIndex`], for its twin. Bookings never lock it.
     book: Arc<Mutex<Book>>,
@@ -173,6 +175,7 @@ impl KvIndex {
             slot_keys: Vec::new(),
             free_slots: Vec::new(),
             entries: 0,
+            own: rows::OwnNames::default(),
             book: Arc::default(),
             resolved: Vec::new(),
             scratch: Scratch::default(),
@@ -194,6 +197,7 @@ impl KvIndex {
             slot_keys: self.slot_keys.clone(),
             free_slots: self.free_slots.clone(),
             entries: self.entries,
+            own: self.own.clone(),
             book: Arc::clone(&self.book),
             resolved: Vec::new(),
             scratch: Scratch::default(),
