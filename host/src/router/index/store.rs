@@ -515,7 +515,7 @@ impl KvIndex {
             self.take_out_row(names, node, |_| true);
         }
         let m = self.isolate(node, pos, pos + taken);
-        self.nodes[m as usize].add_holder(&mut self.own, slot, &items[..taken]);
+        self.nodes[m as usize].add_holder(&mut self.own, slot, &items[..taken], items.len());
         // `m` holds just the stretch; merged into its parent, it follows the parent's
         // blocks (merging its child in appends after it and moves nothing).
         let parent = self.nodes[m as usize].parent;

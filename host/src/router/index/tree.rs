@@ -165,12 +165,19 @@ impl Node {
     }
 
     /// Adds `slot` with its engine hashes of every block: the first of each of
-    /// `items` (`len()` of them).
+    /// `items` (`len()` of them); `rest`: the store's blocks left from the first on.
     #[inline(always)]
-    pub(super) fn add_holder(&mut self, own: &mut OwnNames, slot: Slot, items: &[(u64, u64)]) {
+    pub(super) fn add_holder(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        items: &[(u64, u64)],
+        rest: usize,
+    ) {
         let first = self.holders.is_empty();
         if self.holders.insert(slot) {
-            self.engines.add_pairs(own, slot, items, &self.ids, first);
+            self.engines
+                .add_pairs(own, slot, items, &self.ids, first, rest);
         }
     }
 
