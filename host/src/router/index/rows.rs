@@ -420,7 +420,13 @@ impl EngineRows {
     /// names `engine`. Inlined, with the rare case out of line: it runs for every block
     /// appended.
     #[inline(always)]
-    pub(super) fn push_sole(&mut self, own: &mut OwnNames, slot: Slot, ids: &[BlockId], engine: u64) {
+    pub(super) fn push_sole(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        ids: &[BlockId],
+        engine: u64,
+    ) {
         if self.odd {
             self.make_sole(own, slot, ids);
         }
