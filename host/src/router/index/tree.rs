@@ -112,8 +112,8 @@ pub(super) struct Node {
     pub(super) ids: Vec<BlockId>,
     /// The holders of every block of the node.
     pub(super) holders: Holders,
-    /// Each holder's engine hashes of the node's blocks ([`rows`](super::rows)): one row the
-    /// holders share, and rows of their own only for holders that name them otherwise.
+    /// Each holder's engine hashes of the node's blocks ([`rows`](super::rows)): one row
+    /// the holders share; a holder's names that differ are in a table of its own.
     pub(super) engines: EngineRows,
     /// `NO_NODE` for a node whose first block starts a sequence.
     pub(super) parent: NodeId,
