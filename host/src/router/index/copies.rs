@@ -167,8 +167,8 @@ impl KvIndex {
     }
 
     /// Before a block is appended to `node`, its sole holder's: if that holder has
-    /// names of its own there, they become the shared row's, so the shared names that row does
-    /// not have go.
+    /// names of its own there, they become the shared row's, so the shared names that
+    /// row does not have go.
     pub(super) fn before_push(&mut self, names: &mut impl Names, node: NodeId) {
         let n = &self.nodes[node as usize];
         if !n.listed || !n.engines.has_odd() {
