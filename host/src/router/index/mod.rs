@@ -14,8 +14,8 @@
 //! those blocks ([`rows`]: one row they share; a holder that names some of them otherwise
 //! keeps those names in a table of its own, by block). A lookup ([`lookup`]) compares the
 //! request's hashes with a node's run one after the other — a sequential compare, no
-//! hash-map probe — and meets a map only where the run ends and a child starts; entering a node ANDs the still-matching set
-//! with the node's holders, one word per 64 workers. So its cost is the matched blocks
+//! hash-map probe — and meets a map only where the run ends and a child starts; entering
+//! a node ANDs the still-matching set with the node's holders, one word per 64 workers. So its cost is the matched blocks
 //! plus, per node, the fleet's words: never a probe per block, never a loop over workers
 //! per block, and never how many copies a worker holds. Engine hashes, which only a
 //! `kv.fetch` needs, are copied on demand, a run at a time.
