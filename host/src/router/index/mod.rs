@@ -15,10 +15,11 @@
 //! keeps those names in a table of its own, by block). A lookup ([`lookup`]) compares the
 //! request's hashes with a node's run one after the other — a sequential compare, no
 //! hash-map probe — and meets a map only where the run ends and a child starts; entering
-//! a node ANDs the still-matching set with the node's holders, one word per 64 workers. So its cost is the matched blocks
-//! plus, per node, the fleet's words: never a probe per block, never a loop over workers
-//! per block, and never how many copies a worker holds. Engine hashes, which only a
-//! `kv.fetch` needs, are copied on demand, a run at a time.
+//! a node ANDs the still-matching set with the node's holders, one word per 64 workers.
+//! So its cost is the matched blocks plus, per node, the fleet's words: never a probe per
+//! block, never a loop over workers per block, and never how many copies a worker holds.
+//! Engine hashes, which only a `kv.fetch` needs, are copied on demand, a run at a time
+//! (per block from a worker's own table where its names differ from the shared row).
 //!
 //! **Why a tree and not a map from block to holders.** A map costs a probe (a likely
 //! cache miss in a large index) per request block; Dynamo's `RadixTree` and SGLang's
