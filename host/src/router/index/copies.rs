@@ -19,7 +19,10 @@ impl KvIndex {
             return false;
         };
         let pos = at.offset.wrapping_sub(n.first) as usize;
-        n.live && n.holders.contains(slot) && n.row(slot).get(pos) == Some(&engine)
+        n.live
+            && pos < n.len()
+            && n.holders.contains(slot)
+            && n.name(&self.own, slot, pos) == engine
     }
 
     /// Whether `block` is one of the blocks of `node` from `pos` on that a stretch
@@ -163,9 +166,9 @@ impl KvIndex {
         n.listed = false;
     }
 
-    /// Before a block is appended to `node`, its sole holder's: if that holder has a
-    /// row of its own, it becomes the shared row, so the shared names that row does
-    /// not have go.
+    /// Before a block is appended to `node`, its sole holder's: if that holder has
+    /// names of its own there, they become the shared row's, so the shared names that
+    /// row does not have go.
     pub(super) fn before_push(&mut self, names: &mut impl Names, node: NodeId) {
         let n = &self.nodes[node as usize];
         if !n.listed || !n.engines.has_odd() {
@@ -174,7 +177,7 @@ impl KvIndex {
         let Some(slot) = n.holders.slots().next() else {
             return;
         };
-        let own: Vec<u64> = n.row(slot).to_vec();
+        let own: Vec<u64> = n.row(&self.own, slot);
         let common: Vec<u64> = n.engines.common().to_vec();
         self.take_out_row(names, node, |pos| own[pos] != common[pos]);
         // Names both rows have stay entered; the node is listed still.

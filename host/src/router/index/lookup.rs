@@ -178,8 +178,9 @@ impl KvIndex {
             if !node.holders.contains(slot) {
                 break;
             }
-            let row = node.row(slot);
-            out.extend_from_slice(&row[..matched]);
+            let at = out.len();
+            out.resize(at + matched, 0);
+            node.copy_row(&self.own, slot, &mut out[at..]);
             if matched < node.len() {
                 break;
             }
@@ -248,6 +249,7 @@ impl KvIndex {
         path.clear();
         path.extend(self.path(hashes));
         let node = |id: NodeId| &self.nodes[id as usize];
+        let own = &self.own;
         let mut reached = 0;
         let mut g = 0;
         while g < path.len() && !wanting.is_empty() {
@@ -298,8 +300,7 @@ impl KvIndex {
                         }
                         let take = matched.min(dest.asked - depth);
                         let to = dest.offset + depth;
-                        let row = node.row(base as Slot + bit);
-                        copy_short(&mut cells[to..to + take], &row[..take]);
+                        node.copy_row(own, base as Slot + bit, &mut cells[to..to + take]);
                     }
                 }
                 if still != 0 {
@@ -340,7 +341,7 @@ impl KvIndex {
 /// short nodes (where many workers each hold a different prefix, nodes are a block or
 /// two long and a call per copy costs more than the copy).
 #[inline(always)]
-fn copy_short(dst: &mut [u64], src: &[u64]) {
+pub(super) fn copy_short(dst: &mut [u64], src: &[u64]) {
     match (dst, src) {
         ([d0], [s0]) => *d0 = *s0,
         ([d0, d1], [s0, s1]) => (*d0, *d1) = (*s0, *s1),

@@ -11,14 +11,15 @@
 //! the router's chained *sequence hash* ([`hashing`]). A node is a run of consecutive
 //! blocks that the same set of workers holds: their sequence hashes side by side, the
 //! holder set as 64-slot bitmap words ([`holders`]), and the holders' engine hashes of
-//! those blocks ([`rows`]: one row they share, and own rows for holders that name them
-//! otherwise). A lookup ([`lookup`]) compares the request's hashes with a node's run
-//! one after the other — a sequential compare, no hash-map probe — and meets a map only
-//! where the run ends and a child starts; entering a node ANDs the still-matching set
-//! with the node's holders, one word per 64 workers. So its cost is the matched blocks
-//! plus, per node, the fleet's words: never a probe per block, never a loop over workers
-//! per block, and never how many copies a worker holds. Engine hashes, which only a
-//! `kv.fetch` needs, are copied on demand, a run at a time.
+//! those blocks ([`rows`]: one row they share; a holder that names some of them otherwise
+//! keeps those names in a table of its own, by block). A lookup ([`lookup`]) compares the
+//! request's hashes with a node's run one after the other — a sequential compare, no
+//! hash-map probe — and meets a map only where the run ends and a child starts; entering
+//! a node ANDs the still-matching set with the node's holders, one word per 64 workers.
+//! So its cost is the matched blocks plus, per node, the fleet's words: never a probe per
+//! block, never a loop over workers per block, and never how many copies a worker holds.
+//! Engine hashes, which only a `kv.fetch` needs, are copied on demand, a run at a time
+//! (per block from a worker's own table where its names differ from the shared row).
 //!
 //! **Why a tree and not a map from block to holders.** A map costs a probe (a likely
 //! cache miss in a large index) per request block; Dynamo's `RadixTree` and SGLang's
@@ -110,6 +111,8 @@ pub struct KvIndex {
     free_slots: Vec<Slot>,
     /// (worker, engine hash) copies held.
     entries: usize,
+    /// Each worker's names that differ from their nodes' shared rows ([`rows`]).
+    own: rows::OwnNames,
     /// The writer's engine names ([`names`]): one book for this index and, under
     /// [`shared::SharedIndex`], for its twin. Bookings never lock it.
     book: Arc<Mutex<Book>>,
@@ -173,6 +176,7 @@ impl KvIndex {
             slot_keys: Vec::new(),
             free_slots: Vec::new(),
             entries: 0,
+            own: rows::OwnNames::default(),
             book: Arc::default(),
             resolved: Vec::new(),
             scratch: Scratch::default(),
@@ -194,6 +198,7 @@ impl KvIndex {
             slot_keys: self.slot_keys.clone(),
             free_slots: self.free_slots.clone(),
             entries: self.entries,
+            own: self.own.clone(),
             book: Arc::clone(&self.book),
             resolved: Vec::new(),
             scratch: Scratch::default(),

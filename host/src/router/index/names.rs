@@ -2,8 +2,8 @@
 //!
 //! Removals and parents arrive as engine hashes, so the writer needs, per worker, a map
 //! from each engine hash it holds to its block. Bookings never read it: a lookup walks
-//! the tree by sequence hash, and a `kv.fetch` reads the engine hashes off the nodes'
-//! rows. So the book is kept once, outside the two copies of the tree that bookings and
+//! the tree by sequence hash, and a `kv.fetch` reads the engine hashes off the tree (the
+//! nodes' shared rows, and each worker's own names kept beside them). So the book is kept once, outside the two copies of the tree that bookings and
 //! ingestion share ([`super::shared`]), and the second copy does not probe it again.
 //!
 //! Every question the tree's algorithms ask of the book goes through [`Names`]. Applying

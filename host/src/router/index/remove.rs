@@ -62,7 +62,7 @@ impl KvIndex {
                 let (node, pos) = self.at(block);
                 let n = &mut self.nodes[node as usize];
                 let old = n.engines.common()[pos];
-                n.set_engine(slot, pos, named);
+                n.set_engine(&mut self.own, slot, pos, named);
                 if n.engines.common()[pos] != old {
                     // The sole holder renamed it: the old name is no one's now.
                     n.entered = false;
@@ -103,7 +103,7 @@ impl KvIndex {
                 k += 1;
             }
             let m = self.isolate(node, low, high + 1);
-            self.nodes[m as usize].remove_holder(slot);
+            self.nodes[m as usize].remove_holder(Some(&mut self.own), slot);
             touched.push(block);
         }
         for &block in &touched {
@@ -192,8 +192,10 @@ impl KvIndex {
         }
         nodes.sort_unstable();
         nodes.dedup();
+        // Its own names go whole, not block by block.
+        self.own.clear(slot);
         for &node in &nodes {
-            self.nodes[node as usize].remove_holder(slot);
+            self.nodes[node as usize].remove_holder(None, slot);
         }
         self.entries -= dropped;
         // Merging frees nodes, so first prune, then merge what is still there.

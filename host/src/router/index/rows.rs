@@ -1,66 +1,293 @@
-//! A node's engine hashes: one row the holders share, and rows of their own only for
-//! holders that name the node's blocks differently.
+//! A node's engine hashes: one row the holders share, and, for a holder that names some
+//! of the node's blocks otherwise, those names in storage of that worker's own.
 //!
 //! When engines of one model share a hash seed, they name the same tokens alike, and
-//! the holders of a block agree on its engine hash. Keeping one row per holder made a
-//! popular node's names grow with its holders: a worker joining a node held by a
-//! thousand others moved a thousand rows, and splitting or merging it copied them all.
-//! With a shared row, joining with the same names costs a compare. Engines that seed
-//! their hashes per process (vLLM without a fixed `PYTHONHASHSEED`) name every block
-//! differently; their rows are kept as before, side by side in slot order in one
-//! buffer, found by the holder's rank, so reading a peer's names is one slice of it.
+//! the holders of a block agree on its engine hash: a node keeps one shared row, and
+//! joining it with the same names costs a compare. Engines that seed their hashes per
+//! process (vLLM without a fixed `PYTHONHASHSEED`) name every block differently.
+//! Their names used to be rows of their own inside the node, side by side in slot
+//! order: a worker joining a node under names of its own wrote a row there, a cold line
+//! per node per worker (plus the own rows' holder words), and at 1,024 workers that was
+//! a third of the ingest's cache misses (issue 29). Now each worker's names that differ
+//! from the shared row live in [`OwnNames`], one map per worker from block id to engine
+//! hash: a join writes only that worker's map, which its store is filling anyway (the
+//! way Dynamo writes only its per-worker lookup map). Keyed by block id, which outlives
+//! splits and merges, so restructuring a node moves none of them; the node keeps only a
+//! flag saying that some holder may have names of its own there ([`EngineRows::odd`]),
+//! so nodes whose holders all agree are read as one slice, as before. Naming a worker's
+//! blocks of an odd node for a `kv.fetch` costs a probe of that worker's map per block;
+//! removing a worker's copies deletes its entries, and a clear drops its map whole.
 
-use super::holders::{Holders, Slot};
+use super::holders::Slot;
+use super::BlockId;
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct EngineRows {
     /// The names the holders share: the first holder's, or the node's sole holder's.
     common: Vec<u64>,
-    /// Holders whose names differ from `common` somewhere in the node. Boxed: most
-    /// nodes have none, and a walk reads every node it passes.
-    odd: Option<Box<OddRows>>,
+    /// Some holder may name some block of the node otherwise than `common` (an entry
+    /// in its [`OwnNames`]). Kept set until the node has no holders or one whose names
+    /// become the shared row, so a stale `true` costs only probes that find nothing.
+    odd: bool,
 }
 
+/// Per worker slot, block id → the worker's engine hash of that block, for blocks it
+/// holds under a name other than their node's shared row: exactly those (an entry is
+/// never the shared row's name), so a map is as large as the worker's odd names.
 #[derive(Debug, Clone, Default)]
-struct OddRows {
-    slots: Holders,
-    /// One row of `common.len()` per slot of `slots`, in slot order.
-    rows: Vec<u64>,
+pub(super) struct OwnNames {
+    by_slot: Vec<OwnMap>,
 }
 
-impl EngineRows {
-    /// The engine hashes under which `slot` (a holder of the node) holds its blocks.
+impl OwnNames {
+    /// `slot`'s own name for `block`, if it has one.
     #[inline]
-    pub(super) fn row(&self, slot: Slot) -> &[u64] {
-        let Some(odd) = &self.odd else {
-            return &self.common;
-        };
-        match odd.slots.rank_of(slot) {
-            Some(rank) => {
-                let len = self.common.len();
-                &odd.rows[rank * len..(rank + 1) * len]
-            }
-            None => &self.common,
+    pub(super) fn get(&self, slot: Slot, block: BlockId) -> Option<u64> {
+        self.by_slot.get(slot as usize)?.get(block)
+    }
+
+    /// `slot`'s map, made on first use.
+    #[inline]
+    fn map(&mut self, slot: Slot) -> &mut OwnMap {
+        let at = slot as usize;
+        if at >= self.by_slot.len() {
+            self.by_slot.resize_with(at + 1, OwnMap::default);
+        }
+        &mut self.by_slot[at]
+    }
+
+    fn remove(&mut self, slot: Slot, block: BlockId) -> Option<u64> {
+        self.by_slot.get_mut(slot as usize)?.remove(block)
+    }
+
+    /// Forgets every own name of `slot` (a clear, or its worker leaving).
+    pub(super) fn clear(&mut self, slot: Slot) {
+        if let Some(map) = self.by_slot.get_mut(slot as usize) {
+            map.clear();
         }
     }
 
-    /// Holders with a row of their own (for tests and invariants).
+    /// Own names over all workers (for tests).
     #[cfg(test)]
-    pub(super) fn own_rows(&self) -> Vec<(Slot, &[u64])> {
-        let Some(odd) = &self.odd else {
-            return Vec::new();
-        };
-        let len = self.common.len();
-        odd.slots
-            .slots()
-            .enumerate()
-            .map(|(r, s)| (s, &odd.rows[r * len..(r + 1) * len]))
-            .collect()
+    pub(super) fn len(&self) -> usize {
+        self.by_slot.iter().map(|m| m.len).sum()
     }
 
-    /// Whether some holder has a row of its own.
+    /// Every (slot, block, engine hash) (for invariant checks).
+    #[cfg(test)]
+    pub(super) fn all(&self) -> impl Iterator<Item = (Slot, BlockId, u64)> + '_ {
+        self.by_slot.iter().enumerate().flat_map(|(slot, map)| {
+            map.entries
+                .iter()
+                .filter(|e| e.block != EMPTY)
+                .map(move |e| (slot as Slot, e.block, e.engine))
+        })
+    }
+}
+
+/// One worker's own names: an open-addressed table of block id → engine hash,
+/// linear probing, a power of two of 16-byte entries at most three quarters full.
+/// Not a `HashMap`: a join writes one entry per block, and hashbrown's insert (its
+/// control bytes on another line than the entry, its group probing) took about 45
+/// instructions and two cache lines where this takes about 15 and one; block ids are
+/// dense integers, so a multiplicative hash spreads them.
+#[derive(Debug, Clone, Default)]
+struct OwnMap {
+    entries: Vec<OwnEntry>,
+    /// Live entries.
+    len: usize,
+    /// `64 - log2(entries.len())`.
+    shift: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct OwnEntry {
+    /// [`EMPTY`] for a free entry.
+    block: BlockId,
+    engine: u64,
+}
+
+/// A free entry's block (never a block's id: ids index the tree's array of blocks).
+const EMPTY: BlockId = BlockId::MAX;
+const FREE: OwnEntry = OwnEntry {
+    block: EMPTY,
+    engine: 0,
+};
+/// The fewest entries a table has once it has any.
+const OWN_MIN: usize = 16;
+/// Entries an emptied table keeps (a cleared engine usually stores again).
+const OWN_KEEP: usize = 1 << 12;
+
+impl OwnMap {
+    /// Where `block`'s probe starts: blocks whose ids differ only in their last two
+    /// bits start in one group of four entries (a cache line), the groups spread by a
+    /// multiplicative hash. A store names a run of blocks whose ids mostly follow one
+    /// another (they were made in that order), so four of its writes share a line
+    /// instead of each missing the cache somewhere in a table larger than it.
+    #[inline(always)]
+    fn home(&self, block: BlockId) -> usize {
+        let group = (u64::from(block >> 2) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift;
+        (group as usize & !3) | (block & 3) as usize
+    }
+
+    #[inline(always)]
+    fn mask(&self) -> usize {
+        self.entries.len() - 1
+    }
+
+    #[inline]
+    fn get(&self, block: BlockId) -> Option<u64> {
+        if self.len == 0 {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = self.home(block);
+        loop {
+            let e = self.entries[i];
+            if e.block == block {
+                return Some(e.engine);
+            }
+            if e.block == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Room for `additional` more entries without growing.
+    #[inline]
+    fn reserve(&mut self, additional: usize) {
+        let need = self.len + additional;
+        if need * 4 > self.entries.len() * 3 {
+            self.grow(need);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, need: usize) {
+        let size = (need * 4 / 3 + 1).next_power_of_two().max(OWN_MIN);
+        let old = std::mem::replace(&mut self.entries, vec![FREE; size]);
+        self.shift = 64 - size.trailing_zeros();
+        let mask = size - 1;
+        for e in old.into_iter().filter(|e| e.block != EMPTY) {
+            let mut i = self.home(e.block);
+            while self.entries[i].block != EMPTY {
+                i = (i + 1) & mask;
+            }
+            self.entries[i] = e;
+        }
+    }
+
+    #[inline]
+    fn insert(&mut self, block: BlockId, engine: u64) {
+        debug_assert_ne!(block, EMPTY);
+        self.reserve(1);
+        let mask = self.mask();
+        let mut i = self.home(block);
+        loop {
+            let e = &mut self.entries[i];
+            if e.block == block {
+                e.engine = engine;
+                return;
+            }
+            if e.block == EMPTY {
+                *e = OwnEntry { block, engine };
+                self.len += 1;
+                return;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Takes `block`'s entry out (moving later entries of its probe run back, so no
+    /// tombstone is left).
+    fn remove(&mut self, block: BlockId) -> Option<u64> {
+        if self.len == 0 {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = self.home(block);
+        loop {
+            let e = self.entries[i];
+            if e.block == block {
+                break;
+            }
+            if e.block == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+        let engine = self.entries[i].engine;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let e = self.entries[j];
+            if e.block == EMPTY {
+                break;
+            }
+            // `e` may move to the hole at `i` unless its home lies cyclically in
+            // `(i, j]` (then the hole is before where its probe starts).
+            let home = self.home(e.block);
+            let stays = if i <= j {
+                i < home && home <= j
+            } else {
+                i < home || home <= j
+            };
+            if !stays {
+                self.entries[i] = e;
+                i = j;
+            }
+        }
+        self.entries[i] = FREE;
+        self.len -= 1;
+        Some(engine)
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+        if self.entries.len() > OWN_KEEP {
+            *self = Self::default();
+        } else {
+            self.entries.fill(FREE);
+        }
+    }
+}
+
+impl EngineRows {
+    /// The engine hash under which `slot` (a holder of the node) holds the block at
+    /// `pos`, whose id is `block`.
+    #[inline]
+    pub(super) fn name(&self, own: &OwnNames, slot: Slot, pos: usize, block: BlockId) -> u64 {
+        if self.odd {
+            if let Some(engine) = own.get(slot, block) {
+                return engine;
+            }
+        }
+        self.common[pos]
+    }
+
+    /// Writes `slot`'s engine hashes of the node's first `out.len()` blocks (`ids`,
+    /// the node's block ids) into `out`: one slice copy where every holder agrees.
+    #[inline]
+    pub(super) fn copy_row(&self, own: &OwnNames, slot: Slot, ids: &[BlockId], out: &mut [u64]) {
+        let take = out.len();
+        if !self.odd {
+            super::lookup::copy_short(out, &self.common[..take]);
+            return;
+        }
+        let Some(map) = own.by_slot.get(slot as usize) else {
+            super::lookup::copy_short(out, &self.common[..take]);
+            return;
+        };
+        for (pos, cell) in out.iter_mut().enumerate() {
+            *cell = map.get(ids[pos]).unwrap_or(self.common[pos]);
+        }
+    }
+
+    /// Whether some holder may name some block otherwise than the shared row.
     pub(super) fn has_odd(&self) -> bool {
-        self.odd.is_some()
+        self.odd
     }
 
     /// The shared row.
@@ -75,79 +302,108 @@ impl EngineRows {
         self.common.reserve(additional);
     }
 
-    /// `slot` joins the node naming its blocks `names`; `first`: it is the only
-    /// holder now, so its names become the shared row. Names that agree with the
-    /// shared row cost a compare and no copy.
-    pub(super) fn add(
+    /// `slot` joins the node naming its blocks (`ids`) by the engine hashes of `items`,
+    /// (engine hash, sequence hash) pairs as a store carries them; `first`: it is the
+    /// only holder now, so its names become the shared row. Names that agree with the
+    /// shared row cost a compare and no write; others go into `slot`'s own names.
+    /// A store joining a chain of short nodes calls this once per node: compared as two
+    /// slices side by side.
+    /// `rest`: the blocks left in the store from the first of `items` on, which a
+    /// worker's map makes room for at its first own name of the store (the rest of a
+    /// store under names of its own is most likely all its own names: one growth of the
+    /// map instead of a rehash at each doubling).
+    #[inline]
+    pub(super) fn add_pairs(
         &mut self,
+        own: &mut OwnNames,
         slot: Slot,
-        names: impl Iterator<Item = u64> + Clone,
+        items: &[(u64, u64)],
+        ids: &[BlockId],
         first: bool,
+        rest: usize,
     ) {
         if first {
             self.common.clear();
-            self.common.extend(names);
-            self.odd = None;
-        } else if !names.clone().eq(self.common.iter().copied()) {
-            self.add_own(slot, names);
+            self.common.extend(items.iter().map(|(engine, _)| *engine));
+            self.odd = false;
+            return;
+        }
+        if let Some(at) = items
+            .iter()
+            .zip(&self.common)
+            .position(|(item, c)| item.0 != *c)
+        {
+            self.add_own(own, slot, &items[at..], &ids[at..], at, rest - at);
         }
     }
 
-    /// `slot` joins the node with a row of its own, `names`.
-    fn add_own(&mut self, slot: Slot, names: impl Iterator<Item = u64>) {
-        let len = self.common.len();
-        let odd = self.odd.get_or_insert_with(Box::default);
-        let at = odd.slots.position(slot) * len;
-        if odd.slots.insert(slot) {
-            if at == odd.rows.len() {
-                // After every other own row (a worker registered after the others):
-                // appended, without `splice`'s bookkeeping for a tail to move.
-                odd.rows.extend(names);
-            } else {
-                odd.rows.splice(at..at, names);
+    /// [`add_pairs`](Self::add_pairs)'s names from position `from` on, where the first
+    /// differs from the shared row: each that differs goes into `slot`'s own names.
+    fn add_own(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        items: &[(u64, u64)],
+        ids: &[BlockId],
+        from: usize,
+        rest: usize,
+    ) {
+        self.odd = true;
+        let map = own.map(slot);
+        map.reserve(rest);
+        for ((&(engine, _), &block), &c) in items.iter().zip(ids).zip(&self.common[from..]) {
+            if engine != c {
+                map.insert(block, engine);
             }
         }
     }
 
-    /// [`add`](Self::add) with the names of `items`, (engine hash, sequence hash)
-    /// pairs as a store carries them. A store joining a chain of short nodes calls
-    /// this once per node, and nearly always with the shared row's names: compared
-    /// as two slices side by side, not through `add`'s iterator (whose generic
-    /// compare took 37 of such a join's ~570 instructions; this one takes about 20).
-    #[inline]
-    pub(super) fn add_pairs(&mut self, slot: Slot, items: &[(u64, u64)], first: bool) {
-        let names = items.iter().map(|(engine, _)| *engine);
-        if first || items.len() != self.common.len() {
-            self.add(slot, names, first);
-        } else if !items.iter().zip(&self.common).all(|(item, c)| item.0 == *c) {
-            // Compared already: no second compare in `add`.
-            self.add_own(slot, names);
+    /// `slot` leaves the node (`ids`, its block ids): its own names there go. `own`:
+    /// `None` when they are dropped whole elsewhere (a clear).
+    pub(super) fn remove(
+        &mut self,
+        own: Option<&mut OwnNames>,
+        slot: Slot,
+        ids: &[BlockId],
+        holders_left: usize,
+    ) {
+        if !self.odd {
+            return;
         }
-    }
-
-    /// `slot` leaves the node.
-    pub(super) fn remove(&mut self, slot: Slot) {
-        let len = self.common.len();
-        if let Some(odd) = &mut self.odd {
-            if let Some(rank) = odd.slots.rank_of(slot) {
-                odd.slots.remove(slot);
-                odd.rows.drain(rank * len..(rank + 1) * len);
-                if odd.slots.is_empty() {
-                    self.odd = None;
+        if let Some(own) = own {
+            if let Some(map) = own.by_slot.get_mut(slot as usize) {
+                for &block in ids {
+                    if map.len == 0 {
+                        break;
+                    }
+                    map.remove(block);
                 }
             }
         }
+        if holders_left == 0 {
+            self.odd = false;
+        }
     }
 
-    /// `slot` now names block `pos` `engine`; `sole`: it is the node's only holder.
-    pub(super) fn set(&mut self, slot: Slot, pos: usize, engine: u64, sole: bool) {
-        let len = self.common.len();
-        if let Some(odd) = &mut self.odd {
-            if let Some(rank) = odd.slots.rank_of(slot) {
-                odd.rows[rank * len + pos] = engine;
-                self.normalize();
-                return;
+    /// `slot` now names block `pos` (id `block`) `engine`; `sole`: it is the node's
+    /// only holder.
+    pub(super) fn set(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        pos: usize,
+        block: BlockId,
+        engine: u64,
+        sole: bool,
+    ) {
+        if self.odd && own.get(slot, block).is_some() {
+            if sole || self.common[pos] == engine {
+                own.remove(slot, block);
+                self.common[pos] = engine;
+            } else {
+                own.map(slot).insert(block, engine);
             }
+            return;
         }
         if self.common[pos] == engine {
             return;
@@ -156,41 +412,65 @@ impl EngineRows {
             self.common[pos] = engine;
             return;
         }
-        let mut row = self.common.clone();
-        row[pos] = engine;
-        self.add(slot, row.into_iter(), false);
+        self.odd = true;
+        own.map(slot).insert(block, engine);
     }
 
-    /// Appends a block that `slot`, the node's only holder, names `engine`.
-    /// Inlined, with the rare case out of line: it runs for every block appended.
+    /// Appends a block that `slot`, the node's only holder (`ids` its blocks so far),
+    /// names `engine`. Inlined, with the rare case out of line: it runs for every block
+    /// appended.
     #[inline(always)]
-    pub(super) fn push_sole(&mut self, slot: Slot, engine: u64) {
-        if self.odd.is_some() {
-            self.make_sole(slot);
+    pub(super) fn push_sole(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        ids: &[BlockId],
+        engine: u64,
+    ) {
+        if self.odd {
+            self.make_sole(own, slot, ids);
         }
         self.common.push(engine);
     }
 
-    /// Appends blocks that `slot`, the node's only holder, names `engines`.
-    pub(super) fn extend_sole(&mut self, slot: Slot, engines: impl Iterator<Item = u64>) {
-        if self.odd.is_some() {
-            self.make_sole(slot);
+    /// Appends blocks that `slot`, the node's only holder (`ids` its blocks so far),
+    /// names `engines`.
+    pub(super) fn extend_sole(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        ids: &[BlockId],
+        engines: impl Iterator<Item = u64>,
+    ) {
+        if self.odd {
+            self.make_sole(own, slot, ids);
         }
         self.common.extend(engines);
     }
 
-    /// The sole holder's own row, if it has one, becomes the shared row.
+    /// The sole holder's own names become the shared row's.
     #[cold]
     #[inline(never)]
-    fn make_sole(&mut self, slot: Slot) {
-        let own = self.row(slot).to_vec();
-        self.common = own;
-        self.odd = None;
+    fn make_sole(&mut self, own: &mut OwnNames, slot: Slot, ids: &[BlockId]) {
+        for (pos, block) in ids.iter().enumerate() {
+            if let Some(engine) = own.remove(slot, *block) {
+                self.common[pos] = engine;
+            }
+        }
+        self.odd = false;
+    }
+
+    /// `slot`'s row (`ids`, the node's block ids) when it is the node's sole holder
+    /// (for [`make_sole`](Self::make_sole)'s caller to see what changes).
+    pub(super) fn row_of(&self, own: &OwnNames, slot: Slot, ids: &[BlockId]) -> Vec<u64> {
+        let mut row = vec![0; ids.len()];
+        self.copy_row(own, slot, ids, &mut row);
+        row
     }
 
     /// Empty rows whose shared row fills `common` (a pooled buffer).
     pub(super) fn with_common(common: Vec<u64>) -> Self {
-        Self { common, odd: None }
+        Self { common, odd: false }
     }
 
     /// The shared row's buffer, leaving it empty (for [`split_off`](Self::split_off)'s
@@ -204,79 +484,22 @@ impl EngineRows {
         self.common
     }
 
-    /// Splits before position `k`: `self` keeps the first `k` names of every row, the
-    /// result has the rest (its shared row in `spare`'s buffer, or this one's).
+    /// Splits before position `k`: `self` keeps the first `k` names, the result has the
+    /// rest (its shared row in `spare`'s buffer, or this one's). Own names are keyed by
+    /// block and stay where they are.
     pub(super) fn split_off(&mut self, k: usize, spare: Vec<u64>) -> Self {
-        let len = self.common.len();
         let common = super::tree::split_buffer(&mut self.common, k, spare);
-        let Some(odd) = &mut self.odd else {
-            return Self { common, odd: None };
-        };
-        let rows = odd.slots.len();
-        let mut tail_rows = Vec::with_capacity(rows * (len - k));
-        for r in 0..rows {
-            tail_rows.extend_from_slice(&odd.rows[r * len + k..(r + 1) * len]);
-        }
-        for r in 0..rows {
-            odd.rows.copy_within(r * len..r * len + k, r * k);
-        }
-        odd.rows.truncate(rows * k);
-        let mut tail = Self {
+        Self {
             common,
-            odd: Some(Box::new(OddRows {
-                slots: odd.slots.clone(),
-                rows: tail_rows,
-            })),
-        };
-        self.normalize();
-        tail.normalize();
-        tail
+            odd: self.odd,
+        }
     }
 
     /// Appends the rows of `next`, a node with the same holders that follows this one
     /// (whose buffers stay with it, for reuse).
     pub(super) fn append(&mut self, next: &Self) {
-        if self.odd.is_some() || next.odd.is_some() {
-            let mut slots = Holders::default();
-            for odd in [&self.odd, &next.odd].into_iter().flatten() {
-                for slot in odd.slots.slots() {
-                    slots.insert(slot);
-                }
-            }
-            let mut rows =
-                Vec::with_capacity(slots.len() * (self.common.len() + next.common.len()));
-            for slot in slots.slots() {
-                rows.extend_from_slice(self.row(slot));
-                rows.extend_from_slice(next.row(slot));
-            }
-            self.odd = Some(Box::new(OddRows { slots, rows }));
-        }
+        self.odd |= next.odd;
         self.common.extend_from_slice(&next.common);
-        self.normalize();
-    }
-
-    /// Drops own rows that equal the shared one.
-    fn normalize(&mut self) {
-        let len = self.common.len();
-        let Some(odd) = &mut self.odd else {
-            return;
-        };
-        let mut slots = Holders::default();
-        let mut keep = 0;
-        for (r, slot) in odd.slots.slots().enumerate() {
-            if odd.rows[r * len..(r + 1) * len] != self.common[..] {
-                if keep != r {
-                    odd.rows.copy_within(r * len..(r + 1) * len, keep * len);
-                }
-                slots.insert(slot);
-                keep += 1;
-            }
-        }
-        odd.rows.truncate(keep * len);
-        odd.slots = slots;
-        if keep == 0 {
-            self.odd = None;
-        }
     }
 }
 
@@ -284,64 +507,105 @@ impl EngineRows {
 mod tests {
     use super::*;
 
+    fn row(rows: &EngineRows, own: &OwnNames, slot: Slot, ids: &[BlockId]) -> Vec<u64> {
+        rows.row_of(own, slot, ids)
+    }
+
+    fn pairs(names: &[u64]) -> Vec<(u64, u64)> {
+        names.iter().map(|&n| (n, 0)).collect()
+    }
+
     #[test]
     fn holders_naming_alike_share_one_row_and_others_keep_their_own() {
+        let ids = [10, 11, 12];
+        let mut own = OwnNames::default();
         let mut rows = EngineRows::default();
-        rows.add(3, [1, 2, 3].into_iter(), true);
-        rows.add(5, [1, 2, 3].into_iter(), false);
-        rows.add(9, [1, 7, 3].into_iter(), false);
-        rows.add(70, [4, 2, 3].into_iter(), false);
-        assert_eq!(rows.row(3), &[1, 2, 3]);
-        assert_eq!(rows.row(5), &[1, 2, 3]);
-        assert_eq!(rows.row(9), &[1, 7, 3]);
-        assert_eq!(rows.row(70), &[4, 2, 3]);
-        assert_eq!(rows.own_rows().len(), 2, "only the odd holders have rows");
+        rows.add_pairs(&mut own, 3, &pairs(&[1, 2, 3]), &ids, true, 3);
+        rows.add_pairs(&mut own, 5, &pairs(&[1, 2, 3]), &ids, false, 3);
+        assert!(!rows.has_odd(), "names alike: no own names");
+        rows.add_pairs(&mut own, 9, &pairs(&[1, 7, 3]), &ids, false, 3);
+        rows.add_pairs(&mut own, 70, &pairs(&[4, 2, 3]), &ids, false, 3);
+        assert_eq!(row(&rows, &own, 3, &ids), [1, 2, 3]);
+        assert_eq!(row(&rows, &own, 5, &ids), [1, 2, 3]);
+        assert_eq!(row(&rows, &own, 9, &ids), [1, 7, 3]);
+        assert_eq!(row(&rows, &own, 70, &ids), [4, 2, 3]);
+        assert_eq!(own.len(), 2, "only the names that differ are kept");
 
-        let tail = {
-            let mut r = rows.clone();
-            let tail = r.split_off(2, Vec::new());
-            assert_eq!(
-                (r.row(9), r.row(70), r.row(3)),
-                (&[1, 7][..], &[4, 2][..], &[1, 2][..])
-            );
-            assert_eq!(r.own_rows().len(), 2);
-            tail
-        };
-        assert_eq!(tail.row(9), &[3]);
-        assert!(tail.own_rows().is_empty(), "the tail's names agree again");
+        // Split: the own names stay with their blocks.
+        let mut head = rows.clone();
+        let tail = head.split_off(2, Vec::new());
+        assert_eq!(row(&head, &own, 9, &ids[..2]), [1, 7]);
+        assert_eq!(row(&head, &own, 70, &ids[..2]), [4, 2]);
+        assert_eq!(row(&tail, &own, 9, &ids[2..]), [3]);
 
         // Renaming the odd block back makes the holder ordinary again.
-        rows.set(9, 1, 2, false);
-        assert_eq!(rows.own_rows().len(), 1);
-        rows.set(5, 0, 8, false);
-        assert_eq!(rows.row(5), &[8, 2, 3]);
-        assert_eq!(rows.row(3), &[1, 2, 3]);
-        assert_eq!(rows.row(70), &[4, 2, 3]);
-        rows.remove(5);
-        rows.remove(70);
-        assert!(rows.own_rows().is_empty());
+        rows.set(&mut own, 9, 1, 11, 2, false);
+        assert_eq!(own.len(), 1);
+        rows.set(&mut own, 5, 0, 10, 8, false);
+        assert_eq!(row(&rows, &own, 5, &ids), [8, 2, 3]);
+        assert_eq!(row(&rows, &own, 3, &ids), [1, 2, 3]);
+        assert_eq!(row(&rows, &own, 70, &ids), [4, 2, 3]);
+        rows.remove(Some(&mut own), 5, &ids, 3);
+        rows.remove(Some(&mut own), 70, &ids, 2);
+        assert_eq!(own.len(), 0);
+    }
+
+    /// The open-addressed table against a `HashMap`, with ids that crowd a few homes
+    /// (so probe runs wrap and removals move entries back), through growth and clears.
+    #[test]
+    fn own_maps_answer_like_a_hash_map() {
+        let mut map = OwnMap::default();
+        let mut model = std::collections::HashMap::new();
+        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+        for step in 0..20_000u64 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let block = (rng % 97) as BlockId * if step < 10_000 { 1 } else { 64 };
+            match rng >> 60 {
+                0..=7 => {
+                    map.insert(block, step);
+                    model.insert(block, step);
+                }
+                8..=14 => assert_eq!(map.remove(block), model.remove(&block), "step {step}"),
+                _ if step % 5_000 == 15 => {
+                    map.clear();
+                    model.clear();
+                }
+                _ => {}
+            }
+            assert_eq!(map.len, model.len(), "step {step}");
+            assert_eq!(map.get(block), model.get(&block).copied(), "step {step}");
+        }
+        for (&block, &engine) in &model {
+            assert_eq!(map.get(block), Some(engine));
+        }
     }
 
     #[test]
     fn merging_rows_keeps_each_holders_names() {
+        let mut own = OwnNames::default();
         let mut head = EngineRows::default();
-        head.add(1, [10, 11].into_iter(), true);
-        head.add(2, [10, 12].into_iter(), false);
+        head.add_pairs(&mut own, 1, &pairs(&[10, 11]), &[0, 1], true, 2);
+        head.add_pairs(&mut own, 2, &pairs(&[10, 12]), &[0, 1], false, 2);
         let mut tail = EngineRows::default();
-        tail.add(2, [13].into_iter(), true);
-        tail.add(1, [14].into_iter(), false);
+        tail.add_pairs(&mut own, 2, &pairs(&[13]), &[2], true, 1);
+        tail.add_pairs(&mut own, 1, &pairs(&[14]), &[2], false, 1);
         head.append(&tail);
-        assert_eq!(head.row(1), &[10, 11, 14]);
-        assert_eq!(head.row(2), &[10, 12, 13]);
+        let ids = [0, 1, 2];
+        assert_eq!(row(&head, &own, 1, &ids), [10, 11, 14]);
+        assert_eq!(row(&head, &own, 2, &ids), [10, 12, 13]);
         assert_eq!(head.common(), &[10, 11, 13]);
 
-        // A sole holder with its own row appending: its names become the shared row.
+        // A sole holder with names of its own appending: they become the shared row.
+        let mut own = OwnNames::default();
         let mut sole = EngineRows::default();
-        sole.add(1, [1].into_iter(), true);
-        sole.add(2, [2].into_iter(), false);
-        sole.remove(1);
-        sole.push_sole(2, 3);
-        assert_eq!(sole.row(2), &[2, 3]);
-        assert!(sole.own_rows().is_empty());
+        sole.add_pairs(&mut own, 1, &pairs(&[1]), &[0], true, 1);
+        sole.add_pairs(&mut own, 2, &pairs(&[2]), &[0], false, 1);
+        sole.remove(Some(&mut own), 1, &[0], 1);
+        sole.push_sole(&mut own, 2, &[0], 3);
+        assert_eq!(row(&sole, &own, 2, &[0, 1]), [2, 3]);
+        assert!(!sole.has_odd());
+        assert_eq!(own.len(), 0);
     }
 }

@@ -389,10 +389,16 @@ impl KvIndex {
             let base = n.first.wrapping_add(n.len() as u32);
             // The new blocks' names are not entered.
             n.entered = false;
+            // Before the ids grow: a sole holder's own names move to the shared row
+            // by the node's blocks so far.
+            n.engines.extend_sole(
+                &mut self.own,
+                slot,
+                &n.ids,
+                items[..added].iter().map(|&(engine, _)| engine),
+            );
             n.seqs.extend(items[..added].iter().map(|&(_, seq)| seq));
             n.ids.extend_from_slice(&ids);
-            n.engines
-                .extend_sole(slot, items[..added].iter().map(|&(engine, _)| engine));
             for (j, &block) in ids.iter().enumerate() {
                 self.blocks[block as usize] = BlockAt {
                     node,
@@ -509,7 +515,7 @@ impl KvIndex {
             self.take_out_row(names, node, |_| true);
         }
         let m = self.isolate(node, pos, pos + taken);
-        self.nodes[m as usize].add_holder(slot, &items[..taken]);
+        self.nodes[m as usize].add_holder(&mut self.own, slot, &items[..taken], items.len());
         // `m` holds just the stretch; merged into its parent, it follows the parent's
         // blocks (merging its child in appends after it and moves nothing).
         let parent = self.nodes[m as usize].parent;
@@ -575,7 +581,7 @@ impl KvIndex {
                 self.before_push(names, parent);
                 let p = &mut self.nodes[parent as usize];
                 let offset = p.first.wrapping_add(p.len() as u32);
-                p.push_block(slot, seq, block, engine);
+                p.push_block(&mut self.own, slot, seq, block, engine);
                 self.blocks[block as usize] = BlockAt {
                     node: parent,
                     offset,
@@ -590,7 +596,7 @@ impl KvIndex {
             n.ids.reserve_exact(rest);
             n.engines.reserve(rest);
             n.holders.insert(slot);
-            n.push_block(slot, seq, block, engine);
+            n.push_block(&mut self.own, slot, seq, block, engine);
         }
         self.blocks[block as usize] = BlockAt { node, offset: 0 };
         if parent == NO_NODE {

@@ -893,10 +893,10 @@ impl KvIndex {
         book.all().map(|(_, w)| w.backed).sum()
     }
 
-    /// Rows of their own (holders naming a node's blocks otherwise than its shared
-    /// row), over all nodes.
-    fn own_rows(&self) -> usize {
-        self.live_nodes().map(|n| n.engines.own_rows().len()).sum()
+    /// Own names (a holder naming a block otherwise than its node's shared row), over
+    /// all workers.
+    fn own_names(&self) -> usize {
+        self.own.len()
     }
 
     /// Every structural invariant the tree relies on; panics with the first broken one.
@@ -927,17 +927,8 @@ impl KvIndex {
                 node.len(),
                 "node {id}: shared row"
             );
-            for (slot, row) in node.engines.own_rows() {
-                let row: &[u64] = row;
-                assert!(
-                    node.holders.contains(slot),
-                    "node {id}: an own row is a holder's"
-                );
-                assert_eq!(row.len(), node.len(), "node {id}: own row length");
-                assert_ne!(row, node.engines.common(), "node {id}: an own row differs");
-            }
             for slot in node.holders.slots() {
-                let row = node.row(slot);
+                let row = node.row(&self.own, slot);
                 let w = book.worker(slot).expect("holder is live");
                 for (j, engine) in row.iter().enumerate() {
                     match w.by_engine.get(engine) {
@@ -997,6 +988,23 @@ impl KvIndex {
         {
             assert!(book.worker(slot as Slot).is_some(), "a live slot has names");
         }
+        // Every own name is a holder's, of a block of a node marked odd, and differs
+        // from the shared row's.
+        for (slot, block, engine) in self.own.all() {
+            let (node, pos) = self.at(block);
+            let n = &self.nodes[node as usize];
+            assert!(n.live, "an own name's node is live");
+            assert!(
+                n.holders.contains(slot),
+                "node {node}: an own name is a holder's"
+            );
+            assert!(n.engines.has_odd(), "node {node}: own names mark it odd");
+            assert_ne!(
+                n.engines.common()[pos],
+                engine,
+                "node {node}: an own name differs from the shared row"
+            );
+        }
         // Every shared name is its block's shared row's, in a listed node.
         for (&engine, &block) in &book.shared.by_engine {
             let (node, pos) = self.at(block);
@@ -1024,7 +1032,7 @@ impl KvIndex {
                 let n = &self.nodes[node as usize];
                 assert!(n.live, "copy's node is live");
                 assert!(n.holders.contains(slot), "a copy's block is held");
-                let row = n.row(slot);
+                let row = n.row(&self.own, slot);
                 if copy.extra == names::NAMED {
                     assert_eq!(row[pos], engine, "the named copy is the node's");
                 } else {
@@ -1149,7 +1157,7 @@ fn events_against_the_model(seed: u64, naming: Naming, workers: &[WorkerKey]) {
     let mut seq_of: BTreeMap<(WorkerKey, u64), u64> = BTreeMap::new();
     let mut matches = Matches::new();
     let (mut rings, mut reused, mut merged_back, mut most_backed) = (0, 0, 0, 0);
-    let mut most_own_rows = 0;
+    let mut most_own_names = 0;
     let steps = if workers.len() > 8 { 3000 } else { 6000 };
     for step in 0..steps {
         let at = next(workers.len() as u64) as usize;
@@ -1274,7 +1282,7 @@ fn events_against_the_model(seed: u64, naming: Naming, workers: &[WorkerKey]) {
         }
         index.check_invariants();
         most_backed = most_backed.max(index.backed_copies());
-        most_own_rows = most_own_rows.max(index.own_rows());
+        most_own_names = most_own_names.max(index.own_names());
         assert_eq!(index.len(), seq_of.len(), "step {step}: copies");
         let distinct: std::collections::BTreeSet<u64> =
             held.values().flat_map(|h| h.keys().copied()).collect();
@@ -1330,10 +1338,10 @@ fn events_against_the_model(seed: u64, naming: Naming, workers: &[WorkerKey]) {
         !shared_names || most_backed >= 10,
         "backed copies at most {most_backed}"
     );
-    // Seeds of their own must have put many holders' rows of their own in nodes.
+    // Seeds of their own must have put many holders' names of their own in their maps.
     assert!(
-        naming != Naming::Seeded || most_own_rows >= 10,
-        "own rows at most {most_own_rows}"
+        naming != Naming::Seeded || most_own_names >= 10,
+        "own names at most {most_own_names}"
     );
 }
 

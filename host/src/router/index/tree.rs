@@ -10,7 +10,7 @@
 
 use super::holders::{Holders, Slot};
 use super::names::Names;
-use super::rows::EngineRows;
+use super::rows::{EngineRows, OwnNames};
 use super::{BlockId, KvIndex, NodeId, Scratch, NO_NODE};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
@@ -112,8 +112,8 @@ pub(super) struct Node {
     pub(super) ids: Vec<BlockId>,
     /// The holders of every block of the node.
     pub(super) holders: Holders,
-    /// Each holder's engine hashes of the node's blocks ([`rows`](super::rows)): one row the
-    /// holders share, and rows of their own only for holders that name them otherwise.
+    /// Each holder's engine hashes of the node's blocks ([`rows`](super::rows)): one row
+    /// the holders share; a holder's names that differ are in a table of its own.
     pub(super) engines: EngineRows,
     /// `NO_NODE` for a node whose first block starts a sequence.
     pub(super) parent: NodeId,
@@ -139,43 +139,73 @@ impl Node {
         self.seqs.len()
     }
 
-    /// The engine hashes of the holder `slot`.
-    pub(super) fn row(&self, slot: Slot) -> &[u64] {
-        self.engines.row(slot)
+    /// The engine hash under which the holder `slot` holds the block at `pos`.
+    #[inline]
+    pub(super) fn name(&self, own: &OwnNames, slot: Slot, pos: usize) -> u64 {
+        self.engines.name(own, slot, pos, self.ids[pos])
     }
 
-    pub(super) fn set_engine(&mut self, slot: Slot, pos: usize, engine: u64) {
+    /// The holder `slot`'s engine hashes of the node's first `out.len()` blocks.
+    #[inline]
+    pub(super) fn copy_row(&self, own: &OwnNames, slot: Slot, out: &mut [u64]) {
+        self.engines.copy_row(own, slot, &self.ids, out);
+    }
+
+    /// The holder `slot`'s engine hashes of the node's blocks.
+    pub(super) fn row(&self, own: &OwnNames, slot: Slot) -> Vec<u64> {
+        self.engines.row_of(own, slot, &self.ids)
+    }
+
+    pub(super) fn set_engine(&mut self, own: &mut OwnNames, slot: Slot, pos: usize, engine: u64) {
         if self.holders.contains(slot) {
             let sole = self.holders.len() == 1;
-            self.engines.set(slot, pos, engine, sole);
+            self.engines
+                .set(own, slot, pos, self.ids[pos], engine, sole);
         }
     }
 
     /// Adds `slot` with its engine hashes of every block: the first of each of
-    /// `items` (`len()` of them).
+    /// `items` (`len()` of them); `rest`: the store's blocks left from the first on.
     #[inline(always)]
-    pub(super) fn add_holder(&mut self, slot: Slot, items: &[(u64, u64)]) {
+    pub(super) fn add_holder(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        items: &[(u64, u64)],
+        rest: usize,
+    ) {
         let first = self.holders.is_empty();
         if self.holders.insert(slot) {
-            self.engines.add_pairs(slot, items, first);
+            self.engines
+                .add_pairs(own, slot, items, &self.ids, first, rest);
         }
     }
 
-    pub(super) fn remove_holder(&mut self, slot: Slot) {
+    /// Takes `slot` out of the holders, with its own names of the node's blocks
+    /// (`own`: `None` when they are dropped whole elsewhere).
+    pub(super) fn remove_holder(&mut self, own: Option<&mut OwnNames>, slot: Slot) {
         if self.holders.remove(slot) {
-            self.engines.remove(slot);
+            self.engines
+                .remove(own, slot, &self.ids, self.holders.len());
         }
     }
 
     /// Appends a block held by `slot`, the node's only holder. Inlined: it runs for
     /// every block appended, and as a call it spilled registers around three pushes.
     #[inline(always)]
-    pub(super) fn push_block(&mut self, slot: Slot, seq: u64, block: BlockId, engine: u64) {
+    pub(super) fn push_block(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        seq: u64,
+        block: BlockId,
+        engine: u64,
+    ) {
         // The new block's name is not entered.
         self.entered = false;
+        self.engines.push_sole(own, slot, &self.ids, engine);
         self.seqs.push(seq);
         self.ids.push(block);
-        self.engines.push_sole(slot, engine);
     }
 }
 
