@@ -29,8 +29,8 @@ use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{KvEvent, KvIndex, StoredBlock};
 use kvhint::router::workers::WorkerRegistration;
 use kvhint::router::{BookRequest, Booking, Router};
-use kvhint::service::metrics::Metrics;
 use kvhint::selection::SelectionStage;
+use kvhint::service::metrics::Metrics;
 use kvhint::snapshot::{RoleRuntime, Snapshot};
 use kvhint_e2e::bench::{
     artifacts, is_bench, median, quantile, selection_medians, selection_stage,
