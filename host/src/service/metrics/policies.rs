@@ -84,7 +84,7 @@ const SELECTION_COUNTERS: [(&str, &str, SelectionCounter); 2] = [
 ];
 
 /// `role`, `policy`.
-fn labels<'a>((role, policy): &'a (String, String)) -> [(&'static str, &'a str); 2] {
+fn labels((role, policy): &(String, String)) -> [(&'static str, &str); 2] {
     [("role", role), ("policy", policy)]
 }
 
