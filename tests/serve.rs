@@ -720,3 +720,105 @@ fn the_event_paths_threads_run_under_the_configured_policy_and_a_reload_moves_th
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["worker_id"], 7, "{body}");
 }
+
+/// A plugin that names a new action type on every booking (issue 26, item 5):
+/// `/metrics` keeps the first 64 types apart and counts the rest under `other`, so
+/// the scrape stays bounded and no action goes uncounted.
+#[test]
+fn a_plugin_that_invents_action_types_cannot_grow_metrics_without_bound() {
+    let roles = "  decode:\n    type: dynamo-default-cost-fn\n    hints: [{type: burst, parameters: {count: 1, invent_types: true}}]\n";
+    let setup = Setup::new(
+        &[(
+            "libfixture_misbehaving.so",
+            plugin_so("fixture_misbehaving"),
+        )],
+        roles,
+    );
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    register_decode_worker(&server, 1);
+    for i in 0..70 {
+        let booking = book(&server, &format!("invent{i}"));
+        assert_eq!(
+            action_types(&booking),
+            [format!("test.burst.invent{i}.0")],
+            "{booking}"
+        );
+    }
+    let (_, metrics) = server.get("/metrics");
+    let counted: Vec<(&str, u64)> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("kvhint_hint_actions_total{action_type=\""))
+        .filter_map(|l| {
+            let (kind, count) = l.split_once("\"} ")?;
+            Some((kind, count.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(counted.len(), 65, "64 types and `other`:\n{metrics}");
+    assert!(counted.contains(&("other", 6)), "{metrics}");
+    assert_eq!(counted.iter().map(|(_, n)| n).sum::<u64>(), 70, "{metrics}");
+}
+
+/// Prometheus asks for OpenMetrics and gets it; curl (no `Accept`) gets the
+/// Prometheus text format. Same series either way: only OpenMetrics' own rules differ
+/// (`# TYPE` names a counter without `_total`, the text ends with `# EOF`).
+#[test]
+fn metrics_are_openmetrics_for_a_scraper_that_asks_and_prometheus_text_otherwise() {
+    let setup = Setup::with_prefetch(&prefetch_roles(4));
+    let server = Server::start(&setup.config(), &[], setup.dir.path());
+    register_decode_worker(&server, 1);
+    let types = action_types(&book(&server, "om"));
+    let scrape = |accept: Option<&str>| {
+        let mut request = server.agent.get(format!("{}/metrics", server.base));
+        if let Some(accept) = accept {
+            request = request.header("accept", accept);
+        }
+        let mut response = request.call().unwrap();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        (content_type, response.body_mut().read_to_string().unwrap())
+    };
+    // What Prometheus sends by default.
+    let (om_type, om) = scrape(Some("application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"));
+    let (text_type, text) = scrape(None);
+    assert!(
+        om_type.starts_with("application/openmetrics-text; version=1.0.0"),
+        "{om_type}"
+    );
+    assert!(
+        text_type.starts_with("text/plain; version=0.0.4"),
+        "{text_type}"
+    );
+    assert!(om.ends_with("# EOF\n"), "{om}");
+    assert!(!text.contains("# EOF"), "{text}");
+    assert!(om.contains("# TYPE kvhint_bookings counter\n"), "{om}");
+    assert!(
+        text.contains("# TYPE kvhint_bookings_total counter\n"),
+        "{text}"
+    );
+    for body in [&om, &text] {
+        assert!(
+            body.contains("\nkvhint_bookings_total{role=\"decode\"} 1\n"),
+            "{body}"
+        );
+        for kind in &types {
+            let line = format!("\nkvhint_hint_actions_total{{action_type=\"{kind}\"}} 1\n");
+            assert!(body.contains(&line), "{body}");
+        }
+    }
+    // The same series (bucket bounds aside: OpenMetrics writes `le="1.0"`, the
+    // Prometheus text `le="1"`, as Go's client does).
+    let series = |body: &str| -> Vec<String> {
+        let mut series: Vec<String> = body
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.contains("_bucket{"))
+            .filter_map(|l| Some(l.rsplit_once(' ')?.0.to_string()))
+            .collect();
+        series.sort();
+        series
+    };
+    assert_eq!(series(&om), series(&text));
+}

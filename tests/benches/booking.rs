@@ -28,8 +28,9 @@ use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvhint::domain::{Role, WorkerKey};
 use kvhint::router::index::{KvEvent, KvIndex};
 use kvhint::router::workers::WorkerRegistration;
-use kvhint::router::{BookRequest, Router};
+use kvhint::router::{BookRequest, Booking, Router};
 use kvhint::selection::SelectionStage;
+use kvhint::service::metrics::Metrics;
 use kvhint::snapshot::{RoleRuntime, Snapshot};
 use kvhint_e2e::bench::{
     artifacts, is_bench, median, quantile, selection_medians, selection_stage,
@@ -164,6 +165,35 @@ fn signed_vs_unsigned(
     }
     let [unsigned, signed] = &mut times;
     (median(unsigned), median(signed), signed_message)
+}
+
+/// What the service adds to a booking once `book()` returns: counting it in
+/// `/metrics` (`Metrics::booked`: the booking, its hint, each action type; issue 26,
+/// item 5). One call is tens of ns, so calls are timed in batches: the median ns a
+/// call, with one thread counting and with two counting at once into the same
+/// counters (each thread's own batches; the counters are shared, as a service's are).
+fn metrics_booked_ns(booking: &Booking) -> (f64, f64) {
+    let metrics = Metrics::default();
+    let (rounds, batch) = if is_bench() { (41, 20_000) } else { (3, 100) };
+    let run = || {
+        let mut per_call: Vec<f64> = (0..rounds)
+            .map(|_| {
+                let clock = Instant::now();
+                for _ in 0..batch {
+                    metrics.booked(black_box(booking), true);
+                }
+                clock.elapsed().as_secs_f64() * 1e9 / batch as f64
+            })
+            .collect();
+        median(&mut per_call)
+    };
+    let one = run();
+    let two = std::thread::scope(|scope| {
+        let other = scope.spawn(run);
+        let mine = run();
+        (mine + other.join().expect("counting thread")) / 2.0
+    });
+    (one, two)
 }
 
 /// The candidates the router builds for a booking of `blocks` blocks on a
@@ -308,6 +338,11 @@ fn benches(c: &mut Criterion) {
                 quantile_lines.push(format!(
                     "booking {layout}/{workers}_workers/{tokens}_tokens signed_hashes book_p50_us unsigned={unsigned:.2} signed={signed:.2} ratio={:.3}",
                     signed / unsigned
+                ));
+                let (one, two) = metrics_booked_ns(&booking);
+                quantile_lines.push(format!(
+                    "booking {layout}/{workers}_workers/{tokens}_tokens metrics_booked_ns one_thread={one:.1} two_threads={two:.1} action_types={}",
+                    booking.action_types().len()
                 ));
             }
 

@@ -280,9 +280,14 @@ async fn healthz(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     Json(json!({"status": "ok", "generation": app.snapshot.load().generation}))
 }
 
-async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let text = app.metrics.render(&app);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+/// OpenMetrics for a scraper that asks for it, else the Prometheus text format.
+async fn metrics(State(app): State<Arc<App>>, headers: axum::http::HeaderMap) -> Response {
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|value| value.to_str().ok());
+    let registry = metrics::registry(&app);
+    let (content_type, text) = metrics::encode(&registry, metrics::wants_openmetrics(accept));
+    ([(header::CONTENT_TYPE, content_type)], text).into_response()
 }
 
 /// Starts sharing load with the other replicas, if the config asks, and keeps the

@@ -1,0 +1,182 @@
+//! The front door's figures (`gateway::stats`): what ended each request, retries,
+//! hints delivered, upstream statuses and latency histograms per (model, worker),
+//! each model's tokenizer cache, and which workers the gateway sends to now.
+
+use super::{counter, counters, gauges, histograms, ConstHistogram, WorkerLabels};
+use crate::gateway::stats::{Histogram, Timings, BUCKETS};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+pub struct GatewayCollector(pub Arc<crate::service::App>);
+
+super::debug_as_name!(GatewayCollector);
+
+type Pick = fn(&Timings) -> &Histogram;
+
+/// The latency histograms per (model, worker): name, help, which.
+const HISTOGRAMS: [(&str, &str, Pick); 4] = [
+    (
+        "kvhint_gateway_ttfb_seconds",
+        "Request received to the worker's response head.",
+        |t| &t.ttfb,
+    ),
+    (
+        "kvhint_gateway_duration_seconds",
+        "Request received to the response's end.",
+        |t| &t.duration,
+    ),
+    (
+        "kvhint_gateway_overhead_seconds",
+        "Request received to the request sent to the worker (tokenization included).",
+        |t| &t.overhead,
+    ),
+    (
+        "kvhint_gateway_tokenize_seconds",
+        "Rendering and tokenizing the prompt.",
+        |t| &t.tokenize,
+    ),
+];
+
+fn histogram(h: &Histogram) -> ConstHistogram {
+    ConstHistogram::from_cumulative(&BUCKETS, &h.buckets, h.count, h.sum)
+}
+
+impl Collector for GatewayCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let app = &*self.0;
+        let e = &mut encoder;
+        let stats = &app.gateway.stats;
+        counters(
+            e,
+            "kvhint_gateway_releases",
+            "Bookings the gateway released, by what ended the request.",
+            stats
+                .releases()
+                .into_iter()
+                .map(|(reason, n)| ([("reason", reason.as_str())], n)),
+        )?;
+        counter(
+            e,
+            "kvhint_gateway_retries",
+            "Requests booked again on another worker before any byte reached the client.",
+            stats.retries.load(Ordering::Relaxed),
+        )?;
+        counter(
+            e,
+            "kvhint_hints_delivered",
+            "Hint messages forwarded in the engine's own field.",
+            stats.hints_delivered.load(Ordering::Relaxed),
+        )?;
+        counters(
+            e,
+            "kvhint_hints_undeliverable",
+            "Hint messages not sent because the booked engine takes none on that route.",
+            stats
+                .undeliverable_counts()
+                .into_iter()
+                .map(|(engine, n)| ([("engine", engine.to_string())], n)),
+        )?;
+        counters(
+            e,
+            "kvhint_gateway_refused",
+            "Requests the router answered itself, by status (no worker answered them).",
+            stats
+                .refused_counts()
+                .into_iter()
+                .map(|(status, n)| ([("status", status)], n)),
+        )?;
+        let timings = stats.timings();
+        let by_worker =
+            |model: &str, worker| ([("model", model.to_string())], WorkerLabels(worker));
+        counters(
+            e,
+            "kvhint_gateway_upstream_responses",
+            "Response heads from workers, by model, worker and status.",
+            timings.iter().flat_map(|((model, worker), t)| {
+                t.statuses.iter().map(move |(status, n)| {
+                    ((by_worker(model, *worker), [("status", *status)]), *n)
+                })
+            }),
+        )?;
+        for (name, help, pick) in HISTOGRAMS {
+            histograms(
+                e,
+                name,
+                help,
+                timings
+                    .iter()
+                    .map(|((model, worker), t)| (by_worker(model, *worker), histogram(pick(t)))),
+            )?;
+        }
+        tokenizer_cache(e, &app.snapshot.load().models)?;
+        gauges(
+            e,
+            "kvhint_gateway_worker_up",
+            "1 if the gateway sends requests to the worker now (healthy, circuit not open).",
+            app.router
+                .workers()
+                .into_iter()
+                .filter(|(worker, _)| worker.http.is_some())
+                .map(|(worker, _)| {
+                    let up = app.gateway.health.looks_up(worker.key);
+                    (WorkerLabels(worker.key), if up { 1.0 } else { 0.0 })
+                }),
+        )
+    }
+}
+
+/// Each model's cache of tokenized prompt pieces: what it found and what it had to
+/// encode (pieces and bytes of text), and what it holds. A model whose tokenizer
+/// cannot be cut into pieces exactly has none, and no samples here.
+fn tokenizer_cache(e: &mut DescriptorEncoder, models: &crate::models::Models) -> fmt::Result {
+    let caches: Vec<_> = models
+        .names()
+        .iter()
+        .filter_map(|name| {
+            let model = models.get(name)?;
+            let (stats, entries, held) = model.tokenizer.piece_cache().ok()?;
+            Some((name.to_string(), stats, entries, held))
+        })
+        .collect();
+    let by_result = |pick: fn(&crate::models::PieceStats, bool) -> u64| {
+        caches.iter().flat_map(move |(model, stats, _, _)| {
+            [("hit", true), ("miss", false)].map(|(result, hit)| {
+                (
+                    [("model", model.as_str()), ("result", result)],
+                    pick(stats, hit),
+                )
+            })
+        })
+    };
+    counters(
+        e,
+        "kvhint_tokenizer_cache_pieces",
+        "Prompt pieces (text between special tokens) found in the tokenizer cache (hit) or encoded (miss).",
+        by_result(|s, hit| if hit { s.hits } else { s.misses }),
+    )?;
+    counters(
+        e,
+        "kvhint_tokenizer_cache_text_bytes",
+        "Bytes of prompt text whose ids came from the tokenizer cache (hit) or were encoded (miss).",
+        by_result(|s, hit| if hit { s.hit_bytes } else { s.miss_bytes }),
+    )?;
+    gauges(
+        e,
+        "kvhint_tokenizer_cache_entries",
+        "Pieces the tokenizer cache holds.",
+        caches
+            .iter()
+            .map(|(model, _, entries, _)| ([("model", model.as_str())], *entries as f64)),
+    )?;
+    gauges(
+        e,
+        "kvhint_tokenizer_cache_bytes",
+        "What the tokenizer cache holds, in bytes (gateway.tokenizer_cache_mib bounds it).",
+        caches
+            .iter()
+            .map(|(model, _, _, held)| ([("model", model.as_str())], *held as f64)),
+    )
+}
