@@ -56,8 +56,9 @@
 //! Quick mode (no `--bench`, as `cargo test -p kvhint-e2e --benches` runs it): the 1k-token
 //! cases with 2 and 64 workers, a small background, one or two iterations, all checks.
 //!
-//! `PEERS_PROFILE_BUILDS=N` builds only kvhint's index, `N` times per case, and prints its
-//! median ingest: for a profiler (`perf record`, callgrind) to see kvhint's ingest alone.
+//! `PEERS_PROFILE_BUILDS=N` builds only kvhint's index (or the side `PEERS_PROFILE_SIDE`
+//! names: `dynamo`, `smg`), `N` times per case, and prints its median ingest: for a
+//! profiler (`perf record`, callgrind) to see one side's ingest alone.
 //!
 //! `cargo bench -p kvhint-e2e --bench peers`
 
@@ -860,15 +861,25 @@ fn measure(w: &Workload, quick: bool) -> Timing {
     }
 }
 
-/// `PEERS_PROFILE_BUILDS=N`: only kvhint's index, built `N` times, with no checks and no
-/// lookups, for a profiler to see its ingest alone.
-fn profile_kvhint(w: &Workload, builds: usize) {
-    let mut times: Vec<f64> = (0..builds).map(|_| build::<Kvhint>(w).0).collect();
-    println!(
-        "peers {} ingest kvhint={:.1} (profile: {builds} builds, median)",
-        w.case,
-        median(&mut times)
-    );
+/// `PEERS_PROFILE_BUILDS=N`: only one side's index (kvhint's, or the one
+/// `PEERS_PROFILE_SIDE` names), built `N` times, with no checks and no lookups, for a
+/// profiler to see its ingest alone.
+fn profile_side(w: &Workload, builds: usize) {
+    fn run<S: Side>(w: &Workload, builds: usize) {
+        let mut times: Vec<f64> = (0..builds).map(|_| build::<S>(w).0).collect();
+        println!(
+            "peers {} ingest {}={:.1} (profile: {builds} builds, median)",
+            w.case,
+            S::NAME,
+            median(&mut times)
+        );
+    }
+    match std::env::var("PEERS_PROFILE_SIDE").as_deref() {
+        Ok("kvhint") | Err(_) => run::<Kvhint>(w, builds),
+        Ok("dynamo") => run::<Dynamo>(w, builds),
+        Ok("smg") => run::<Smg>(w, builds),
+        Ok(other) => panic!("PEERS_PROFILE_SIDE={other}: expected kvhint, dynamo or smg"),
+    }
 }
 
 fn line(case: &str, kind: &str, [k, d, s]: [f64; 3]) {
@@ -932,7 +943,7 @@ fn main() {
                 }
                 let workload = Workload::new(layout, n, tokens, background);
                 if let Some(builds) = profile {
-                    profile_kvhint(&workload, builds);
+                    profile_side(&workload, builds);
                     continue;
                 }
                 let timing = measure(&workload, quick);
