@@ -2,12 +2,13 @@
 //! demand, the engine hashes naming a worker's part of it.
 //!
 //! The walk follows the request's hashes down the tree: inside a node it only compares
-//! hashes (every block of a node has the same holders); entering a node it ANDs the set
-//! of workers still matching with the node's holder words, and a worker whose bit drops
-//! there holds exactly the blocks matched so far. It stops at the first block nobody
+//! hashes (every block of a node has the same holders, but for holders of its first
+//! blocks only, [`cuts`](super::cuts), who drop out at their cuts, shortest first);
+//! entering a node it ANDs the set of workers still matching with the node's holder
+//! words, and a worker whose bit drops there holds exactly the blocks matched so far. It stops at the first block nobody
 //! still matching holds, or where the request leaves the tree. Work: one compare per
-//! matched block, one word operation per 64 still-matching workers per node, one record
-//! per matching worker — bounded by the prompt and the workers, whatever the index holds
+//! matched block, one word operation per 64 still-matching workers per node, one look
+//! per cut the match passes, one record per matching worker — bounded by the prompt and the workers, whatever the index holds
 //! besides (other sequences, or one worker's many copies of these). [`Matches::visited`]
 //! counts it, so tests can hold that bound without timing anything.
 
@@ -130,6 +131,10 @@ impl KvIndex {
             // Within a node every block has the same holders: only compare hashes.
             let matched = common_prefix(&node.seqs, &hashes[depth..]);
             visited += 1 + matched;
+            // Holders cut before the match ends drop out at their cuts, shortest first.
+            if let Some(cuts) = &node.cuts {
+                visited += drop_cuts(cuts.by_cut(), matched, depth, alive, found, by_slot);
+            }
             depth += matched;
             if matched < node.len() || depth == hashes.len() {
                 break;
@@ -175,13 +180,15 @@ impl KvIndex {
         let start = out.len();
         for (id, _, matched) in self.path(hashes) {
             let node = &self.nodes[id as usize];
-            if !node.holders.contains(slot) {
+            let held = node.held_until(slot);
+            let take = matched.min(held);
+            if take == 0 {
                 break;
             }
             let at = out.len();
-            out.resize(at + matched, 0);
+            out.resize(at + take, 0);
             node.copy_row(&self.own, slot, &mut out[at..]);
-            if matched < node.len() {
+            if take < node.len() {
                 break;
             }
         }
@@ -298,9 +305,20 @@ impl KvIndex {
                             still &= !mask;
                             break;
                         }
-                        let take = matched.min(dest.asked - depth);
+                        let slot = base as Slot + bit;
+                        let want = matched.min(dest.asked - depth);
+                        // A holder cut inside the match holds up to its cut.
+                        let take = match node.cuts.as_ref().and_then(|c| c.cut_of(slot)) {
+                            Some(cut) => want.min(cut),
+                            None => want,
+                        };
                         let to = dest.offset + depth;
-                        node.copy_row(own, base as Slot + bit, &mut cells[to..to + take]);
+                        node.copy_row(own, slot, &mut cells[to..to + take]);
+                        if take < want {
+                            lengths[dest.row as usize] = depth + take;
+                            still &= !mask;
+                            break;
+                        }
                     }
                 }
                 if still != 0 {
@@ -473,6 +491,37 @@ fn intersect(
         }
     }
     alive.truncate(keep);
+}
+
+/// Within a node whose match with the request is `matched` blocks from `depth`: each
+/// still-matching holder cut before `matched` (`cuts`, ascending) drops out with its
+/// cut. Returns the cuts looked at.
+#[inline(never)]
+fn drop_cuts(
+    cuts: &[(u32, Slot)],
+    matched: usize,
+    depth: usize,
+    alive: &mut Vec<Word>,
+    found: &mut Vec<Found>,
+    by_slot: &mut [u32],
+) -> usize {
+    let mut looked = 0;
+    for &(cut, slot) in cuts {
+        if cut as usize >= matched {
+            break;
+        }
+        looked += 1;
+        let index = slot / 64;
+        let bit = 1u64 << (slot % 64);
+        if let Ok(at) = alive.binary_search_by_key(&index, |w| w.index) {
+            if alive[at].bits & bit != 0 {
+                alive[at].bits &= !bit;
+                record(index, bit, depth + cut as usize, found, by_slot);
+            }
+        }
+    }
+    alive.retain(|w| w.bits != 0);
+    looked
 }
 
 #[inline]
