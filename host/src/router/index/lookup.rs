@@ -34,6 +34,8 @@ pub struct Matches {
     by_slot: Vec<u32>,
     /// The still-matching set during a walk.
     alive: Vec<Word>,
+    /// The still-matching words by index, while a node's cuts are looked at.
+    dense: Vec<u64>,
     visited: usize,
 }
 
@@ -83,6 +85,7 @@ impl Matches {
         self.found.capacity() * std::mem::size_of::<Found>()
             + self.by_slot.capacity() * 4
             + self.alive.capacity() * std::mem::size_of::<Word>()
+            + self.dense.capacity() * 8
     }
 
     fn reset(&mut self) {
@@ -121,6 +124,7 @@ impl KvIndex {
             found,
             by_slot,
             alive,
+            dense,
             ..
         } = out;
         let mut node = &self.nodes[first as usize];
@@ -133,7 +137,7 @@ impl KvIndex {
             visited += 1 + matched;
             // Holders cut before the match ends drop out at their cuts, shortest first.
             if let Some(cuts) = &node.cuts {
-                visited += drop_cuts(cuts.by_cut(), matched, depth, alive, found, by_slot);
+                visited += drop_cuts(cuts.by_cut(), matched, depth, alive, dense, found, by_slot);
             }
             depth += matched;
             if matched < node.len() || depth == hashes.len() {
@@ -496,32 +500,52 @@ fn intersect(
 /// Within a node whose match with the request is `matched` blocks from `depth`: each
 /// still-matching holder cut before `matched` (`cuts`, ascending) drops out with its
 /// cut. Returns the cuts looked at.
+///
+/// The still-matching words are spread over a dense array by word index first
+/// (`dense`, the caller's), so each cut is one bit test, not a search of the words:
+/// a node that a thousand workers hold to a thousand different depths has as many
+/// cuts.
 #[inline(never)]
 fn drop_cuts(
     cuts: &[(u32, Slot)],
     matched: usize,
     depth: usize,
     alive: &mut Vec<Word>,
+    dense: &mut Vec<u64>,
     found: &mut Vec<Found>,
     by_slot: &mut [u32],
 ) -> usize {
-    let mut looked = 0;
-    for &(cut, slot) in cuts {
-        if cut as usize >= matched {
-            break;
-        }
-        looked += 1;
-        let index = slot / 64;
+    let passed = cuts.partition_point(|&(cut, _)| (cut as usize) < matched);
+    if passed == 0 || alive.is_empty() {
+        return passed;
+    }
+    let top = alive[alive.len() - 1].index as usize;
+    dense.clear();
+    dense.resize(top + 1, 0);
+    for word in alive.iter() {
+        dense[word.index as usize] = word.bits;
+    }
+    found.reserve(passed);
+    for &(cut, slot) in &cuts[..passed] {
         let bit = 1u64 << (slot % 64);
-        if let Ok(at) = alive.binary_search_by_key(&index, |w| w.index) {
-            if alive[at].bits & bit != 0 {
-                alive[at].bits &= !bit;
-                record(index, bit, depth + cut as usize, found, by_slot);
-            }
+        let Some(bits) = dense.get_mut((slot / 64) as usize) else {
+            continue;
+        };
+        if *bits & bit == 0 {
+            continue;
+        }
+        *bits &= !bit;
+        let cached = depth + cut as usize;
+        found.push(Found { slot, cached });
+        if let Some(d) = by_slot.get_mut(slot as usize) {
+            *d = cached as u32;
         }
     }
-    alive.retain(|w| w.bits != 0);
-    looked
+    alive.retain_mut(|word| {
+        word.bits = dense[word.index as usize];
+        word.bits != 0
+    });
+    passed
 }
 
 #[inline]

@@ -532,10 +532,12 @@ impl KvIndex {
             names.back(slot, backed);
         }
         {
-            // From the first block, not to the end, beside other holders: a cut, no
-            // split (nested prefixes of one prompt stay one node).
+            // A store that ends inside a node it joined from the first block, beside
+            // other holders: a cut, no split (nested prefixes of one prompt stay one
+            // node). One that goes on past the stretch (its next block is not the
+            // node's next) splits the node there anyway: the split now, as before.
             let n = &self.nodes[node as usize];
-            if pos == 0 && taken < n.len() && !n.holders.is_empty() {
+            if pos == 0 && taken < n.len() && taken == items.len() && !n.holders.is_empty() {
                 self.nodes[node as usize].add_cut(
                     &mut self.own,
                     slot,
