@@ -109,22 +109,27 @@ impl Children {
 /// A run of consecutive blocks that the same workers hold, but for holders of its
 /// leading blocks only ([`Cuts`](super::cuts)).
 #[derive(Debug, Clone, Default)]
+// In this order, C-laid: what a lookup reads of every node it passes (the run, the
+// holder words, the children, the cuts) is its first 120 bytes, two or three cache
+// lines rather than wherever the compiler's order put them (the cuts made a node 8
+// bytes larger, and the lookup of a chain of a thousand nodes read up to 4 % slower).
+#[repr(C)]
 pub(super) struct Node {
     /// Sequence hashes of the blocks, in chain order.
     pub(super) seqs: Vec<u64>,
-    /// Ids of the blocks, parallel to `seqs`.
-    pub(super) ids: Vec<BlockId>,
     /// Every worker holding any block of the node: all of them, but those in `cuts`.
     pub(super) holders: Holders,
+    pub(super) children: Children,
     /// The holders that hold only the node's first blocks, if any
     /// ([`cuts`](super::cuts)); boxed, since most nodes have none.
     pub(super) cuts: Option<Box<Cuts>>,
+    /// Ids of the blocks, parallel to `seqs`.
+    pub(super) ids: Vec<BlockId>,
     /// Each holder's engine hashes of the node's blocks ([`rows`](super::rows)): one row
     /// the holders share; a holder's names that differ are in a table of its own.
     pub(super) engines: EngineRows,
     /// `NO_NODE` for a node whose first block starts a sequence.
     pub(super) parent: NodeId,
-    pub(super) children: Children,
     /// The `offset` its blocks' [`BlockAt`] entries count from, so that splitting a node
     /// rewrites only the moved blocks' entries. It only grows along a sequence that
     /// keeps growing at its end while losing its head, so after 2^32 blocks through one
