@@ -87,11 +87,7 @@ impl Cuts {
 
     /// The members of `holders` that are not among these: the node's full holders.
     pub(super) fn full(&self, holders: &Holders) -> Holders {
-        let mut full = holders.clone();
-        for &(slot, _) in &self.by_slot {
-            full.remove(slot);
-        }
-        full
+        holders.without(&self.slots)
     }
 
     /// Splits before position `k` of the node: these keep the cuts below `k` (those at
