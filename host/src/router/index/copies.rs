@@ -19,10 +19,7 @@ impl KvIndex {
             return false;
         };
         let pos = at.offset.wrapping_sub(n.first) as usize;
-        n.live
-            && pos < n.len()
-            && n.holders.contains(slot)
-            && n.name(&self.own, slot, pos) == engine
+        n.live && pos < n.len() && n.holds(slot, pos) && n.name(&self.own, slot, pos) == engine
     }
 
     /// Whether `block` is one of the blocks of `node` from `pos` on that a stretch

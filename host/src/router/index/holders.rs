@@ -137,6 +137,29 @@ impl Holders {
         }
     }
 
+    /// The members not in `other`: one pass over both sets' words.
+    pub fn without(&self, other: &Holders) -> Holders {
+        let mut out = Holders::default();
+        let mut j = 0;
+        for word in &self.words {
+            while j < other.words.len() && other.words[j].index < word.index {
+                j += 1;
+            }
+            let bits = match other.words.get(j) {
+                Some(o) if o.index == word.index => word.bits & !o.bits,
+                _ => word.bits,
+            };
+            if bits != 0 {
+                out.words.push(Word {
+                    index: word.index,
+                    bits,
+                });
+                out.len += bits.count_ones();
+            }
+        }
+        out
+    }
+
     /// Whether both sets have the same members.
     #[inline]
     pub fn same_members(&self, other: &Holders) -> bool {
@@ -201,6 +224,16 @@ mod tests {
         assert!(!h.same_members(&other));
         other.insert(64);
         assert!(h.same_members(&other));
+        let mut minus = Holders::default();
+        for slot in [70, 1000] {
+            minus.insert(slot);
+        }
+        assert_eq!(h.without(&minus).slots().collect::<Vec<_>>(), vec![64]);
+        assert_eq!(h.without(&minus).len(), 1);
+        assert_eq!(
+            h.without(&Holders::default()).slots().collect::<Vec<_>>(),
+            vec![64, 70]
+        );
         assert!(h.remove(64) && h.remove(70));
         assert!(h.is_empty() && h.words().is_empty());
     }

@@ -2,12 +2,13 @@
 //! demand, the engine hashes naming a worker's part of it.
 //!
 //! The walk follows the request's hashes down the tree: inside a node it only compares
-//! hashes (every block of a node has the same holders); entering a node it ANDs the set
-//! of workers still matching with the node's holder words, and a worker whose bit drops
-//! there holds exactly the blocks matched so far. It stops at the first block nobody
+//! hashes (every block of a node has the same holders, but for holders of its first
+//! blocks only, [`cuts`](super::cuts), who drop out at their cuts, shortest first);
+//! entering a node it ANDs the set of workers still matching with the node's holder
+//! words, and a worker whose bit drops there holds exactly the blocks matched so far. It stops at the first block nobody
 //! still matching holds, or where the request leaves the tree. Work: one compare per
-//! matched block, one word operation per 64 still-matching workers per node, one record
-//! per matching worker — bounded by the prompt and the workers, whatever the index holds
+//! matched block, one word operation per 64 still-matching workers per node, one look
+//! per cut the match passes, one record per matching worker — bounded by the prompt and the workers, whatever the index holds
 //! besides (other sequences, or one worker's many copies of these). [`Matches::visited`]
 //! counts it, so tests can hold that bound without timing anything.
 
@@ -33,6 +34,8 @@ pub struct Matches {
     by_slot: Vec<u32>,
     /// The still-matching set during a walk.
     alive: Vec<Word>,
+    /// The still-matching words by index, while a node's cuts are looked at.
+    dense: Vec<u64>,
     visited: usize,
 }
 
@@ -82,6 +85,7 @@ impl Matches {
         self.found.capacity() * std::mem::size_of::<Found>()
             + self.by_slot.capacity() * 4
             + self.alive.capacity() * std::mem::size_of::<Word>()
+            + self.dense.capacity() * 8
     }
 
     fn reset(&mut self) {
@@ -120,6 +124,7 @@ impl KvIndex {
             found,
             by_slot,
             alive,
+            dense,
             ..
         } = out;
         let mut node = &self.nodes[first as usize];
@@ -130,6 +135,10 @@ impl KvIndex {
             // Within a node every block has the same holders: only compare hashes.
             let matched = common_prefix(&node.seqs, &hashes[depth..]);
             visited += 1 + matched;
+            // Holders cut before the match ends drop out at their cuts, shortest first.
+            if let Some(cuts) = &node.cuts {
+                visited += drop_cuts(cuts.by_cut(), matched, depth, alive, dense, found, by_slot);
+            }
             depth += matched;
             if matched < node.len() || depth == hashes.len() {
                 break;
@@ -175,13 +184,15 @@ impl KvIndex {
         let start = out.len();
         for (id, _, matched) in self.path(hashes) {
             let node = &self.nodes[id as usize];
-            if !node.holders.contains(slot) {
+            let held = node.held_until(slot);
+            let take = matched.min(held);
+            if take == 0 {
                 break;
             }
             let at = out.len();
-            out.resize(at + matched, 0);
+            out.resize(at + take, 0);
             node.copy_row(&self.own, slot, &mut out[at..]);
-            if matched < node.len() {
+            if take < node.len() {
                 break;
             }
         }
@@ -298,9 +309,20 @@ impl KvIndex {
                             still &= !mask;
                             break;
                         }
-                        let take = matched.min(dest.asked - depth);
+                        let slot = base as Slot + bit;
+                        let want = matched.min(dest.asked - depth);
+                        // A holder cut inside the match holds up to its cut.
+                        let take = match node.cuts.as_ref().and_then(|c| c.cut_of(slot)) {
+                            Some(cut) => want.min(cut),
+                            None => want,
+                        };
                         let to = dest.offset + depth;
-                        node.copy_row(own, base as Slot + bit, &mut cells[to..to + take]);
+                        node.copy_row(own, slot, &mut cells[to..to + take]);
+                        if take < want {
+                            lengths[dest.row as usize] = depth + take;
+                            still &= !mask;
+                            break;
+                        }
                     }
                 }
                 if still != 0 {
@@ -473,6 +495,77 @@ fn intersect(
         }
     }
     alive.truncate(keep);
+}
+
+/// Within a node whose match with the request is `matched` blocks from `depth`: each
+/// still-matching holder cut before `matched` (`cuts`, ascending) drops out with its
+/// cut. Returns the cuts looked at.
+///
+/// The still-matching words are spread over a dense array by word index first
+/// (`dense`, the caller's), so each cut is one bit test, not a search of the words:
+/// a node that a thousand workers hold to a thousand different depths has as many
+/// cuts.
+#[inline(never)]
+fn drop_cuts(
+    cuts: &[(u32, Slot)],
+    matched: usize,
+    depth: usize,
+    alive: &mut Vec<Word>,
+    dense: &mut Vec<u64>,
+    found: &mut Vec<Found>,
+    by_slot: &mut [u32],
+) -> usize {
+    let passed = cuts.partition_point(|&(cut, _)| (cut as usize) < matched);
+    if passed == 0 || alive.is_empty() {
+        return passed;
+    }
+    let top = alive[alive.len() - 1].index as usize;
+    dense.clear();
+    dense.resize(top + 1, 0);
+    for word in alive.iter() {
+        dense[word.index as usize] = word.bits;
+    }
+    found.reserve(passed);
+    // The word being changed stays in a register while the cuts' slots fall in it (as
+    // they mostly do: cuts made in turn by workers registered in turn), written back
+    // when they leave it. Read and written back through memory each time, it was a
+    // chain of stores and loads, slowed further where the pushes below landed 4 KiB
+    // apart from it (2.3× the time in some processes and not others).
+    const NONE: usize = usize::MAX;
+    let (mut at, mut bits) = (NONE, 0u64);
+    for &(cut, slot) in &cuts[..passed] {
+        let index = (slot / 64) as usize;
+        if index != at {
+            if at != NONE {
+                dense[at] = bits;
+            }
+            match dense.get(index) {
+                Some(&word) => (at, bits) = (index, word),
+                None => {
+                    at = NONE;
+                    continue;
+                }
+            }
+        }
+        let bit = 1u64 << (slot % 64);
+        if bits & bit == 0 {
+            continue;
+        }
+        bits &= !bit;
+        let cached = depth + cut as usize;
+        found.push(Found { slot, cached });
+        if let Some(d) = by_slot.get_mut(slot as usize) {
+            *d = cached as u32;
+        }
+    }
+    if at != NONE {
+        dense[at] = bits;
+    }
+    alive.retain_mut(|word| {
+        word.bits = dense[word.index as usize];
+        word.bits != 0
+    });
+    passed
 }
 
 #[inline]

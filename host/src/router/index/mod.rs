@@ -10,9 +10,11 @@
 //! **Shape: a compressed radix tree of blocks with holder bitmaps.** Blocks are named by
 //! the router's chained *sequence hash* ([`hashing`]). A node is a run of consecutive
 //! blocks that the same set of workers holds: their sequence hashes side by side, the
-//! holder set as 64-slot bitmap words ([`holders`]), and the holders' engine hashes of
-//! those blocks ([`rows`]: one row they share; a holder that names some of them otherwise
-//! keeps those names in a table of its own, by block). A lookup ([`lookup`]) compares the
+//! holder set as 64-slot bitmap words ([`holders`]), the holders that hold only the
+//! run's first blocks with where they stop ([`cuts`]: nested prefixes of one prompt are
+//! one node, not one per length), and the holders' engine hashes of those blocks
+//! ([`rows`]: one row they share; a holder that names some of them otherwise keeps
+//! those names in a table of its own, by block). A lookup ([`lookup`]) compares the
 //! request's hashes with a node's run one after the other — a sequential compare, no
 //! hash-map probe — and meets a map only where the run ends and a child starts; entering
 //! a node ANDs the still-matching set with the node's holders, one word per 64 workers.
@@ -52,11 +54,13 @@
 //!
 //! **Where things are.** This file holds the index's state, its workers' slots and the
 //! entry point for an event ([`KvIndex::apply`]); each job on that state has a file:
-//! [`tree`] the nodes and their restructuring (split, merge, prune), [`store`] a
+//! [`tree`] the nodes and their restructuring (split, merge, prune, a node with cuts
+//! back into plain nodes), [`cuts`] holders of a node's first blocks, [`store`] a
 //! `stored` event, [`remove`] removals, clears and a worker leaving, [`copies`] the
 //! tree's half of a worker's names, [`lookup`] a booking's read.
 
 mod copies;
+mod cuts;
 pub mod events;
 pub mod hashing;
 pub mod holders;
@@ -137,6 +141,8 @@ struct Scratch {
     ids: Vec<BlockId>,
     /// Blocks whose nodes may be left empty by an event, pruned at its end.
     prune: Vec<BlockId>,
+    /// [`KvIndex::materialize`]: the nodes a node with cuts was split into.
+    pieces: Vec<NodeId>,
     /// [`KvIndex::apply_removed`]: blocks whose last copy it took, which the tree
     /// still shows held until the worker leaves them at the end (a second removal of
     /// the same name in the event must not find it there as a backed copy).
@@ -311,7 +317,17 @@ impl KvIndex {
 
     /// Number of (worker, block) pairs: a worker's copies of one block count once.
     pub fn held_blocks(&self) -> usize {
-        self.live_nodes().map(|n| n.len() * n.holders.len()).sum()
+        self.live_nodes()
+            .map(|n| {
+                let short: usize = n.cuts.as_ref().map_or(0, |c| {
+                    c.by_cut()
+                        .iter()
+                        .map(|&(cut, _)| n.len() - cut as usize)
+                        .sum()
+                });
+                n.len() * n.holders.len() - short
+            })
+            .sum()
     }
 
     /// Nodes in the tree (runs of blocks with one holder set).

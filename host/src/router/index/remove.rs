@@ -1,7 +1,8 @@
 //! Removals: one copy (a `removed` event, or an engine hash reused for other tokens),
 //! every copy a worker holds (`cleared`), and a worker leaving (deregistration). A block
 //! stays held until the worker's last copy of it goes; then the worker leaves it, run by
-//! run, and the nodes left empty are pruned.
+//! run, and the nodes left empty are pruned. A node with cuts is split back into plain
+//! nodes before a worker leaves some of its blocks ([`cuts`](super::cuts)).
 
 use super::holders::Slot;
 use super::names::{Names, Taken};
@@ -84,6 +85,17 @@ impl KvIndex {
         blocks: &[BlockId],
         prune: &mut Vec<BlockId>,
     ) {
+        // Nodes with cuts go back to plain nodes first: a holder leaving some of its
+        // blocks may leave a gap, which only plain nodes can show.
+        let mut pieces = std::mem::take(&mut self.scratch.pieces);
+        for &block in blocks {
+            let node = self.blocks[block as usize].node;
+            if self.nodes[node as usize].cuts.is_some() {
+                pieces.clear();
+                self.materialize(node, &mut pieces);
+            }
+        }
+        Scratch::keep(&mut self.scratch.pieces, pieces);
         let mut at = std::mem::take(&mut self.scratch.at);
         at.clear();
         at.extend(blocks.iter().map(|&block| {
@@ -166,8 +178,8 @@ impl KvIndex {
 
     /// Drops every block `worker` holds but keeps its slot, since a cleared engine
     /// usually starts storing again at once. Returns how many copies were dropped.
-    /// A node's holders are the same for all its blocks, so the worker leaves whole
-    /// nodes: no splitting.
+    /// The worker leaves whole nodes, or the first blocks of a node it holds by a cut:
+    /// no splitting, but for a node with cuts it is the last to hold whole.
     pub(super) fn clear_worker(&mut self, names: &mut impl Names, worker: WorkerKey) -> usize {
         let Some(&slot) = self.slots.get(&worker) else {
             return 0;
@@ -192,6 +204,18 @@ impl KvIndex {
         }
         nodes.sort_unstable();
         nodes.dedup();
+        // A node with cuts whose last holder of every block this is goes back to plain
+        // nodes first, or its blocks past the cuts would be left held by no one.
+        let mut pieces = Vec::new();
+        for &node in &nodes {
+            let n = &self.nodes[node as usize];
+            if let Some(cuts) = &n.cuts {
+                if n.holds_all(slot) && n.holders.len() - cuts.len() == 1 {
+                    self.materialize(node, &mut pieces);
+                }
+            }
+        }
+        nodes.extend_from_slice(&pieces);
         // Its own names go whole, not block by block.
         self.own.clear(slot);
         for &node in &nodes {

@@ -416,9 +416,10 @@ impl EngineRows {
         own.map(slot).insert(block, engine);
     }
 
-    /// Appends a block that `slot`, the node's only holder (`ids` its blocks so far),
-    /// names `engine`. Inlined, with the rare case out of line: it runs for every block
-    /// appended.
+    /// Appends a block that `slot` alone holds (`ids` the node's blocks so far) and
+    /// names `engine`; `sole`: it is the node's only holder (not one holding all of it
+    /// beside holders of its first blocks), so its names may become the shared row.
+    /// Inlined, with the rare case out of line: it runs for every block appended.
     #[inline(always)]
     pub(super) fn push_sole(
         &mut self,
@@ -426,23 +427,25 @@ impl EngineRows {
         slot: Slot,
         ids: &[BlockId],
         engine: u64,
+        sole: bool,
     ) {
-        if self.odd {
+        if self.odd && sole {
             self.make_sole(own, slot, ids);
         }
         self.common.push(engine);
     }
 
-    /// Appends blocks that `slot`, the node's only holder (`ids` its blocks so far),
-    /// names `engines`.
+    /// Appends blocks that `slot` alone holds (`ids` the node's blocks so far) and
+    /// names `engines`; `sole` as for [`push_sole`](Self::push_sole).
     pub(super) fn extend_sole(
         &mut self,
         own: &mut OwnNames,
         slot: Slot,
         ids: &[BlockId],
         engines: impl Iterator<Item = u64>,
+        sole: bool,
     ) {
-        if self.odd {
+        if self.odd && sole {
             self.make_sole(own, slot, ids);
         }
         self.common.extend(engines);
@@ -603,7 +606,7 @@ mod tests {
         sole.add_pairs(&mut own, 1, &pairs(&[1]), &[0], true, 1);
         sole.add_pairs(&mut own, 2, &pairs(&[2]), &[0], false, 1);
         sole.remove(Some(&mut own), 1, &[0], 1);
-        sole.push_sole(&mut own, 2, &[0], 3);
+        sole.push_sole(&mut own, 2, &[0], 3, true);
         assert_eq!(row(&sole, &own, 2, &[0, 1]), [2, 3]);
         assert!(!sole.has_odd());
         assert_eq!(own.len(), 0);

@@ -3,7 +3,9 @@
 //! the second copy of a shared index replays the result without hashing again.
 //! [`KvIndex::store_resolved`] records it: it walks the tree from the parent, joins the
 //! worker to the stretches of blocks it now holds as well (one probe of its names per
-//! block), and appends the blocks no one held to a node of the worker's own, as runs.
+//! block; a stretch from a node's start that ends inside it is a cut, not a split), and
+//! appends the blocks no one held to a node of the worker's own (or to the end of a
+//! childless node it holds whole, the other holders cut there), as runs.
 
 use super::hashing::{chained_content, chained_hash, chained_hash_with_extra, identity_seed};
 use super::holders::Slot;
@@ -274,7 +276,7 @@ impl KvIndex {
             let Place { block, node, pos } = here;
             let after = joined;
             joined = NO_NODE;
-            let held = self.nodes[node as usize].holders.contains(slot);
+            let held = self.nodes[node as usize].holds(slot, pos);
             // One probe of the worker's names: a new name is recorded at once (as
             // an extra copy of a block it holds, or the first of a stretch it joins).
             let mut backed = false;
@@ -333,9 +335,10 @@ impl KvIndex {
     ) -> (usize, Place) {
         let Place { node, pos, .. } = at;
         let n = &self.nodes[node as usize];
+        let held = n.held_until(slot);
         let mut k = 0;
         while k < items.len()
-            && pos + 1 + k < n.len()
+            && pos + 1 + k < held
             && n.seqs[pos + 1 + k] == items[k].1
             // A name held already (stored again, or reused) ends the run: the walk
             // deals with that item.
@@ -391,11 +394,13 @@ impl KvIndex {
             n.entered = false;
             // Before the ids grow: a sole holder's own names move to the shared row
             // by the node's blocks so far.
+            let sole = n.holders.len() == 1;
             n.engines.extend_sole(
                 &mut self.own,
                 slot,
                 &n.ids,
                 items[..added].iter().map(|&(engine, _)| engine),
+                sole,
             );
             n.seqs.extend(items[..added].iter().map(|&(_, seq)| seq));
             n.ids.extend_from_slice(&ids);
@@ -456,7 +461,23 @@ impl KvIndex {
         joined: NodeId,
         first_backed: bool,
     ) -> (usize, Place) {
-        let Place { node, pos, .. } = at;
+        let Place { block, node, pos } = at;
+        // A join from a node's first block by a worker that holds none of it takes
+        // the node as it is (whole, or its first blocks by a cut); any other join of a
+        // node with cuts (from the middle, or by a holder cut before `at`) splits it
+        // back into plain nodes first.
+        let (node, pos) = {
+            let n = &self.nodes[node as usize];
+            if n.cuts.is_some() && (pos > 0 || n.holders.contains(slot)) {
+                let mut pieces = std::mem::take(&mut self.scratch.pieces);
+                pieces.clear();
+                self.materialize(node, &mut pieces);
+                Scratch::keep(&mut self.scratch.pieces, pieces);
+                self.at(block)
+            } else {
+                (node, pos)
+            }
+        };
         // The first item's name is claimed; claim each next one's as the stretch grows:
         // one probe per block. A name already in use (reused for other tokens, or
         // repeated within this event) ends the stretch; the caller deals with that item
@@ -510,6 +531,29 @@ impl KvIndex {
         if backed > 0 {
             names.back(slot, backed);
         }
+        {
+            // A store that ends inside a node it joined from the first block, beside
+            // other holders: a cut, no split (nested prefixes of one prompt stay one
+            // node). One that goes on past the stretch (its next block is not the
+            // node's next) splits the node there anyway: the split now, as before.
+            let n = &self.nodes[node as usize];
+            if pos == 0 && taken < n.len() && taken == items.len() && !n.holders.is_empty() {
+                self.nodes[node as usize].add_cut(
+                    &mut self.own,
+                    slot,
+                    &items[..taken],
+                    items.len(),
+                );
+                return (
+                    taken,
+                    Place {
+                        block: last,
+                        node,
+                        pos: taken - 1,
+                    },
+                );
+            }
+        }
         if self.nodes[node as usize].holders.is_empty() {
             // `slot`'s names become the shared row: the old one's go.
             self.take_out_row(names, node, |_| true);
@@ -552,8 +596,9 @@ impl KvIndex {
 
     /// Places the new block `block` (reserved, its name claimed; `(engine, seq)` its
     /// hashes) after `cursor`, held by `slot` alone: appended to the cursor's node when
-    /// that node is `slot`'s alone and ends there (a worker extending its own
-    /// sequence), else the start of a new node.
+    /// `slot` holds all of it and it ends there (a worker extending its own sequence,
+    /// or a prefix others hold shorter: they are cut where it ended), else the start of
+    /// a new node.
     /// `rest`: blocks of the event from this one on, for which a new node reserves room
     /// (the rest of an event's new blocks all land in it).
     fn attach_new(
@@ -577,7 +622,12 @@ impl KvIndex {
         };
         if parent != NO_NODE {
             let p = &mut self.nodes[parent as usize];
-            if p.children.is_empty() && p.holders.len() == 1 && p.holders.contains(slot) {
+            // Extended in place when `slot` holds all of it and it leads nowhere: the
+            // other holders now hold its blocks up to here (cuts). Not when its shared
+            // row is entered and others hold it: each extension would leave the row to
+            // be entered again whole by the next holder naming it so.
+            if p.children.is_empty() && p.holds_all(slot) && (p.holders.len() == 1 || !p.listed) {
+                p.cut_others(slot);
                 self.before_push(names, parent);
                 let p = &mut self.nodes[parent as usize];
                 let offset = p.first.wrapping_add(p.len() as u32);

@@ -272,6 +272,83 @@ fn workers_keep_their_own_engine_hashes_for_the_same_tokens() {
     assert_eq!(out.engine_hashes(w(2, 0)), &[21, 22]);
 }
 
+/// Nested prefixes of one prompt, each held by another worker under names of its own
+/// (issue 29's `seeded` layout), stay one node: a worker holding the first blocks of a
+/// node holds them by a cut instead of splitting it, whether the longer prefixes came
+/// first (a join that stops inside the node) or last (each extends the node in place,
+/// the others cut where it ended). Lookups and each worker's own engine hashes are what
+/// they were with one node per prefix length. A clear of the one worker holding every
+/// block, and a removal inside the node, split it back into plain nodes first, and the
+/// blocks no one holds any more go.
+#[test]
+fn nested_prefixes_are_one_node_with_cuts_until_a_removal_splits_it() {
+    let blocks = 40;
+    let tokens = prompt(blocks);
+    let n = 20u64;
+    let held = |i: u64| 1 + 2 * i as usize;
+    let names = |i: u64| -> Vec<u64> { (0..held(i)).map(|p| i * 1000 + p as u64 + 1).collect() };
+    let expect = |index: &KvIndex, of: &dyn Fn(u64) -> usize| {
+        let out = overlaps(index, &tokens);
+        for i in 0..n {
+            assert_eq!(
+                out.engine_hashes(w(i, 0)),
+                &names(i)[..of(i)],
+                "worker {i}'s own names of its prefix"
+            );
+        }
+    };
+    for longest_first in [false, true] {
+        let build = || {
+            let mut index = KvIndex::new(BS);
+            let order: Vec<u64> = match longest_first {
+                true => (0..n).rev().collect(),
+                false => (0..n).collect(),
+            };
+            for i in order {
+                index
+                    .apply(w(i, 0), &stored(None, &tokens[..held(i) * BS], &names(i)))
+                    .unwrap();
+                index.check_invariants();
+            }
+            index
+        };
+        let mut index = build();
+        assert_eq!(index.node_count(), 1, "longest first: {longest_first}");
+        assert_eq!(index.held_blocks(), (0..n).map(held).sum::<usize>());
+        expect(&index, &|i| held(i));
+        let mut matches = Matches::new();
+        index.lookup(&hashes(&tokens), &mut matches);
+        let cached: Vec<usize> = matches.found().iter().map(|f| f.cached).collect();
+        assert!(
+            cached.windows(2).all(|p| p[0] <= p[1]),
+            "matches come shortest first: {cached:?}"
+        );
+
+        // The worker holding every block goes: the blocks past the next longest
+        // prefix are no one's and are pruned; the others keep their prefixes.
+        index.apply(w(n - 1, 0), &KvEvent::Cleared).unwrap();
+        index.check_invariants();
+        assert_eq!(index.distinct_blocks(), held(n - 2));
+        expect(&index, &|i| if i == n - 1 { 0 } else { held(i) });
+
+        // A removal inside the node: worker 10 keeps the blocks before it.
+        let mut index = build();
+        index.apply(w(10, 0), &removed(vec![names(10)[5]])).unwrap();
+        index.check_invariants();
+        assert!(index.node_count() > 1, "split back into plain nodes");
+        expect(&index, &|i| if i == 10 { 5 } else { held(i) });
+        // Stored again, the gap closes.
+        index
+            .apply(
+                w(10, 0),
+                &stored(None, &tokens[..held(10) * BS], &names(10)),
+            )
+            .unwrap();
+        index.check_invariants();
+        expect(&index, &|i| held(i));
+    }
+}
+
 /// A worker that stores a block under several engine hashes (cache salts) keeps it
 /// while any of them is held; when the name a fetch uses goes, the newest name still
 /// held takes its place, whichever older ones went before.
@@ -927,8 +1004,31 @@ impl KvIndex {
                 node.len(),
                 "node {id}: shared row"
             );
+            if let Some(cuts) = &node.cuts {
+                assert!(!cuts.is_empty(), "node {id}: no empty cuts are kept");
+                assert!(
+                    node.holders.len() > cuts.len(),
+                    "node {id}: some holder holds every block"
+                );
+                for &(cut, slot) in cuts.by_cut() {
+                    assert!(
+                        cut > 0 && (cut as usize) < node.len(),
+                        "node {id}: slot {slot}'s cut {cut} is inside the node"
+                    );
+                    assert!(
+                        node.holders.contains(slot),
+                        "node {id}: a cut holder is a holder"
+                    );
+                    assert_eq!(
+                        cuts.cut_of(slot),
+                        Some(cut as usize),
+                        "node {id}: cut by slot"
+                    );
+                }
+            }
             for slot in node.holders.slots() {
-                let row = node.row(&self.own, slot);
+                let mut row = node.row(&self.own, slot);
+                row.truncate(node.held_until(slot));
                 let w = book.worker(slot).expect("holder is live");
                 for (j, engine) in row.iter().enumerate() {
                     match w.by_engine.get(engine) {
@@ -994,10 +1094,7 @@ impl KvIndex {
             let (node, pos) = self.at(block);
             let n = &self.nodes[node as usize];
             assert!(n.live, "an own name's node is live");
-            assert!(
-                n.holders.contains(slot),
-                "node {node}: an own name is a holder's"
-            );
+            assert!(n.holds(slot, pos), "node {node}: an own name is a holder's");
             assert!(n.engines.has_odd(), "node {node}: own names mark it odd");
             assert_ne!(
                 n.engines.common()[pos],
@@ -1031,7 +1128,7 @@ impl KvIndex {
                 let (node, pos) = self.at(copy.block);
                 let n = &self.nodes[node as usize];
                 assert!(n.live, "copy's node is live");
-                assert!(n.holders.contains(slot), "a copy's block is held");
+                assert!(n.holds(slot, pos), "a copy's block is held");
                 let row = n.row(&self.own, slot);
                 if copy.extra == names::NAMED {
                     assert_eq!(row[pos], engine, "the named copy is the node's");

@@ -1,13 +1,16 @@
-//! The tree's shape: nodes (runs of consecutive blocks that one set of workers holds),
-//! where each block is, and the restructuring every change needs: a node is split where
-//! holder sets diverge, merged back where they agree again, and pruned once no one holds
-//! it and it leads nowhere.
+//! The tree's shape: nodes (runs of consecutive blocks that one set of workers holds,
+//! some of them only the first blocks, [`cuts`](super::cuts)), where each block is, and
+//! the restructuring every change needs: a node is split where holder sets diverge,
+//! merged back where they agree again (never with cuts on either side), split back into
+//! plain nodes where a change needs them, and pruned once no one holds it and it leads
+//! nowhere.
 //!
 //! Blocks have ids that outlive the nodes around them, because nodes split and merge
 //! under them: a store's cursor, a worker's names and a prune candidate all name a
 //! block, never a node. A node counts its blocks' positions from its `first`, so a
 //! split rewrites only the moved blocks' entries.
 
+use super::cuts::Cuts;
 use super::holders::{Holders, Slot};
 use super::names::Names;
 use super::rows::{EngineRows, OwnNames};
@@ -103,21 +106,30 @@ impl Children {
     }
 }
 
-/// A run of consecutive blocks that the same workers hold.
+/// A run of consecutive blocks that the same workers hold, but for holders of its
+/// leading blocks only ([`Cuts`](super::cuts)).
 #[derive(Debug, Clone, Default)]
+// In this order, C-laid: what a lookup reads of every node it passes (the run, the
+// holder words, the children, the cuts) is its first 120 bytes, two or three cache
+// lines rather than wherever the compiler's order put them (the cuts made a node 8
+// bytes larger, and the lookup of a chain of a thousand nodes read up to 4 % slower).
+#[repr(C)]
 pub(super) struct Node {
     /// Sequence hashes of the blocks, in chain order.
     pub(super) seqs: Vec<u64>,
+    /// Every worker holding any block of the node: all of them, but those in `cuts`.
+    pub(super) holders: Holders,
+    pub(super) children: Children,
+    /// The holders that hold only the node's first blocks, if any
+    /// ([`cuts`](super::cuts)); boxed, since most nodes have none.
+    pub(super) cuts: Option<Box<Cuts>>,
     /// Ids of the blocks, parallel to `seqs`.
     pub(super) ids: Vec<BlockId>,
-    /// The holders of every block of the node.
-    pub(super) holders: Holders,
     /// Each holder's engine hashes of the node's blocks ([`rows`](super::rows)): one row
     /// the holders share; a holder's names that differ are in a table of its own.
     pub(super) engines: EngineRows,
     /// `NO_NODE` for a node whose first block starts a sequence.
     pub(super) parent: NodeId,
-    pub(super) children: Children,
     /// The `offset` its blocks' [`BlockAt`] entries count from, so that splitting a node
     /// rewrites only the moved blocks' entries. It only grows along a sequence that
     /// keeps growing at its end while losing its head, so after 2^32 blocks through one
@@ -137,6 +149,70 @@ pub(super) struct Node {
 impl Node {
     pub(super) fn len(&self) -> usize {
         self.seqs.len()
+    }
+
+    /// How many leading blocks of the node `slot` holds: all, its cut, or none.
+    #[inline]
+    pub(super) fn held_until(&self, slot: Slot) -> usize {
+        if !self.holders.contains(slot) {
+            return 0;
+        }
+        self.cut_of(slot).unwrap_or(self.len())
+    }
+
+    /// `slot`'s cut, if it holds only the node's first blocks.
+    #[inline]
+    pub(super) fn cut_of(&self, slot: Slot) -> Option<usize> {
+        self.cuts.as_ref()?.cut_of(slot)
+    }
+
+    /// Whether `slot` holds the block at `pos`.
+    #[inline]
+    pub(super) fn holds(&self, slot: Slot, pos: usize) -> bool {
+        pos < self.held_until(slot)
+    }
+
+    /// Whether `slot` holds every block of the node.
+    #[inline]
+    pub(super) fn holds_all(&self, slot: Slot) -> bool {
+        self.holders.contains(slot) && self.cut_of(slot).is_none()
+    }
+
+    /// Adds `slot`, not a holder, as a holder of the node's first `items.len()` blocks
+    /// (fewer than all), naming them by the engine hashes of `items`; `rest` as for
+    /// [`add_holder`](Self::add_holder). The node has other holders.
+    pub(super) fn add_cut(
+        &mut self,
+        own: &mut OwnNames,
+        slot: Slot,
+        items: &[(u64, u64)],
+        rest: usize,
+    ) {
+        debug_assert!(!self.holders.is_empty() && items.len() < self.len());
+        if self.holders.insert(slot) {
+            self.cuts
+                .get_or_insert_with(Box::default)
+                .insert(slot, items.len());
+            self.engines
+                .add_pairs(own, slot, items, &self.ids, false, rest);
+        }
+    }
+
+    /// Before `slot`, a holder of every block of this childless node, appends blocks
+    /// to it: every other holder of every block now holds only the blocks before them.
+    pub(super) fn cut_others(&mut self, slot: Slot) {
+        if self.holders.len() == 1 {
+            return;
+        }
+        let full = match &self.cuts {
+            Some(cuts) => cuts.full(&self.holders),
+            None => self.holders.clone(),
+        };
+        let len = self.len();
+        let cuts = self.cuts.get_or_insert_with(Box::default);
+        for other in full.slots().filter(|&s| s != slot) {
+            cuts.insert(other, len);
+        }
     }
 
     /// The engine hash under which the holder `slot` holds the block at `pos`.
@@ -185,13 +261,20 @@ impl Node {
     /// (`own`: `None` when they are dropped whole elsewhere).
     pub(super) fn remove_holder(&mut self, own: Option<&mut OwnNames>, slot: Slot) {
         if self.holders.remove(slot) {
+            if let Some(cuts) = &mut self.cuts {
+                cuts.remove(slot);
+                if cuts.is_empty() {
+                    self.cuts = None;
+                }
+            }
             self.engines
                 .remove(own, slot, &self.ids, self.holders.len());
         }
     }
 
-    /// Appends a block held by `slot`, the node's only holder. Inlined: it runs for
-    /// every block appended, and as a call it spilled registers around three pushes.
+    /// Appends a block held by `slot` alone (the node's only holder, or the only one
+    /// holding all of it, the others cut before it). Inlined: it runs for every block
+    /// appended, and as a call it spilled registers around three pushes.
     #[inline(always)]
     pub(super) fn push_block(
         &mut self,
@@ -203,7 +286,8 @@ impl Node {
     ) {
         // The new block's name is not entered.
         self.entered = false;
-        self.engines.push_sole(own, slot, &self.ids, engine);
+        let sole = self.holders.len() == 1;
+        self.engines.push_sole(own, slot, &self.ids, engine, sole);
         self.seqs.push(seq);
         self.ids.push(block);
     }
@@ -356,7 +440,23 @@ impl KvIndex {
         let n = &mut self.nodes[node as usize];
         let seqs = split_buffer(&mut n.seqs, k, spare_seqs);
         let ids = split_buffer(&mut n.ids, k, spare_ids);
-        let holders = n.holders.clone();
+        let mut holders = n.holders.clone();
+        // Holders cut at or before `k` hold nothing of the tail; those cut past it hold
+        // the head whole and the tail up to their cut.
+        let cuts = match &mut n.cuts {
+            None => None,
+            Some(cuts) => {
+                let mut gone = Vec::new();
+                let tail = cuts.split_off(k, &mut gone);
+                if cuts.is_empty() {
+                    n.cuts = None;
+                }
+                for slot in gone {
+                    holders.remove(slot);
+                }
+                (!tail.is_empty()).then(|| Box::new(tail))
+            }
+        };
         let engines = n.engines.split_off(k, spare_engines);
         let children = std::mem::take(&mut n.children);
         let first = n.first.wrapping_add(k as u32);
@@ -376,6 +476,7 @@ impl KvIndex {
         t.seqs = seqs;
         t.ids = ids;
         t.holders = holders;
+        t.cuts = cuts;
         t.engines = engines;
         t.children = children;
         t.first = first;
@@ -397,6 +498,32 @@ impl KvIndex {
         }
     }
 
+    /// Splits `node` back into plain nodes, one per distinct cut (each holder then holds
+    /// whole nodes), before a change that only plain nodes take (a removal, a clear, a
+    /// join from the middle). The node keeps its id and its first blocks; the pieces
+    /// after it, which its holders cut earliest leave first, are pushed on `pieces`.
+    pub(super) fn materialize(&mut self, node: NodeId, pieces: &mut Vec<NodeId>) {
+        let Some(cuts) = self.nodes[node as usize].cuts.take() else {
+            return;
+        };
+        let n = &self.nodes[node as usize];
+        // From the end: the last piece is held by the full holders, each piece before
+        // it by those and the holders cut at its end.
+        let mut holding = cuts.full(&n.holders);
+        let list = cuts.by_cut();
+        let mut j = list.len();
+        while j > 0 {
+            let k = list[j - 1].0 as usize;
+            let tail = self.split(node, k);
+            self.nodes[tail as usize].holders = holding.clone();
+            pieces.push(tail);
+            while j > 0 && list[j - 1].0 as usize == k {
+                holding.insert(list[j - 1].1);
+                j -= 1;
+            }
+        }
+    }
+
     /// Merges `child` into `parent` if it is the parent's only child and both have the
     /// same holders: a run that holder sets no longer divide becomes one node again.
     ///
@@ -415,6 +542,9 @@ impl KvIndex {
         if p.holders.len() != c.holders.len()
             || p.children.only() != Some(child)
             || !p.holders.same_members(&c.holders)
+            // A holder cut in either would hold blocks on both sides of a gap.
+            || p.cuts.is_some()
+            || c.cuts.is_some()
         {
             return false;
         }
