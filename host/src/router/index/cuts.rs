@@ -114,6 +114,23 @@ impl Cuts {
 }
 
 #[cfg(test)]
+impl Cuts {
+    /// The three views list the same members, each sorted (for invariant checks).
+    pub(super) fn check(&self) {
+        let mut by_cut: Vec<(Slot, u32)> = self.by_cut.iter().map(|&(c, s)| (s, c)).collect();
+        by_cut.sort_unstable();
+        assert_eq!(by_cut, self.by_slot, "cuts by cut and by slot agree");
+        assert!(
+            self.by_cut.windows(2).all(|p| p[0] < p[1]),
+            "by cut, ascending"
+        );
+        let slots: Vec<Slot> = self.slots.slots().collect();
+        let listed: Vec<Slot> = self.by_slot.iter().map(|e| e.0).collect();
+        assert_eq!(slots, listed, "the set of cut slots agrees");
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -231,6 +231,7 @@ impl KvIndex {
                 self.merge_around(node);
             }
         }
+        self.remerge();
         dropped
     }
 }

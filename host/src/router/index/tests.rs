@@ -349,6 +349,42 @@ fn nested_prefixes_are_one_node_with_cuts_until_a_removal_splits_it() {
     }
 }
 
+/// A node split back into plain nodes merges with the neighbours it now agrees with:
+/// here a parent whose holders are those of the node's first blocks, which the cut
+/// had kept apart, and which nothing else of the removal touches.
+#[test]
+fn pieces_of_a_node_with_cuts_merge_back_with_their_parent() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(5);
+    let mut other = prompt(1);
+    for t in &mut other {
+        *t += 1_000_000;
+    }
+    let (a, b, c) = (w(1, 0), w(2, 0), w(3, 0));
+    // A holds p0 n0 n1 n2 n3; C holds p0 and a block of its own, which splits p0 off.
+    index
+        .apply(a, &stored(None, &tokens, &[10, 11, 12, 13, 14]))
+        .unwrap();
+    let mut c_tokens = tokens[..BS].to_vec();
+    c_tokens.extend_from_slice(&other);
+    index.apply(c, &stored(None, &c_tokens, &[30, 31])).unwrap();
+    // B holds p0 n0 n1: the node after p0 by a cut.
+    index
+        .apply(b, &stored(None, &tokens[..3 * BS], &[20, 21, 22]))
+        .unwrap();
+    // C leaves: p0 is A's and B's, as are n0 n1, but the cut keeps them apart.
+    index.apply(c, &KvEvent::Cleared).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 2, "p0, then n0..n3 with B cut at 2");
+    // A drops n3: the node goes back to plain nodes, and p0 n0 n1 are one again.
+    index.apply(a, &removed(vec![14])).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 2, "p0 n0 n1 for A and B, then n2 for A");
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(a), &[10, 11, 12, 13]);
+    assert_eq!(out.engine_hashes(b), &[20, 21, 22]);
+}
+
 /// A worker that stores a block under several engine hashes (cache salts) keeps it
 /// while any of them is held; when the name a fetch uses goes, the newest name still
 /// held takes its place, whichever older ones went before.
@@ -1006,6 +1042,7 @@ impl KvIndex {
             );
             if let Some(cuts) = &node.cuts {
                 assert!(!cuts.is_empty(), "node {id}: no empty cuts are kept");
+                cuts.check();
                 assert!(
                     node.holders.len() > cuts.len(),
                     "node {id}: some holder holds every block"

@@ -510,18 +510,45 @@ impl KvIndex {
         // From the end: the last piece is held by the full holders, each piece before
         // it by those and the holders cut at its end.
         let mut holding = cuts.full(&n.holders);
+        self.scratch.remerge.push(n.ids[0]);
         let list = cuts.by_cut();
         let mut j = list.len();
         while j > 0 {
             let k = list[j - 1].0 as usize;
             let tail = self.split(node, k);
             self.nodes[tail as usize].holders = holding.clone();
+            self.scratch.remerge.push(self.nodes[tail as usize].ids[0]);
             pieces.push(tail);
             while j > 0 && list[j - 1].0 as usize == k {
                 holding.insert(list[j - 1].1);
                 j -= 1;
             }
         }
+    }
+
+    /// Tries to merge every node [`materialize`](Self::materialize) made or left this
+    /// event with its parent and its only child: its pieces may agree with a neighbour
+    /// that the cuts kept apart (a parent with the same holders as the node's first
+    /// blocks), and nothing else of the event need touch them. Run at the event's end,
+    /// when no cursor or list names a node.
+    pub(super) fn remerge(&mut self) {
+        if self.scratch.remerge.is_empty() {
+            return;
+        }
+        let mut list = std::mem::take(&mut self.scratch.remerge);
+        for &block in &list {
+            // A block of a piece pruned since may be free, its entry naming a freed or
+            // reused node: merging only ever joins live nodes that agree, right for any.
+            let Some(at) = self.blocks.get(block as usize) else {
+                continue;
+            };
+            let node = at.node;
+            if self.nodes.get(node as usize).is_some_and(|n| n.live) {
+                self.merge_around(node);
+            }
+        }
+        list.clear();
+        Scratch::keep(&mut self.scratch.remerge, list);
     }
 
     /// Merges `child` into `parent` if it is the parent's only child and both have the
@@ -614,6 +641,7 @@ impl KvIndex {
             }
         }
         Scratch::keep(&mut self.scratch.prune, candidates);
+        self.remerge();
     }
 
     pub(super) fn prune(&mut self, names: &mut impl Names, mut node: NodeId) {
