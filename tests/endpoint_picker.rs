@@ -786,7 +786,11 @@ fn a_raw_ext_proc_exchange_names_the_booked_worker_then_a_fallback() {
 /// TTL's.
 #[test]
 fn a_booking_past_the_ttl_is_released_by_the_router_while_envoy_streams() {
-    let w1 = LlamaWorker::start();
+    // One slot with the whole context, so the stream's 3,000 tokens outlast the TTL by
+    // seconds: on four slots sharing 4,096 a slot's context filled after ~1,000 tokens,
+    // ~1.1 s, and a stream that ended that early raced the 1 s TTL (it was released
+    // as completed instead, once in CI).
+    let w1 = LlamaWorker::start_sized(1, 4096);
     let picker = llama_picker(&[&w1], "  booking_ttl: 1s\n");
     let envoy = envoy_for(&picker, None);
     let mut stream = long_stream(&envoy);
