@@ -357,8 +357,8 @@ impl KvIndex {
         (k, last)
     }
 
-    /// Appends `items` to the node that ends with `last` (held by `slot` alone, no
-    /// children) as new blocks, up to the first whose engine hash is already in use;
+    /// Appends `items` to the node that ends with `last` (`slot` alone holds that end,
+    /// no children) as new blocks, up to the first whose engine hash is already in use;
     /// returns how many it appended and the last block.
     pub(super) fn append_run(
         &mut self,
