@@ -5,10 +5,11 @@
 //! hashes (every block of a node has the same holders, but for holders of its first
 //! blocks only, [`cuts`](super::cuts), who drop out at their cuts, shortest first);
 //! entering a node it ANDs the set of workers still matching with the node's holder
-//! words, and a worker whose bit drops there holds exactly the blocks matched so far. It stops at the first block nobody
-//! still matching holds, or where the request leaves the tree. Work: one compare per
-//! matched block, one word operation per 64 still-matching workers per node, one look
-//! per cut the match passes, one record per matching worker — bounded by the prompt and the workers, whatever the index holds
+//! words, and a worker whose bit drops there holds exactly the blocks matched so far.
+//! It stops at the first block nobody still matching holds, or where the request leaves
+//! the tree. Work: one compare per matched block, one word operation per 64
+//! still-matching workers per node, one look per cut the match passes, one record per
+//! matching worker — bounded by the prompt and the workers, whatever the index holds
 //! besides (other sequences, or one worker's many copies of these). [`Matches::visited`]
 //! counts it, so tests can hold that bound without timing anything.
 
@@ -132,7 +133,8 @@ impl KvIndex {
         let mut visited = 1 + alive.len();
         let mut depth = 0;
         while !alive.is_empty() {
-            // Within a node every block has the same holders: only compare hashes.
+            // Within a node every block has the same holders (but for the cuts, below):
+            // only compare hashes.
             let matched = common_prefix(&node.seqs, &hashes[depth..]);
             visited += 1 + matched;
             // Holders cut before the match ends drop out at their cuts, shortest first.
