@@ -143,8 +143,9 @@ struct Scratch {
     prune: Vec<BlockId>,
     /// [`KvIndex::materialize`]: the nodes a node with cuts was split into.
     pieces: Vec<NodeId>,
-    /// A block of each node [`KvIndex::materialize`] made or left, for a merge with
-    /// its neighbours at the event's end ([`KvIndex::remerge`]).
+    /// The first and last blocks of each node that lost cuts ([`KvIndex::materialize`],
+    /// [`KvIndex::split`]), for a merge with its neighbours at the event's end
+    /// ([`KvIndex::remerge`]).
     remerge: Vec<BlockId>,
     /// [`KvIndex::apply_removed`]: blocks whose last copy it took, which the tree
     /// still shows held until the worker leaves them at the end (a second removal of

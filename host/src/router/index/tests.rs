@@ -349,6 +349,108 @@ fn nested_prefixes_are_one_node_with_cuts_until_a_removal_splits_it() {
     }
 }
 
+/// Tokens unlike any prompt block, for a branch of one block.
+fn branch_block(salt: u32) -> Vec<u32> {
+    (0..BS as u32).map(|t| 1_000_000 + salt * 100 + t).collect()
+}
+
+/// Taking a worker out of a chain of nodes can make each agree with the next: the
+/// chain merges whole. (A node merged into its parent is gone before its own turn to
+/// merge with its child, and a parent left with one child by a prune merged only
+/// that child: the rest of the chain stayed apart.)
+#[test]
+fn a_clear_that_makes_a_chain_agree_merges_it_whole() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(4);
+    let (a, b, c) = (w(1, 0), w(2, 0), w(3, 0));
+    index
+        .apply(a, &stored(None, &tokens, &[10, 11, 12, 13]))
+        .unwrap();
+    index
+        .apply(b, &stored(None, &tokens, &[20, 21, 22, 23]))
+        .unwrap();
+    // C holds p0 p1 p2 and a block of its own after p0, then drops p1: the prompt is
+    // p0 {A,B,C}, p1 {A,B}, p2 {A,B,C}, p3 {A,B}, four nodes, and C's branch a fifth.
+    index
+        .apply(c, &stored(None, &tokens[..3 * BS], &[30, 31, 32]))
+        .unwrap();
+    index
+        .apply(c, &stored(Some(30), &branch_block(1), &[39]))
+        .unwrap();
+    index.apply(c, &removed(vec![31])).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 5);
+    // C leaves: A and B hold the whole prompt, one run.
+    index.apply(c, &KvEvent::Cleared).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 1, "the prompt is one node again");
+}
+
+/// A store that goes its own way from inside a node with cuts splits it there: the
+/// head, without cuts now, agrees with the parent the cuts kept it apart from, and
+/// is merged with it.
+#[test]
+fn a_split_where_a_node_had_cuts_merges_the_head_with_its_parent() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(5);
+    let (a, b, c, x) = (w(1, 0), w(2, 0), w(3, 0), w(4, 0));
+    index
+        .apply(c, &stored(None, &tokens, &[30, 31, 32, 33, 34]))
+        .unwrap();
+    // A and B hold p0..p3 of C's p0..p4: one node, A and B cut at 4.
+    index
+        .apply(a, &stored(None, &tokens[..4 * BS], &[10, 11, 12, 13]))
+        .unwrap();
+    index
+        .apply(b, &stored(None, &tokens[..4 * BS], &[20, 21, 22, 23]))
+        .unwrap();
+    // X holds p0 p1 and a block of its own: the node splits after p1; once X has left,
+    // p0 p1 and p2.. have the same holders, and only the cuts keep them apart.
+    let mut x_tokens = tokens[..2 * BS].to_vec();
+    x_tokens.extend_from_slice(&branch_block(2));
+    index
+        .apply(x, &stored(None, &x_tokens, &[40, 41, 49]))
+        .unwrap();
+    index.apply(x, &KvEvent::Cleared).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 2, "p0 p1, then p2..p4 with A and B cut");
+    // A goes its own way after p2: p2..p4 splits after p2, whose holders hold it
+    // whole; p0..p2 is one node, then p3 p4 and A's block.
+    index
+        .apply(a, &stored(Some(12), &branch_block(3), &[19]))
+        .unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 3, "p0..p2, p3 p4, A's block");
+}
+
+/// A removal inside a node with cuts splits it back into plain nodes; the last of
+/// them agrees with the child the cuts kept it apart from, and is merged with it,
+/// though the removal split that piece again.
+#[test]
+fn a_removal_inside_a_node_with_cuts_merges_its_end_with_the_child() {
+    let mut index = KvIndex::new(BS);
+    let tokens = prompt(6);
+    let (a, b, z) = (w(1, 0), w(2, 0), w(3, 0));
+    index
+        .apply(b, &stored(None, &tokens, &[20, 21, 22, 23, 24, 25]))
+        .unwrap();
+    // Z holds p0..p4 and a block of its own: p0..p4 {B,Z}, then p5 {B} and Z's block.
+    let mut z_tokens = tokens[..5 * BS].to_vec();
+    z_tokens.extend_from_slice(&branch_block(4));
+    index
+        .apply(z, &stored(None, &z_tokens, &[30, 31, 32, 33, 34, 39]))
+        .unwrap();
+    // A holds p0 (a cut); Z leaves: p0..p4 {A,B} with A cut at 1, then p5 {B}.
+    index.apply(a, &stored(None, &tokens[..BS], &[10])).unwrap();
+    index.apply(z, &KvEvent::Cleared).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 2);
+    // B drops p2: p0 {A,B}, p1 {B}, p2 no one's (kept: it leads on), p3..p5 {B}.
+    index.apply(b, &removed(vec![22])).unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 4, "p0, p1, p2, then p3..p5 as one");
+}
+
 /// A node split back into plain nodes merges with the neighbours it now agrees with:
 /// here a parent whose holders are those of the node's first blocks, which the cut
 /// had kept apart, and which nothing else of the removal touches.
@@ -1040,6 +1142,19 @@ impl KvIndex {
                 node.len(),
                 "node {id}: shared row"
             );
+            // A node and its parent that could be one are one: every restructuring
+            // merges what it leaves agreeing (else runs shatter and walks slow down).
+            if node.parent != NO_NODE {
+                let p = &self.nodes[node.parent as usize];
+                assert!(
+                    !(p.children.only() == Some(id)
+                        && p.holders.same_members(&node.holders)
+                        && p.cuts.is_none()
+                        && node.cuts.is_none()),
+                    "node {id} and its parent {} agree but are not merged",
+                    node.parent
+                );
+            }
             if let Some(cuts) = &node.cuts {
                 assert!(!cuts.is_empty(), "node {id}: no empty cuts are kept");
                 cuts.check();

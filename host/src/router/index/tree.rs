@@ -452,6 +452,13 @@ impl KvIndex {
                 if cuts.is_empty() {
                     n.cuts = None;
                 }
+                // A node split where it had cuts may leave a head without them, which
+                // then agrees with its parent, or a tail without them, which agrees
+                // with its only child: looked at again at the event's end.
+                self.scratch.remerge.push(n.ids[0]);
+                if let Some(&last) = ids.last() {
+                    self.scratch.remerge.push(last);
+                }
                 for slot in gone {
                     holders.remove(slot);
                 }
@@ -511,7 +518,13 @@ impl KvIndex {
         // From the end: the last piece is held by the full holders, each piece before
         // it by those and the holders cut at its end.
         let mut holding = cuts.full(&n.holders);
+        // The cuts kept the node from merging with its parent and its only child: its
+        // first and last blocks name the pieces that may agree with them now, however
+        // the rest of the event splits the pieces further.
         self.scratch.remerge.push(n.ids[0]);
+        if let Some(&last) = n.ids.last() {
+            self.scratch.remerge.push(last);
+        }
         let list = cuts.by_cut();
         let mut j = list.len();
         while j > 0 {
@@ -527,11 +540,12 @@ impl KvIndex {
         }
     }
 
-    /// Tries to merge every node [`materialize`](Self::materialize) made or left this
-    /// event with its parent and its only child: its pieces may agree with a neighbour
-    /// that the cuts kept apart (a parent with the same holders as the node's first
-    /// blocks), and nothing else of the event need touch them. Run at the event's end,
-    /// when no cursor or list names a node.
+    /// Tries to merge every node that lost cuts this event ([`materialize`](Self::materialize),
+    /// or a [`split`](Self::split) where a node had them) with its parent and its only
+    /// child: it may agree with a neighbour that the cuts kept apart (a parent with the
+    /// same holders as the node's first blocks, a child with those of its last), and
+    /// nothing else of the event need touch it. Run at the event's end, when no cursor
+    /// or list names a node.
     pub(super) fn remerge(&mut self) {
         if self.scratch.remerge.is_empty() {
             return;
@@ -618,11 +632,16 @@ impl KvIndex {
         self.merge_child(node)
     }
 
-    /// Merges `node`'s only child into it if they now agree; returns `node`.
+    /// Merges `node`'s only child into it if they now agree, and the only child of
+    /// what it merged in turn while they agree; returns `node`. (An event that takes a
+    /// holder from a chain of nodes may make each agree with the next; a node merged
+    /// into its parent is gone before its own turn to merge with its child.)
     #[inline(always)]
     pub(super) fn merge_child(&mut self, node: NodeId) -> NodeId {
-        if let Some(child) = self.nodes[node as usize].children.only() {
-            self.try_merge(node, child);
+        while let Some(child) = self.nodes[node as usize].children.only() {
+            if !self.try_merge(node, child) {
+                break;
+            }
         }
         node
     }
@@ -670,6 +689,8 @@ impl KvIndex {
                 if !self.try_merge(parent, child) {
                     return;
                 }
+                // What the child led to may agree with them too.
+                self.merge_child(parent);
             }
             node = parent;
         }
