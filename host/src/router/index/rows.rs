@@ -14,12 +14,15 @@
 //! way Dynamo writes only its per-worker lookup map). Keyed by block id, which outlives
 //! splits and merges, so restructuring a node moves none of them; the node keeps only a
 //! flag saying that some holder may have names of its own there ([`EngineRows::odd`]),
-//! so nodes whose holders all agree are read as one slice, as before. Naming a worker's
-//! blocks of an odd node for a `kv.fetch` costs a probe of that worker's map per block;
+//! so nodes whose holders all agree are read as one slice, as before. The map keeps
+//! names in chunks of consecutive block ids ([`OwnMap`]): a run of blocks is mostly a
+//! run of ids, so a join writes its names one after the other and naming a worker's
+//! blocks of an odd node for a `kv.fetch` costs a probe per chunk, not per block;
 //! removing a worker's copies deletes its entries, and a clear drops its map whole.
 
 use super::holders::Slot;
 use super::BlockId;
+use rustc_hash::FxHashMap;
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct EngineRows {
@@ -33,7 +36,7 @@ pub(super) struct EngineRows {
 
 /// Per worker slot, block id → the worker's engine hash of that block, for blocks it
 /// holds under a name other than their node's shared row: exactly those (an entry is
-/// never the shared row's name), so a map is as large as the worker's odd names.
+/// never the shared row's name), so a map holds just the worker's odd names.
 #[derive(Debug, Clone, Default)]
 pub(super) struct OwnNames {
     by_slot: Vec<OwnMap>,
@@ -77,180 +80,190 @@ impl OwnNames {
     #[cfg(test)]
     pub(super) fn all(&self) -> impl Iterator<Item = (Slot, BlockId, u64)> + '_ {
         self.by_slot.iter().enumerate().flat_map(|(slot, map)| {
-            map.entries
-                .iter()
-                .filter(|e| e.block != EMPTY)
-                .map(move |e| (slot as Slot, e.block, e.engine))
+            map.all()
+                .map(move |(block, engine)| (slot as Slot, block, engine))
         })
     }
 }
 
-/// One worker's own names: an open-addressed table of block id → engine hash,
-/// linear probing, a power of two of 16-byte entries at most three quarters full.
-/// Not a `HashMap`: a join writes one entry per block, and hashbrown's insert (its
-/// control bytes on another line than the entry, its group probing) took about 45
-/// instructions and two cache lines where this takes about 15 and one; block ids are
-/// dense integers, so a multiplicative hash spreads them.
+/// One worker's own names: block id → engine hash, in chunks of [`CHUNK`] consecutive
+/// ids, each a presence mask and the names side by side.
+///
+/// Not a table of one entry per name. A worker that names a shared prompt by its own
+/// hashes (issue 29) joins a run of blocks whose ids follow one another (they were made
+/// in the order the prompt's blocks first arrived), and each of its names went into a
+/// table entry of its own: a probe per name, and a table of 16-byte entries at most
+/// three quarters full to write and grow, which was 3.5 ns of the 21 a block such a
+/// store cost (the ingest with own names skipped: 18.7 ns). In chunks, the names of a
+/// run are written one after the other, 8 bytes each, with one probe of the chunk map
+/// per 16; growing moves chunks, not names. A worker whose own names are scattered
+/// (a rename here and there) pays a chunk per name: rare, and bounded.
 #[derive(Debug, Clone, Default)]
 struct OwnMap {
-    entries: Vec<OwnEntry>,
-    /// Live entries.
+    /// `block / CHUNK` → its chunk in `chunks`.
+    index: FxHashMap<BlockId, u32>,
+    chunks: Vec<Chunk>,
+    /// Chunks no key uses, for reuse.
+    free: Vec<u32>,
+    /// Live names.
     len: usize,
-    /// `64 - log2(entries.len())`.
-    shift: u32,
 }
+
+/// Consecutive block ids a chunk names.
+const CHUNK: usize = 16;
 
 #[derive(Debug, Clone, Copy)]
-struct OwnEntry {
-    /// [`EMPTY`] for a free entry.
-    block: BlockId,
-    engine: u64,
+struct Chunk {
+    /// Bit `i`: block `key * CHUNK + i` has a name here.
+    present: u16,
+    names: [u64; CHUNK],
 }
 
-/// A free entry's block (never a block's id: ids index the tree's array of blocks).
-const EMPTY: BlockId = BlockId::MAX;
-const FREE: OwnEntry = OwnEntry {
-    block: EMPTY,
-    engine: 0,
+const EMPTY_CHUNK: Chunk = Chunk {
+    present: 0,
+    names: [0; CHUNK],
 };
-/// The fewest entries a table has once it has any.
-const OWN_MIN: usize = 16;
-/// Entries an emptied table keeps (a cleared engine usually stores again).
-const OWN_KEEP: usize = 1 << 12;
+
+/// Chunks an emptied map keeps (of 136 bytes) for the next names.
+const OWN_KEEP: usize = 1 << 8;
+
+/// A block's chunk key and place in its chunk.
+#[inline(always)]
+fn split_id(block: BlockId) -> (BlockId, usize) {
+    (block / CHUNK as BlockId, block as usize % CHUNK)
+}
 
 impl OwnMap {
-    /// Where `block`'s probe starts: blocks whose ids differ only in their last two
-    /// bits start in one group of four entries (a cache line), the groups spread by a
-    /// multiplicative hash. A store names a run of blocks whose ids mostly follow one
-    /// another (they were made in that order), so four of its writes share a line
-    /// instead of each missing the cache somewhere in a table larger than it.
-    #[inline(always)]
-    fn home(&self, block: BlockId) -> usize {
-        let group = (u64::from(block >> 2) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift;
-        (group as usize & !3) | (block & 3) as usize
-    }
-
-    #[inline(always)]
-    fn mask(&self) -> usize {
-        self.entries.len() - 1
-    }
-
     #[inline]
     fn get(&self, block: BlockId) -> Option<u64> {
         if self.len == 0 {
             return None;
         }
-        let mask = self.mask();
-        let mut i = self.home(block);
-        loop {
-            let e = self.entries[i];
-            if e.block == block {
-                return Some(e.engine);
+        let (key, at) = split_id(block);
+        let chunk = &self.chunks[*self.index.get(&key)? as usize];
+        (chunk.present >> at & 1 != 0).then_some(chunk.names[at])
+    }
+
+    /// Writes the name of each of `ids` into `out`, or `common`'s where it has none:
+    /// one probe of the chunk map per chunk the ids touch.
+    fn names_into(&self, ids: &[BlockId], common: &[u64], out: &mut [u64]) {
+        let mut current: (BlockId, Option<&Chunk>) = (BlockId::MAX, None);
+        for ((cell, &block), &shared) in out.iter_mut().zip(ids).zip(common) {
+            let (key, at) = split_id(block);
+            if key != current.0 {
+                let chunk = self.index.get(&key).map(|&c| &self.chunks[c as usize]);
+                current = (key, chunk);
             }
-            if e.block == EMPTY {
-                return None;
-            }
-            i = (i + 1) & mask;
+            *cell = match current.1 {
+                Some(c) if c.present >> at & 1 != 0 => c.names[at],
+                _ => shared,
+            };
         }
     }
 
-    /// Room for `additional` more entries without growing.
-    #[inline]
+    /// Room for `additional` more names in chunks of consecutive ids.
     fn reserve(&mut self, additional: usize) {
-        let need = self.len + additional;
-        if need * 4 > self.entries.len() * 3 {
-            self.grow(need);
-        }
+        let chunks = additional.div_ceil(CHUNK) + 1;
+        self.chunks.reserve(chunks.saturating_sub(self.free.len()));
+        self.index.reserve(chunks);
     }
 
-    #[cold]
-    #[inline(never)]
-    fn grow(&mut self, need: usize) {
-        let size = (need * 4 / 3 + 1).next_power_of_two().max(OWN_MIN);
-        let old = std::mem::replace(&mut self.entries, vec![FREE; size]);
-        self.shift = 64 - size.trailing_zeros();
-        let mask = size - 1;
-        for e in old.into_iter().filter(|e| e.block != EMPTY) {
-            let mut i = self.home(e.block);
-            while self.entries[i].block != EMPTY {
-                i = (i + 1) & mask;
+    /// The chunk for `key`, made if there is none.
+    #[inline]
+    fn chunk(&mut self, key: BlockId) -> usize {
+        let next = self.chunks.len();
+        let free = &mut self.free;
+        let chunks = &mut self.chunks;
+        *self.index.entry(key).or_insert_with(|| match free.pop() {
+            Some(at) => at,
+            None => {
+                chunks.push(EMPTY_CHUNK);
+                next as u32
             }
-            self.entries[i] = e;
-        }
+        }) as usize
+    }
+
+    /// Writes `name` at `at` of chunk `chunk`.
+    #[inline(always)]
+    fn put(&mut self, chunk: usize, at: usize, name: u64) {
+        let c = &mut self.chunks[chunk];
+        self.len += usize::from(c.present >> at & 1 == 0);
+        c.present |= 1 << at;
+        c.names[at] = name;
     }
 
     #[inline]
     fn insert(&mut self, block: BlockId, engine: u64) {
-        debug_assert_ne!(block, EMPTY);
-        self.reserve(1);
-        let mask = self.mask();
-        let mut i = self.home(block);
-        loop {
-            let e = &mut self.entries[i];
-            if e.block == block {
-                e.engine = engine;
-                return;
+        let (key, at) = split_id(block);
+        let chunk = self.chunk(key);
+        self.put(chunk, at, engine);
+    }
+
+    /// Inserts `(block, engine)` pairs, whose blocks mostly follow one another: one
+    /// probe of the chunk map per chunk they touch, and its mask read and written once.
+    #[inline]
+    fn insert_run(&mut self, pairs: impl Iterator<Item = (BlockId, u64)>) {
+        let (mut key, mut chunk, mut mask) = (BlockId::MAX, usize::MAX, 0u16);
+        for (block, engine) in pairs {
+            let (k, at) = split_id(block);
+            if k != key {
+                self.mark(chunk, mask);
+                (key, chunk, mask) = (k, self.chunk(k), 0);
             }
-            if e.block == EMPTY {
-                *e = OwnEntry { block, engine };
-                self.len += 1;
-                return;
-            }
-            i = (i + 1) & mask;
+            self.chunks[chunk].names[at] = engine;
+            mask |= 1 << at;
+        }
+        self.mark(chunk, mask);
+    }
+
+    /// Marks the places `mask` of chunk `chunk` (if any) named.
+    #[inline(always)]
+    fn mark(&mut self, chunk: usize, mask: u16) {
+        if let Some(c) = self.chunks.get_mut(chunk) {
+            self.len += (mask & !c.present).count_ones() as usize;
+            c.present |= mask;
         }
     }
 
-    /// Takes `block`'s entry out (moving later entries of its probe run back, so no
-    /// tombstone is left).
     fn remove(&mut self, block: BlockId) -> Option<u64> {
         if self.len == 0 {
             return None;
         }
-        let mask = self.mask();
-        let mut i = self.home(block);
-        loop {
-            let e = self.entries[i];
-            if e.block == block {
-                break;
-            }
-            if e.block == EMPTY {
-                return None;
-            }
-            i = (i + 1) & mask;
+        let (key, at) = split_id(block);
+        let chunk = *self.index.get(&key)? as usize;
+        let c = &mut self.chunks[chunk];
+        if c.present >> at & 1 == 0 {
+            return None;
         }
-        let engine = self.entries[i].engine;
-        let mut j = i;
-        loop {
-            j = (j + 1) & mask;
-            let e = self.entries[j];
-            if e.block == EMPTY {
-                break;
-            }
-            // `e` may move to the hole at `i` unless its home lies cyclically in
-            // `(i, j]` (then the hole is before where its probe starts).
-            let home = self.home(e.block);
-            let stays = if i <= j {
-                i < home && home <= j
-            } else {
-                i < home || home <= j
-            };
-            if !stays {
-                self.entries[i] = e;
-                i = j;
-            }
-        }
-        self.entries[i] = FREE;
+        c.present &= !(1 << at);
+        let name = c.names[at];
         self.len -= 1;
-        Some(engine)
+        if c.present == 0 {
+            self.index.remove(&key);
+            self.free.push(chunk as u32);
+        }
+        Some(name)
     }
 
     fn clear(&mut self) {
         self.len = 0;
-        if self.entries.len() > OWN_KEEP {
+        self.index.clear();
+        self.free.clear();
+        self.chunks.clear();
+        if self.chunks.capacity() > OWN_KEEP {
             *self = Self::default();
-        } else {
-            self.entries.fill(FREE);
         }
+    }
+
+    /// Every (block, engine hash) (for invariant checks).
+    #[cfg(test)]
+    fn all(&self) -> impl Iterator<Item = (BlockId, u64)> + '_ {
+        self.index.iter().flat_map(move |(&key, &chunk)| {
+            let c = &self.chunks[chunk as usize];
+            (0..CHUNK)
+                .filter(move |&at| c.present >> at & 1 != 0)
+                .map(move |at| (key * CHUNK as BlockId + at as BlockId, c.names[at]))
+        })
     }
 }
 
@@ -280,9 +293,7 @@ impl EngineRows {
             super::lookup::copy_short(out, &self.common[..take]);
             return;
         };
-        for (pos, cell) in out.iter_mut().enumerate() {
-            *cell = map.get(ids[pos]).unwrap_or(self.common[pos]);
-        }
+        map.names_into(ids, &self.common[..take], out);
     }
 
     /// Whether some holder may name some block otherwise than the shared row.
@@ -351,11 +362,14 @@ impl EngineRows {
         self.odd = true;
         let map = own.map(slot);
         map.reserve(rest);
-        for ((&(engine, _), &block), &c) in items.iter().zip(ids).zip(&self.common[from..]) {
-            if engine != c {
-                map.insert(block, engine);
-            }
-        }
+        map.insert_run(
+            items
+                .iter()
+                .zip(ids)
+                .zip(&self.common[from..])
+                .filter(|((item, _), &c)| item.0 != c)
+                .map(|((&(engine, _), &block), _)| (block, engine)),
+        );
     }
 
     /// `slot` leaves the node (`ids`, its block ids): its own names there go. `own`:
@@ -553,8 +567,9 @@ mod tests {
         assert_eq!(own.len(), 0);
     }
 
-    /// The open-addressed table against a `HashMap`, with ids that crowd a few homes
-    /// (so probe runs wrap and removals move entries back), through growth and clears.
+    /// The chunked map against a `HashMap`: ids that share chunks and ids each in a
+    /// chunk of its own (so emptied chunks are freed and reused), runs of ids, names
+    /// read a run at a time, through clears.
     #[test]
     fn own_maps_answer_like_a_hash_map() {
         let mut map = OwnMap::default();
@@ -570,7 +585,23 @@ mod tests {
                     map.insert(block, step);
                     model.insert(block, step);
                 }
-                8..=14 => assert_eq!(map.remove(block), model.remove(&block), "step {step}"),
+                8..=13 => assert_eq!(map.remove(block), model.remove(&block), "step {step}"),
+                // A run of consecutive ids, some named already (written over).
+                14 => {
+                    let run = (block..block + (rng % 40) as BlockId).map(|b| (b, step + b as u64));
+                    map.insert_run(run.clone());
+                    model.extend(run);
+                    let ids: Vec<BlockId> = (block.saturating_sub(8)..block + 48).collect();
+                    let common: Vec<u64> = ids.iter().map(|&b| u64::MAX - b as u64).collect();
+                    let mut out = vec![0; ids.len()];
+                    map.names_into(&ids, &common, &mut out);
+                    let want: Vec<u64> = ids
+                        .iter()
+                        .zip(&common)
+                        .map(|(b, &c)| model.get(b).copied().unwrap_or(c))
+                        .collect();
+                    assert_eq!(out, want, "step {step}");
+                }
                 _ if step % 5_000 == 15 => {
                     map.clear();
                     model.clear();
