@@ -59,6 +59,7 @@
 //! `stored` event, [`remove`] removals, clears and a worker leaving, [`copies`] the
 //! tree's half of a worker's names, [`lookup`] a booking's read.
 
+mod claims;
 mod copies;
 mod cuts;
 pub mod events;

@@ -30,6 +30,7 @@
 //! own map (most blocks have one holder), as does any worker whose name for a block is
 //! not the entered one.
 
+use super::claims::Claims;
 use super::holders::Slot;
 use super::BlockId;
 use rustc_hash::FxHashMap;
@@ -50,7 +51,7 @@ pub(super) const NAMED: u32 = u32::MAX;
 #[derive(Debug, Clone, Default)]
 pub(super) struct WorkerNames {
     /// Engine hash → its block: removals and parents arrive as engine hashes.
-    pub by_engine: FxHashMap<u64, Copy>,
+    pub by_engine: Claims,
     /// The engine hashes of its copies besides the named one, for blocks this worker
     /// stored under more than one.
     pub extras: Extras,
@@ -447,7 +448,7 @@ impl Book {
     /// The copy `slot` holds under `engine` in its own names, without recording the
     /// question.
     pub(super) fn copy(&self, slot: Slot, engine: u64) -> Option<Copy> {
-        self.worker(slot)?.by_engine.get(&engine).copied()
+        self.worker(slot)?.by_engine.get(engine)
     }
 
     /// [`Names::backed`], without recording the question. The filter first: a new
@@ -497,38 +498,21 @@ impl Names for Book {
 
     #[inline(always)]
     fn claim(&mut self, slot: Slot, engine: u64, block: BlockId) -> Option<Copy> {
-        let w = self.worker_mut(slot)?;
-        match w.by_engine.entry(engine) {
-            Entry::Vacant(v) => {
-                v.insert(Copy {
-                    block,
-                    extra: NAMED,
-                });
-                None
-            }
-            Entry::Occupied(o) => Some(*o.get()),
-        }
+        self.worker_mut(slot)?.by_engine.claim(engine, block)
     }
 
     fn add_extra(&mut self, slot: Slot, block: BlockId, engine: u64) -> Option<Copy> {
         let w = self.worker_mut(slot)?;
-        match w.by_engine.entry(engine) {
-            Entry::Vacant(v) => {
-                v.insert(Copy {
-                    block,
-                    extra: w.extras.add(block, engine),
-                });
-                None
-            }
-            Entry::Occupied(o) => Some(*o.get()),
-        }
+        let extras = &mut w.extras;
+        w.by_engine
+            .add_extra(engine, block, || extras.add(block, engine))
     }
 
     fn take(&mut self, slot: Slot, engine: u64) -> Taken {
         let Some(w) = self.worker_mut(slot) else {
             return Taken::Missing;
         };
-        let Some(copy) = w.by_engine.remove(&engine) else {
+        let Some(copy) = w.by_engine.remove(engine) else {
             return Taken::Missing;
         };
         if copy.extra != NAMED {
@@ -543,9 +527,7 @@ impl Names for Book {
         let Some(named) = w.extras.pop_newest(copy.block) else {
             return Taken::Last(copy.block);
         };
-        if let Some(c) = w.by_engine.get_mut(&named) {
-            c.extra = NAMED;
-        }
+        w.by_engine.make_named(named);
         Taken::Renamed {
             block: copy.block,
             named,
@@ -561,12 +543,7 @@ impl Names for Book {
         w.extras.clear();
         // An extra's block is its named copy's too (own or backed): the own named
         // copies and the backed ones list every block.
-        blocks.extend(
-            w.by_engine
-                .drain()
-                .filter(|(_, copy)| copy.extra == NAMED)
-                .map(|(_, copy)| copy.block),
-        );
+        w.by_engine.drain_named(blocks);
         (own, backed)
     }
 
@@ -604,9 +581,7 @@ impl Names for Book {
         let Some(named) = w.extras.pop_newest(block) else {
             return Taken::Last(block);
         };
-        if let Some(c) = w.by_engine.get_mut(&named) {
-            c.extra = NAMED;
-        }
+        w.by_engine.make_named(named);
         Taken::Renamed { block, named }
     }
 }

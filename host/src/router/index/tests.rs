@@ -1183,7 +1183,7 @@ impl KvIndex {
                 row.truncate(node.held_until(slot));
                 let w = book.worker(slot).expect("holder is live");
                 for (j, engine) in row.iter().enumerate() {
-                    match w.by_engine.get(engine) {
+                    match w.by_engine.get(*engine) {
                         Some(copy) => {
                             assert_eq!(copy.block, node.ids[j], "row engine names its block")
                         }
@@ -1276,7 +1276,7 @@ impl KvIndex {
                 "slot {slot}: backed copies counted"
             );
             copies += w.by_engine.len() + w.backed;
-            for (&engine, copy) in &w.by_engine {
+            for (engine, copy) in w.by_engine.iter() {
                 let (node, pos) = self.at(copy.block);
                 let n = &self.nodes[node as usize];
                 assert!(n.live, "copy's node is live");
@@ -1296,7 +1296,10 @@ impl KvIndex {
             for (block, extras) in w.extras.lists() {
                 assert!(!extras.is_empty(), "no empty extras list is kept");
                 for (at, engine) in extras {
-                    assert_eq!(w.by_engine[&engine], names::Copy { block, extra: at });
+                    assert_eq!(
+                        w.by_engine.get(engine),
+                        Some(names::Copy { block, extra: at })
+                    );
                 }
             }
         }
