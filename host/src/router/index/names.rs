@@ -37,8 +37,8 @@ use rustc_hash::FxHashMap;
 use std::collections::hash_map::Entry;
 
 /// One of a worker's copies of a block, named by an engine hash: the block's *named*
-/// copy, or one of its extra copies, by its entry in the worker's [`Extras`]. Nearly
-/// every block has one copy, so the entry is kept to 16 bytes with the map key.
+/// copy, or one of its extra copies, by its entry in the worker's [`Extras`]. (The
+/// worker's map keeps it packed, [`Claims`]: nearly every block has one copy.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Copy {
     pub block: BlockId,
@@ -50,7 +50,7 @@ pub(super) const NAMED: u32 = u32::MAX;
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct WorkerNames {
-    /// Engine hash → its block: removals and parents arrive as engine hashes.
+    /// Engine hash → its copy: removals and parents arrive as engine hashes.
     pub by_engine: Claims,
     /// The engine hashes of its copies besides the named one, for blocks this worker
     /// stored under more than one.
