@@ -26,6 +26,9 @@ use std::hash::{Hash, Hasher};
 /// below 2³¹ entries; so does the slab.)
 const EXTRA: u32 = 1 << 31;
 
+/// Places an emptied slab keeps (of 8 bytes) for the next extra copies.
+const SLAB_KEEP: usize = 1 << 12;
+
 /// An engine hash as two `u32` words, so that a bucket is 4-byte aligned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Key([u32; 2]);
@@ -70,21 +73,44 @@ impl Claims {
                 extra: NAMED,
             };
         }
-        self.extra_copies
-            .get((stored & !EXTRA) as usize)
-            .copied()
-            // Every extra entry has its place; this would only ever follow a bug.
-            .unwrap_or(Copy {
-                block: 0,
-                extra: NAMED,
-            })
+        let copy = self.extra_copies.get((stored & !EXTRA) as usize).copied();
+        // Every extra entry has its place; a miss would only ever follow a bug.
+        debug_assert!(copy.is_some(), "an extra entry without its place");
+        copy.unwrap_or(Copy {
+            block: stored & !EXTRA,
+            extra: NAMED,
+        })
     }
 
-    /// Frees the slab place of an extra entry.
+    /// Frees the slab place of an extra entry; once every place is free, the slab
+    /// starts again from empty (as the worker's extras do).
     fn release(&mut self, stored: u32) {
-        if stored & EXTRA != 0 {
-            self.free.push(stored & !EXTRA);
+        if stored & EXTRA == 0 {
+            return;
         }
+        self.free.push(stored & !EXTRA);
+        if self.free.len() == self.extra_copies.len() {
+            self.free.clear();
+            self.extra_copies.clear();
+            if self.extra_copies.capacity() > SLAB_KEEP {
+                self.extra_copies.shrink_to(SLAB_KEEP);
+                self.free.shrink_to(SLAB_KEEP);
+            }
+        }
+    }
+
+    /// Checks the slab's bookkeeping: every place is an extra entry's or free, once.
+    #[cfg(test)]
+    pub(super) fn check(&self) {
+        let mut owner = vec![0u32; self.extra_copies.len()];
+        let extra = self.by_engine.values().filter(|&&v| v & EXTRA != 0);
+        for at in extra.map(|v| v & !EXTRA).chain(self.free.iter().copied()) {
+            owner[at as usize] += 1;
+        }
+        assert!(
+            owner.iter().all(|&n| n == 1),
+            "each slab place used once: {owner:?}"
+        );
     }
 
     pub(super) fn len(&self) -> usize {
@@ -213,6 +239,18 @@ mod tests {
             rng ^= rng << 17;
             let engine = (rng % 61) | (rng >> 58) << 32;
             let block = step % 1000;
+            if step % 4_000 == 3_999 {
+                let mut blocks = Vec::new();
+                claims.drain_named(&mut blocks);
+                let mut want: Vec<BlockId> = model
+                    .drain()
+                    .filter(|(_, c)| c.extra == NAMED)
+                    .map(|(_, c)| c.block)
+                    .collect();
+                blocks.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(blocks, want, "step {step}");
+            }
             match rng >> 61 {
                 0 | 1 => {
                     let want = model.get(&engine).copied();
@@ -234,20 +272,9 @@ mod tests {
                     }
                 }
                 5 | 6 => assert_eq!(claims.remove(engine), model.remove(&engine)),
-                _ if step % 4_000 == 7 => {
-                    let mut blocks = Vec::new();
-                    claims.drain_named(&mut blocks);
-                    let mut want: Vec<BlockId> = model
-                        .drain()
-                        .filter(|(_, c)| c.extra == NAMED)
-                        .map(|(_, c)| c.block)
-                        .collect();
-                    blocks.sort_unstable();
-                    want.sort_unstable();
-                    assert_eq!(blocks, want, "step {step}");
-                }
                 _ => {}
             }
+            claims.check();
             assert_eq!(claims.len(), model.len(), "step {step}");
             assert_eq!(claims.get(engine), model.get(&engine).copied());
         }

@@ -144,9 +144,10 @@ struct Scratch {
     prune: Vec<BlockId>,
     /// [`KvIndex::materialize`]: the nodes a node with cuts was split into.
     pieces: Vec<NodeId>,
-    /// The first and last blocks of each node that lost cuts ([`KvIndex::materialize`],
-    /// [`KvIndex::split`]), for a merge with its neighbours at the event's end
-    /// ([`KvIndex::remerge`]).
+    /// Blocks of nodes that may agree with a neighbour the cuts kept apart, for a
+    /// merge at the event's end ([`KvIndex::remerge`]): the first and last block of
+    /// a node [`KvIndex::materialize`] splits back (and each piece's first), the
+    /// head's first and the tail's last of any [`KvIndex::split`] of a node with cuts.
     remerge: Vec<BlockId>,
     /// [`KvIndex::apply_removed`]: blocks whose last copy it took, which the tree
     /// still shows held until the worker leaves them at the end (a second removal of

@@ -449,9 +449,11 @@ impl KvIndex {
     ///
     /// `joined`: the node this event's previous step joined `slot` to, or `NO_NODE`.
     /// When that is the parent of the stretch (the store goes on from the parent's
-    /// last block into this node), the two cannot merge: they had different holders
+    /// last block into this node), the two are not tried: they had different holders
     /// before (or they would be one node) and both gained `slot`. Nearly every join
-    /// of a store that follows a chain of nodes is such a one.
+    /// of a store that follows a chain of nodes is such a one. (A node with cuts that
+    /// a split here leaves without them may agree with that parent after all: the
+    /// split lists it for the event's end, [`KvIndex::remerge`].)
     fn hold_stretch(
         &mut self,
         names: &mut impl Names,
