@@ -165,10 +165,11 @@ impl KvIndex {
 
     /// Before a block is appended to `node`, its sole holder's: if that holder has
     /// names of its own there, they become the shared row's, so the shared names that
-    /// row does not have go.
+    /// row does not have go. (Appended beside holders cut before the new block, the
+    /// row stays theirs: only the new names are the appender's.)
     pub(super) fn before_push(&mut self, names: &mut impl Names, node: NodeId) {
         let n = &self.nodes[node as usize];
-        if !n.listed || !n.engines.has_odd() {
+        if !n.listed || !n.engines.has_odd() || n.holders.len() != 1 {
             return;
         }
         let Some(slot) = n.holders.slots().next() else {

@@ -390,7 +390,9 @@ impl KvIndex {
             self.entries += added;
             let n = &mut self.nodes[node as usize];
             let base = n.first.wrapping_add(n.len() as u32);
-            // The new blocks' names are not entered.
+            // An entered shared row stays entered: the new names (the row's from
+            // here, as `extend_sole` appends them) are entered with their blocks.
+            let entered = n.entered;
             n.entered = false;
             // Before the ids grow: a sole holder's own names move to the shared row
             // by the node's blocks so far.
@@ -409,6 +411,15 @@ impl KvIndex {
                     node,
                     offset: base.wrapping_add(j as u32),
                 };
+            }
+            if entered {
+                let all = items[..added]
+                    .iter()
+                    .zip(&ids)
+                    .fold(true, |all, (&(engine, _), &block)| {
+                        names.enter(engine, block) && all
+                    });
+                n.entered = all;
             }
             last = end;
         }
@@ -625,15 +636,24 @@ impl KvIndex {
         if parent != NO_NODE {
             let p = &mut self.nodes[parent as usize];
             // Extended in place when `slot` holds all of it and it leads nowhere: the
-            // other holders now hold its blocks up to here (cuts). Not when its shared
-            // row is entered and others hold it: each extension would leave the row to
-            // be entered again whole by the next holder naming it so.
-            if p.children.is_empty() && p.holds_all(slot) && (p.holders.len() == 1 || !p.listed) {
+            // other holders now hold its blocks up to here (cuts). An entered shared
+            // row stays entered (the new name is entered with the block), so the next
+            // holder naming it so joins through the shared names. Not when the row is
+            // listed without being entered and others hold it: each extension would
+            // leave the row to be entered again whole by the next such holder.
+            if p.children.is_empty()
+                && p.holds_all(slot)
+                && (p.holders.len() == 1 || !p.listed || p.entered)
+            {
                 p.cut_others(slot);
                 self.before_push(names, parent);
                 let p = &mut self.nodes[parent as usize];
+                let entered = p.entered;
                 let offset = p.first.wrapping_add(p.len() as u32);
                 p.push_block(&mut self.own, slot, seq, block, engine);
+                if entered {
+                    p.entered = names.enter(engine, block);
+                }
                 self.blocks[block as usize] = BlockAt {
                     node: parent,
                     offset,

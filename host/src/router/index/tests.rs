@@ -272,21 +272,32 @@ fn workers_keep_their_own_engine_hashes_for_the_same_tokens() {
     assert_eq!(out.engine_hashes(w(2, 0)), &[21, 22]);
 }
 
-/// Nested prefixes of one prompt, each held by another worker under names of its own
-/// (issue 29's `seeded` layout), stay one node: a worker holding the first blocks of a
-/// node holds them by a cut instead of splitting it, whether the longer prefixes came
-/// first (a join that stops inside the node) or last (each extends the node in place,
-/// the others cut where it ended). Lookups and each worker's own engine hashes are what
-/// they were with one node per prefix length. A clear of the one worker holding every
-/// block, and a removal inside the node, split it back into plain nodes first, and the
-/// blocks no one holds any more go.
+/// Nested prefixes of one prompt, each held by another worker, stay one node, whether
+/// each worker names the blocks by names of its own (issue 29's `seeded` layout) or
+/// all name them alike (`shared`, where the node's shared row stays entered as it
+/// grows): a worker holding the first blocks of a node holds them by a cut instead of
+/// splitting it, whether the longer prefixes came first (a join that stops inside the
+/// node) or last (each extends the node in place, the others cut where it ended).
+/// Lookups and each worker's own engine hashes are what they were with one node per
+/// prefix length. A clear of the one worker holding every block, and a removal inside
+/// the node, split it back into plain nodes first, and the blocks no one holds any
+/// more go.
 #[test]
 fn nested_prefixes_are_one_node_with_cuts_until_a_removal_splits_it() {
+    for shared_names in [false, true] {
+        nested_prefixes(shared_names);
+    }
+}
+
+fn nested_prefixes(shared_names: bool) {
     let blocks = 40;
     let tokens = prompt(blocks);
     let n = 20u64;
     let held = |i: u64| 1 + 2 * i as usize;
-    let names = |i: u64| -> Vec<u64> { (0..held(i)).map(|p| i * 1000 + p as u64 + 1).collect() };
+    let names = |i: u64| -> Vec<u64> {
+        let own = if shared_names { 0 } else { i * 1000 };
+        (0..held(i)).map(|p| own + p as u64 + 1).collect()
+    };
     let expect = |index: &KvIndex, of: &dyn Fn(u64) -> usize| {
         let out = overlaps(index, &tokens);
         for i in 0..n {
@@ -313,7 +324,11 @@ fn nested_prefixes_are_one_node_with_cuts_until_a_removal_splits_it() {
             index
         };
         let mut index = build();
-        assert_eq!(index.node_count(), 1, "longest first: {longest_first}");
+        assert_eq!(
+            index.node_count(),
+            1,
+            "longest first: {longest_first}, shared names: {shared_names}"
+        );
         assert_eq!(index.held_blocks(), (0..n).map(held).sum::<usize>());
         expect(&index, &|i| held(i));
         let mut matches = Matches::new();
