@@ -364,6 +364,51 @@ fn nested_prefixes(shared_names: bool) {
     }
 }
 
+/// A worker extending a node beside holders that hold its blocks through the shared
+/// names (named alike) and one that names a block its own way: the names held through
+/// the shared names stay entered (the invariant check), and each holder's names and
+/// removals answer as before. (Moving a sole holder's own names into the row, as
+/// before an append by the only holder, took the names the others held through the
+/// shared names out of them here.)
+#[test]
+fn extending_a_node_beside_holders_keeps_their_shared_names() {
+    let tokens = prompt(3);
+    let mut index = KvIndex::new(BS);
+    // A takes the first slot with a sequence of its own.
+    index
+        .apply(w(1, 0), &stored(None, &branch_block(1), &[500]))
+        .unwrap();
+    // B and C name p0 p1 alike (C's copies held through the shared names); A names
+    // p1 its own way.
+    index
+        .apply(w(2, 0), &stored(None, &tokens[..2 * BS], &[1, 2]))
+        .unwrap();
+    index
+        .apply(w(3, 0), &stored(None, &tokens[..2 * BS], &[1, 2]))
+        .unwrap();
+    index
+        .apply(w(1, 0), &stored(None, &tokens[..2 * BS], &[1, 77]))
+        .unwrap();
+    // C goes on to p2: the node grows in place, A and B cut at 2.
+    index
+        .apply(w(3, 0), &stored(None, &tokens, &[1, 2, 3]))
+        .unwrap();
+    index.check_invariants();
+    assert_eq!(index.node_count(), 2, "A's own block, then p0..p2");
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[1, 77]);
+    assert_eq!(out.engine_hashes(w(2, 0)), &[1, 2]);
+    assert_eq!(out.engine_hashes(w(3, 0)), &[1, 2, 3]);
+
+    // B removes p1 by its name: found, and B keeps p0 alone.
+    index.apply(w(2, 0), &removed(vec![2])).unwrap();
+    index.check_invariants();
+    let out = overlaps(&index, &tokens);
+    assert_eq!(out.engine_hashes(w(2, 0)), &[1]);
+    assert_eq!(out.engine_hashes(w(3, 0)), &[1, 2, 3]);
+    assert_eq!(out.engine_hashes(w(1, 0)), &[1, 77]);
+}
+
 /// Tokens unlike any prompt block, for a branch of one block.
 fn branch_block(salt: u32) -> Vec<u32> {
     (0..BS as u32).map(|t| 1_000_000 + salt * 100 + t).collect()
