@@ -61,7 +61,8 @@ pub(super) struct WorkerNames {
 }
 
 /// Engine hash → the block whose node's shared row names it so, entered when a second
-/// worker joins the node (see the [module documentation](self)).
+/// worker joins the node, and for each block appended to a node entered so (its name
+/// joins the row's; see the [module documentation](self)).
 ///
 /// Kept exact: an entry's block is live and its node's shared row names it by that
 /// hash. The tree takes entries out when that stops being so (a node freed, a shared
