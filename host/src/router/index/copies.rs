@@ -163,6 +163,28 @@ impl KvIndex {
         n.listed = false;
     }
 
+    /// After blocks were appended to `node` (`appended`: their names and ids), whose
+    /// shared row was `entered` before: enters the new names, so that the row stays
+    /// entered (if every one goes in) and the next holder naming it alike joins
+    /// through the shared names instead of entering the whole row again.
+    pub(super) fn enter_appended(
+        &mut self,
+        names: &mut impl Names,
+        node: NodeId,
+        entered: bool,
+        appended: impl IntoIterator<Item = (u64, BlockId)>,
+    ) {
+        if !entered {
+            return;
+        }
+        // Every name is entered even after one fails: the recording and replaying
+        // `Names` ask the same questions in the same order.
+        let all = appended.into_iter().fold(true, |all, (engine, block)| {
+            names.enter(engine, block) && all
+        });
+        self.nodes[node as usize].entered = all;
+    }
+
     /// Before a block is appended to `node`, its sole holder's: if that holder has
     /// names of its own there, they become the shared row's, so the shared names that
     /// row does not have go. (Appended beside holders cut before the new block, the

@@ -412,15 +412,8 @@ impl KvIndex {
                     offset: base.wrapping_add(j as u32),
                 };
             }
-            if entered {
-                let all = items[..added]
-                    .iter()
-                    .zip(&ids)
-                    .fold(true, |all, (&(engine, _), &block)| {
-                        names.enter(engine, block) && all
-                    });
-                n.entered = all;
-            }
+            let appended = items[..added].iter().map(|&(engine, _)| engine);
+            self.enter_appended(names, node, entered, appended.zip(ids.iter().copied()));
             last = end;
         }
         Scratch::keep(&mut self.scratch.ids, ids);
@@ -651,13 +644,11 @@ impl KvIndex {
                 let entered = p.entered;
                 let offset = p.first.wrapping_add(p.len() as u32);
                 p.push_block(&mut self.own, slot, seq, block, engine);
-                if entered {
-                    p.entered = names.enter(engine, block);
-                }
                 self.blocks[block as usize] = BlockAt {
                     node: parent,
                     offset,
                 };
+                self.enter_appended(names, parent, entered, [(engine, block)]);
                 return;
             }
         }
