@@ -12,6 +12,7 @@
 //! | [`replay`], [`trace`] | the router in-process: trace records and their replay, worker registrations, a booking's action types |
 //! | [`provision`] | the Python environment (`target/e2e/venv`), wheels and npm packages the engine tests need, fetched once under a lock |
 //! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy, `nats-server` on 127.0.0.1 |
+//! | [`peers`] | the peer gateways the benches run beside kvhint (`smg`, `vllm-router`) |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
 //! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
 //!
@@ -37,6 +38,7 @@ pub mod http;
 pub mod llamacpp;
 pub mod nats;
 pub mod paths;
+pub mod peers;
 pub mod plugins;
 pub mod process;
 pub mod provision;

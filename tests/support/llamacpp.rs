@@ -83,6 +83,94 @@ pub fn tiny_model() -> &'static Path {
     })
 }
 
+/// The model of the routing-quality bench (`tests/benches/quality.rs`): the
+/// tiny model's kind and tokenizer, 256 wide, so that on one thread prefill
+/// dominates as on a real model (a 1,600-token prompt in a few hundred
+/// milliseconds, the same prompt from the cache in a few tens). Made once, like
+/// [`tiny_model`], in `target/e2e/llamacpp-quality-model/`.
+pub fn quality_model() -> &'static Path {
+    static MODEL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    once::<PathBuf>(&MODEL, || {
+        let script = workspace_root().join("tests/engines/llamacpp/make_model.py");
+        let tokenizer = qwen3_tokenizer_dir();
+        let python = python();
+        let dir = e2e_target_dir().join("llamacpp-quality-model");
+        let size = [
+            "--embd", "256", "--layers", "2", "--heads", "4", "--ff", "768",
+        ];
+        let key = key_of(&[
+            &read(&script)?,
+            QWEN3_TOKENIZER.as_bytes(),
+            size.join(" ").as_bytes(),
+        ]);
+        let model = dir.join("quality-qwen3.gguf");
+        provisioned(&dir, &key, "the routing-quality bench's model", |_| {
+            run_with_progress(
+                Command::new(python)
+                    .arg(&script)
+                    .arg(tokenizer)
+                    .arg(&model)
+                    .args(size),
+                "writing the quality bench's GGUF",
+                |_| false,
+                Duration::from_secs(5 * 60),
+            )
+            .map(drop)
+            .map_err(|e| format!("{} failed: {e}", script.display()))
+        })?;
+        Ok(model)
+    })
+}
+
+/// How a [`LlamaWorker`] is started beyond the defaults.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// The GGUF to serve ([`tiny_model`] when `None`).
+    pub model: Option<PathBuf>,
+    /// Slots, and the context they share (`serve.py --parallel`, `--ctx`).
+    pub parallel: u32,
+    pub ctx: u32,
+    pub threads: u32,
+    /// llama.cpp's host-memory prompt cache in MiB (`--cache-ram`); `None`:
+    /// llama.cpp's default.
+    pub cache_ram_mib: Option<i64>,
+    /// One KV buffer for all slots, as `llama-server`'s automatic slot count.
+    pub kv_unified: bool,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self {
+            model: None,
+            parallel: 4,
+            ctx: 4096,
+            threads: 1,
+            cache_ram_mib: None,
+            kv_unified: false,
+        }
+    }
+}
+
+impl WorkerOptions {
+    fn args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--parallel".to_string(),
+            self.parallel.to_string(),
+            "--ctx".to_string(),
+            self.ctx.to_string(),
+            "--threads".to_string(),
+            self.threads.to_string(),
+        ];
+        if let Some(mib) = self.cache_ram_mib {
+            args.extend(["--cache-ram".to_string(), mib.to_string()]);
+        }
+        if self.kv_unified {
+            args.push("--kv-unified".to_string());
+        }
+        args
+    }
+}
+
 /// One llama.cpp server on 127.0.0.1 serving [`tiny_model`] with a few slots.
 /// The process is SIGKILLed when this is dropped, and dies with the test
 /// process however that ends.
@@ -94,8 +182,8 @@ pub struct LlamaWorker {
     stdin: Option<ChildStdin>,
     logs: TempDir,
     starts: u32,
-    /// `serve.py`'s `--parallel` and `--ctx` (the context all slots share).
-    sizing: Option<(u32, u32)>,
+    /// `serve.py`'s options (slots, the context they share, the prompt cache).
+    options: WorkerOptions,
     agent: ureq::Agent,
 }
 
@@ -108,13 +196,22 @@ impl LlamaWorker {
     /// A worker with `parallel` slots sharing a context of `ctx` tokens (a
     /// 4,000-token prompt on 8 slots needs 8 × 4,100).
     pub fn start_sized(parallel: u32, ctx: u32) -> LlamaWorker {
+        Self::start_with(WorkerOptions {
+            parallel,
+            ctx,
+            ..WorkerOptions::default()
+        })
+    }
+
+    /// A worker on a free port, started with `options`.
+    pub fn start_with(options: WorkerOptions) -> LlamaWorker {
         let mut worker = LlamaWorker {
             port: 0,
             child: None,
             stdin: None,
             logs: crate::private_dir(),
             starts: 0,
-            sizing: Some((parallel, ctx)),
+            options,
             agent: agent(),
         };
         worker.spawn();
@@ -129,7 +226,7 @@ impl LlamaWorker {
             stdin: None,
             logs: crate::private_dir(),
             starts: 0,
-            sizing: None,
+            options: WorkerOptions::default(),
             agent: agent(),
         };
         worker.spawn();
@@ -137,7 +234,11 @@ impl LlamaWorker {
     }
 
     fn spawn(&mut self) {
-        let model = tiny_model();
+        let model = self
+            .options
+            .model
+            .clone()
+            .unwrap_or_else(|| tiny_model().to_path_buf());
         let script = workspace_root().join("tests/engines/llamacpp/serve.py");
         self.starts += 1;
         let log = self.log_path();
@@ -147,16 +248,9 @@ impl LlamaWorker {
         command
             .arg(&script)
             .arg("--model")
-            .arg(model)
+            .arg(&model)
             .args(["--port", &self.port.to_string(), "--alias", MODEL_NAME])
-            .args(self.sizing.map_or_else(Vec::new, |(parallel, ctx)| {
-                vec![
-                    "--parallel".to_string(),
-                    parallel.to_string(),
-                    "--ctx".to_string(),
-                    ctx.to_string(),
-                ]
-            }))
+            .args(self.options.args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr);

@@ -74,6 +74,10 @@ pub struct GatewayConfig {
     pub approximate_ttl_s: u64,
     /// Blocks credited to one `approximate` worker at most (the oldest go first).
     pub approximate_max_blocks: u64,
+    /// How long a request to an `approximate` worker waits for the in-flight
+    /// request whose prompt holds its prefix to make it reusable, rather than
+    /// compute the prefix again beside it; 0: never waits.
+    pub prefix_wait_ms: u64,
     /// Each model's cache of tokenized prompt pieces (the text between two
     /// special tokens: a system prompt, an earlier turn), in MiB; 0 turns it off.
     pub tokenizer_cache_mib: u64,
@@ -97,6 +101,7 @@ impl Default for GatewayConfig {
             },
             approximate_ttl_s: 120,
             approximate_max_blocks: 100_000,
+            prefix_wait_ms: 2_000,
             tokenizer_cache_mib: 64,
         }
     }
@@ -366,6 +371,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
             "health",
             "approximate_ttl_s",
             "approximate_max_blocks",
+            "prefix_wait_ms",
             "tokenizer_cache_mib",
         ],
     );
@@ -424,6 +430,13 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
         1,
         100_000_000,
         &mut out.approximate_max_blocks,
+    );
+    number(
+        walker,
+        "prefix_wait_ms",
+        0,
+        600_000,
+        &mut out.prefix_wait_ms,
     );
     number(
         walker,

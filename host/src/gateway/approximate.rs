@@ -6,16 +6,34 @@
 //!
 //! A credit is a guess, so it is bounded: a block counts for
 //! `gateway.approximate_ttl_s` after the last prompt that used it, and a worker is
-//! credited with at most `gateway.approximate_max_blocks` (the least recently used
-//! go first). The blocks go into the index through the same ingestion path as
+//! credited with at most `gateway.approximate_max_blocks`; past that, the least
+//! recently routed go first, and of one prompt's blocks the deepest first (the
+//! prefix others share outlives each prompt's own tail, as in the engines' own
+//! caches). The blocks go into the index through the same ingestion path as
 //! engine events, under engine hashes of the router's own making, and status
 //! shows the worker as `approximate`, apart from event-fed workers.
+//!
+//! **Busy prefixes.** A credit is made when the request is booked, before the
+//! engine has computed anything, so that a burst of requests sharing a prefix
+//! goes to one worker. But an engine reuses a prompt only once it is computed,
+//! and llama.cpp only once the request that computed it has ended (its prompt
+//! lives in that request's slot until then; a cached prompt is moved, not
+//! copied, into the slot that loads it). A request sent while the one holding
+//! its prefix is still running computes the prefix again, beside it, and slows
+//! both. So each credit is also a [`Gate`]: the request's blocks are *busy* until
+//! it settles (llama.cpp: when it ends; other engines: at its first byte), and a
+//! later request on the same worker whose cached prefix ends in a busy block
+//! waits for that gate (at most `gateway.prefix_wait_ms`) before it is sent,
+//! then finds its prefix ready. Requests waiting on one prefix are chained, one
+//! after the other, because each takes the prompt into its own slot.
 
 use crate::domain::WorkerKey;
 use crate::router::index::events::{KvEvent, StoredBlock};
 use crate::router::ingest::Ingest;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What one worker was credited with.
@@ -23,14 +41,112 @@ use std::time::{Duration, Instant};
 struct Ledger {
     /// Engine hash → when a prompt last used the block.
     last_used: HashMap<u64, Instant>,
-    /// (when, engine hash), oldest first; stale entries are skipped.
+    /// (when, engine hash), oldest first, and of one credit the deepest block
+    /// first; stale entries are skipped.
     order: VecDeque<(Instant, u64)>,
 }
+
+/// The in-flight request each credited block is busy with, by worker and
+/// engine hash.
+type BusyTable = Mutex<HashMap<(WorkerKey, u64), Arc<Gate>>>;
 
 /// Every approximate worker's ledger.
 #[derive(Default)]
 pub struct Approximate {
     ledgers: Mutex<HashMap<WorkerKey, Ledger>>,
+    busy: Arc<BusyTable>,
+}
+
+/// Opens when the request that made it settles: its prompt is reusable by
+/// another request on its worker.
+#[derive(Default)]
+pub struct Gate {
+    open: AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Gate {
+    pub fn is_open(&self) -> bool {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Returns once the gate is open.
+    pub async fn opened(&self) {
+        loop {
+            let notified = self.notify.notified();
+            if self.is_open() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn open(&self) {
+        self.open.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+}
+
+/// When a request's prompt becomes reusable by another request on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Once it has been prefilled: its first byte (engines that share a
+    /// computed prefix between running requests: vLLM, SGLang, TRT-LLM).
+    FirstByte,
+    /// Once it has ended (llama.cpp: the prompt lives in the request's slot
+    /// until the slot is idle).
+    End,
+}
+
+/// When a request on `engine` becomes reusable: llama.cpp's prompt lives in its
+/// slot until the request ends; vLLM, SGLang and TRT-LLM share computed blocks
+/// between running requests; an unknown OpenAI-compatible server is taken to
+/// be like llama.cpp, the longer wait.
+pub fn settles(engine: crate::domain::Engine) -> Settle {
+    use crate::domain::Engine;
+    match engine {
+        Engine::Vllm | Engine::Sglang | Engine::Trtllm => Settle::FirstByte,
+        Engine::Llamacpp | Engine::Openai => Settle::End,
+    }
+}
+
+/// One request's credit: its blocks stay busy until it settles (or is dropped).
+pub struct Credit {
+    busy: Arc<BusyTable>,
+    worker: WorkerKey,
+    hashes: Vec<u64>,
+    gate: Arc<Gate>,
+    pub settle: Settle,
+    /// The gate of the in-flight request whose prompt holds this one's cached
+    /// prefix, if it has not settled: wait for it before sending.
+    pub wait_for: Option<Arc<Gate>>,
+}
+
+impl Credit {
+    /// The request's prompt is reusable now: its blocks are no longer busy
+    /// (those a later request took over stay that one's), and whoever waits
+    /// on it goes. Idempotent.
+    pub fn settle(&self) {
+        if self.gate.is_open() {
+            return;
+        }
+        {
+            let mut busy = self.busy.lock();
+            for hash in &self.hashes {
+                let key = (self.worker, *hash);
+                if busy.get(&key).is_some_and(|g| Arc::ptr_eq(g, &self.gate)) {
+                    busy.remove(&key);
+                }
+            }
+        }
+        self.gate.open();
+    }
+}
+
+impl Drop for Credit {
+    fn drop(&mut self) {
+        self.settle();
+    }
 }
 
 /// The engine hashes the router names a prompt's full blocks by: chained, so a
@@ -55,29 +171,63 @@ pub fn block_hashes(
         .collect()
 }
 
+/// A prompt to credit to a worker.
+pub struct Prompt<'a> {
+    pub token_ids: &'a [u32],
+    pub block_size: usize,
+    pub lora: Option<&'a str>,
+    pub salt: Option<&'a str>,
+    /// Leading blocks the booking found cached on the worker.
+    pub cached_blocks: usize,
+}
+
 impl Approximate {
-    /// Credits `worker` with the full blocks of `token_ids`: stores them in the
-    /// index (through `ingest`, without waiting) and notes when.
-    #[allow(clippy::too_many_arguments)]
+    /// Credits `worker` with the full blocks of `prompt`: stores them in the
+    /// index (through `ingest`, without waiting), notes when, and marks them busy
+    /// until the returned credit settles.
     pub fn credit(
         &self,
         ingest: &Ingest,
         worker: WorkerKey,
-        token_ids: &[u32],
-        block_size: usize,
-        lora: Option<&str>,
-        salt: Option<&str>,
+        prompt: &Prompt<'_>,
         max_blocks: u64,
-    ) {
-        let hashes = block_hashes(token_ids, block_size, lora, salt);
+        settle: Settle,
+    ) -> Credit {
+        let block_size = prompt.block_size.max(1);
+        let hashes = block_hashes(prompt.token_ids, block_size, prompt.lora, prompt.salt);
+        let gate = Arc::new(Gate::default());
+        let mut credit = Credit {
+            busy: Arc::clone(&self.busy),
+            worker,
+            hashes: Vec::new(),
+            gate: Arc::clone(&gate),
+            settle,
+            wait_for: None,
+        };
         if hashes.is_empty() {
-            return;
+            return credit;
+        }
+        {
+            let mut busy = self.busy.lock();
+            // The request whose prompt holds this one's cached prefix.
+            credit.wait_for = prompt
+                .cached_blocks
+                .checked_sub(1)
+                .and_then(|last| hashes.get(last))
+                .and_then(|hash| busy.get(&(worker, *hash)))
+                .filter(|g| !g.is_open())
+                .cloned();
+            for hash in &hashes {
+                busy.insert((worker, *hash), Arc::clone(&gate));
+            }
         }
         let now = Instant::now();
         let evicted = {
             let mut ledgers = self.ledgers.lock();
             let ledger = ledgers.entry(worker).or_default();
-            for hash in &hashes {
+            // Deepest first, so that of this prompt the tail goes before the
+            // prefix it may share with others.
+            for hash in hashes.iter().rev() {
                 ledger.last_used.insert(*hash, now);
                 ledger.order.push_back((now, *hash));
             }
@@ -85,7 +235,8 @@ impl Approximate {
         };
         let event = KvEvent::Stored {
             parent_block_hash: None,
-            blocks: token_ids
+            blocks: prompt
+                .token_ids
                 .chunks_exact(block_size)
                 .zip(&hashes)
                 .map(|(chunk, hash)| StoredBlock {
@@ -93,8 +244,8 @@ impl Approximate {
                     token_ids: chunk.into(),
                 })
                 .collect(),
-            lora_name: lora.map(str::to_string),
-            cache_salt: salt.map(str::to_string),
+            lora_name: prompt.lora.map(str::to_string),
+            cache_salt: prompt.salt.map(str::to_string),
             extra_keys: Vec::new(),
         };
         if ingest.submit_detached(worker, event).is_err() {
@@ -108,6 +259,8 @@ impl Approximate {
                 },
             );
         }
+        credit.hashes = hashes;
+        credit
     }
 
     /// Takes back credits older than `ttl`; returns how many blocks.
@@ -138,6 +291,7 @@ impl Approximate {
     /// Forgets a worker that left (its index entries went with it).
     pub fn forget(&self, keep: impl Fn(&WorkerKey) -> bool) {
         self.ledgers.lock().retain(|k, _| keep(k));
+        self.busy.lock().retain(|(k, _), _| keep(k));
     }
 
     /// Blocks credited to `worker` now.
@@ -146,6 +300,11 @@ impl Approximate {
             .lock()
             .get(&worker)
             .map_or(0, |l| l.last_used.len())
+    }
+
+    /// Blocks busy with in-flight requests, over every worker.
+    pub fn busy_blocks(&self) -> usize {
+        self.busy.lock().len()
     }
 }
 
@@ -164,5 +323,152 @@ impl Ledger {
             }
         }
         evicted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: u64) -> WorkerKey {
+        WorkerKey {
+            worker_id: id,
+            dp_rank: 0,
+        }
+    }
+
+    fn credit(
+        approximate: &Approximate,
+        ingest: &Ingest,
+        worker: u64,
+        tokens: &[u32],
+        cached_blocks: usize,
+    ) -> Credit {
+        approximate.credit(
+            ingest,
+            key(worker),
+            &Prompt {
+                token_ids: tokens,
+                block_size: 2,
+                lora: None,
+                salt: None,
+                cached_blocks,
+            },
+            1_000,
+            Settle::End,
+        )
+    }
+
+    /// An ingestion path into a router of its own (the credits' events are
+    /// refused there, for workers it does not know, which these tests ignore).
+    fn ingest() -> Ingest {
+        let router = Arc::new(crate::router::Router::new(2));
+        Ingest::start(router, 64).expect("the ingestion thread").0
+    }
+
+    #[test]
+    fn a_request_whose_prefix_is_busy_waits_for_the_one_holding_it() {
+        let approximate = Approximate::default();
+        let ingest = ingest();
+        let first = credit(&approximate, &ingest, 1, &[1, 2, 3, 4, 5, 6], 0);
+        assert!(first.wait_for.is_none(), "nothing was cached");
+        // The same prefix (two blocks) with another tail, on the same worker.
+        let second = credit(&approximate, &ingest, 1, &[1, 2, 3, 4, 9, 9], 2);
+        let gate = second.wait_for.clone().expect("the first holds the prefix");
+        assert!(!gate.is_open());
+        // On another worker, nothing is busy.
+        let elsewhere = credit(&approximate, &ingest, 2, &[1, 2, 3, 4, 9, 9], 2);
+        assert!(elsewhere.wait_for.is_none());
+        // A third waits for the second, not the first: each takes the prompt
+        // into its own slot in turn.
+        let third = credit(&approximate, &ingest, 1, &[1, 2, 3, 4, 7, 7], 2);
+        let behind = third.wait_for.clone().expect("chained");
+        assert!(Arc::ptr_eq(&behind, &second.gate));
+        first.settle();
+        assert!(gate.is_open());
+        assert!(!behind.is_open(), "the second still runs");
+        drop(second);
+        assert!(behind.is_open(), "a dropped credit settles");
+        drop(third);
+        drop(elsewhere);
+        assert_eq!(approximate.busy_blocks(), 0, "nothing stays busy");
+    }
+
+    #[test]
+    fn a_settled_prefix_is_not_waited_for() {
+        let approximate = Approximate::default();
+        let ingest = ingest();
+        let first = credit(&approximate, &ingest, 1, &[1, 2, 3, 4], 0);
+        first.settle();
+        let second = credit(&approximate, &ingest, 1, &[1, 2, 3, 4, 5, 6], 2);
+        assert!(second.wait_for.is_none());
+        // A request that found less cached than the busy blocks waits only on
+        // the block its prefix ends in.
+        let third = credit(&approximate, &ingest, 1, &[1, 2, 8, 8], 1);
+        assert!(third.wait_for.is_some(), "block 0 is busy with the second");
+    }
+
+    #[test]
+    fn past_the_cap_a_prompts_tail_goes_before_the_prefix_others_share() {
+        let approximate = Approximate::default();
+        let ingest = ingest();
+        // Two prompts sharing two blocks, then one of their own each, under a
+        // cap of three blocks: the first's tail goes, the shared prefix stays.
+        let a = [1, 2, 3, 4, 10, 10];
+        let b = [1, 2, 3, 4, 20, 20];
+        let cap = |tokens: &[u32]| {
+            approximate.credit(
+                &ingest,
+                key(1),
+                &Prompt {
+                    token_ids: tokens,
+                    block_size: 2,
+                    lora: None,
+                    salt: None,
+                    cached_blocks: 0,
+                },
+                3,
+                Settle::End,
+            )
+        };
+        drop(cap(&a));
+        assert_eq!(approximate.blocks(key(1)), 3);
+        drop(cap(&b));
+        assert_eq!(approximate.blocks(key(1)), 3);
+        let hashes_a = block_hashes(&a, 2, None, None);
+        let hashes_b = block_hashes(&b, 2, None, None);
+        let ledgers = approximate.ledgers.lock();
+        let ledger = &ledgers[&key(1)];
+        assert!(
+            !ledger.last_used.contains_key(&hashes_a[2]),
+            "a's tail went"
+        );
+        for kept in [hashes_a[0], hashes_a[1], hashes_b[2]] {
+            assert!(ledger.last_used.contains_key(&kept));
+        }
+        drop(ledgers);
+        // One prompt longer than the cap keeps its first blocks, the part a
+        // lookup can use, not its last.
+        let long = [5, 5, 6, 6, 7, 7, 8, 8];
+        drop(approximate.credit(
+            &ingest,
+            key(2),
+            &Prompt {
+                token_ids: &long,
+                block_size: 2,
+                lora: None,
+                salt: None,
+                cached_blocks: 0,
+            },
+            2,
+            Settle::End,
+        ));
+        let hashes = block_hashes(&long, 2, None, None);
+        let ledgers = approximate.ledgers.lock();
+        let kept: Vec<bool> = hashes
+            .iter()
+            .map(|h| ledgers[&key(2)].last_used.contains_key(h))
+            .collect();
+        assert_eq!(kept, [true, true, false, false]);
     }
 }

@@ -5,6 +5,7 @@
 //! releases the booking exactly once and counts why. The router's TTL stays the
 //! last resort for a guard that never runs (a killed process leaves nothing).
 
+use super::approximate::{Credit, Settle};
 use super::stats::{GatewayStats, Release};
 use crate::router::Router;
 use bytes::Bytes;
@@ -22,6 +23,10 @@ pub struct ReleaseGuard {
     stats: Arc<GatewayStats>,
     request_id: String,
     open: bool,
+    /// An approximate worker's credit for this request: settled when its
+    /// prompt is reusable (first byte or end, by engine), and at the latest
+    /// with the booking.
+    credit: Option<Credit>,
 }
 
 impl ReleaseGuard {
@@ -31,7 +36,13 @@ impl ReleaseGuard {
             stats,
             request_id,
             open: true,
+            credit: None,
         }
+    }
+
+    /// Keeps `credit` until the request settles it.
+    pub fn hold(&mut self, credit: Credit) {
+        self.credit = Some(credit);
     }
 
     pub fn request_id(&self) -> &str {
@@ -40,6 +51,9 @@ impl ReleaseGuard {
 
     /// Releases the booking now, for `reason`.
     pub fn finish(&mut self, reason: Release) {
+        if let Some(credit) = self.credit.take() {
+            credit.settle();
+        }
         if std::mem::take(&mut self.open) {
             // Already gone if the TTL sweep released it first.
             if self.router.release(&self.request_id).is_ok() {
@@ -54,6 +68,13 @@ impl ReleaseGuard {
     pub fn prefill_done(&self) {
         if self.open {
             self.router.prefill_done(&self.request_id);
+        }
+        if let Some(credit) = self
+            .credit
+            .as_ref()
+            .filter(|c| c.settle == Settle::FirstByte)
+        {
+            credit.settle();
         }
     }
 }

@@ -98,6 +98,11 @@ pub struct GatewayStats {
     /// Requests answered by the router itself (no worker answered), by status.
     refused: Mutex<BTreeMap<u16, u64>>,
     timings: Mutex<BTreeMap<(String, WorkerKey), Timings>>,
+    /// Requests that waited for the in-flight request holding their prefix:
+    /// [settled in time, waited `gateway.prefix_wait_ms` in vain], and the
+    /// nanoseconds they waited in all.
+    prefix_waits: [AtomicU64; 2],
+    prefix_wait_ns: AtomicU64,
 }
 
 fn engine_index(engine: Engine) -> usize {
@@ -146,6 +151,23 @@ impl GatewayStats {
                 )
             })
             .collect()
+    }
+
+    /// A request waited `waited` for its prefix; `settled`: it became
+    /// reusable in time.
+    pub fn prefix_waited(&self, settled: bool, waited: Duration) {
+        self.prefix_waits[usize::from(!settled)].fetch_add(1, Ordering::Relaxed);
+        self.prefix_wait_ns
+            .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// (settled, timed out, seconds waited in all).
+    pub fn prefix_waits(&self) -> (u64, u64, f64) {
+        (
+            self.prefix_waits[0].load(Ordering::Relaxed),
+            self.prefix_waits[1].load(Ordering::Relaxed),
+            self.prefix_wait_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        )
     }
 
     pub fn refused(&self, status: u16) {

@@ -22,7 +22,7 @@
 //! No eligible worker answers 503, a full queue or too many open bookings 429,
 //! both as Envoy immediate responses with OpenAI's error body.
 
-use super::gateway::{book_body, count_hint, Booked};
+use super::gateway::{book_body, count_hint, wait_for_prefix, Booked};
 use super::App;
 use crate::config::EndpointPickerConfig;
 use crate::domain::{HttpTarget, WorkerKey};
@@ -368,6 +368,10 @@ impl Exchange {
             Ok(Err(error)) | Err(error) => return self.refuse(error).await,
         };
         count_hint(&self.app, &booked.forward, booked.engine);
+        if let Some(gate) = booked.wait_for.as_deref() {
+            let settings = self.app.snapshot.load().gateway.clone();
+            wait_for_prefix(&self.app, gate, &settings).await;
+        }
         self.booked_at = Instant::now();
         let mut endpoints = booked.authority.to_string();
         for fallback in &fallbacks {

@@ -11,6 +11,7 @@ use super::error::ApiError;
 use super::App;
 use crate::domain::WorkerKey;
 use crate::gateway::adapter::{self, HintDelivery, Route};
+use crate::gateway::approximate;
 use crate::gateway::release::{GuardedBody, ReleaseGuard};
 use crate::gateway::stats::Release;
 use crate::gateway::{self, GatewayError, Prepared};
@@ -138,6 +139,10 @@ struct Sent {
 /// every way out), and the request the adapter made for the booked worker.
 pub(crate) struct Booked {
     pub guard: ReleaseGuard,
+    /// The in-flight request on the booked worker whose prompt holds this one's
+    /// cached prefix: the request is sent once it settles (see
+    /// `gateway::approximate`).
+    pub wait_for: Option<Arc<approximate::Gate>>,
     pub prepared: Arc<Prepared>,
     pub worker: WorkerKey,
     pub base: Arc<str>,
@@ -184,23 +189,30 @@ pub(crate) fn book_body(
     // The guard exists from the moment the booking does: if the caller left
     // while this job ran, the reply is dropped unread and the guard with it,
     // which releases the booking.
-    let guard = ReleaseGuard::new(
+    let mut guard = ReleaseGuard::new(
         Arc::clone(&app.router),
         Arc::clone(&app.gateway.stats),
         request_id.to_string(),
     );
     app.metrics
         .booked(&booking, booking.hint.message().is_some());
+    let mut wait_for = None;
     if worker.approximate_kv {
-        app.gateway.approximate.credit(
+        let credit = app.gateway.approximate.credit(
             &app.ingest,
             booking.worker,
-            &prepared.token_ids,
-            snapshot.block_size,
-            prepared.model.lora.as_deref(),
-            prepared.cache_salt.as_deref(),
+            &approximate::Prompt {
+                token_ids: &prepared.token_ids,
+                block_size: snapshot.block_size,
+                lora: prepared.model.lora.as_deref(),
+                salt: prepared.cache_salt.as_deref(),
+                cached_blocks: booking.cached_blocks,
+            },
             snapshot.gateway.approximate_max_blocks,
+            approximate::settles(target.engine),
         );
+        wait_for = credit.wait_for.clone();
+        guard.hold(credit);
     }
     let forward = adapter::forward(
         &target,
@@ -215,6 +227,7 @@ pub(crate) fn book_body(
     );
     Ok(Booked {
         guard,
+        wait_for,
         prepared,
         worker: booking.worker,
         base: Arc::clone(&target.base),
@@ -296,6 +309,7 @@ async fn forward(
         // future being dropped (the client left) included.
         let Booked {
             mut guard,
+            wait_for,
             prepared: this_prepared,
             worker,
             base,
@@ -303,6 +317,9 @@ async fn forward(
             forward,
             ..
         } = booked;
+        if let Some(gate) = wait_for {
+            wait_for_prefix(app, &gate, &settings).await;
+        }
         let booked = Sent {
             prepared: this_prepared,
             worker,
@@ -455,6 +472,23 @@ async fn forward(
         }
         return Ok(out);
     }
+}
+
+/// Waits, at most `gateway.prefix_wait_ms`, for the in-flight request whose
+/// prompt holds this one's prefix to settle, so this one finds it reusable
+/// rather than computing it again beside it; counted either way.
+pub(crate) async fn wait_for_prefix(
+    app: &App,
+    gate: &approximate::Gate,
+    settings: &crate::config::GatewayConfig,
+) {
+    if settings.prefix_wait_ms == 0 {
+        return;
+    }
+    let started = Instant::now();
+    let bound = Duration::from_millis(settings.prefix_wait_ms);
+    let settled = tokio::time::timeout(bound, gate.opened()).await.is_ok();
+    app.gateway.stats.prefix_waited(settled, started.elapsed());
 }
 
 /// The request to the booked worker: the adapter's body and headers, and the

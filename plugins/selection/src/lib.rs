@@ -1,5 +1,5 @@
-//! The router's four built-in selection policies: `dynamo-default-cost-fn`,
-//! `kvcr`, `round-robin` and `random`.
+//! The router's built-in selection policies: `cache-aware` (the default),
+//! `dynamo-default-cost-fn`, `kvcr`, `round-robin` and `random`.
 //!
 //! They live in a plugin crate, not in the router, so that built-ins and
 //! plugins take one path (rule R12): the router links this crate in and hands
@@ -18,6 +18,8 @@ use kvhint_plugin_api::prelude::*;
 use serde::Deserialize;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+/// Expected time to first token, weighing what a miss costs the cache.
+pub const CACHE_AWARE: &str = "cache-aware";
 /// Dynamo's default cost function.
 pub const DEFAULT_COST_FN: &str = "dynamo-default-cost-fn";
 /// The default cost, crediting a peer's KV copy; commits bookings to copies.
@@ -27,8 +29,9 @@ pub const ROUND_ROBIN: &str = "round-robin";
 /// A seeded, uniformly random candidate.
 pub const RANDOM: &str = "random";
 
-/// Registers the four selection-policy types.
+/// Registers the five selection-policy types.
 pub fn register(registry: &mut HintRegistry) -> Result<(), RegistryError> {
+    registry.register_selection_policy(CACHE_AWARE, Arc::new(construct_cache_aware))?;
     registry.register_selection_policy(DEFAULT_COST_FN, Arc::new(construct_default_cost_fn))?;
     registry.register_selection_policy(KVCR, Arc::new(construct_kvcr))?;
     registry.register_selection_policy(ROUND_ROBIN, Arc::new(construct_round_robin))?;
@@ -196,6 +199,154 @@ impl SelectionPolicy for Kvcr {
     }
 }
 
+fn two() -> f64 {
+    2.0
+}
+
+fn tenth() -> f64 {
+    0.1
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CacheAwareParameters {
+    /// A block this request must prefill, against one already queued for
+    /// prefill on the worker.
+    #[serde(default = "two")]
+    miss_weight: f64,
+    /// A block the worker's open bookings hold (decode load), against one
+    /// queued for prefill.
+    #[serde(default = "tenth")]
+    decode_weight: f64,
+    /// Costs this close to the lowest (in queued blocks) are ties.
+    #[serde(default = "one")]
+    tie_blocks: f64,
+}
+
+/// `cache-aware`: the worker where the request's first token comes soonest,
+/// counting what a miss costs the fleet's caches.
+///
+/// A request's time to first token on a worker is about the prefill queued
+/// there ahead of it plus its own uncached blocks. Taken alone, that estimate
+/// sends a request away from the worker holding its prefix as soon as that
+/// worker is a little busier, and the prefix is then computed and cached on
+/// both, which crowds out what each cache held: a block this request must
+/// prefill therefore weighs `miss_weight` times a queued one. Decode load
+/// weighs little: it slows a worker's next prefill only slightly. Costs within
+/// `tie_blocks` of the lowest are ties, broken by fewer open requests, then in
+/// turn, so that new prefixes spread over idle workers instead of piling onto
+/// the first.
+struct CacheAware {
+    miss_weight: f64,
+    decode_weight: f64,
+    tie_blocks: f64,
+    /// The next turn among tied candidates.
+    turn: AtomicUsize,
+}
+
+fn construct_cache_aware(parameters: &Parameters) -> Result<SelectionPolicyConstructor, HintError> {
+    let p: CacheAwareParameters = parameters.deserialize()?;
+    for (name, value) in [
+        ("miss_weight", p.miss_weight),
+        ("decode_weight", p.decode_weight),
+        ("tie_blocks", p.tie_blocks),
+    ] {
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(HintError::bad_parameters(format!(
+                "`{name}` must be a number ≥ 0, found {value}"
+            )));
+        }
+    }
+    Ok(SelectionPolicyConstructor::shared(CacheAware {
+        miss_weight: p.miss_weight,
+        decode_weight: p.decode_weight,
+        tie_blocks: p.tie_blocks,
+        turn: AtomicUsize::new(0),
+    }))
+}
+
+impl CacheAware {
+    fn cost(&self, candidate: &Candidate<'_>, request_blocks: usize) -> f64 {
+        let uncached = request_blocks.saturating_sub(candidate.cached_blocks()) as f64;
+        candidate.prefill_blocks() as f64
+            + self.miss_weight * uncached
+            + self.decode_weight * candidate.active_blocks() as f64
+    }
+}
+
+impl SelectionPolicy for CacheAware {
+    fn select(
+        &self,
+        request: &SelectionRequest<'_>,
+        candidates: &Candidates<'_>,
+    ) -> Result<Selection, HintError> {
+        let request_blocks = request.request_blocks();
+        let lowest = candidates
+            .iter()
+            .map(|c| self.cost(&c, request_blocks))
+            .fold(f64::INFINITY, f64::min);
+        if !lowest.is_finite() {
+            return Err(no_candidates());
+        }
+        // The ties, and among them the fewest open requests; two passes over
+        // the candidates rather than a list, so a booking allocates nothing.
+        let tie = |c: &Candidate<'_>| self.cost(c, request_blocks) <= lowest + self.tie_blocks;
+        let fewest = candidates
+            .iter()
+            .filter(|c| tie(c))
+            .map(|c| c.active_requests())
+            .min()
+            .unwrap_or(0);
+        let equal = |c: &Candidate<'_>| tie(c) && c.active_requests() == fewest;
+        let tied = candidates.iter().filter(|c| equal(c)).count();
+        // Taken in turn, so that new prefixes (and prompts that share nothing)
+        // alternate over idle workers instead of piling onto the first.
+        let turn = if tied > 1 {
+            self.turn.fetch_add(1, Ordering::Relaxed) % tied
+        } else {
+            0
+        };
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| equal(c))
+            .nth(turn)
+            .map(|(i, _)| Selection::worker(i))
+            .ok_or_else(no_candidates)
+    }
+}
+
+/// Random draws from a splitmix64 generator: one atomic add per draw, seeded
+/// with `router.seed`, so a replay with the same seed draws the same.
+struct Draws {
+    state: AtomicU64,
+}
+
+const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+impl Draws {
+    fn new(seed: u64) -> Self {
+        Self {
+            state: AtomicU64::new(seed ^ GOLDEN_GAMMA),
+        }
+    }
+
+    fn next(&self) -> u64 {
+        let mut z = self
+            .state
+            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
+            .wrapping_add(GOLDEN_GAMMA);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    fn below(&self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NoParameters {}
@@ -232,24 +383,14 @@ impl SelectionPolicy for RoundRobin {
 /// `random`: a uniformly random candidate, from a generator seeded with
 /// `router.seed`, so a replay with the same seed books the same workers.
 struct Random {
-    state: AtomicU64,
-}
-
-const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-impl Random {
-    fn new(seed: u64) -> Self {
-        Self {
-            state: AtomicU64::new(seed ^ GOLDEN_GAMMA),
-        }
-    }
+    draws: Draws,
 }
 
 fn construct_random(parameters: &Parameters) -> Result<SelectionPolicyConstructor, HintError> {
     parameters.deserialize::<NoParameters>()?;
-    Ok(SelectionPolicyConstructor::shared(Random::new(
-        parameters.router().seed,
-    )))
+    Ok(SelectionPolicyConstructor::shared(Random {
+        draws: Draws::new(parameters.router().seed),
+    }))
 }
 
 impl SelectionPolicy for Random {
@@ -265,15 +406,9 @@ impl SelectionPolicy for Random {
         if candidates.is_empty() {
             return Err(no_candidates());
         }
-        // splitmix64: one atomic add per draw, good enough spread for load.
-        let mut z = self
-            .state
-            .fetch_add(GOLDEN_GAMMA, Ordering::Relaxed)
-            .wrapping_add(GOLDEN_GAMMA);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        Ok(Selection::worker((z % candidates.len() as u64) as usize))
+        Ok(Selection::worker(
+            self.draws.below(candidates.len() as u64) as usize
+        ))
     }
 }
 

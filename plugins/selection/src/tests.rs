@@ -45,20 +45,26 @@ fn index(policy: &dyn SelectionPolicy, placement: &TestPlacement) -> usize {
 }
 
 #[test]
-fn registers_the_four_types_in_order() {
+fn registers_the_five_types_in_order() {
     let mut registry = HintRegistry::new();
     register(&mut registry).unwrap();
     let names: Vec<&str> = registry.names().collect();
     assert_eq!(
         names,
-        ["dynamo-default-cost-fn", "kvcr", "round-robin", "random"]
+        [
+            "cache-aware",
+            "dynamo-default-cost-fn",
+            "kvcr",
+            "round-robin",
+            "random"
+        ]
     );
     let err = construct_selection(register, "kv-cr", json!({}))
         .err()
         .unwrap();
     assert!(
         err.to_string()
-            .contains("dynamo-default-cost-fn, kvcr, round-robin, random"),
+            .contains("cache-aware, dynamo-default-cost-fn, kvcr, round-robin, random"),
         "{err}"
     );
 }
@@ -264,6 +270,7 @@ fn the_root_module_is_named_after_the_crate() {
 #[test]
 fn an_empty_candidate_list_is_an_error() {
     for (name, parameters) in [
+        (CACHE_AWARE, json!({})),
         (DEFAULT_COST_FN, json!({})),
         (KVCR, json!({})),
         (ROUND_ROBIN, json!({})),
@@ -331,4 +338,103 @@ fn round_robin_and_random_take_no_parameters() {
         let err = bad_parameters(name, json!(["seed"]));
         assert!(err.message().contains("must be a mapping"), "{err}");
     }
+}
+
+fn loaded(id: u64, cached: usize, requests: u64, prefill: u64, active: u64) -> TestCandidate {
+    TestCandidate {
+        worker: worker(id),
+        cached_blocks: cached,
+        active_requests: requests,
+        prefill_blocks: prefill,
+        active_blocks: active,
+        ..TestCandidate::default()
+    }
+}
+
+#[test]
+fn cache_aware_stays_with_the_prefix_while_the_holder_is_a_little_busier() {
+    let p = policy(CACHE_AWARE, json!({}));
+    // 100-block prompt, 94 cached on worker 1, which prefills another
+    // request's 100 blocks; worker 2 is idle. Leaving would prefill 100 blocks
+    // (weighing 200) against 6 here (12) behind 100 queued: it stays.
+    let cs = vec![loaded(1, 94, 1, 100, 100), loaded(2, 0, 0, 0, 0)];
+    assert_eq!(index(&*p, &placement(100, cs)), 0);
+    // Two cold prefills queued there (200 blocks): now the idle worker wins.
+    let cs = vec![loaded(1, 94, 2, 200, 200), loaded(2, 0, 0, 0, 0)];
+    assert_eq!(index(&*p, &placement(100, cs)), 1);
+    // Decode load alone weighs little: 300 blocks decoding on the holder (30)
+    // do not outweigh a miss.
+    let cs = vec![loaded(1, 94, 3, 0, 300), loaded(2, 0, 0, 0, 0)];
+    assert_eq!(index(&*p, &placement(100, cs)), 0);
+}
+
+#[test]
+fn cache_aware_sends_a_miss_where_the_least_prefill_is_queued() {
+    let p = policy(CACHE_AWARE, json!({}));
+    let cs = vec![
+        loaded(1, 0, 1, 80, 80),
+        loaded(2, 0, 3, 10, 300),
+        loaded(3, 0, 1, 50, 50),
+    ];
+    assert_eq!(index(&*p, &placement(100, cs)), 1);
+}
+
+#[test]
+fn cache_aware_takes_tied_workers_in_turn_after_the_fewest_open_requests() {
+    let p = policy(CACHE_AWARE, json!({}));
+    // Idle and empty: prompts that share nothing alternate over them.
+    let idle = placement(50, vec![loaded(1, 0, 0, 0, 0), loaded(2, 0, 0, 0, 0)]);
+    let turns: Vec<usize> = (0..6).map(|_| index(&*p, &idle)).collect();
+    assert_eq!(turns, [0, 1, 0, 1, 0, 1]);
+    // Costs within `tie_blocks` (1) are ties; of those, the fewest open
+    // requests wins without a turn being taken.
+    let cs = vec![
+        loaded(1, 0, 2, 0, 5),
+        loaded(2, 0, 1, 0, 0),
+        loaded(3, 0, 1, 0, 14),
+    ];
+    let p = policy(CACHE_AWARE, json!({"tie_blocks": 2}));
+    // Worker 3's decode load (1.4) is within 2 of worker 2's 0: both tie with
+    // one open request each; worker 1 (0.5 away, but two open) does not win.
+    let picks: Vec<usize> = (0..4)
+        .map(|_| index(&*p, &placement(10, cs.clone())))
+        .collect();
+    assert_eq!(picks, [1, 2, 1, 2]);
+}
+
+#[test]
+fn cache_aware_weights_follow_its_parameters() {
+    // With the miss weighing as much as a queued block, the idle worker wins as
+    // soon as the holder's queue outweighs the blocks it saves.
+    let p = policy(CACHE_AWARE, json!({"miss_weight": 1.0}));
+    let cs = vec![loaded(1, 94, 1, 100, 100), loaded(2, 0, 0, 0, 0)];
+    assert_eq!(index(&*p, &placement(100, cs)), 1);
+    // Decode load weighing as much as prefill (Dynamo's default cost).
+    let p = policy(CACHE_AWARE, json!({"decode_weight": 1.0}));
+    let cs = vec![loaded(1, 94, 3, 0, 300), loaded(2, 0, 0, 0, 0)];
+    assert_eq!(index(&*p, &placement(100, cs)), 1);
+}
+
+#[test]
+fn cache_aware_parameters_are_validated() {
+    for key in ["miss_weight", "decode_weight", "tie_blocks"] {
+        let err = bad_parameters(CACHE_AWARE, json!({key: -1}));
+        assert_eq!(
+            err.message(),
+            format!("`{key}` must be a number ≥ 0, found -1")
+        );
+    }
+    let err = bad_parameters(CACHE_AWARE, json!({"overlap_score_weight": 1}));
+    assert!(
+        err.message()
+            .contains("unknown field `overlap_score_weight`"),
+        "{err}"
+    );
+    assert_eq!(
+        {
+            let p = policy(CACHE_AWARE, json!({}));
+            (p.kv_aware(), p.commits_kv_copies(), p.wants_peer_copies())
+        },
+        (true, false, false)
+    );
 }

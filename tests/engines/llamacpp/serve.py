@@ -2,6 +2,7 @@
 """Serve a GGUF with llama.cpp's own HTTP server, for tests.
 
     python3 tests/engines/llamacpp/serve.py --model FILE [--port P] [--parallel N] [--ctx N]
+        [--threads N] [--cache-ram MIB] [--kv-unified]
 
 Runs llama.cpp's C++ server (``llama-server``'s code: ``/health``,
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
@@ -12,7 +13,15 @@ server on its own threads and returns once the model is loaded), on
 
 Prints one line on stdout once ``GET /health`` answers 200:
 ``{"ready": true, "port": P}``, or ``{"ready": false, "error": "..."}`` and
-exits 1 if the server cannot start. Exits when stdin closes (the test that
+exits 1 if the server cannot start.
+
+``--cache-ram`` bounds llama.cpp's host-memory prompt cache (``--cache-ram``,
+MiB; llama-server's default is 8192, -1 unlimited, 0 off) and ``--kv-unified``
+gives the slots one shared KV buffer, as ``llama-server``'s automatic slot count
+does: with both, an idle slot's prompt is saved to the cache and cleared when
+a new task starts, so what a worker can reuse is what its cache holds. The
+routing-quality bench (``tests/benches/quality.rs``) sizes it so that a worker
+holds a few prompts, as a real worker holds a bounded number. Exits when stdin closes (the test that
 started it is gone) or on SIGTERM/SIGINT. llama.cpp's own logs go to stderr.
 """
 
@@ -58,6 +67,11 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4, help="slots (n_parallel)")
     ap.add_argument("--ctx", type=int, default=4096, help="context size shared by the slots")
     ap.add_argument("--alias", default="tiny-qwen3", help="the model's name in /v1/models")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads")
+    ap.add_argument(
+        "--cache-ram", type=int, default=None, help="prompt cache in MiB (default: llama.cpp's)"
+    )
+    ap.add_argument("--kv-unified", action="store_true", help="one KV buffer for all slots")
     args = ap.parse_args()
 
     try:
@@ -75,8 +89,11 @@ def main() -> int:
     params.n_ctx = args.ctx
     params.n_batch = 512
     params.n_ubatch = 512
-    params.cpuparams.n_threads = 1
-    params.cpuparams_batch.n_threads = 1
+    params.cpuparams.n_threads = args.threads
+    params.cpuparams_batch.n_threads = args.threads
+    if args.cache_ram is not None:
+        params.cache_ram_mib = args.cache_ram
+    params.kv_unified = args.kv_unified
     params.n_threads_http = max(4, args.parallel + 2)
     params.endpoint_slots = True
     params.endpoint_metrics = True

@@ -64,6 +64,19 @@ impl Collector for GatewayCollector {
             "Requests booked again on another worker before any byte reached the client.",
             stats.retries.load(Ordering::Relaxed),
         )?;
+        let (settled, timed_out, waited) = stats.prefix_waits();
+        counters(
+            e,
+            "kvhint_gateway_prefix_waits",
+            "Requests to an approximate worker that waited for the in-flight request holding their prefix, by whether it became reusable within gateway.prefix_wait_ms.",
+            [([("outcome", "settled")], settled), ([("outcome", "timed_out")], timed_out)],
+        )?;
+        super::float_counter(
+            e,
+            "kvhint_gateway_prefix_wait_seconds",
+            "Time requests spent waiting for the in-flight request holding their prefix.",
+            waited,
+        )?;
         counter(
             e,
             "kvhint_hints_delivered",

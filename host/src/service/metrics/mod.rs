@@ -126,6 +126,17 @@ fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) 
     ConstCounter::new(value).encode(family)
 }
 
+/// One counter of seconds (a fraction) without labels; `name` without `_total`.
+fn float_counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: f64,
+) -> fmt::Result {
+    let family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    ConstCounter::new(value).encode(family)
+}
+
 /// A gauge's value: whole numbers as integers (`1`, not `1.0`), as the text had them
 /// before it went through the crate.
 fn gauge_value(encoder: prometheus_client::encoding::MetricEncoder, value: f64) -> fmt::Result {

@@ -1,0 +1,1002 @@
+//! Routing quality side by side: what a client gets from each router in front of
+//! the same real llama.cpp workers, whose prompt caches are bounded as a real
+//! worker's are.
+//!
+//! Two llama.cpp servers (llama.cpp's own server through PyPI `xllamacpp`), one
+//! compute thread each, serve a random-weight model big enough that prefill
+//! dominates (`llamacpp::quality_model`: a 1,600-token prompt takes a few hundred
+//! milliseconds to prefill, the same prompt from the cache a few tens), with four
+//! slots sharing one KV buffer and a host-memory prompt cache of
+//! `QUALITY_CACHE_MIB` (16 MiB: about five prompts of 1,600 tokens), so a worker
+//! can reuse only what it recently served, as a worker with a full GPU cache.
+//!
+//! Workloads (seeded, the same requests for every system), sent as streaming chats
+//! on an open-loop Poisson schedule:
+//! - `shared`: 8 groups × 10 requests sharing a ~1,500-token system prompt, each
+//!   with its own ~100-token question;
+//! - `multiturn`: 8 chats × 8 turns, 1,200 → 1,900 tokens, each turn sent after
+//!   the chat's previous one has ended;
+//! - `unique`: 40 prompts of ~1,600 tokens that share nothing (they must still
+//!   spread evenly);
+//! - `mix`: shared groups, chats and unique prompts interleaved.
+//!
+//! Loads: the arrival rate is set from the workers' measured prefill and
+//! cache-hit costs so that a router that found every reusable prefix would keep
+//! the fleet `light` (35 % busy), at `medium` (70 %) or `saturated` (120 %: the
+//! queue grows whatever the router does).
+//!
+//! Systems, interleaved (their order rotates from block to block) with fresh
+//! workers (empty caches) for every block: `straight` (the client alternates
+//! between the workers: round robin), `smg` 1.13 and `vllm-router` 0.1.17 with
+//! `--policy cache_aware` at their launchers' defaults, and `kvhint` with the
+//! config `docs/gateway.md` gives for a llama.cpp fleet and nothing tuned.
+//! Per system: time to first token (the first SSE event) p50/p90/p99, end-to-end
+//! p50/p90, throughput, the share of prompt tokens the engines served from their
+//! caches (llama.cpp's `usage.prompt_tokens_details.cached_tokens`), how the
+//! prompt tokens spread over the two workers (their `/metrics`), and errors.
+//!
+//! `cargo bench -p kvhint-e2e --bench quality` measures (release kvhint; about an
+//! hour for two repetitions of every block). `cargo test -p kvhint-e2e --bench
+//! quality` (CI's quick mode) runs one small mixed workload once per system on
+//! the tiny model, to keep it working. Environment:
+//! - `QUALITY_WORKLOADS` (`shared,multiturn,unique,mix`), `QUALITY_LOADS`
+//!   (`light,medium,saturated`), `QUALITY_SYSTEMS` (`straight,smg,vllm-router,kvhint`),
+//!   `QUALITY_REPS` (2), `QUALITY_SEED`, `QUALITY_CACHE_MIB`;
+//! - `QUALITY_VARIANTS`: more kvhint systems, `name=SECTIONS;…`, each config's
+//!   top-level sections replaced by these (YAML lines, `|` between lines:
+//!   `dyn4=worker_selection: {aggregated: {type: dynamo-default-cost-fn,
+//!   parameters: {overlap_score_weight: 4}}}|gateway: {prefix_wait_ms: 0}`);
+//! - `QUALITY_KVHINT_BIN`: a `kvhint` binary to run as `kvhint-bin` beside this
+//!   build's (an earlier build, for before/after);
+//! - `QUALITY_OUT`: a file to append every request's outcome to, as JSON lines.
+
+use kvhint_e2e::bench::{self, quantile};
+use kvhint_e2e::http::get;
+use kvhint_e2e::llamacpp::{
+    quality_model, qwen3_tokenizer_dir, LlamaWorker, WorkerOptions, MODEL_NAME,
+};
+use kvhint_e2e::peers::Peer;
+use kvhint_e2e::{private_dir, Server};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Tokens a request generates.
+const OUTPUT_TOKENS: u64 = 12;
+
+/// A small deterministic generator (splitmix64), so every system gets the same
+/// requests at the same times.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Common English words, each one token with its leading space in Qwen3's
+/// vocabulary (so a text's word count is about its token count).
+const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "she", "other", "its", "may",
+    "these", "what", "them", "than", "some", "him", "time", "into", "only", "do", "out", "first",
+    "any", "my", "new", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made",
+    "after", "also", "did", "many", "before", "must", "through", "years", "where", "much", "your",
+    "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too",
+    "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work",
+    "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same",
+    "another", "know", "while", "last", "might", "great", "old", "year", "off", "come", "since",
+    "against", "go", "came", "right", "used", "take", "three", "place", "small", "found", "part",
+    "house", "water", "light", "number", "point", "hand", "high", "large", "name", "home", "order",
+    "city", "power", "line", "country", "school", "market", "table", "river", "music", "paper",
+    "money", "story", "road", "field", "heart", "voice", "island", "engine", "garden", "window",
+    "letter", "winter", "summer", "morning", "evening", "friend", "family", "question", "answer",
+];
+
+/// `words` words drawn from [`WORDS`] by `seed`, in sentences.
+fn text(seed: u64, words: usize) -> String {
+    let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5851_F42D_4C95_7F2D);
+    let mut out = String::with_capacity(words * 7);
+    for i in 0..words {
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(WORDS[rng.below(WORDS.len())]);
+        if i % 12 == 11 {
+            out.push('.');
+        }
+    }
+    out
+}
+
+/// One request of a workload.
+#[derive(Clone)]
+struct Item {
+    /// What its prefix is shared with: `g3` (a group's system prompt), `c2` (a
+    /// chat), `u17` (nothing).
+    key: String,
+    /// The item it waits for: the chat's previous turn.
+    after: Option<usize>,
+    messages: Value,
+    /// Words in its prompt, and how many of them a cache that kept everything
+    /// earlier requests brought would hold.
+    words: usize,
+    reusable_words: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Shared,
+    MultiTurn,
+    Unique,
+    Mix,
+}
+
+impl Kind {
+    fn parse(name: &str) -> Kind {
+        match name {
+            "shared" => Kind::Shared,
+            "multiturn" => Kind::MultiTurn,
+            "unique" => Kind::Unique,
+            "mix" => Kind::Mix,
+            other => panic!("unknown workload {other:?}: shared, multiturn, unique or mix"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Shared => "shared",
+            Kind::MultiTurn => "multiturn",
+            Kind::Unique => "unique",
+            Kind::Mix => "mix",
+        }
+    }
+}
+
+/// The sizes of a workload's parts (smaller in quick mode).
+struct Sizes {
+    groups: usize,
+    per_group: usize,
+    system_words: usize,
+    question_words: usize,
+    chats: usize,
+    turns: usize,
+    chat_system_words: usize,
+    turn_words: usize,
+    unique: usize,
+    unique_words: usize,
+}
+
+fn shared(sizes: &Sizes, seed: u64, groups: usize, per_group: usize) -> Vec<Vec<Item>> {
+    (0..groups)
+        .map(|g| {
+            let system = format!(
+                "Reference {g}. {}",
+                text(seed ^ (1000 + g as u64), sizes.system_words)
+            );
+            (0..per_group)
+                .map(|i| {
+                    let question = text(
+                        seed ^ (100_000 + (g * 1000 + i) as u64),
+                        sizes.question_words,
+                    );
+                    Item {
+                        key: format!("g{g}"),
+                        after: None,
+                        messages: json!([
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": question}
+                        ]),
+                        words: sizes.system_words + sizes.question_words,
+                        reusable_words: if i == 0 { 0 } else { sizes.system_words },
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn chats(sizes: &Sizes, seed: u64, chats: usize, turns: usize) -> Vec<Vec<Item>> {
+    (0..chats)
+        .map(|c| {
+            let mut messages = vec![json!({"role": "system", "content": format!(
+                "Conversation {c}. {}",
+                text(seed ^ (2000 + c as u64), sizes.chat_system_words)
+            )})];
+            let mut words = sizes.chat_system_words;
+            let mut previous = 0;
+            (0..turns)
+                .map(|t| {
+                    let half = sizes.turn_words / 2;
+                    if t > 0 {
+                        messages.push(json!({"role": "assistant", "content":
+                            text(seed ^ (300_000 + (c * 100 + t) as u64), half)}));
+                        words += half;
+                    }
+                    let asked = if t == 0 { sizes.turn_words } else { half };
+                    messages.push(json!({"role": "user", "content":
+                        text(seed ^ (400_000 + (c * 100 + t) as u64), asked)}));
+                    words += asked;
+                    let item = Item {
+                        key: format!("c{c}"),
+                        after: None,
+                        messages: Value::Array(messages.clone()),
+                        words,
+                        reusable_words: previous,
+                    };
+                    previous = words;
+                    item
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn uniques(sizes: &Sizes, seed: u64, n: usize) -> Vec<Vec<Item>> {
+    (0..n)
+        .map(|u| {
+            vec![Item {
+                key: format!("u{u}"),
+                after: None,
+                messages: json!([{"role": "user", "content": format!(
+                    "Document {u}. {}",
+                    text(seed ^ (500_000 + u as u64), sizes.unique_words)
+                )}]),
+                words: sizes.unique_words,
+                reusable_words: 0,
+            }]
+        })
+        .collect()
+}
+
+/// A workload's requests in sending order: its sequences (a group's requests, a
+/// chat's turns) interleaved at random, each kept in its own order; a chat's turn
+/// waits for the one before it.
+fn workload(kind: Kind, sizes: &Sizes, seed: u64) -> Vec<Item> {
+    let mut sequences = match kind {
+        Kind::Shared => shared(sizes, seed, sizes.groups, sizes.per_group),
+        Kind::MultiTurn => chats(sizes, seed, sizes.chats, sizes.turns),
+        Kind::Unique => uniques(sizes, seed, sizes.unique),
+        Kind::Mix => {
+            let mut all = shared(sizes, seed, sizes.groups / 2, sizes.per_group * 4 / 5);
+            all.extend(chats(
+                sizes,
+                seed,
+                sizes.chats.div_ceil(3),
+                sizes.turns * 3 / 4,
+            ));
+            all.extend(uniques(sizes, seed, sizes.unique / 3));
+            all
+        }
+    };
+    for sequence in &mut sequences {
+        sequence.reverse();
+    }
+    let mut rng = Rng(seed ^ 0xA5A5);
+    let mut out: Vec<Item> = Vec::new();
+    let mut last_of: std::collections::HashMap<String, usize> = Default::default();
+    loop {
+        let open: Vec<usize> = (0..sequences.len())
+            .filter(|&i| !sequences[i].is_empty())
+            .collect();
+        if open.is_empty() {
+            break;
+        }
+        let pick = open[rng.below(open.len())];
+        let Some(mut item) = sequences[pick].pop() else {
+            break;
+        };
+        if item.key.starts_with('c') {
+            item.after = last_of.get(&item.key).copied();
+        }
+        last_of.insert(item.key.clone(), out.len());
+        out.push(item);
+    }
+    out
+}
+
+/// What the workers cost, measured on a fresh one: seconds per prompt token
+/// prefilled, and the fixed part of a request (a cache hit's restore, the
+/// generated tokens), from a cold and a warm request.
+#[derive(Clone, Copy, Debug)]
+struct Costs {
+    per_token: f64,
+    fixed: f64,
+    tokens_per_word: f64,
+}
+
+impl Costs {
+    /// Seconds a worker is busy with `item` if its reusable prefix is cached.
+    fn ideal_service(&self, item: &Item) -> f64 {
+        self.fixed
+            + (item.words - item.reusable_words) as f64 * self.tokens_per_word * self.per_token
+    }
+}
+
+/// One request's outcome.
+#[derive(Clone, Debug, Default)]
+struct Outcome {
+    key: String,
+    /// Seconds from the block's start.
+    sent: f64,
+    ended: f64,
+    ttft: f64,
+    e2e: f64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    error: Option<String>,
+}
+
+/// Sends `messages` as a streaming chat to `url` and reads the answer.
+fn chat(agent: &ureq::Agent, url: &str, messages: &Value) -> Outcome {
+    let body = json!({
+        "model": MODEL_NAME, "messages": messages, "stream": true,
+        "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+        "stream_options": {"include_usage": true},
+    });
+    let started = Instant::now();
+    let mut outcome = Outcome::default();
+    let response = agent
+        .post(&format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .send(body.to_string());
+    let mut response = match response {
+        Ok(r) => r,
+        Err(e) => {
+            outcome.error = Some(e.to_string());
+            return outcome;
+        }
+    };
+    let status = response.status().as_u16();
+    if status != 200 {
+        let text = response.body_mut().read_to_string().unwrap_or_default();
+        outcome.error = Some(format!("{status}: {text}"));
+        outcome.e2e = started.elapsed().as_secs_f64();
+        return outcome;
+    }
+    let reader = BufReader::new(response.body_mut().as_reader());
+    let mut first = None;
+    for line in reader.lines() {
+        let line = match line {
+            Ok(line) => line,
+            Err(e) => {
+                outcome.error = Some(format!("reading the stream: {e}"));
+                break;
+            }
+        };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        first.get_or_insert_with(|| started.elapsed().as_secs_f64());
+        if data.trim() == "[DONE]" {
+            continue;
+        }
+        let Ok(event) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
+            outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+            outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+        } else if let Some(timings) = event.get("timings") {
+            // llama.cpp's own figures, when no usage comes.
+            if outcome.prompt_tokens == 0 {
+                let cached = timings["cache_n"].as_u64().unwrap_or(0);
+                outcome.cached_tokens = cached;
+                outcome.prompt_tokens = cached + timings["prompt_n"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    outcome.e2e = started.elapsed().as_secs_f64();
+    outcome.ttft = first.unwrap_or(outcome.e2e);
+    if first.is_none() && outcome.error.is_none() {
+        outcome.error = Some("no SSE event".into());
+    }
+    outcome
+}
+
+/// A system under test in one block: where requests go.
+enum Front {
+    /// The client alternates between the workers.
+    Straight(Vec<String>),
+    Kvhint(Server),
+    Peer(Peer),
+}
+
+impl Front {
+    fn url(&self, n: usize) -> String {
+        match self {
+            Front::Straight(urls) => urls[n % urls.len()].clone(),
+            Front::Kvhint(server) => server.base.clone(),
+            Front::Peer(peer) => peer.url.clone(),
+        }
+    }
+}
+
+/// A system's name and how to put it in front of workers.
+#[derive(Clone)]
+struct System {
+    name: String,
+    how: How,
+}
+
+#[derive(Clone)]
+enum How {
+    Straight,
+    Smg,
+    VllmRouter,
+    /// kvhint with these config sections (None: the documented config as it
+    /// is), from this binary.
+    Kvhint {
+        selection: Option<String>,
+        binary: PathBuf,
+    },
+}
+
+/// The config `docs/gateway.md` gives for a llama.cpp fleet, for `workers`,
+/// with a variant's sections (YAML lines, `|` between them) in place of its own.
+fn kvhint_config(variant: Option<&str>, workers: &[String]) -> String {
+    let mut yaml = String::from("router:\n  block_size: 16\n  max_prompt_tokens: 65536\n");
+    let lines: Vec<&str> = variant.map_or_else(Vec::new, |v| v.split('|').collect());
+    if !lines.iter().any(|l| l.starts_with("worker_selection:")) {
+        yaml.push_str("worker_selection:\n  aggregated: dynamo-default-cost-fn\n");
+    }
+    for line in lines {
+        yaml.push_str(line);
+        yaml.push('\n');
+    }
+    yaml.push_str(&format!(
+        "models:\n  {MODEL_NAME}:\n    tokenizer: {}\nworkers:\n",
+        qwen3_tokenizer_dir().display()
+    ));
+    for (i, url) in workers.iter().enumerate() {
+        yaml.push_str(&format!(
+            "  - worker_id: {}\n    http_endpoint: {url}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
+            i + 1
+        ));
+    }
+    yaml
+}
+
+fn front(system: &System, workers: &[String], dir: &std::path::Path) -> Front {
+    match &system.how {
+        How::Straight => Front::Straight(workers.to_vec()),
+        How::Smg => Front::Peer(Peer::smg(workers)),
+        How::VllmRouter => Front::Peer(Peer::vllm_router(workers)),
+        How::Kvhint { selection, binary } => {
+            let config = dir.join(format!("{}.yaml", system.name));
+            std::fs::write(&config, kvhint_config(selection.as_deref(), workers))
+                .unwrap_or_else(|e| panic!("cannot write {}: {e}", config.display()));
+            Front::Kvhint(Server::start_command(
+                Command::new(binary),
+                &config,
+                &["--max-body-bytes", "8388608"],
+                dir,
+            ))
+        }
+    }
+}
+
+/// Prompt tokens each worker took (evaluated and from its cache), from its
+/// `/metrics`.
+fn prompt_tokens(worker: &LlamaWorker) -> f64 {
+    let (_, text) = get(
+        &kvhint_e2e::http::agent(),
+        &format!("{}/metrics", worker.url()),
+    );
+    text.lines()
+        .filter(|l| {
+            l.starts_with("llamacpp:prompt_tokens_total ")
+                || l.starts_with("llamacpp:prompt_tokens_cached_total ")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn worker_options(quick: bool, cache_mib: i64) -> WorkerOptions {
+    WorkerOptions {
+        model: (!quick).then(|| quality_model().to_path_buf()),
+        parallel: 4,
+        ctx: 8192,
+        threads: 1,
+        cache_ram_mib: Some(cache_mib),
+        kv_unified: true,
+    }
+}
+
+/// Two fresh workers, each warmed with one short request (a fresh llama.cpp
+/// server's first request pays for setting up its buffers).
+fn fresh_workers(options: &WorkerOptions) -> Vec<LlamaWorker> {
+    let workers: Vec<LlamaWorker> = (0..2)
+        .map(|_| LlamaWorker::start_with(options.clone()))
+        .collect();
+    let agent = client();
+    for worker in &workers {
+        let warm = chat(
+            &agent,
+            &worker.url(),
+            &json!([{"role": "user", "content": "Warm up."}]),
+        );
+        assert!(warm.error.is_none(), "warming a worker: {warm:?}");
+    }
+    workers
+}
+
+fn client() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(300)))
+        .build()
+        .new_agent()
+}
+
+/// Measures [`Costs`] on a fresh worker: cold and warm requests of a ~1,600-word
+/// prompt, three of each.
+fn calibrate(options: &WorkerOptions, quick: bool) -> Costs {
+    let workers = fresh_workers(options);
+    let agent = client();
+    let url = workers[0].url();
+    let (system_words, question_words) = if quick { (150, 20) } else { (1_500, 100) };
+    let mut cold = Vec::new();
+    let mut warm = Vec::new();
+    let mut per_word = Vec::new();
+    for round in 0..3u64 {
+        let system = text(90_000 + round, system_words);
+        let ask = |q: u64| {
+            json!([{"role": "system", "content": system},
+                   {"role": "user", "content": text(91_000 + round * 10 + q, question_words)}])
+        };
+        let first = chat(&agent, &url, &ask(0));
+        let second = chat(&agent, &url, &ask(1));
+        assert!(
+            first.error.is_none() && second.error.is_none(),
+            "calibrating: {first:?} {second:?}"
+        );
+        cold.push((first.e2e, first.prompt_tokens - first.cached_tokens));
+        warm.push((second.e2e, second.prompt_tokens - second.cached_tokens));
+        per_word.push(first.prompt_tokens as f64 / (system_words + question_words) as f64);
+    }
+    let median = |v: &mut Vec<f64>| bench::median(v);
+    let cold_s = median(&mut cold.iter().map(|c| c.0).collect());
+    let warm_s = median(&mut warm.iter().map(|c| c.0).collect());
+    let cold_n = median(&mut cold.iter().map(|c| c.1 as f64).collect());
+    let warm_n = median(&mut warm.iter().map(|c| c.1 as f64).collect());
+    let per_token = ((cold_s - warm_s) / (cold_n - warm_n).max(1.0)).max(1e-6);
+    Costs {
+        per_token,
+        fixed: (warm_s - warm_n * per_token).max(0.0),
+        tokens_per_word: median(&mut per_word),
+    }
+}
+
+/// Runs `items` against `system` on fresh workers, at `rate` requests/s.
+#[allow(clippy::too_many_arguments)]
+fn run_block(
+    system: &System,
+    items: &[Item],
+    rate: f64,
+    seed: u64,
+    options: &WorkerOptions,
+    dir: &std::path::Path,
+) -> (Vec<Outcome>, Vec<f64>) {
+    let workers = fresh_workers(options);
+    let urls: Vec<String> = workers.iter().map(LlamaWorker::url).collect();
+    let before: Vec<f64> = workers.iter().map(prompt_tokens).collect();
+    let front = Arc::new(front(system, &urls, dir));
+    // The same arrival times for every system: a Poisson process from `seed`.
+    let mut rng = Rng(seed ^ 0x00C0_FFEE);
+    let mut at = 0.0;
+    let times: Vec<f64> = items
+        .iter()
+        .map(|_| {
+            at += -rng.unit().ln() / rate;
+            at
+        })
+        .collect();
+    let done: Vec<Arc<(Mutex<bool>, Condvar)>> = items
+        .iter()
+        .map(|_| Arc::new((Mutex::new(false), Condvar::new())))
+        .collect();
+    let start = Instant::now();
+    let mut threads = Vec::new();
+    for (n, item) in items.iter().enumerate() {
+        let due = Duration::from_secs_f64(times[n]);
+        if let Some(wait) = due.checked_sub(start.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        let item = item.clone();
+        let front = Arc::clone(&front);
+        let mine = Arc::clone(&done[n]);
+        let after = item.after.map(|i| Arc::clone(&done[i]));
+        threads.push(std::thread::spawn(move || {
+            if let Some(after) = after {
+                let (lock, signal) = &*after;
+                let mut finished = lock.lock().unwrap();
+                while !*finished {
+                    finished = signal.wait(finished).unwrap();
+                }
+            }
+            let sent = start.elapsed().as_secs_f64();
+            let mut outcome = chat(&client(), &front.url(n), &item.messages);
+            outcome.key = item.key;
+            outcome.sent = sent;
+            outcome.ended = start.elapsed().as_secs_f64();
+            let (lock, signal) = &*mine;
+            *lock.lock().unwrap() = true;
+            signal.notify_all();
+            outcome
+        }));
+    }
+    let outcomes: Vec<Outcome> = threads
+        .into_iter()
+        .map(|t| t.join().expect("a request thread panicked"))
+        .collect();
+    let spread: Vec<f64> = workers
+        .iter()
+        .zip(&before)
+        .map(|(w, b)| prompt_tokens(w) - b)
+        .collect();
+    drop(front);
+    (outcomes, spread)
+}
+
+/// Every block's results for one system, pooled over repetitions.
+#[derive(Default, Clone)]
+struct Pooled {
+    outcomes: Vec<Outcome>,
+    /// Per repetition: TTFT p90, and the block's duration.
+    rep_p90: Vec<f64>,
+    seconds: f64,
+    spread: Vec<f64>,
+}
+
+fn list(var: &str, default: &str) -> Vec<String> {
+    std::env::var(var)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn systems(quick: bool) -> Vec<System> {
+    let kvhint = bench::artifacts().join("kvhint");
+    let mut out: Vec<System> = list("QUALITY_SYSTEMS", "straight,smg,vllm-router,kvhint")
+        .into_iter()
+        .map(|name| {
+            let how = match name.as_str() {
+                "straight" => How::Straight,
+                "smg" => How::Smg,
+                "vllm-router" => How::VllmRouter,
+                "kvhint" => How::Kvhint {
+                    selection: None,
+                    binary: kvhint.clone(),
+                },
+                other => panic!("unknown system {other:?}: straight, smg, vllm-router or kvhint"),
+            };
+            System { name, how }
+        })
+        .collect();
+    if let Ok(variants) = std::env::var("QUALITY_VARIANTS") {
+        for variant in variants.split(';').filter(|v| !v.trim().is_empty()) {
+            let Some((name, yaml)) = variant.split_once('=') else {
+                panic!("QUALITY_VARIANTS: {variant:?} is not name=YAML");
+            };
+            out.push(System {
+                name: name.trim().to_string(),
+                how: How::Kvhint {
+                    selection: Some(yaml.trim().to_string()),
+                    binary: kvhint.clone(),
+                },
+            });
+        }
+    }
+    if let Ok(binary) = std::env::var("QUALITY_KVHINT_BIN") {
+        out.push(System {
+            name: "kvhint-bin".into(),
+            how: How::Kvhint {
+                selection: None,
+                binary: PathBuf::from(binary),
+            },
+        });
+    }
+    if quick {
+        out.retain(|s| !matches!(s.how, How::Kvhint { .. }) || s.name == "kvhint");
+    }
+    out
+}
+
+fn main() {
+    let quick = !bench::is_bench();
+    let seed: u64 = std::env::var("QUALITY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7);
+    let reps: usize = if quick {
+        1
+    } else {
+        std::env::var("QUALITY_REPS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2)
+    };
+    let cache_mib: i64 = std::env::var("QUALITY_CACHE_MIB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    let sizes = if quick {
+        Sizes {
+            groups: 2,
+            per_group: 3,
+            system_words: 150,
+            question_words: 20,
+            chats: 2,
+            turns: 3,
+            chat_system_words: 120,
+            turn_words: 20,
+            unique: 3,
+            unique_words: 160,
+        }
+    } else {
+        Sizes {
+            groups: 8,
+            per_group: 10,
+            system_words: 1_500,
+            question_words: 100,
+            chats: 8,
+            turns: 8,
+            chat_system_words: 1_100,
+            turn_words: 100,
+            unique: 40,
+            unique_words: 1_600,
+        }
+    };
+    let workloads: Vec<Kind> = if quick {
+        vec![Kind::Mix]
+    } else {
+        list("QUALITY_WORKLOADS", "shared,multiturn,unique,mix")
+            .iter()
+            .map(|w| Kind::parse(w))
+            .collect()
+    };
+    let loads: Vec<(String, f64)> = if quick {
+        vec![("medium".into(), 0.7)]
+    } else {
+        list("QUALITY_LOADS", "light,medium,saturated")
+            .into_iter()
+            .map(|l| {
+                let rho = match l.as_str() {
+                    "light" => 0.35,
+                    "medium" => 0.7,
+                    "saturated" => 1.2,
+                    other => panic!("unknown load {other:?}: light, medium or saturated"),
+                };
+                (l, rho)
+            })
+            .collect()
+    };
+    let systems = systems(quick);
+    let options = worker_options(quick, cache_mib);
+    let out = std::env::var("QUALITY_OUT").ok().map(|path| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("QUALITY_OUT {path}: {e}"))
+    });
+    let out = Mutex::new(out);
+    let dir = private_dir();
+
+    let costs = calibrate(&options, quick);
+    println!(
+        "quality bench ({}): {reps} repetition(s); workers: llama.cpp, 1 thread, 4 slots, {cache_mib} MiB prompt cache; \
+         measured cost: {:.3} ms per prefilled token, {:.0} ms per request besides, {:.2} tokens per word",
+        if quick { "quick mode, debug build, tiny model: not measurements" } else { "release" },
+        costs.per_token * 1e3,
+        costs.fixed * 1e3,
+        costs.tokens_per_word,
+    );
+    let mut verdicts: Vec<String> = Vec::new();
+    for &kind in &workloads {
+        let items = workload(kind, &sizes, seed);
+        let ideal: f64 =
+            items.iter().map(|i| costs.ideal_service(i)).sum::<f64>() / items.len() as f64;
+        for (load, rho) in &loads {
+            let rate = rho * 2.0 / ideal;
+            let mut pooled = vec![Pooled::default(); systems.len()];
+            for rep in 0..reps {
+                for k in 0..systems.len() {
+                    let at = (k + rep) % systems.len();
+                    let system = &systems[at];
+                    eprintln!(
+                        "[quality] {} {load} rep {}: {} ({} requests at {rate:.2}/s)",
+                        kind.name(),
+                        rep + 1,
+                        system.name,
+                        items.len()
+                    );
+                    let block_seed = seed ^ ((rep as u64) << 32);
+                    let (outcomes, spread) =
+                        run_block(system, &items, rate, block_seed, &options, dir.path());
+                    if let Some(file) = out.lock().unwrap().as_mut() {
+                        for o in &outcomes {
+                            let line = json!({"workload": kind.name(), "load": load, "rep": rep,
+                                "system": system.name, "key": o.key, "sent": o.sent, "ended": o.ended,
+                                "ttft": o.ttft, "e2e": o.e2e, "prompt_tokens": o.prompt_tokens,
+                                "cached_tokens": o.cached_tokens, "error": o.error});
+                            let _ = writeln!(file, "{line}");
+                        }
+                    }
+                    let p = &mut pooled[at];
+                    let mut ttfts: Vec<f64> = outcomes.iter().map(|o| o.ttft).collect();
+                    p.rep_p90.push(quantile(&mut ttfts, 0.9));
+                    p.seconds += outcomes.iter().map(|o| o.ended).fold(0.0, f64::max);
+                    if p.spread.is_empty() {
+                        p.spread = spread;
+                    } else {
+                        for (a, b) in p.spread.iter_mut().zip(spread) {
+                            *a += b;
+                        }
+                    }
+                    p.outcomes.extend(outcomes);
+                }
+            }
+            report(
+                kind,
+                load,
+                *rho,
+                rate,
+                &systems,
+                &pooled,
+                quick,
+                &mut verdicts,
+            );
+        }
+    }
+    if !verdicts.is_empty() {
+        println!("\nverdicts (kvhint against the best peer, DESIGN §9):");
+        for v in verdicts {
+            println!("  {v}");
+        }
+    }
+}
+
+/// One table: every system on one workload at one load.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    kind: Kind,
+    load: &str,
+    rho: f64,
+    rate: f64,
+    systems: &[System],
+    pooled: &[Pooled],
+    quick: bool,
+    verdicts: &mut Vec<String>,
+) {
+    println!(
+        "\n{} at {load} load ({:.0} % of the fleet if every reusable prefix were found; {rate:.2} requests/s):",
+        kind.name(),
+        rho * 100.0
+    );
+    println!(
+        "  {:<14} {:>8} {:>8} {:>8} {:>14} {:>8} {:>8} {:>7} {:>8} {:>9} {:>6}",
+        "system",
+        "ttft p50",
+        "ttft p90",
+        "ttft p99",
+        "p90 by rep",
+        "e2e p50",
+        "e2e p90",
+        "req/s",
+        "cached",
+        "spread",
+        "errors"
+    );
+    struct Row {
+        p90: f64,
+        cached: f64,
+        spread: f64,
+    }
+    let mut rows: Vec<Row> = Vec::new();
+    for (system, p) in systems.iter().zip(pooled) {
+        let ok: Vec<&Outcome> = p.outcomes.iter().filter(|o| o.error.is_none()).collect();
+        let errors = p.outcomes.len() - ok.len();
+        if ok.is_empty() {
+            println!("  {:<14} every request failed", system.name);
+            rows.push(Row {
+                p90: f64::INFINITY,
+                cached: 0.0,
+                spread: 1.0,
+            });
+            continue;
+        }
+        let mut ttft: Vec<f64> = ok.iter().map(|o| o.ttft * 1e3).collect();
+        let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e * 1e3).collect();
+        let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+        let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+        let total: f64 = p.spread.iter().sum::<f64>().max(1.0);
+        let top = p.spread.iter().cloned().fold(0.0, f64::max) / total;
+        let by_rep = p
+            .rep_p90
+            .iter()
+            .map(|v| format!("{:.0}", v * 1e3))
+            .collect::<Vec<_>>()
+            .join("/");
+        let row = Row {
+            p90: quantile(&mut ttft, 0.9),
+            cached: cached as f64 / prompt.max(1) as f64,
+            spread: top,
+        };
+        println!(
+            "  {:<14} {:>8.0} {:>8.0} {:>8.0} {:>14} {:>8.0} {:>8.0} {:>7.2} {:>7.1}% {:>5.0}/{:<3.0} {:>6}",
+            system.name,
+            quantile(&mut ttft, 0.5),
+            row.p90,
+            quantile(&mut ttft, 0.99),
+            by_rep,
+            quantile(&mut e2e, 0.5),
+            quantile(&mut e2e, 0.9),
+            p.outcomes.len() as f64 / p.seconds.max(1e-9),
+            row.cached * 100.0,
+            top * 100.0,
+            (1.0 - top) * 100.0,
+            errors,
+        );
+        rows.push(row);
+    }
+    let find = |name: &str| systems.iter().position(|s| s.name == name);
+    let peers: Vec<usize> = ["smg", "vllm-router"]
+        .iter()
+        .filter_map(|n| find(n))
+        .collect();
+    let (Some(kvhint), false) = (find("kvhint"), peers.is_empty()) else {
+        return;
+    };
+    let best_p90 = peers
+        .iter()
+        .map(|&i| rows[i].p90)
+        .fold(f64::INFINITY, f64::min);
+    let best_cached = peers.iter().map(|&i| rows[i].cached).fold(0.0, f64::max);
+    let k = &rows[kvhint];
+    let mut verdict = format!(
+        "{} {load}: TTFT p90 {:.2}× the best peer's (target ≤ 0.8: {}); cached {:.1} % against {:.1} % (target ≥: {})",
+        kind.name(),
+        k.p90 / best_p90,
+        bench::verdict(quick, k.p90 <= 0.8 * best_p90),
+        k.cached * 100.0,
+        best_cached * 100.0,
+        bench::verdict(quick, k.cached >= best_cached),
+    );
+    if kind == Kind::Unique {
+        let straight = find("straight").map_or(f64::INFINITY, |i| rows[i].p90);
+        verdict.push_str(&format!(
+            "; spread {:.0}/{:.0} (target within 55/45: {}); p90 against round robin's {:.2}× (target ≤ 1: {})",
+            k.spread * 100.0,
+            (1.0 - k.spread) * 100.0,
+            bench::verdict(quick, k.spread <= 0.55),
+            k.p90 / straight,
+            bench::verdict(quick, k.p90 <= straight),
+        ));
+    }
+    verdicts.push(verdict);
+}
