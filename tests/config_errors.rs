@@ -38,7 +38,6 @@ fn unknown_keys_anywhere_with_a_suggestion() {
         "worker_selction: {}\n",
         &[
             "kvhint.yaml:1:1: worker_selction: unknown key `worker_selction` (did you mean `worker_selection`?); expected one of: plugins, router, kv_events, auth, worker_selection, models, workers, gateway, replication, endpoint_picker",
-            "kvhint.yaml:1:1: worker_selection: `worker_selection` is missing: configure at least one role (aggregated, prefill or decode)",
         ],
     );
     assert_one(
@@ -64,11 +63,7 @@ fn unknown_role() {
 }
 
 #[test]
-fn missing_worker_selection_and_missing_type() {
-    assert_one(
-        "router: {block_size: 16}\n",
-        "kvhint.yaml:1:1: worker_selection: `worker_selection` is missing: configure at least one role (aggregated, prefill or decode)",
-    );
+fn missing_type() {
     assert_one(
         "worker_selection:\n  decode:\n    hints: []\n",
         "kvhint.yaml:3:5: worker_selection.decode: a role needs `type`: the selection policy (e.g. `dynamo-default-cost-fn` or `kvcr`)",
@@ -103,7 +98,7 @@ fn wrong_shapes() {
 fn unknown_selection_policy_and_bad_selection_parameters() {
     assert_one(
         "worker_selection:\n  decode:\n    type: kv-cr\n",
-        "kvhint.yaml:3:11: worker_selection.decode.type: unknown selection policy type \"kv-cr\"; known types: dynamo-default-cost-fn, kvcr, random, round-robin; put the plugin that provides it in the plugins directory, or fix the spelling",
+        "kvhint.yaml:3:11: worker_selection.decode.type: unknown selection policy type \"kv-cr\"; known types: cache-aware, dynamo-default-cost-fn, kvcr, random, round-robin; put the plugin that provides it in the plugins directory, or fix the spelling",
     );
     // Pointed at the offending key, not just the mapping.
     assert_one(
@@ -113,7 +108,7 @@ fn unknown_selection_policy_and_bad_selection_parameters() {
     // A hint type where a selection policy belongs says what it is.
     assert_one(
         "worker_selection:\n  decode: kv_fetch\n",
-        "kvhint.yaml:2:11: worker_selection.decode: \"kv_fetch\" (built-in kv-fetch) is a hint policy, not a selection policy; known selection policy types: dynamo-default-cost-fn, kvcr, random, round-robin",
+        "kvhint.yaml:2:11: worker_selection.decode: \"kv_fetch\" (built-in kv-fetch) is a hint policy, not a selection policy; known selection policy types: cache-aware, dynamo-default-cost-fn, kvcr, random, round-robin",
     );
 }
 
@@ -214,6 +209,35 @@ fn check_prints_every_error_and_exits_1() {
     );
     assert!(stderr.contains(":7:9: worker_selection.decode.hints[1].parameters: bad parameters for hint policy \"kv_fetch\" (built-in kv-fetch): min_additional_blocks must be at least 1"), "{stderr}");
     assert!(stderr.contains("2 errors found"), "{stderr}");
+}
+
+#[test]
+fn a_config_without_worker_selection_books_every_role_by_cache_aware() {
+    let fixture = config_file("router: {block_size: 16}\n");
+    let output = Command::new(kvhint_bin())
+        .args(["check", "--config"])
+        .arg(&fixture.path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains(
+            "worker_selection: not in the config; every role is booked by `cache-aware` with its defaults"
+        ),
+        "{stdout}"
+    );
+    for role in ["aggregated", "prefill", "decode"] {
+        assert!(
+            stdout.contains(&format!("role {role}: selection cache-aware {{}}")),
+            "{stdout}"
+        );
+    }
+    // Written out, it is the same config; an empty section is still a mistake.
+    assert_one(
+        "worker_selection: {}\n",
+        "kvhint.yaml:1:19: worker_selection: `worker_selection` is empty: configure at least one role (aggregated, prefill or decode)",
+    );
 }
 
 #[test]

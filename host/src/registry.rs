@@ -518,7 +518,13 @@ mod tests {
         selection.sort_unstable();
         assert_eq!(
             selection,
-            ["dynamo-default-cost-fn", "kvcr", "random", "round-robin"]
+            [
+                "cache-aware",
+                "dynamo-default-cost-fn",
+                "kvcr",
+                "random",
+                "round-robin"
+            ]
         );
         assert!(registry.defaults_for("dynamo-default-cost-fn").is_empty());
     }

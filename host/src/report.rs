@@ -51,6 +51,13 @@ pub fn check(
             types.join("; ")
         )?;
     }
+    if config.default_selection {
+        writeln!(
+            out,
+            "worker_selection: not in the config; every role is booked by `{}` with its defaults",
+            crate::config::DEFAULT_SELECTION
+        )?;
+    }
     for role in &snapshot.roles {
         let commits = if role.commits_kv_copies {
             ", commits KV copies"

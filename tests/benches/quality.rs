@@ -20,10 +20,12 @@
 //!   spread evenly);
 //! - `mix`: shared groups, chats and unique prompts interleaved.
 //!
-//! Loads: the arrival rate is set from the workers' measured prefill and
-//! cache-hit costs so that a router that found every reusable prefix would keep
-//! the fleet `light` (35 % busy), at `medium` (70 %) or `saturated` (120 %: the
-//! queue grows whatever the router does).
+//! Loads: the arrival rate is set from the workers' measured costs (per prefilled
+//! token, and per request besides) so that a fleet that computed every prompt in
+//! full would be `light` (35 % busy), at `medium` (70 %) or `saturated` (130 %:
+//! its queue grows without end). A router that finds the reusable prefixes
+//! lightens each load as much as it finds; the same arrival times go to every
+//! system.
 //!
 //! Systems, interleaved (their order rotates from block to block) with fresh
 //! workers (empty caches) for every block: `straight` (the client alternates
@@ -315,19 +317,23 @@ fn workload(kind: Kind, sizes: &Sizes, seed: u64) -> Vec<Item> {
 
 /// What the workers cost, measured on a fresh one: seconds per prompt token
 /// prefilled, and the fixed part of a request (a cache hit's restore, the
-/// generated tokens), from a cold and a warm request.
+/// generated tokens), from a cold and a warm request; and how much longer each
+/// takes when several run at once (a worker's slots share one compute thread,
+/// and the machine's two cores are shared with the router and the client).
 #[derive(Clone, Copy, Debug)]
 struct Costs {
     per_token: f64,
     fixed: f64,
     tokens_per_word: f64,
+    /// A request's share of a batch of cold ones sent together, against one
+    /// cold request alone.
+    contention: f64,
 }
 
 impl Costs {
-    /// Seconds a worker is busy with `item` if its reusable prefix is cached.
-    fn ideal_service(&self, item: &Item) -> f64 {
-        self.fixed
-            + (item.words - item.reusable_words) as f64 * self.tokens_per_word * self.per_token
+    /// Seconds a worker is busy with `item` if it computes the whole prompt.
+    fn full_service(&self, item: &Item) -> f64 {
+        self.contention * (self.fixed + item.words as f64 * self.tokens_per_word * self.per_token)
     }
 }
 
@@ -549,8 +555,9 @@ fn client() -> ureq::Agent {
         .new_agent()
 }
 
-/// Measures [`Costs`] on a fresh worker: cold and warm requests of a ~1,600-word
-/// prompt, three of each.
+/// Measures [`Costs`] on fresh workers: cold and warm requests of a ~1,600-word
+/// prompt, three of each, on one; then a batch of cold ones sent to both at
+/// once, as the workloads send them.
 fn calibrate(options: &WorkerOptions, quick: bool) -> Costs {
     let workers = fresh_workers(options);
     let agent = client();
@@ -581,10 +588,25 @@ fn calibrate(options: &WorkerOptions, quick: bool) -> Costs {
     let cold_n = median(&mut cold.iter().map(|c| c.1 as f64).collect());
     let warm_n = median(&mut warm.iter().map(|c| c.1 as f64).collect());
     let per_token = ((cold_s - warm_s) / (cold_n - warm_n).max(1.0)).max(1e-6);
+    // Four new prompts on each worker at once.
+    let started = Instant::now();
+    let batch: Vec<_> = (0..8u64)
+        .map(|i| {
+            let url = workers[i as usize % 2].url();
+            let messages = json!([{"role": "user", "content": text(92_000 + i, system_words + question_words)}]);
+            std::thread::spawn(move || chat(&client(), &url, &messages))
+        })
+        .collect();
+    for request in batch {
+        let outcome = request.join().expect("a calibration request panicked");
+        assert!(outcome.error.is_none(), "calibrating: {outcome:?}");
+    }
+    let share = started.elapsed().as_secs_f64() / 4.0;
     Costs {
         per_token,
         fixed: (warm_s - warm_n * per_token).max(0.0),
         tokens_per_word: median(&mut per_word),
+        contention: (share / cold_s).max(1.0),
     }
 }
 
@@ -746,15 +768,15 @@ fn main() {
         .unwrap_or(16);
     let sizes = if quick {
         Sizes {
-            groups: 2,
+            groups: 4,
             per_group: 3,
             system_words: 150,
             question_words: 20,
-            chats: 2,
+            chats: 3,
             turns: 3,
             chat_system_words: 120,
             turn_words: 20,
-            unique: 3,
+            unique: 6,
             unique_words: 160,
         }
     } else {
@@ -788,7 +810,7 @@ fn main() {
                 let rho = match l.as_str() {
                     "light" => 0.35,
                     "medium" => 0.7,
-                    "saturated" => 1.2,
+                    "saturated" => 1.3,
                     other => panic!("unknown load {other:?}: light, medium or saturated"),
                 };
                 (l, rho)
@@ -810,19 +832,24 @@ fn main() {
     let costs = calibrate(&options, quick);
     println!(
         "quality bench ({}): {reps} repetition(s); workers: llama.cpp, 1 thread, 4 slots, {cache_mib} MiB prompt cache; \
-         measured cost: {:.3} ms per prefilled token, {:.0} ms per request besides, {:.2} tokens per word",
+         measured cost: {:.3} ms per prefilled token, {:.0} ms per request besides, {:.2}× that when four run at once, \
+         {:.2} tokens per word",
         if quick { "quick mode, debug build, tiny model: not measurements" } else { "release" },
         costs.per_token * 1e3,
         costs.fixed * 1e3,
+        costs.contention,
         costs.tokens_per_word,
     );
     let mut verdicts: Vec<String> = Vec::new();
     for &kind in &workloads {
         let items = workload(kind, &sizes, seed);
-        let ideal: f64 =
-            items.iter().map(|i| costs.ideal_service(i)).sum::<f64>() / items.len() as f64;
+        let full: f64 =
+            items.iter().map(|i| costs.full_service(i)).sum::<f64>() / items.len() as f64;
+        // The most a cache could serve: every prefix an earlier request brought.
+        let reusable = items.iter().map(|i| i.reusable_words).sum::<usize>() as f64
+            / items.iter().map(|i| i.words).sum::<usize>().max(1) as f64;
         for (load, rho) in &loads {
-            let rate = rho * 2.0 / ideal;
+            let rate = rho * 2.0 / full;
             let mut pooled = vec![Pooled::default(); systems.len()];
             for rep in 0..reps {
                 for k in 0..systems.len() {
@@ -861,16 +888,14 @@ fn main() {
                     p.outcomes.extend(outcomes);
                 }
             }
-            report(
+            let table = Table {
                 kind,
                 load,
-                *rho,
+                rho: *rho,
                 rate,
-                &systems,
-                &pooled,
-                quick,
-                &mut verdicts,
-            );
+                reusable,
+            };
+            report(&table, &systems, &pooled, quick, &mut verdicts);
         }
     }
     if !verdicts.is_empty() {
@@ -881,22 +906,38 @@ fn main() {
     }
 }
 
-/// One table: every system on one workload at one load.
-#[allow(clippy::too_many_arguments)]
-fn report(
+/// What one table is of: a workload at a load.
+struct Table<'a> {
     kind: Kind,
-    load: &str,
+    load: &'a str,
     rho: f64,
     rate: f64,
+    /// The share of prompt words earlier requests brought: the most a cache
+    /// could serve.
+    reusable: f64,
+}
+
+/// One table: every system on one workload at one load.
+fn report(
+    table: &Table<'_>,
     systems: &[System],
     pooled: &[Pooled],
     quick: bool,
     verdicts: &mut Vec<String>,
 ) {
+    let Table {
+        kind,
+        load,
+        rho,
+        rate,
+        reusable,
+    } = *table;
     println!(
-        "\n{} at {load} load ({:.0} % of the fleet if every reusable prefix were found; {rate:.2} requests/s):",
+        "\n{} at {load} load ({:.0} % busy if every prompt were computed in full; {rate:.2} requests/s; \
+         at most {:.0} % of prompt tokens reusable):",
         kind.name(),
-        rho * 100.0
+        rho * 100.0,
+        reusable * 100.0,
     );
     println!(
         "  {:<14} {:>8} {:>8} {:>8} {:>14} {:>8} {:>8} {:>7} {:>8} {:>9} {:>6}",

@@ -163,6 +163,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         kv_events: KvEventsConfig::default(),
         auth: None,
         worker_selection: Vec::new(),
+        default_selection: false,
         models: Vec::new(),
         workers: Vec::new(),
         gateway: GatewayConfig::default(),
@@ -213,13 +214,13 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         if let Some(node) = map.get_node("auth") {
             config.auth = auth::auth(&mut walker, node, base);
         }
-        match map.get_node("worker_selection") {
-            Some(node) => config.worker_selection = worker_selection(&mut walker, node),
-            None => walker.error(
-                node_location("worker_selection", &root),
-                "`worker_selection` is missing: configure at least one role (aggregated, prefill or decode)",
-            ),
-        }
+        config.worker_selection = match map.get_node("worker_selection") {
+            Some(node) => worker_selection(&mut walker, node),
+            None => {
+                config.default_selection = true;
+                default_roles(node_location("worker_selection", &root))
+            }
+        };
     }
     let mut errors = ConfigErrors(walker.errors);
     for at in errors.0.iter_mut().filter_map(|e| e.at.as_mut()) {
@@ -624,6 +625,34 @@ fn parameters(
         at,
         keys,
     }
+}
+
+/// The selection policy every role gets when the config has no
+/// `worker_selection`: the one the routing-quality bench measured best on every
+/// workload (`BENCHMARKS.md`), with its default parameters and hints.
+pub const DEFAULT_SELECTION: &str = "cache-aware";
+
+/// Every role, booked by [`DEFAULT_SELECTION`] (a config without
+/// `worker_selection`); `at`: where the section would be.
+fn default_roles(at: Location) -> Vec<RoleConfig> {
+    Role::ALL
+        .iter()
+        .map(|&role| RoleConfig {
+            role,
+            at: at.clone(),
+            selection: SelectionConfig {
+                type_name: DEFAULT_SELECTION.to_string(),
+                type_at: at.clone(),
+                parameters: Parameters {
+                    value: serde_json::Value::Object(Default::default()),
+                    at: at.clone(),
+                    keys: Vec::new(),
+                },
+            },
+            hints: None,
+            hints_at: None,
+        })
+        .collect()
 }
 
 fn worker_selection(walker: &mut Walker, node: &Node) -> Vec<RoleConfig> {

@@ -255,6 +255,9 @@ pub struct Config {
     /// `auth:`, if the API asks callers for tokens.
     pub auth: Option<AuthConfig>,
     pub worker_selection: Vec<RoleConfig>,
+    /// The config has no `worker_selection`: every role is booked by the
+    /// default selection policy.
+    pub default_selection: bool,
     /// `models:`: what the gateway serves, with each model's tokenizer.
     pub models: Vec<ModelConfig>,
     /// `workers:`: engines the router registers itself and forwards to.

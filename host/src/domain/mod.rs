@@ -108,6 +108,7 @@ pub enum Role {
 
 impl Role {
     pub const NAMES: &'static [&'static str] = &["aggregated", "prefill", "decode"];
+    pub const ALL: [Role; 3] = [Self::Aggregated, Self::Prefill, Self::Decode];
 
     pub fn parse(text: &str) -> Option<Self> {
         match text {
