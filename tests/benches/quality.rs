@@ -459,13 +459,11 @@ enum How {
 }
 
 /// The config `docs/gateway.md` gives for a llama.cpp fleet, for `workers`,
-/// with a variant's sections (YAML lines, `|` between them) in place of its own.
+/// with a variant's sections (YAML lines, `|` between them) added.
 fn kvhint_config(variant: Option<&str>, workers: &[String]) -> String {
     let mut yaml = String::from("router:\n  block_size: 16\n  max_prompt_tokens: 65536\n");
+    // No `worker_selection`: the documented config leaves it to the default.
     let lines: Vec<&str> = variant.map_or_else(Vec::new, |v| v.split('|').collect());
-    if !lines.iter().any(|l| l.starts_with("worker_selection:")) {
-        yaml.push_str("worker_selection:\n  aggregated: dynamo-default-cost-fn\n");
-    }
     for line in lines {
         yaml.push_str(line);
         yaml.push('\n');
@@ -533,7 +531,7 @@ fn worker_options(quick: bool, cache_mib: i64) -> WorkerOptions {
 /// server's first request pays for setting up its buffers).
 fn fresh_workers(options: &WorkerOptions) -> Vec<LlamaWorker> {
     let workers: Vec<LlamaWorker> = (0..2)
-        .map(|_| LlamaWorker::start_with(options.clone()))
+        .map(|_| LlamaWorker::start_options(options.clone()))
         .collect();
     let agent = client();
     for worker in &workers {
@@ -734,10 +732,14 @@ fn systems(quick: bool) -> Vec<System> {
         }
     }
     if let Ok(binary) = std::env::var("QUALITY_KVHINT_BIN") {
+        // An earlier build, with the config its docs gave (before
+        // `worker_selection` was optional).
         out.push(System {
             name: "kvhint-bin".into(),
             how: How::Kvhint {
-                selection: None,
+                selection: Some(
+                    "worker_selection: {aggregated: dynamo-default-cost-fn}".to_string(),
+                ),
                 binary: PathBuf::from(binary),
             },
         });

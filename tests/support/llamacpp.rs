@@ -196,7 +196,7 @@ impl LlamaWorker {
     /// A worker with `parallel` slots sharing a context of `ctx` tokens (a
     /// 4,000-token prompt on 8 slots needs 8 × 4,100).
     pub fn start_sized(parallel: u32, ctx: u32) -> LlamaWorker {
-        Self::start_with(WorkerOptions {
+        Self::start_options(WorkerOptions {
             parallel,
             ctx,
             ..WorkerOptions::default()
@@ -204,7 +204,7 @@ impl LlamaWorker {
     }
 
     /// A worker on a free port, started with `options`.
-    pub fn start_with(options: WorkerOptions) -> LlamaWorker {
+    pub fn start_options(options: WorkerOptions) -> LlamaWorker {
         let mut worker = LlamaWorker {
             port: 0,
             child: None,

@@ -26,13 +26,28 @@
 //! waits for that gate (at most `gateway.prefix_wait_ms`) before it is sent,
 //! then finds its prefix ready. Requests waiting on one prefix are chained, one
 //! after the other, because each takes the prompt into its own slot.
+//!
+//! **Capacity.** A worker holds only what fits in its KV cache (for llama.cpp:
+//! its slots and its host-memory prompt cache, `--cache-ram`, which it reports
+//! nowhere). Credits beyond that are false hits: requests sent to a worker for a
+//! prefix it dropped long ago. So each worker's credits are capped by its
+//! capacity: `kv_capacity_tokens` where the worker's entry or registration gives
+//! it, else learned from what the engine says it reused. Each answer carries the
+//! engine's count of cached prompt tokens (llama.cpp's `timings.cache_n`, the
+//! OpenAI `usage.prompt_tokens_details.cached_tokens`); against the prefix the
+//! router credited, a shortfall (a *phantom*: the engine dropped blocks the
+//! router still credits) shrinks the worker's cap to 90 % of what it credits
+//! now, and a surplus (*unseen*: the engine kept blocks the cap had dropped)
+//! grows it by the difference and 10 %, never past `kv_capacity_tokens` or
+//! `gateway.approximate_max_blocks`. A request that was sent while its prefix was
+//! still busy proves nothing about capacity and is not counted.
 
 use crate::domain::WorkerKey;
 use crate::router::index::events::{KvEvent, StoredBlock};
 use crate::router::ingest::Ingest;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,17 +59,77 @@ struct Ledger {
     /// (when, engine hash), oldest first, and of one credit the deepest block
     /// first; stale entries are skipped.
     order: VecDeque<(Instant, u64)>,
+    /// The most blocks to credit it with: its configured capacity, or what the
+    /// engine's answers taught (see the module's "Capacity"); `None` until
+    /// either, when `gateway.approximate_max_blocks` bounds it alone.
+    capacity: Option<u64>,
+    /// `kv_capacity_tokens` in blocks, if its entry or registration gave it:
+    /// learning never goes past it.
+    configured: Option<u64>,
+}
+
+impl Ledger {
+    /// The cap on its credits now.
+    fn cap(&self, max_blocks: u64) -> u64 {
+        self.capacity
+            .or(self.configured)
+            .unwrap_or(max_blocks)
+            .min(max_blocks)
+            .max(1)
+    }
 }
 
 /// The in-flight request each credited block is busy with, by worker and
 /// engine hash.
 type BusyTable = Mutex<HashMap<(WorkerKey, u64), Arc<Gate>>>;
 
+type Ledgers = Mutex<HashMap<WorkerKey, Ledger>>;
+
 /// Every approximate worker's ledger.
 #[derive(Default)]
 pub struct Approximate {
-    ledgers: Mutex<HashMap<WorkerKey, Ledger>>,
+    ledgers: Arc<Ledgers>,
     busy: Arc<BusyTable>,
+    pub stats: Arc<PredictionStats>,
+}
+
+/// How the router's credited prefixes compared with what the engines reused.
+#[derive(Debug, Default)]
+pub struct PredictionStats {
+    /// By [`Prediction`].
+    outcomes: [AtomicU64; 4],
+}
+
+/// What an engine's count of reused tokens said of a credited prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prediction {
+    /// The engine reused what the router credited (within a block).
+    Held,
+    /// The engine reused less: it had dropped blocks the router credited.
+    Phantom,
+    /// The engine reused more: it kept blocks the router had stopped crediting.
+    Unseen,
+    /// The request was sent while its prefix was still busy: no evidence.
+    Speculative,
+}
+
+impl Prediction {
+    pub const ALL: [Prediction; 4] = [Self::Held, Self::Phantom, Self::Unseen, Self::Speculative];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Held => "held",
+            Self::Phantom => "phantom",
+            Self::Unseen => "unseen",
+            Self::Speculative => "speculative",
+        }
+    }
+}
+
+impl PredictionStats {
+    pub fn count(&self, outcome: Prediction) -> u64 {
+        self.outcomes[outcome as usize].load(Ordering::Relaxed)
+    }
 }
 
 /// Opens when the request that made it settles: its prompt is reusable by
@@ -113,6 +188,9 @@ pub fn settles(engine: crate::domain::Engine) -> Settle {
 /// One request's credit: its blocks stay busy until it settles (or is dropped).
 pub struct Credit {
     busy: Arc<BusyTable>,
+    ledgers: Arc<Ledgers>,
+    stats: Arc<PredictionStats>,
+    ingest: Ingest,
     worker: WorkerKey,
     hashes: Vec<u64>,
     gate: Arc<Gate>,
@@ -120,6 +198,15 @@ pub struct Credit {
     /// The gate of the in-flight request whose prompt holds this one's cached
     /// prefix, if it has not settled: wait for it before sending.
     pub wait_for: Option<Arc<Gate>>,
+    /// The prefix the router credited the worker with when it booked this
+    /// request, in blocks.
+    predicted_blocks: usize,
+    block_size: usize,
+    max_blocks: u64,
+    /// Sent while its prefix was still busy (the wait ran out).
+    speculative: AtomicBool,
+    /// Whether the engine's count has been heard (it is taken once).
+    reported: AtomicBool,
 }
 
 impl Credit {
@@ -140,6 +227,73 @@ impl Credit {
             }
         }
         self.gate.open();
+    }
+}
+
+impl Credit {
+    /// The request was sent before the request holding its prefix settled:
+    /// what the engine reuses then says nothing of its capacity.
+    pub fn sent_while_busy(&self) {
+        self.speculative.store(true, Ordering::Relaxed);
+    }
+
+    /// The engine reports it reused `cached_tokens` of the prompt: against the
+    /// credited prefix, it confirms the worker's cap, shrinks it or grows it
+    /// (see the module's "Capacity"). Only the first report counts.
+    pub fn engine_reused(&self, cached_tokens: u64) -> Prediction {
+        if self.reported.swap(true, Ordering::Relaxed) {
+            return Prediction::Held;
+        }
+        let reused = (cached_tokens / self.block_size.max(1) as u64) as usize;
+        let predicted = self.predicted_blocks;
+        let outcome = if self.speculative.load(Ordering::Relaxed) {
+            Prediction::Speculative
+        } else if reused + 1 < predicted {
+            Prediction::Phantom
+        } else if reused > predicted + 1 {
+            Prediction::Unseen
+        } else {
+            Prediction::Held
+        };
+        self.stats.outcomes[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        if !matches!(outcome, Prediction::Phantom | Prediction::Unseen) {
+            return outcome;
+        }
+        // Never below what a few prompts of this size need.
+        let floor = (self.hashes.len() as u64 * 4).max(64);
+        let evicted = {
+            let mut ledgers = self.ledgers.lock();
+            let Some(ledger) = ledgers.get_mut(&self.worker) else {
+                return outcome;
+            };
+            let cap = ledger.cap(self.max_blocks);
+            let ceiling = ledger
+                .configured
+                .unwrap_or(self.max_blocks)
+                .min(self.max_blocks);
+            let credited = ledger.last_used.len() as u64;
+            let learned = if outcome == Prediction::Phantom {
+                (cap.min(credited) as f64 * 0.9) as u64
+            } else if ledger.capacity.is_some() || ledger.configured.is_some() {
+                let gap = (reused - predicted) as u64;
+                (cap as f64 * 1.1) as u64 + gap
+            } else {
+                // Not capped yet: nothing to grow.
+                return outcome;
+            };
+            ledger.capacity = Some(learned.clamp(floor.min(ceiling), ceiling));
+            let cap = ledger.cap(self.max_blocks);
+            ledger.evict(|ledger| ledger.last_used.len() as u64 > cap)
+        };
+        if !evicted.is_empty() {
+            let _ = self.ingest.submit_detached(
+                self.worker,
+                KvEvent::Removed {
+                    block_hashes: evicted,
+                },
+            );
+        }
+        outcome
     }
 }
 
@@ -198,11 +352,19 @@ impl Approximate {
         let gate = Arc::new(Gate::default());
         let mut credit = Credit {
             busy: Arc::clone(&self.busy),
+            ledgers: Arc::clone(&self.ledgers),
+            stats: Arc::clone(&self.stats),
+            ingest: ingest.clone(),
             worker,
             hashes: Vec::new(),
             gate: Arc::clone(&gate),
             settle,
             wait_for: None,
+            predicted_blocks: prompt.cached_blocks,
+            block_size,
+            max_blocks,
+            speculative: AtomicBool::new(false),
+            reported: AtomicBool::new(false),
         };
         if hashes.is_empty() {
             return credit;
@@ -231,7 +393,8 @@ impl Approximate {
                 ledger.last_used.insert(*hash, now);
                 ledger.order.push_back((now, *hash));
             }
-            ledger.evict(|ledger| ledger.last_used.len() as u64 > max_blocks)
+            let cap = ledger.cap(max_blocks);
+            ledger.evict(|ledger| ledger.last_used.len() as u64 > cap)
         };
         let event = KvEvent::Stored {
             parent_block_hash: None,
@@ -278,7 +441,9 @@ impl Approximate {
                     removals.push((*worker, evicted));
                 }
             }
-            ledgers.retain(|_, l| !l.last_used.is_empty());
+            ledgers.retain(|_, l| {
+                !l.last_used.is_empty() || l.capacity.is_some() || l.configured.is_some()
+            });
         }
         let mut removed = 0;
         for (worker, block_hashes) in removals {
@@ -286,6 +451,29 @@ impl Approximate {
             let _ = ingest.submit_detached(worker, KvEvent::Removed { block_hashes });
         }
         removed
+    }
+
+    /// Sets each worker's configured capacity (`kv_capacity_tokens`, in
+    /// blocks; `None`: not configured), as the worker table has it now.
+    pub fn configure(&self, worker: WorkerKey, capacity_blocks: Option<u64>) {
+        let mut ledgers = self.ledgers.lock();
+        let ledger = ledgers.entry(worker).or_default();
+        if ledger.configured != capacity_blocks {
+            ledger.configured = capacity_blocks;
+            // Learning starts again from the new figure.
+            ledger.capacity = None;
+        }
+    }
+
+    /// The cap on `worker`'s credits now, and whether it was learned from the
+    /// engine's answers (rather than configured or the global bound).
+    pub fn cap(&self, worker: WorkerKey, max_blocks: u64) -> (u64, bool) {
+        self.ledgers
+            .lock()
+            .get(&worker)
+            .map_or((max_blocks, false), |l| {
+                (l.cap(max_blocks), l.capacity.is_some())
+            })
     }
 
     /// Forgets a worker that left (its index entries went with it).

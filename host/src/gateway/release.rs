@@ -45,6 +45,25 @@ impl ReleaseGuard {
         self.credit = Some(credit);
     }
 
+    /// The request was sent before the one holding its prefix settled.
+    pub fn sent_while_busy(&self) {
+        if let Some(credit) = &self.credit {
+            credit.sent_while_busy();
+        }
+    }
+
+    /// Whether the engine's count of reused prompt tokens is wanted (the
+    /// request went to an approximate worker).
+    fn wants_reuse_report(&self) -> bool {
+        self.credit.is_some()
+    }
+
+    fn engine_reused(&self, cached_tokens: u64) {
+        if let Some(credit) = &self.credit {
+            credit.engine_reused(cached_tokens);
+        }
+    }
+
     pub fn request_id(&self) -> &str {
         &self.request_id
     }
@@ -105,6 +124,8 @@ pub struct GuardedBody {
     idle: Pin<Box<Sleep>>,
     deadline: Option<Pin<Box<Sleep>>>,
     first_byte: bool,
+    /// Still looking for the engine's count of reused prompt tokens.
+    seeking_reuse: bool,
     /// When the request reached the router, for the duration figure.
     received: Instant,
     done: bool,
@@ -122,6 +143,7 @@ impl GuardedBody {
     ) -> Self {
         Self {
             inner,
+            seeking_reuse: guard.wants_reuse_report(),
             guard,
             idle_timeout,
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
@@ -170,6 +192,12 @@ impl HttpBody for GuardedBody {
                     this.first_byte = true;
                     this.guard.prefill_done();
                 }
+                if this.seeking_reuse {
+                    if let Some(tokens) = frame.data_ref().and_then(|d| reused_tokens(d)) {
+                        this.seeking_reuse = false;
+                        this.guard.engine_reused(tokens);
+                    }
+                }
                 // A body of known length is done with its last byte: the server
                 // stops polling there and drops the body, which must not read
                 // as the client going away.
@@ -214,3 +242,57 @@ impl HttpBody for GuardedBody {
 }
 
 use std::future::Future;
+
+/// The engine's count of prompt tokens it reused, where a response (or one
+/// chunk of a stream) carries it: the OpenAI `usage.prompt_tokens_details.
+/// cached_tokens`, SGLang's `meta_info.cached_tokens`, or llama.cpp's
+/// `timings.cache_n`. A key split across two chunks is missed, which costs one
+/// observation, never a wrong one.
+fn reused_tokens(data: &[u8]) -> Option<u64> {
+    static KEYS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 2]> =
+        std::sync::LazyLock::new(|| {
+            [
+                memchr::memmem::Finder::new(b"\"cached_tokens\":"),
+                memchr::memmem::Finder::new(b"\"cache_n\":"),
+            ]
+        });
+    KEYS.iter().find_map(|key| {
+        let at = key.find(data)? + key.needle().len();
+        let rest = &data[at..];
+        let digits = rest.iter().skip_while(|b| **b == b' ');
+        let mut value: u64 = 0;
+        let mut any = false;
+        for b in digits {
+            if !b.is_ascii_digit() {
+                break;
+            }
+            any = true;
+            value = value.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
+        }
+        any.then_some(value)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reused_tokens;
+
+    #[test]
+    fn the_engines_reused_token_counts_are_found() {
+        let openai = br#"data: {"choices":[],"usage":{"completion_tokens":8,"prompt_tokens":1561,"total_tokens":1569,"prompt_tokens_details":{"cached_tokens":1462}}}"#;
+        assert_eq!(reused_tokens(openai), Some(1462));
+        let llamacpp = br#"{"timings":{"cache_n": 96,"prompt_n":4}}"#;
+        assert_eq!(reused_tokens(llamacpp), Some(96));
+        let sglang = br#"{"meta_info":{"prompt_tokens":10,"cached_tokens":0}}"#;
+        assert_eq!(reused_tokens(sglang), Some(0));
+        assert_eq!(
+            reused_tokens(br#"data: {"choices":[{"delta":{"content":"x"}}]}"#),
+            None
+        );
+        assert_eq!(reused_tokens(br#"{"cached_tokens":null}"#), None);
+        assert_eq!(
+            reused_tokens(br#"{"cached_tokens":99999999999999999999999}"#),
+            None
+        );
+    }
+}

@@ -143,6 +143,8 @@ pub(crate) struct Booked {
     /// cached prefix: the request is sent once it settles (see
     /// `gateway::approximate`).
     pub wait_for: Option<Arc<approximate::Gate>>,
+    /// The prompt tokens the router found cached on the booked worker.
+    pub cached_tokens: usize,
     pub prepared: Arc<Prepared>,
     pub worker: WorkerKey,
     pub base: Arc<str>,
@@ -228,6 +230,7 @@ pub(crate) fn book_body(
     Ok(Booked {
         guard,
         wait_for,
+        cached_tokens: booking.cached_blocks * snapshot.block_size,
         prepared,
         worker: booking.worker,
         base: Arc::clone(&target.base),
@@ -310,6 +313,7 @@ async fn forward(
         let Booked {
             mut guard,
             wait_for,
+            cached_tokens,
             prepared: this_prepared,
             worker,
             base,
@@ -318,7 +322,9 @@ async fn forward(
             ..
         } = booked;
         if let Some(gate) = wait_for {
-            wait_for_prefix(app, &gate, &settings).await;
+            if !wait_for_prefix(app, &gate, &settings).await {
+                guard.sent_while_busy();
+            }
         }
         let booked = Sent {
             prepared: this_prepared,
@@ -470,25 +476,29 @@ async fn forward(
         if let Ok(value) = HeaderValue::from_str(&request_id) {
             out.headers_mut().insert("x-kvhint-request-id", value);
         }
+        out.headers_mut()
+            .insert("x-kvhint-cached-tokens", HeaderValue::from(cached_tokens));
         return Ok(out);
     }
 }
 
 /// Waits, at most `gateway.prefix_wait_ms`, for the in-flight request whose
 /// prompt holds this one's prefix to settle, so this one finds it reusable
-/// rather than computing it again beside it; counted either way.
+/// rather than computing it again beside it; counted either way. Whether it
+/// settled.
 pub(crate) async fn wait_for_prefix(
     app: &App,
     gate: &approximate::Gate,
     settings: &crate::config::GatewayConfig,
-) {
+) -> bool {
     if settings.prefix_wait_ms == 0 {
-        return;
+        return gate.is_open();
     }
     let started = Instant::now();
     let bound = Duration::from_millis(settings.prefix_wait_ms);
     let settled = tokio::time::timeout(bound, gate.opened()).await.is_ok();
     app.gateway.stats.prefix_waited(settled, started.elapsed());
+    settled
 }
 
 /// The request to the booked worker: the adapter's body and headers, and the

@@ -113,6 +113,10 @@ pub struct WorkerStatus {
     /// `events` (the engine publishes KV events) or `approximate`.
     pub kv_events: &'static str,
     pub approximate_blocks: Option<usize>,
+    /// The most blocks an approximate worker is credited with, and whether that
+    /// cap was learned from the engine's answers (see `docs/gateway.md`).
+    pub approximate_capacity_blocks: Option<u64>,
+    pub approximate_capacity_learned: Option<bool>,
     pub health: Option<HealthView>,
 }
 
@@ -206,6 +210,18 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             approximate_blocks: worker
                 .approximate_kv
                 .then(|| app.gateway.approximate.blocks(worker.key)),
+            approximate_capacity_blocks: worker.approximate_kv.then(|| {
+                app.gateway
+                    .approximate
+                    .cap(worker.key, snapshot.gateway.approximate_max_blocks)
+                    .0
+            }),
+            approximate_capacity_learned: worker.approximate_kv.then(|| {
+                app.gateway
+                    .approximate
+                    .cap(worker.key, snapshot.gateway.approximate_max_blocks)
+                    .1
+            }),
             health: app.gateway.health.view(worker.key),
         })
         .collect();

@@ -64,6 +64,15 @@ impl Collector for GatewayCollector {
             "Requests booked again on another worker before any byte reached the client.",
             stats.retries.load(Ordering::Relaxed),
         )?;
+        let predictions = &app.gateway.approximate.stats;
+        counters(
+            e,
+            "kvhint_approximate_predictions",
+            "Answers from approximate workers, by how the engine's count of reused prompt tokens compared with the prefix the router credited: held, phantom (the engine had dropped blocks still credited), unseen (it kept blocks no longer credited), speculative (sent while its prefix was busy).",
+            crate::gateway::approximate::Prediction::ALL
+                .iter()
+                .map(|p| ([("outcome", p.as_str())], predictions.count(*p))),
+        )?;
         let (settled, timed_out, waited) = stats.prefix_waits();
         counters(
             e,
