@@ -58,262 +58,14 @@ use kvhint_e2e::llamacpp::{
     quality_model, qwen3_tokenizer_dir, LlamaWorker, WorkerOptions, MODEL_NAME,
 };
 use kvhint_e2e::peers::Peer;
+use kvhint_e2e::workloads::{self, chat, client, text, workload, Item, Kind, Outcome, Sizes};
 use kvhint_e2e::{private_dir, Server};
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
+use serde_json::json;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
-
-/// Tokens a request generates.
-const OUTPUT_TOKENS: u64 = 12;
-
-/// A small deterministic generator (splitmix64), so every system gets the same
-/// requests at the same times.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// Common English words, each one token with its leading space in Qwen3's
-/// vocabulary (so a text's word count is about its token count).
-const WORDS: &[&str] = &[
-    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
-    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
-    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
-    "been", "if", "more", "when", "will", "would", "who", "so", "no", "she", "other", "its", "may",
-    "these", "what", "them", "than", "some", "him", "time", "into", "only", "do", "out", "first",
-    "any", "my", "new", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made",
-    "after", "also", "did", "many", "before", "must", "through", "years", "where", "much", "your",
-    "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too",
-    "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work",
-    "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same",
-    "another", "know", "while", "last", "might", "great", "old", "year", "off", "come", "since",
-    "against", "go", "came", "right", "used", "take", "three", "place", "small", "found", "part",
-    "house", "water", "light", "number", "point", "hand", "high", "large", "name", "home", "order",
-    "city", "power", "line", "country", "school", "market", "table", "river", "music", "paper",
-    "money", "story", "road", "field", "heart", "voice", "island", "engine", "garden", "window",
-    "letter", "winter", "summer", "morning", "evening", "friend", "family", "question", "answer",
-];
-
-/// `words` words drawn from [`WORDS`] by `seed`, in sentences.
-fn text(seed: u64, words: usize) -> String {
-    let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5851_F42D_4C95_7F2D);
-    let mut out = String::with_capacity(words * 7);
-    for i in 0..words {
-        if i > 0 {
-            out.push(' ');
-        }
-        out.push_str(WORDS[rng.below(WORDS.len())]);
-        if i % 12 == 11 {
-            out.push('.');
-        }
-    }
-    out
-}
-
-/// One request of a workload.
-#[derive(Clone)]
-struct Item {
-    /// What its prefix is shared with: `g3` (a group's system prompt), `c2` (a
-    /// chat), `u17` (nothing).
-    key: String,
-    /// The item it waits for: the chat's previous turn.
-    after: Option<usize>,
-    messages: Value,
-    /// Words in its prompt, and how many of them a cache that kept everything
-    /// earlier requests brought would hold.
-    words: usize,
-    reusable_words: usize,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
-    Shared,
-    MultiTurn,
-    Unique,
-    Mix,
-}
-
-impl Kind {
-    fn parse(name: &str) -> Kind {
-        match name {
-            "shared" => Kind::Shared,
-            "multiturn" => Kind::MultiTurn,
-            "unique" => Kind::Unique,
-            "mix" => Kind::Mix,
-            other => panic!("unknown workload {other:?}: shared, multiturn, unique or mix"),
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Kind::Shared => "shared",
-            Kind::MultiTurn => "multiturn",
-            Kind::Unique => "unique",
-            Kind::Mix => "mix",
-        }
-    }
-}
-
-/// The sizes of a workload's parts (smaller in quick mode).
-struct Sizes {
-    groups: usize,
-    per_group: usize,
-    system_words: usize,
-    question_words: usize,
-    chats: usize,
-    turns: usize,
-    chat_system_words: usize,
-    turn_words: usize,
-    unique: usize,
-    unique_words: usize,
-}
-
-fn shared(sizes: &Sizes, seed: u64, groups: usize, per_group: usize) -> Vec<Vec<Item>> {
-    (0..groups)
-        .map(|g| {
-            let system = format!(
-                "Reference {g}. {}",
-                text(seed ^ (1000 + g as u64), sizes.system_words)
-            );
-            (0..per_group)
-                .map(|i| {
-                    let question = text(
-                        seed ^ (100_000 + (g * 1000 + i) as u64),
-                        sizes.question_words,
-                    );
-                    Item {
-                        key: format!("g{g}"),
-                        after: None,
-                        messages: json!([
-                            {"role": "system", "content": system},
-                            {"role": "user", "content": question}
-                        ]),
-                        words: sizes.system_words + sizes.question_words,
-                        reusable_words: if i == 0 { 0 } else { sizes.system_words },
-                    }
-                })
-                .collect()
-        })
-        .collect()
-}
-
-fn chats(sizes: &Sizes, seed: u64, chats: usize, turns: usize) -> Vec<Vec<Item>> {
-    (0..chats)
-        .map(|c| {
-            let mut messages = vec![json!({"role": "system", "content": format!(
-                "Conversation {c}. {}",
-                text(seed ^ (2000 + c as u64), sizes.chat_system_words)
-            )})];
-            let mut words = sizes.chat_system_words;
-            let mut previous = 0;
-            (0..turns)
-                .map(|t| {
-                    let half = sizes.turn_words / 2;
-                    if t > 0 {
-                        messages.push(json!({"role": "assistant", "content":
-                            text(seed ^ (300_000 + (c * 100 + t) as u64), half)}));
-                        words += half;
-                    }
-                    let asked = if t == 0 { sizes.turn_words } else { half };
-                    messages.push(json!({"role": "user", "content":
-                        text(seed ^ (400_000 + (c * 100 + t) as u64), asked)}));
-                    words += asked;
-                    let item = Item {
-                        key: format!("c{c}"),
-                        after: None,
-                        messages: Value::Array(messages.clone()),
-                        words,
-                        reusable_words: previous,
-                    };
-                    previous = words;
-                    item
-                })
-                .collect()
-        })
-        .collect()
-}
-
-fn uniques(sizes: &Sizes, seed: u64, n: usize) -> Vec<Vec<Item>> {
-    (0..n)
-        .map(|u| {
-            vec![Item {
-                key: format!("u{u}"),
-                after: None,
-                messages: json!([{"role": "user", "content": format!(
-                    "Document {u}. {}",
-                    text(seed ^ (500_000 + u as u64), sizes.unique_words)
-                )}]),
-                words: sizes.unique_words,
-                reusable_words: 0,
-            }]
-        })
-        .collect()
-}
-
-/// A workload's requests in sending order: its sequences (a group's requests, a
-/// chat's turns) interleaved at random, each kept in its own order; a chat's turn
-/// waits for the one before it.
-fn workload(kind: Kind, sizes: &Sizes, seed: u64) -> Vec<Item> {
-    let mut sequences = match kind {
-        Kind::Shared => shared(sizes, seed, sizes.groups, sizes.per_group),
-        Kind::MultiTurn => chats(sizes, seed, sizes.chats, sizes.turns),
-        Kind::Unique => uniques(sizes, seed, sizes.unique),
-        Kind::Mix => {
-            let mut all = shared(sizes, seed, sizes.groups / 2, sizes.per_group * 4 / 5);
-            all.extend(chats(
-                sizes,
-                seed,
-                sizes.chats.div_ceil(3),
-                sizes.turns * 3 / 4,
-            ));
-            all.extend(uniques(sizes, seed, sizes.unique / 3));
-            all
-        }
-    };
-    for sequence in &mut sequences {
-        sequence.reverse();
-    }
-    let mut rng = Rng(seed ^ 0xA5A5);
-    let mut out: Vec<Item> = Vec::new();
-    let mut last_of: std::collections::HashMap<String, usize> = Default::default();
-    loop {
-        let open: Vec<usize> = (0..sequences.len())
-            .filter(|&i| !sequences[i].is_empty())
-            .collect();
-        if open.is_empty() {
-            break;
-        }
-        let pick = open[rng.below(open.len())];
-        let Some(mut item) = sequences[pick].pop() else {
-            break;
-        };
-        if item.key.starts_with('c') {
-            item.after = last_of.get(&item.key).copied();
-        }
-        last_of.insert(item.key.clone(), out.len());
-        out.push(item);
-    }
-    out
-}
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// What the workers cost, measured on a fresh one: seconds per prompt token
 /// prefilled, and the fixed part of a request (a cache hit's restore, the
@@ -335,89 +87,6 @@ impl Costs {
     fn full_service(&self, item: &Item) -> f64 {
         self.contention * (self.fixed + item.words as f64 * self.tokens_per_word * self.per_token)
     }
-}
-
-/// One request's outcome.
-#[derive(Clone, Debug, Default)]
-struct Outcome {
-    key: String,
-    /// Seconds from the block's start.
-    sent: f64,
-    ended: f64,
-    ttft: f64,
-    e2e: f64,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    error: Option<String>,
-}
-
-/// Sends `messages` as a streaming chat to `url` and reads the answer.
-fn chat(agent: &ureq::Agent, url: &str, messages: &Value) -> Outcome {
-    let body = json!({
-        "model": MODEL_NAME, "messages": messages, "stream": true,
-        "max_tokens": OUTPUT_TOKENS, "temperature": 0,
-        "stream_options": {"include_usage": true},
-    });
-    let started = Instant::now();
-    let mut outcome = Outcome::default();
-    let response = agent
-        .post(&format!("{url}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .send(body.to_string());
-    let mut response = match response {
-        Ok(r) => r,
-        Err(e) => {
-            outcome.error = Some(e.to_string());
-            return outcome;
-        }
-    };
-    let status = response.status().as_u16();
-    if status != 200 {
-        let text = response.body_mut().read_to_string().unwrap_or_default();
-        outcome.error = Some(format!("{status}: {text}"));
-        outcome.e2e = started.elapsed().as_secs_f64();
-        return outcome;
-    }
-    let reader = BufReader::new(response.body_mut().as_reader());
-    let mut first = None;
-    for line in reader.lines() {
-        let line = match line {
-            Ok(line) => line,
-            Err(e) => {
-                outcome.error = Some(format!("reading the stream: {e}"));
-                break;
-            }
-        };
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        first.get_or_insert_with(|| started.elapsed().as_secs_f64());
-        if data.trim() == "[DONE]" {
-            continue;
-        }
-        let Ok(event) = serde_json::from_str::<Value>(data) else {
-            continue;
-        };
-        if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
-            outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-            outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0);
-        } else if let Some(timings) = event.get("timings") {
-            // llama.cpp's own figures, when no usage comes.
-            if outcome.prompt_tokens == 0 {
-                let cached = timings["cache_n"].as_u64().unwrap_or(0);
-                outcome.cached_tokens = cached;
-                outcome.prompt_tokens = cached + timings["prompt_n"].as_u64().unwrap_or(0);
-            }
-        }
-    }
-    outcome.e2e = started.elapsed().as_secs_f64();
-    outcome.ttft = first.unwrap_or(outcome.e2e);
-    if first.is_none() && outcome.error.is_none() {
-        outcome.error = Some("no SSE event".into());
-    }
-    outcome
 }
 
 /// A system under test in one block: where requests go.
@@ -545,14 +214,6 @@ fn fresh_workers(options: &WorkerOptions) -> Vec<LlamaWorker> {
     workers
 }
 
-fn client() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(300)))
-        .build()
-        .new_agent()
-}
-
 /// Measures [`Costs`] on fresh workers: cold and warm requests of a ~1,600-word
 /// prompt, three of each, on one; then a batch of cold ones sent to both at
 /// once, as the workloads send them.
@@ -622,54 +283,11 @@ fn run_block(
     let urls: Vec<String> = workers.iter().map(LlamaWorker::url).collect();
     let before: Vec<f64> = workers.iter().map(prompt_tokens).collect();
     let front = Arc::new(front(system, &urls, dir));
-    // The same arrival times for every system: a Poisson process from `seed`.
-    let mut rng = Rng(seed ^ 0x00C0_FFEE);
-    let mut at = 0.0;
-    let times: Vec<f64> = items
-        .iter()
-        .map(|_| {
-            at += -rng.unit().ln() / rate;
-            at
-        })
-        .collect();
-    let done: Vec<Arc<(Mutex<bool>, Condvar)>> = items
-        .iter()
-        .map(|_| Arc::new((Mutex::new(false), Condvar::new())))
-        .collect();
-    let start = Instant::now();
-    let mut threads = Vec::new();
-    for (n, item) in items.iter().enumerate() {
-        let due = Duration::from_secs_f64(times[n]);
-        if let Some(wait) = due.checked_sub(start.elapsed()) {
-            std::thread::sleep(wait);
-        }
-        let item = item.clone();
+    let url_of = {
         let front = Arc::clone(&front);
-        let mine = Arc::clone(&done[n]);
-        let after = item.after.map(|i| Arc::clone(&done[i]));
-        threads.push(std::thread::spawn(move || {
-            if let Some(after) = after {
-                let (lock, signal) = &*after;
-                let mut finished = lock.lock().unwrap();
-                while !*finished {
-                    finished = signal.wait(finished).unwrap();
-                }
-            }
-            let sent = start.elapsed().as_secs_f64();
-            let mut outcome = chat(&client(), &front.url(n), &item.messages);
-            outcome.key = item.key;
-            outcome.sent = sent;
-            outcome.ended = start.elapsed().as_secs_f64();
-            let (lock, signal) = &*mine;
-            *lock.lock().unwrap() = true;
-            signal.notify_all();
-            outcome
-        }));
-    }
-    let outcomes: Vec<Outcome> = threads
-        .into_iter()
-        .map(|t| t.join().expect("a request thread panicked"))
-        .collect();
+        Arc::new(move |n: usize| front.url(n))
+    };
+    let outcomes = workloads::run(items, rate, seed, url_of);
     let spread: Vec<f64> = workers
         .iter()
         .zip(&before)
@@ -872,7 +490,8 @@ fn main() {
                             let line = json!({"workload": kind.name(), "load": load, "rep": rep,
                                 "system": system.name, "key": o.key, "sent": o.sent, "ended": o.ended,
                                 "ttft": o.ttft, "e2e": o.e2e, "prompt_tokens": o.prompt_tokens,
-                                "cached_tokens": o.cached_tokens, "error": o.error});
+                                "cached_tokens": o.cached_tokens, "predicted_tokens": o.predicted_tokens,
+                                "error": o.error});
                             let _ = writeln!(file, "{line}");
                         }
                     }
@@ -1006,6 +625,26 @@ fn report(
             errors,
         );
         rows.push(row);
+    }
+    for (system, p) in systems.iter().zip(pooled) {
+        let predicted: Vec<(u64, u64)> = p
+            .outcomes
+            .iter()
+            .filter(|o| o.error.is_none())
+            .filter_map(|o| Some((o.predicted_tokens?, o.cached_tokens)))
+            .collect();
+        if predicted.is_empty() {
+            continue;
+        }
+        let phantom = predicted.iter().filter(|(p, c)| c + 16 < *p).count();
+        let unseen = predicted.iter().filter(|(p, c)| *c > p + 16).count();
+        println!(
+            "  {}: the engines reused what it found cached in {:.0} % of answers; less (a phantom) in {:.0} %, more in {:.0} %",
+            system.name,
+            100.0 * (predicted.len() - phantom - unseen) as f64 / predicted.len() as f64,
+            100.0 * phantom as f64 / predicted.len() as f64,
+            100.0 * unseen as f64 / predicted.len() as f64,
+        );
     }
     let find = |name: &str| systems.iter().position(|s| s.name == name);
     let peers: Vec<usize> = ["smg", "vllm-router"]

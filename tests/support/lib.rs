@@ -13,6 +13,7 @@
 //! | [`provision`] | the Python environment (`target/e2e/venv`), wheels and npm packages the engine tests need, fetched once under a lock |
 //! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy, `nats-server` on 127.0.0.1 |
 //! | [`peers`] | the peer gateways the benches run beside kvhint (`smg`, `vllm-router`) |
+//! | [`workloads`] | the routing benches' seeded workloads, their Poisson schedule and the streaming client that times them |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
 //! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
 //!
@@ -45,6 +46,7 @@ pub mod provision;
 pub mod replay;
 pub mod server;
 pub mod wait;
+pub mod workloads;
 
 pub use paths::{e2e_target_dir, private_dir, target_dir, workspace_root};
 pub use plugins::{
