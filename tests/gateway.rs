@@ -4,6 +4,7 @@
 //! requests go through `kvhint serve`, are tokenized with the model's tokenizer,
 //! booked, forwarded, streamed back, and released on every way out.
 
+use kvhint_e2e::engines::paced::{chunk_text, Pace, Paced};
 use kvhint_e2e::http::{
     agent, call_with, cut_off_requests, metric_or_zero, raw_post, read_some, sum_of,
 };
@@ -350,10 +351,12 @@ fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
         &workers,
         "  idle_timeout_ms: 300\n  max_attempts: 1\n  health:\n    interval_ms: 0\n",
     );
+    // A stream's head comes at once from a live engine: silence before it is
+    // the idle bound's.
     let (status, _, text) = call_with(
         &agent(),
         &format!("{}/v1/completions", server.base),
-        &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}),
+        &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "stream": true}),
     );
     assert_eq!(status, 504, "{text}");
     let error: Value = serde_json::from_str(&text).unwrap();
@@ -500,4 +503,145 @@ fn the_client_token_guards_the_front_door_and_its_401_is_openai_shaped() {
         .unwrap();
     assert_eq!(response.status().as_u16(), 200);
     let _ = response.body_mut().read_to_string();
+}
+
+/// `workers:` with one worker, `paced`, served as an OpenAI-compatible engine.
+fn paced_yaml(paced: &Paced) -> String {
+    format!(
+        "  - worker_id: 1\n    http_endpoint: {}\n    engine: openai\n    models: [{MODEL_NAME}]\n",
+        paced.url()
+    )
+}
+
+/// The text of each SSE chunk's first choice (a chat's `delta.content`), in order.
+fn streamed_contents(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .filter(|data| data.trim() != "[DONE]")
+        .filter_map(|data| {
+            let chunk: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn a_stream_that_outlasts_the_connection_idle_timeout_arrives_whole() {
+    // One chunk every 400 ms for over 5 s, through a router whose connections
+    // idle out after 1 s between requests.
+    let paced = Paced::start(Pace {
+        chunks: 13,
+        every: Duration::from_millis(400),
+        answer_after: Duration::ZERO,
+    });
+    let dir = private_dir();
+    let config = config(&dir, &paced_yaml(&paced), "");
+    let server = Server::start(&config, &["--idle-timeout-ms", "1000"], dir.path());
+    let (status, worker, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &json!({"model": MODEL_NAME, "stream": true, "messages": [{"role": "user", "content": "Go on."}]}),
+    );
+    assert_eq!((status, worker), (200, 1), "{text}");
+    let expected: Vec<String> = (0..13).map(chunk_text).collect();
+    assert_eq!(streamed_contents(&text), expected, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(paced.streams_done(), 1);
+    server.until_idle();
+    let release = |reason: &str| {
+        metric_or_zero(
+            &server,
+            &format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(release("completed"), 1.0);
+    assert_eq!(release("client_disconnect"), 0.0);
+    // Between requests the idle timeout still holds: a connection that sends
+    // nothing is closed after it.
+    let mut idle = std::net::TcpStream::connect(server.address()).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut idle, &mut byte).unwrap_or(0),
+        0,
+        "an idle connection is closed"
+    );
+}
+
+/// Waits until the router has seen `worker` pass a health check.
+fn until_checked(server: &Server, worker: u64) {
+    server.wait_for("a passed health check", |s| {
+        s.status()["workers"].as_array().unwrap().iter().any(|w| {
+            w["worker_id"] == worker
+                && w["health"]["checks"].as_u64().unwrap_or(0) > 0
+                && w["health"]["healthy"] == true
+        })
+    });
+}
+
+#[test]
+fn a_non_streaming_answer_slower_than_the_idle_timeout_arrives_and_a_late_one_spares_the_circuit() {
+    // The engine sends nothing for 3 s, then the whole answer.
+    let paced = Paced::start(Pace {
+        chunks: 4,
+        every: Duration::from_millis(10),
+        answer_after: Duration::from_secs(3),
+    });
+    let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "Think."}]});
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  idle_timeout_ms: 1000\n  circuit_failures: 1\n",
+    );
+    let url = format!("{}/v1/chat/completions", server.base);
+    let (status, _, text) = call_with(&agent(), &url, &body);
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], " t0 t1 t2 t3");
+    server.until_idle();
+    drop(server);
+
+    // Its own bound shorter than the answer: 504, and the worker, whose health
+    // check passes, keeps its circuit closed (one failure would open it).
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  idle_timeout_ms: 1000\n  response_timeout_ms: 1000\n  circuit_failures: 1\n",
+    );
+    until_checked(&server, 1);
+    let url = format!("{}/v1/chat/completions", server.base);
+    let (status, _, text) = call_with(&agent(), &url, &body);
+    assert_eq!(status, 504, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "response_timeout", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("gateway.response_timeout_ms"),
+        "{error}"
+    );
+    let worker = &server.status()["workers"][0];
+    assert_eq!(worker["health"]["circuit"], "closed", "{worker}");
+    assert_eq!(worker["health"]["circuit_opened"], 0, "{worker}");
+    assert_eq!(
+        metric_or_zero(
+            &server,
+            "kvhint_gateway_releases_total{reason=\"response_timeout\"}"
+        ),
+        1.0
+    );
+    // A stream goes to it at once.
+    let (status, worker, text) = call_with(
+        &agent(),
+        &url,
+        &json!({"model": MODEL_NAME, "stream": true, "messages": [{"role": "user", "content": "Go."}]}),
+    );
+    assert_eq!((status, worker), (200, 1), "{text}");
+    server.until_idle();
 }
