@@ -404,63 +404,122 @@ fn front_door_errors_take_openai_s_shape() {
     let dir = private_dir();
     let config = config(&dir, &worker_yaml(1, &w1), "");
     let server = Server::start(&config, &["--max-body-bytes", "16384"], dir.path());
-    let cases: Vec<(&str, String, u16, &str)> = vec![
+    // (path, body, status, code, the field at fault)
+    let cases: Vec<(&str, String, u16, &str, Option<&str>)> = vec![
         (
             "/v1/completions",
             json!({"model": "nope", "prompt": "x"}).to_string(),
             404,
             "model_not_found",
+            Some("model"),
         ),
         (
             "/v1/completions",
             "{\"model\": ".to_string(),
             400,
             "invalid_json",
+            None,
         ),
         (
             "/v1/completions",
             format!("{{\"model\":\"{MODEL_NAME}\",\"prompt\":\"a\",\"prompt\":\"b\"}}"),
             400,
             "invalid_json",
+            None,
         ),
         (
             "/v1/completions",
             json!({"model": MODEL_NAME, "prompt": "x", "kv_hints": {}}).to_string(),
             400,
             "client_hints_refused",
+            Some("kv_hints"),
         ),
         (
             "/v1/completions",
             json!({"model": MODEL_NAME, "prompt": ["a", "b"]}).to_string(),
             400,
             "batch_not_supported",
+            Some("prompt"),
         ),
         (
             "/v1/completions",
             json!({"model": MODEL_NAME}).to_string(),
             400,
             "missing_prompt",
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL_NAME, "prompt": "x", "stream": "yes"}).to_string(),
+            400,
+            "invalid_field",
+            Some("stream"),
         ),
         (
             "/v1/chat/completions",
             json!({"model": MODEL_NAME, "messages": []}).to_string(),
             400,
             "invalid_prompt",
+            Some("messages"),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": MODEL_NAME, "input": {"not": "text"}}).to_string(),
+            400,
+            "invalid_input",
+            Some("input"),
         ),
         (
             "/generate",
             json!({"model": MODEL_NAME, "text": "x"}).to_string(),
             503,
             "no_workers",
+            None,
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL_NAME, "input": "x"}).to_string(),
+            404,
+            "unknown_url",
+            None,
         ),
     ];
-    for (path, body, status, code) in cases {
+    for (path, body, status, code, param) in cases {
         let (got, reply) = server.post_raw(path, "application/json", &body);
         assert_eq!(got, status, "{path} {body}: {reply}");
         assert_eq!(reply["error"]["code"], code, "{path} {body}: {reply}");
+        assert_eq!(
+            reply["error"]["param"],
+            json!(param),
+            "{path} {body}: {reply}"
+        );
         assert!(reply["error"]["message"].is_string(), "{reply}");
         assert!(reply["error"]["type"].is_string(), "{reply}");
     }
+    // An unknown route under /v1/, whatever the method, in OpenAI's shape.
+    let (got, text) = server.get("/v1/files");
+    assert_eq!(got, 404, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(reply["error"]["code"], "unknown_url", "{reply}");
+    assert_eq!(reply["error"]["type"], "invalid_request_error", "{reply}");
+    // Every answer the router gave itself has its access-log line, with why.
+    server.wait_for("the access-log lines of the refusals", |s| {
+        let log = s.log();
+        [
+            "no_workers",
+            "unknown_url",
+            "batch_not_supported",
+            "model_not_found",
+        ]
+        .iter()
+        .all(|code| {
+            log.lines().any(|l| {
+                l.contains("kvhint::access")
+                    && l.contains("answered_by_router")
+                    && l.contains(&format!("code=\"{code}\""))
+            })
+        })
+    });
     // Over the body limit: 413, in the same shape.
     let big = json!({"model": MODEL_NAME, "prompt": "x".repeat(20_000)}).to_string();
     let (got, reply) = server.post_raw("/v1/completions", "application/json", &big);
@@ -644,4 +703,93 @@ fn a_non_streaming_answer_slower_than_the_idle_timeout_arrives_and_a_late_one_sp
     );
     assert_eq!((status, worker), (200, 1), "{text}");
     server.until_idle();
+}
+
+#[test]
+fn health_readiness_and_a_model_by_id_follow_the_workers_health_checks() {
+    let paced = Paced::start(Pace {
+        chunks: 1,
+        every: Duration::from_millis(1),
+        answer_after: Duration::ZERO,
+    });
+    // Checked on a path the engine does not serve: never healthy.
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  health:\n    interval_ms: 200\n    failures: 1\n    successes: 1\n    paths: {openai: /not-here}\n",
+    );
+    let (status, text) = server.get("/health");
+    assert_eq!((status, text.as_str()), (200, r#"{"status":"ok"}"#));
+    server.wait_for("readiness to say no", |s| s.get("/readiness").0 == 503);
+    let (_, text) = server.get("/readiness");
+    let readiness: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(readiness["status"], "not_ready", "{readiness}");
+    let reason = readiness["reasons"][0].as_str().unwrap();
+    assert!(
+        reason.contains(MODEL_NAME) && reason.contains("GET /not-here answered 404"),
+        "{readiness}"
+    );
+    let (status, text) = server.get(&format!("/v1/models/{MODEL_NAME}"));
+    assert_eq!(status, 404, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+    drop(server);
+
+    // Checked where it answers: ready, and the model is listed by its id.
+    let dir = private_dir();
+    let server = serve(&dir, &paced_yaml(&paced), "");
+    until_checked(&server, 1);
+    let (status, text) = server.get("/readiness");
+    assert_eq!((status, text.as_str()), (200, r#"{"status":"ready"}"#));
+    let (status, text) = server.get(&format!("/v1/models/{MODEL_NAME}"));
+    assert_eq!(status, 200, "{text}");
+    let model: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(model["id"], MODEL_NAME);
+    assert_eq!(model["object"], "model");
+    let (status, _) = server.get("/v1/models/other-model");
+    assert_eq!(status, 404);
+}
+
+#[test]
+fn tokenize_and_detokenize_answer_in_vllm_s_shapes_with_the_engine_s_ids() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let text = "The quick brown fox <|im_start|> jumps";
+    // A completion prompt: the ids llama.cpp's own tokenizer gives.
+    let (status, mine) = server.post("/tokenize", &json!({"model": MODEL_NAME, "prompt": text, "add_special_tokens": false, "return_token_strs": true}));
+    assert_eq!(status, 200, "{mine}");
+    let (_, theirs) = w1.post("/tokenize", &json!({"content": text, "add_special": false}));
+    assert_eq!(mine["tokens"], theirs["tokens"], "{mine} {theirs}");
+    assert_eq!(mine["count"], theirs["tokens"].as_array().unwrap().len());
+    assert!(mine["max_model_len"].as_u64().unwrap() > 0, "{mine}");
+    let strs = mine["token_strs"].as_array().unwrap();
+    assert_eq!(strs.len(), mine["tokens"].as_array().unwrap().len());
+    assert!(strs.iter().any(|s| s == "<|im_start|>"), "{mine}");
+    // A chat: what llama.cpp renders with the model's template, tokenized.
+    let messages =
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+    let (status, mine) = server.post("/tokenize", &json!({"messages": messages}));
+    assert_eq!(status, 200, "{mine}");
+    assert_eq!(mine["token_strs"], Value::Null);
+    let (_, rendered) = w1.post("/apply-template", &json!({"messages": messages}));
+    let (_, theirs) = w1.post(
+        "/tokenize",
+        &json!({"content": rendered["prompt"], "add_special": false, "parse_special": true}),
+    );
+    assert_eq!(
+        mine["tokens"], theirs["tokens"],
+        "{mine} {theirs} {rendered}"
+    );
+    // Back to text, as llama.cpp's /detokenize gives it.
+    let (status, back) = server.post("/detokenize", &json!({"tokens": mine["tokens"]}));
+    assert_eq!(status, 200, "{back}");
+    let (_, theirs) = w1.post("/detokenize", &json!({"tokens": mine["tokens"]}));
+    assert_eq!(back["prompt"], theirs["content"], "{back} {theirs}");
+    assert_eq!(back["prompt"], rendered["prompt"]);
+    // An id beyond the vocabulary names the field.
+    let (status, error) = server.post("/detokenize", &json!({"tokens": [1, 999_999_999]}));
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "tokens", "{error}");
 }
