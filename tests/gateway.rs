@@ -594,6 +594,7 @@ fn a_stream_that_outlasts_the_connection_idle_timeout_arrives_whole() {
         chunks: 13,
         every: Duration::from_millis(400),
         answer_after: Duration::ZERO,
+        close_after_stream: None,
     });
     let dir = private_dir();
     let config = config(&dir, &paced_yaml(&paced), "");
@@ -648,6 +649,7 @@ fn a_non_streaming_answer_slower_than_the_idle_timeout_arrives_and_a_late_one_sp
         chunks: 4,
         every: Duration::from_millis(10),
         answer_after: Duration::from_secs(3),
+        close_after_stream: None,
     });
     let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "Think."}]});
     let dir = private_dir();
@@ -711,6 +713,7 @@ fn health_readiness_and_a_model_by_id_follow_the_workers_health_checks() {
         chunks: 1,
         every: Duration::from_millis(1),
         answer_after: Duration::ZERO,
+        close_after_stream: None,
     });
     // Checked on a path the engine does not serve: never healthy.
     let dir = private_dir();
@@ -792,4 +795,42 @@ fn tokenize_and_detokenize_answer_in_vllm_s_shapes_with_the_engine_s_ids() {
     let (status, error) = server.post("/detokenize", &json!({"tokens": [1, 999_999_999]}));
     assert_eq!(status, 400, "{error}");
     assert_eq!(error["error"]["param"], "tokens", "{error}");
+}
+
+#[test]
+fn a_pooled_connection_the_worker_closed_after_a_stream_is_re_sent_fresh_not_failed() {
+    // As llama.cpp's server does: a stream's head says keep-alive, and the
+    // connection is closed just after its last byte (here 200 ms after, so the
+    // router's next request is surely written into it).
+    let paced = Paced::start(Pace {
+        chunks: 2,
+        every: Duration::from_millis(5),
+        answer_after: Duration::ZERO,
+        close_after_stream: Some(Duration::from_millis(200)),
+    });
+    let dir = private_dir();
+    // One worker, one attempt, no health checks: a failure would reach the client.
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  max_attempts: 1\n  circuit_failures: 1\n  health:\n    interval_ms: 0\n",
+    );
+    let agent = agent();
+    let url = format!("{}/v1/chat/completions", server.base);
+    for i in 0..6 {
+        let (status, _, text) = call_with(
+            &agent,
+            &url,
+            &json!({"model": MODEL_NAME, "stream": true, "messages": [{"role": "user", "content": format!("Turn {i}.")}]}),
+        );
+        assert_eq!(status, 200, "request {i}: {text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    assert_eq!(paced.streams_done(), 6);
+    let counter = |name: &str| metric_or_zero(&server, name);
+    assert!(counter("kvhint_gateway_resent_total") >= 1.0);
+    assert_eq!(counter("kvhint_gateway_retries_total"), 0.0);
+    let worker = &server.status()["workers"][0];
+    assert_eq!(worker["health"]["circuit_opened"], 0, "{worker}");
+    server.until_idle();
 }

@@ -522,6 +522,7 @@ fn long_stream(quick: bool) {
         chunks,
         every,
         answer_after: Duration::ZERO,
+        close_after_stream: None,
     });
     let dir = private_dir();
     let kvhint = start_kvhint(&dir, &[paced.url()], "openai");

@@ -26,6 +26,12 @@ pub struct Pace {
     pub every: Duration,
     /// How long a non-streaming answer takes.
     pub answer_after: Duration,
+    /// Close the connection this long after a stream's last byte, without
+    /// reading what came meanwhile, as llama.cpp's server does after every
+    /// streamed answer while its head says `Keep-Alive: timeout=5, max=100` (a
+    /// client that reuses the connection at once writes its next request into
+    /// the close).
+    pub close_after_stream: Option<Duration>,
 }
 
 pub struct Paced {
@@ -94,6 +100,10 @@ fn serve_connection(stream: TcpStream, pace: Pace, count: &AtomicU64, done: &Ato
                     if ended.is_ok() {
                         done.fetch_add(1, Ordering::SeqCst);
                     }
+                    if let (Ok(()), Some(after)) = (&ended, pace.close_after_stream) {
+                        std::thread::sleep(after);
+                        return;
+                    }
                     ended
                 } else {
                     std::thread::sleep(pace.answer_after);
@@ -142,7 +152,7 @@ fn stream_answer(
 ) -> std::io::Result<()> {
     write!(
         writer,
-        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nkeep-alive: timeout=5, max=100\r\n\r\n"
     )?;
     writer.flush()?;
     let mut send = |data: &str| -> std::io::Result<()> {
