@@ -834,3 +834,101 @@ fn a_pooled_connection_the_worker_closed_after_a_stream_is_re_sent_fresh_not_fai
     assert_eq!(worker["health"]["circuit_opened"], 0, "{worker}");
     server.until_idle();
 }
+
+#[test]
+fn an_https_worker_is_reached_with_its_api_key_which_is_never_shown() {
+    use std::os::unix::fs::PermissionsExt;
+    const KEY: &str = "sk-worker-0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let ca = kvhint_e2e::tls::TestCa::new();
+    // llama.cpp checks the key; a real Envoy terminates TLS in front of it.
+    let worker = LlamaWorker::start_with(&["--api-key", KEY]);
+    let front = kvhint_e2e::envoy::Envoy::start(&kvhint_e2e::envoy::Routing::TlsFront {
+        worker: format!("127.0.0.1:{}", worker.port),
+        cert: ca.cert.clone(),
+        key: ca.key.clone(),
+    });
+    let dir = private_dir();
+    let key_file = dir.path().join("worker.key");
+    std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
+    std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::copy(&ca.ca, dir.path().join("ca.pem")).unwrap();
+    let entry = |key: bool| {
+        format!(
+            "  - worker_id: 1\n    http_endpoint: https://{}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n{}",
+            front.address,
+            if key { "    api_key_file: worker.key\n" } else { "" }
+        )
+    };
+    let chat = json!({"model": MODEL_NAME, "max_tokens": 4, "stream": true,
+                      "messages": [{"role": "user", "content": "Hello over TLS"}]});
+
+    // The CA file and the key: the answer streams back.
+    let path = config(
+        &dir,
+        &entry(true),
+        "  tls_ca_file: ca.pem\n  max_attempts: 1\n",
+    );
+    let server = Server::start(&path, &[], dir.path());
+    until_checked(&server, 1);
+    let (status, worker_id, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &chat,
+    );
+    assert_eq!((status, worker_id), (200, 1), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // The key is in no answer, status, log or `check` output; `check` names its file.
+    let (_, status_text) = server.get("/admin/status");
+    let check = kvhint_e2e::run_bounded(
+        std::process::Command::new(kvhint_e2e::kvhint_bin())
+            .args(["check", "--config"])
+            .arg(&path),
+        Duration::from_secs(120),
+    );
+    let check_text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert!(check.status.success(), "{check_text}");
+    assert!(check_text.contains("api key from"), "{check_text}");
+    for (what, shown) in [
+        ("the answer", &text),
+        ("/admin/status", &status_text),
+        ("check", &check_text),
+        ("the log", &server.log()),
+    ] {
+        assert!(!shown.contains(KEY), "{what} shows the worker's API key");
+    }
+    drop(server);
+
+    // Without the key, the worker's own 401 comes back (the client's own
+    // Authorization never goes on).
+    let path = config(
+        &dir,
+        &entry(false),
+        "  tls_ca_file: ca.pem\n  max_attempts: 1\n",
+    );
+    let server = Server::start(&path, &[], dir.path());
+    let (status, _, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &chat,
+    );
+    assert_eq!(status, 401, "{text}");
+    drop(server);
+
+    // Without the CA file the worker's certificate does not check against the
+    // system's roots: nothing is sent to it, and the client is told why.
+    let path = config(&dir, &entry(true), "  max_attempts: 1\n");
+    let server = Server::start(&path, &[], dir.path());
+    let (status, _, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &chat,
+    );
+    assert!(status == 502 || status == 503, "{status}: {text}");
+    server.wait_for("the certificate failure in the log", |s| {
+        s.log().contains("certificate")
+    });
+}

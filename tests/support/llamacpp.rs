@@ -96,6 +96,8 @@ pub struct LlamaWorker {
     starts: u32,
     /// `serve.py`'s `--parallel` and `--ctx` (the context all slots share).
     sizing: Option<(u32, u32)>,
+    /// More of `serve.py`'s flags (`--api-key KEY`, `--embeddings`).
+    extra: Vec<String>,
     agent: ureq::Agent,
 }
 
@@ -115,6 +117,7 @@ impl LlamaWorker {
             logs: crate::private_dir(),
             starts: 0,
             sizing: Some((parallel, ctx)),
+            extra: Vec::new(),
             agent: agent(),
         };
         worker.spawn();
@@ -130,6 +133,25 @@ impl LlamaWorker {
             logs: crate::private_dir(),
             starts: 0,
             sizing: None,
+            extra: Vec::new(),
+            agent: agent(),
+        };
+        worker.spawn();
+        worker
+    }
+
+    /// A worker started with more of `serve.py`'s flags: `["--api-key", KEY]`
+    /// (it then answers 401 to a caller without the key, as `llama-server
+    /// --api-key` does), `["--embeddings"]` (it serves `/v1/embeddings`).
+    pub fn start_with(flags: &[&str]) -> LlamaWorker {
+        let mut worker = LlamaWorker {
+            port: 0,
+            child: None,
+            stdin: None,
+            logs: crate::private_dir(),
+            starts: 0,
+            sizing: None,
+            extra: flags.iter().map(|f| f.to_string()).collect(),
             agent: agent(),
         };
         worker.spawn();
@@ -157,6 +179,7 @@ impl LlamaWorker {
                     ctx.to_string(),
                 ]
             }))
+            .args(&self.extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr);

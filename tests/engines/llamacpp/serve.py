@@ -2,6 +2,7 @@
 """Serve a GGUF with llama.cpp's own HTTP server, for tests.
 
     python3 tests/engines/llamacpp/serve.py --model FILE [--port P] [--parallel N] [--ctx N]
+        [--api-key KEY] [--embeddings]
 
 Runs llama.cpp's C++ server (``llama-server``'s code: ``/health``,
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
@@ -58,6 +59,12 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4, help="slots (n_parallel)")
     ap.add_argument("--ctx", type=int, default=4096, help="context size shared by the slots")
     ap.add_argument("--alias", default="tiny-qwen3", help="the model's name in /v1/models")
+    ap.add_argument("--api-key", help="the key callers must send (llama-server --api-key)")
+    ap.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="serve /v1/embeddings (mean pooling) instead of generation",
+    )
     args = ap.parse_args()
 
     try:
@@ -82,6 +89,11 @@ def main() -> int:
     params.endpoint_metrics = True
     params.use_jinja = True
     params.warmup = False
+    if args.api_key:
+        params.api_keys = [args.api_key]
+    if args.embeddings:
+        params.embedding = True
+        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
 
     try:
         server = xllamacpp.Server(params)
