@@ -932,3 +932,84 @@ fn an_https_worker_is_reached_with_its_api_key_which_is_never_shown() {
         s.log().contains("certificate")
     });
 }
+
+#[test]
+fn embeddings_go_to_a_worker_that_serves_the_model_and_answer_as_it_does() {
+    let embedder = LlamaWorker::start_with(&["--embeddings"]);
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &embedder), "");
+    let body = json!({"model": MODEL_NAME, "input": ["Hello there", "A second text"]});
+    let (status, worker, text) =
+        call_with(&agent(), &format!("{}/v1/embeddings", server.base), &body);
+    assert_eq!((status, worker), (200, 1), "{text}");
+    let through: Value = serde_json::from_str(&text).unwrap();
+    let (_, straight) = embedder.post("/v1/embeddings", &body);
+    assert_eq!(
+        through["data"].as_array().map(Vec::len),
+        Some(2),
+        "{through}"
+    );
+    assert_eq!(
+        through["data"], straight["data"],
+        "the worker's own vectors"
+    );
+    server.until_idle();
+}
+
+#[test]
+fn time_to_first_token_and_the_engine_s_token_counts_are_measured() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let agent = agent();
+    let (status, _, streamed) = call_with(
+        &agent,
+        &format!("{}/v1/completions", server.base),
+        &json!({"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "stream": true,
+                "stream_options": {"include_usage": true}, "prompt": "One two three"}),
+    );
+    assert_eq!(status, 200, "{streamed}");
+    let usage_chunk: Value = stable_events(&streamed)
+        .into_iter()
+        .find(|e| e["usage"].is_object())
+        .unwrap_or_else(|| panic!("no usage chunk in {streamed}"));
+    let (status, _, whole) = call_with(
+        &agent,
+        &format!("{}/v1/chat/completions", server.base),
+        &json!({"model": MODEL_NAME, "max_tokens": 5, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count to five."}]}),
+    );
+    assert_eq!(status, 200, "{whole}");
+    let whole: Value = serde_json::from_str(&whole).unwrap();
+    server.until_idle();
+    let metrics = kvhint_e2e::http::metrics(&server);
+    let total = |family: &str| sum_of(&metrics, &format!("{family}{{"));
+    let usage = |key: &str| {
+        usage_chunk["usage"][key].as_u64().unwrap() + whole["usage"][key].as_u64().unwrap()
+    };
+    assert_eq!(
+        total("kvhint_gateway_prompt_tokens_total") as u64,
+        usage("prompt_tokens")
+    );
+    assert_eq!(
+        total("kvhint_gateway_completion_tokens_total") as u64,
+        usage("completion_tokens")
+    );
+    assert_eq!(total("kvhint_gateway_ttft_seconds_count"), 2.0, "{metrics}");
+    assert_eq!(
+        total("kvhint_gateway_time_between_tokens_seconds_count"),
+        1.0,
+        "only the stream has tokens apart: {metrics}"
+    );
+    // The access log has them too.
+    server.wait_for("the access-log line with the token counts", |s| {
+        s.log().lines().any(|l| {
+            l.contains("kvhint::access")
+                && l.contains(&format!(
+                    "completion_tokens={}",
+                    whole["usage"]["completion_tokens"]
+                ))
+                && l.contains("ttft_ms=")
+        })
+    });
+}

@@ -1,6 +1,7 @@
 //! What a response says about its generation, read as its bytes pass (nothing
 //! is buffered, nothing re-serialised): when the first content came (time to
-//! first token: the first SSE event with a non-empty `content` or `text`, or a
+//! first token: the first SSE event with a non-empty `content`,
+//! `reasoning_content` or `text`, or a
 //! non-streaming body's first byte), how many content events followed and when
 //! the last came (the time between tokens), and the engine's `usage` (prompt and
 //! completion tokens) when it sends one: every non-streaming OpenAI answer, and
@@ -17,6 +18,8 @@ use std::time::Instant;
 static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data:"));
 static CONTENT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"content\":\""));
 static TEXT: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"text\":\""));
+static REASONING: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"reasoning_content\":\""));
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\":"));
 
 /// An object being put together across frames may grow to this at most.
@@ -140,8 +143,9 @@ impl Signals {
     }
 }
 
-/// SSE events in `data` whose first choice has non-empty `content` (a chat's
-/// delta) or `text` (a completion).
+/// SSE events in `data` with a token: a non-empty `content` (a chat's delta),
+/// `reasoning_content` (a reasoning model's thinking, which comes first) or
+/// `text` (a completion).
 fn count_content_events(data: &[u8]) -> u64 {
     let mut count = 0;
     let mut events = DATA.find_iter(data).peekable();
@@ -153,7 +157,10 @@ fn count_content_events(data: &[u8]) -> u64 {
                 .find(event)
                 .is_some_and(|i| event.get(i + key_len).is_some_and(|b| *b != b'"'))
         };
-        if non_empty(&CONTENT, b"\"content\":\"".len()) || non_empty(&TEXT, b"\"text\":\"".len()) {
+        if non_empty(&CONTENT, b"\"content\":\"".len())
+            || non_empty(&TEXT, b"\"text\":\"".len())
+            || non_empty(&REASONING, b"\"reasoning_content\":\"".len())
+        {
             count += 1;
         }
     }
