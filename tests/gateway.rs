@@ -1013,3 +1013,81 @@ fn time_to_first_token_and_the_engine_s_token_counts_are_measured() {
         })
     });
 }
+
+#[test]
+fn a_request_s_spans_reach_an_otlp_collector_under_the_client_s_traceparent() {
+    let collector = kvhint_e2e::otel::Collector::start();
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &worker_yaml(1, &w1),
+        &format!(
+            "  tracing:\n    otlp_endpoint: {}\n    service_name: kvhint-under-test\n",
+            collector.grpc
+        ),
+    );
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let mut response = agent()
+        .post(&format!("{}/v1/completions", server.base))
+        .header("content-type", "application/json")
+        .header("traceparent", &format!("00-{trace}-{client_span}-01"))
+        .send(
+            json!({"model": MODEL_NAME, "prompt": "Trace me", "max_tokens": 4, "stream": true})
+                .to_string(),
+        )
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let _ = response.body_mut().read_to_string();
+    // A request the router answers itself is traced too.
+    let refused = "0af7651916cd43dd8448eb211c80319c";
+    let (status, _) = {
+        let mut response = agent()
+            .post(&format!("{}/v1/completions", server.base))
+            .header("content-type", "application/json")
+            .header("traceparent", &format!("00-{refused}-b7ad6b7169203331-01"))
+            .send(json!({"model": "no-such-model", "prompt": "x"}).to_string())
+            .unwrap();
+        (
+            response.status().as_u16(),
+            response.body_mut().read_to_string(),
+        )
+    };
+    assert_eq!(status, 404);
+    let names = |trace: &str| -> Vec<String> {
+        collector
+            .spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace)
+            .map(|s| s.name)
+            .collect()
+    };
+    wait::until(
+        "the request's spans at the collector",
+        Duration::from_secs(30),
+        || {
+            let served = names(trace);
+            let complete = ["receive", "tokenize", "book", "connect", "first_byte"]
+                .iter()
+                .all(|n| served.iter().any(|m| m == n));
+            (complete && names(refused).iter().any(|n| n == "receive")).then_some(())
+        },
+    );
+    let spans = collector.spans();
+    let receive = spans
+        .iter()
+        .find(|s| s.trace_id == trace && s.name == "receive")
+        .unwrap();
+    assert_eq!(
+        receive.parent_id, client_span,
+        "it continues the client's trace"
+    );
+    for child in spans
+        .iter()
+        .filter(|s| s.trace_id == trace && s.name != "receive")
+    {
+        assert_eq!(child.parent_id, receive.id, "{child:?} hangs under receive");
+    }
+    assert!(collector.output().contains("kvhint-under-test"));
+}

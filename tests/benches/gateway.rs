@@ -27,6 +27,8 @@
 //! the re-sends on a fresh connection (`kvhint_gateway_resent_total`).
 //!
 //! `cargo bench -p kvhint-e2e --bench gateway` measures (release kvhint);
+//! `KVHINT_BENCH_BEFORE=/path/to/kvhint` adds another build of kvhint (the one
+//! before a change) as a system of its own, in the same run and the soak;
 //! `-- soak` runs the soak alone; `-- long-stream` streams one answer for ten
 //! minutes (a chunk every 5 s from a paced engine, `engines::paced`) through
 //! `kvhint serve` at its default flags and checks it arrives whole.
@@ -166,6 +168,16 @@ struct Figures {
 /// `kvhint serve` (the bench's build) in front of `urls`, each served as
 /// `engine`, at its default flags but the body limit.
 fn start_kvhint(dir: &kvhint_e2e::TempDir, urls: &[String], engine: &str) -> Server {
+    start_kvhint_from(&bench::artifacts().join("kvhint"), dir, urls, engine)
+}
+
+/// [`start_kvhint`] with the `kvhint` binary at `binary`.
+fn start_kvhint_from(
+    binary: &std::path::Path,
+    dir: &kvhint_e2e::TempDir,
+    urls: &[String],
+    engine: &str,
+) -> Server {
     let config = dir.path().join("kvhint.yaml");
     let approximate = if engine == "llamacpp" {
         "    kv_events: approximate\n"
@@ -185,7 +197,7 @@ fn start_kvhint(dir: &kvhint_e2e::TempDir, urls: &[String], engine: &str) -> Ser
     }
     std::fs::write(&config, yaml).unwrap();
     Server::start_command(
-        Command::new(bench::artifacts().join("kvhint")),
+        Command::new(binary),
         &config,
         &["--max-body-bytes", "8388608"],
         dir.path(),
@@ -207,17 +219,35 @@ fn main() {
     let urls: Vec<String> = workers.iter().map(LlamaWorker::url).collect();
     let dir = private_dir();
     let kvhint = start_kvhint(&dir, &urls, "llamacpp");
-    if !only("soak") {
-        side_by_side(quick, &kvhint, &urls);
+    // `KVHINT_BENCH_BEFORE=/path/to/kvhint`: another build of kvhint (the one
+    // before a change), measured beside this one in the same run.
+    let before_dir = private_dir();
+    let before = std::env::var_os("KVHINT_BENCH_BEFORE").map(|binary| {
+        start_kvhint_from(
+            std::path::Path::new(&binary),
+            &before_dir,
+            &urls,
+            "llamacpp",
+        )
+    });
+    let mut kvhints = vec![("kvhint", &kvhint)];
+    if let Some(before) = &before {
+        kvhints.push(("kvhint-before", before));
     }
-    soak(&kvhint, if quick { 320 } else { 10_000 });
+    if !only("soak") {
+        side_by_side(quick, &kvhints, &urls);
+    }
+    for (name, server) in &kvhints {
+        soak(name, server, if quick { 320 } else { 10_000 });
+    }
     if quick {
         long_stream(true);
     }
 }
 
 /// kvhint, the peers and straight, interleaved round by round.
-fn side_by_side(quick: bool, kvhint: &Server, urls: &[String]) {
+fn side_by_side(quick: bool, kvhints: &[(&'static str, &Server)], urls: &[String]) {
+    let kvhint = kvhints[0].1;
     let (rounds, per_round): (usize, usize) = if quick { (1, 2) } else { (5, 40) };
     let smg_port = free_port();
     let mut smg_args: Vec<String> = ["launch", "--host", "127.0.0.1", "--port"]
@@ -253,17 +283,17 @@ fn side_by_side(quick: bool, kvhint: &Server, urls: &[String]) {
     ]);
     let mut router = peer("vllm-router", &router_args, router_port);
 
-    let systems = [
-        System {
-            name: "straight",
-            urls: urls.to_vec(),
-            pid: None,
-        },
-        System {
-            name: "kvhint",
-            urls: vec![kvhint.base.clone()],
-            pid: Some(kvhint.child.id()),
-        },
+    let mut systems = vec![System {
+        name: "straight",
+        urls: urls.to_vec(),
+        pid: None,
+    }];
+    systems.extend(kvhints.iter().map(|(name, server)| System {
+        name,
+        urls: vec![server.base.clone()],
+        pid: Some(server.child.id()),
+    }));
+    systems.extend([
         System {
             name: "smg",
             urls: vec![format!("http://127.0.0.1:{smg_port}")],
@@ -274,7 +304,7 @@ fn side_by_side(quick: bool, kvhint: &Server, urls: &[String]) {
             urls: vec![format!("http://127.0.0.1:{router_port}")],
             pid: Some(router.id()),
         },
-    ];
+    ]);
     let workloads = [
         Workload {
             name: "4k-token completion",
@@ -419,7 +449,7 @@ fn side_by_side(quick: bool, kvhint: &Server, urls: &[String]) {
 /// kvhint, each read to its end and checked (a 200 whose stream ends in
 /// `[DONE]`). Prints the client-visible errors (the first few in full), and the
 /// retries and fresh-connection re-sends the router made behind them.
-fn soak(kvhint: &Server, requests: usize) {
+fn soak(name: &str, kvhint: &Server, requests: usize) {
     const CONCURRENCY: usize = 16;
     let url = format!("{}/v1/chat/completions", kvhint.base);
     let counters = |kvhint: &Server| {
@@ -485,7 +515,7 @@ fn soak(kvhint: &Server, requests: usize) {
     let (retries, resent) = counters(kvhint);
     let (retries, resent) = (retries - retries_before, resent - resent_before);
     println!(
-        "\nsoak: {requests} short streaming chats at concurrency {CONCURRENCY} through kvhint, two llama.cpp workers"
+        "\nsoak: {requests} short streaming chats at concurrency {CONCURRENCY} through {name}, two llama.cpp workers"
     );
     println!(
         "  {:.1} req/s, p50 {:.2} ms, p99 {:.2} ms; client-visible errors {}; retries {} ({:.3}%), re-sent on a fresh connection {} ({:.3}%)",
@@ -501,8 +531,9 @@ fn soak(kvhint: &Server, requests: usize) {
     for error in errors.iter().take(5) {
         println!("  error: {error}");
     }
+    // The build before a change is measured, not judged.
     assert!(
-        errors.is_empty(),
+        errors.is_empty() || name != "kvhint",
         "{} of {requests} chats failed against healthy workers; the first: {}",
         errors.len(),
         errors[0]

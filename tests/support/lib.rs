@@ -13,6 +13,7 @@
 //! | [`provision`] | the Python environment (`target/e2e/venv`), wheels and npm packages the engine tests need, fetched once under a lock |
 //! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy (also as a TLS front), `nats-server` on 127.0.0.1 |
 //! | [`tls`] | a CA and a server certificate for 127.0.0.1, made with `openssl` |
+//! | [`otel`] | a real OpenTelemetry collector (PyPI `rotel`) on 127.0.0.1, and the spans it received |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
 //! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
 //!
@@ -37,6 +38,7 @@ pub mod errors;
 pub mod http;
 pub mod llamacpp;
 pub mod nats;
+pub mod otel;
 pub mod paths;
 pub mod plugins;
 pub mod process;

@@ -102,6 +102,21 @@ pub struct GatewayConfig {
     /// The CA certificates `https://` workers are checked against
     /// (`tls_ca_file`, PEM); the system's roots without it. Taken up at start.
     pub tls_ca: Option<TlsCa>,
+    /// OpenTelemetry traces of the requests, exported over OTLP; none without
+    /// it. Taken up at start.
+    pub tracing: Option<TracingConfig>,
+}
+
+/// `gateway.tracing`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TracingConfig {
+    /// The collector's OTLP/gRPC endpoint, like `http://127.0.0.1:4317`.
+    pub otlp_endpoint: String,
+    /// `service.name` on every span.
+    pub service_name: String,
+    /// Traces kept, in percent, for requests that bring no sampling decision of
+    /// their own (a client's `traceparent` decides for its request).
+    pub sample_percent: u32,
 }
 
 /// `gateway.tls_ca_file` and the certificates it holds.
@@ -145,6 +160,7 @@ impl Default for GatewayConfig {
             approximate_max_blocks: 100_000,
             tokenizer_cache_mib: 64,
             tls_ca: None,
+            tracing: None,
         }
     }
 }
@@ -443,6 +459,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             "approximate_max_blocks",
             "tokenizer_cache_mib",
             "tls_ca_file",
+            "tracing",
         ],
     );
     let number = |walker: &mut Walker, key: &str, min: u64, max: u64, into: &mut u64| {
@@ -529,6 +546,9 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             }
         }
     }
+    if let Some(n) = map.get_node("tracing") {
+        out.tracing = tracing(walker, n);
+    }
     let mut small = u64::from(out.max_attempts);
     number(walker, "max_attempts", 1, 10, &mut small);
     out.max_attempts = small as u32;
@@ -611,4 +631,50 @@ fn health_paths(walker: &mut Walker, node: &Node) -> Vec<(Engine, String)> {
         out.push((engine, text));
     }
     out
+}
+
+/// `gateway.tracing`: `{otlp_endpoint, service_name?, sample_percent?}`.
+fn tracing(walker: &mut Walker, node: &Node) -> Option<TracingConfig> {
+    let path = "gateway.tracing";
+    let map = walker.mapping(node, path)?;
+    walker.known_keys(
+        map,
+        path,
+        &["otlp_endpoint", "service_name", "sample_percent"],
+    );
+    let Some(endpoint_node) = map.get_node("otlp_endpoint") else {
+        walker.error(
+            node_location(path, node),
+            "tracing needs `otlp_endpoint`: the collector's OTLP/gRPC address, like http://127.0.0.1:4317",
+        );
+        return None;
+    };
+    let at = join(path, "otlp_endpoint");
+    let endpoint = walker.string(endpoint_node, &at)?;
+    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        || endpoint
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control())
+    {
+        walker.error(
+            location(&at, endpoint_node.span()),
+            format!(
+                "{endpoint:?} is not an OTLP/gRPC address; write it like http://127.0.0.1:4317"
+            ),
+        );
+        return None;
+    }
+    let service_name = match map.get_node("service_name") {
+        Some(n) => walker.string(n, &join(path, "service_name"))?,
+        None => "kvhint".to_string(),
+    };
+    let sample_percent = match map.get_node("sample_percent") {
+        Some(n) => walker.unsigned(n, &join(path, "sample_percent"), 0, 100)? as u32,
+        None => 100,
+    };
+    Some(TracingConfig {
+        otlp_endpoint: endpoint,
+        service_name,
+        sample_percent,
+    })
 }

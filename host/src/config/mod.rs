@@ -22,7 +22,9 @@ pub(crate) mod yaml;
 pub use crate::domain::{Role, RouterMode};
 pub use auth::AuthConfig;
 pub use endpoint_picker::EndpointPickerConfig;
-pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig, TlsCa};
+pub use gateway::{
+    ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig, TlsCa, TracingConfig,
+};
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
 pub use model::*;

@@ -20,6 +20,7 @@ pub mod health;
 pub mod release;
 pub mod signals;
 pub mod stats;
+pub mod trace;
 pub mod upstream;
 
 use crate::domain::{HttpTarget, Worker, WorkerKey};
@@ -153,6 +154,8 @@ pub struct Gateway {
     pub stats: Arc<stats::GatewayStats>,
     /// What `kv_events: approximate` workers were credited with.
     pub approximate: approximate::Approximate,
+    /// OpenTelemetry traces, when `gateway.tracing` is configured.
+    pub tracing: Option<trace::Tracing>,
     next_id: AtomicU64,
     /// Makes request ids unique across restarts (engines key requests by id).
     instance: u64,
@@ -161,11 +164,24 @@ pub struct Gateway {
 impl Gateway {
     /// From the first config's `gateway:` (the connect timeout and the TLS
     /// roots are fixed until restart, as the connection pool is).
-    pub fn new(settings: &crate::config::GatewayConfig) -> Result<Self, upstream::TlsSetupError> {
+    /// Call it inside the Tokio runtime (the trace exporter's gRPC client
+    /// lives there).
+    pub fn new(settings: &crate::config::GatewayConfig) -> Result<Self, String> {
+        let tls = |e: upstream::TlsSetupError| match &settings.tls_ca {
+            Some(ca) => format!("gateway.tls_ca_file ({}): {e}", ca.file.display()),
+            None => format!("gateway: {e}"),
+        };
         let connector = upstream::Connector::new(
             Duration::from_millis(settings.connect_timeout_ms),
-            upstream::tls_roots(settings.tls_ca.as_ref())?,
-        )?;
+            upstream::tls_roots(settings.tls_ca.as_ref()).map_err(tls)?,
+        )
+        .map_err(tls)?;
+        let tracing = match &settings.tracing {
+            Some(config) => {
+                Some(trace::Tracing::start(config).map_err(|e| format!("gateway.tracing: {e}"))?)
+            }
+            None => None,
+        };
         let client = Client::builder(hyper_util::rt::TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE)
             .pool_timer(hyper_util::rt::TokioTimer::new())
@@ -183,6 +199,7 @@ impl Gateway {
             health: health::Health::default(),
             stats: Arc::default(),
             approximate: approximate::Approximate::default(),
+            tracing,
             next_id: AtomicU64::new(0),
             instance,
         })

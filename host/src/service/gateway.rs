@@ -408,9 +408,33 @@ async fn handle(
         }
     };
     let request_id = app.gateway.request_id();
-    match forward(&app, route, &headers, body, received, &request_id).await {
+    let mut trace = app
+        .gateway
+        .tracing
+        .as_ref()
+        .and_then(|t| t.request(&headers, route.as_str(), received));
+    match forward(
+        &app,
+        route,
+        &headers,
+        body,
+        received,
+        &request_id,
+        &mut trace,
+    )
+    .await
+    {
         Ok(response) => response,
         Err(error) => {
+            if let Some(trace) = trace {
+                trace.finish(
+                    Instant::now(),
+                    "answered_by_router",
+                    error.status.as_u16(),
+                    None,
+                    None,
+                );
+            }
             let mut response = error_response(&app, error);
             if let Ok(value) = HeaderValue::from_str(&request_id) {
                 response.headers_mut().insert("x-kvhint-request-id", value);
@@ -583,6 +607,7 @@ async fn forward(
     body: Bytes,
     received: Instant,
     request_id: &str,
+    trace: &mut Option<crate::gateway::trace::RequestTrace>,
 ) -> Result<Response, GatewayError> {
     if std::str::from_utf8(&body).is_err() {
         return Err(GatewayError::bad_request(
@@ -611,7 +636,8 @@ async fn forward(
             let tried = tried.clone();
             let prepared = prepared.clone();
             move || {
-                book_body(
+                let started = Instant::now();
+                let booked = book_body(
                     &app,
                     &snapshot,
                     route,
@@ -620,17 +646,27 @@ async fn forward(
                     &tried,
                     prepared,
                     None,
-                )
+                );
+                (started, booked)
             }
         };
-        let booked = app.bookings.run(job).await.map_err(|_| {
+        let (job_started, booked) = app.bookings.run(job).await.map_err(|_| {
             GatewayError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",
                 "overloaded",
                 "every booking thread is busy and the booking queue is full; retry shortly",
             )
-        })??;
+        })?;
+        let booked = booked?;
+        if let Some(trace) = trace.as_mut() {
+            trace.booked(
+                job_started,
+                booked.prepared.tokenize,
+                Instant::now(),
+                booked.worker,
+            );
+        }
         // The booking is open: the guard releases it on every way out, this
         // future being dropped (the client left) included.
         let Booked {
@@ -669,7 +705,16 @@ async fn forward(
             Some(at) => for_head.min(at.saturating_duration_since(sent)),
             None => for_head,
         };
-        let answer = send(app, &booked, headers, sent + waited, &request_id).await?;
+        let traceparent = trace.as_mut().and_then(|t| t.sending(sent));
+        let answer = send(
+            app,
+            &booked,
+            headers,
+            sent + waited,
+            &request_id,
+            traceparent.as_ref(),
+        )
+        .await?;
         let key = booked.worker;
         let retry = |guard: &mut ReleaseGuard, tried: &mut Vec<WorkerKey>| {
             guard.finish(Release::Retried);
@@ -724,6 +769,9 @@ async fn forward(
                 }
                 if !last_attempt {
                     tracing::warn!(request_id = %request_id, worker = %key, error = %why, attempt, "the request failed before any byte reached the client; booking it again on another worker");
+                    if let Some(trace) = trace.as_mut() {
+                        trace.retried(key, &why);
+                    }
                     retry(&mut guard, &mut tried);
                     tokio::time::sleep(backoff).await;
                     backoff = backoff.mul_f32(1.5);
@@ -748,6 +796,9 @@ async fn forward(
                 format!("it answered {status}"),
             );
             if !last_attempt {
+                if let Some(trace) = trace.as_mut() {
+                    trace.retried(key, &format!("it answered {status}"));
+                }
                 retry(&mut guard, &mut tried);
                 drop(response);
                 tokio::time::sleep(backoff).await;
@@ -767,6 +818,10 @@ async fn forward(
             prepared.tokenize,
             now.saturating_duration_since(received),
         );
+        let mut trace = trace.take();
+        if let Some(trace) = trace.as_mut() {
+            trace.head(now, status.as_u16());
+        }
         let (parts, incoming) = response.into_parts();
         let stats = Arc::clone(&app.gateway.stats);
         let model = prepared.model.name.clone();
@@ -774,6 +829,17 @@ async fn forward(
         let on_end: OnEnd = Box::new(
             move |reason: Release, duration: Duration, signals: &Signals| {
                 stats.ended(&model, key, duration, Some((signals, received)));
+                if let Some(trace) = trace {
+                    trace.finish(
+                        received + duration,
+                        reason.as_str(),
+                        status.as_u16(),
+                        signals.first_content,
+                        signals
+                            .usage
+                            .map(|u| (u.prompt_tokens, u.completion_tokens)),
+                    );
+                }
                 let since = |at: Option<Instant>| {
                     at.map(|at| at.saturating_duration_since(received).as_secs_f64() * 1e3)
                 };
@@ -840,8 +906,9 @@ async fn send(
     headers: &HeaderMap,
     until: Instant,
     request_id: &str,
+    traceparent: Option<&HeaderValue>,
 ) -> Result<Answer, GatewayError> {
-    let request = upstream_request(booked, headers)?;
+    let request = upstream_request(booked, headers, traceparent)?;
     let wait = |at: Instant| at.saturating_duration_since(Instant::now());
     let answer = tokio::time::timeout(wait(until), app.gateway.client.request(request)).await;
     let stale = match &answer {
@@ -860,7 +927,7 @@ async fn send(
         .stats
         .resent
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let request = upstream_request(booked, headers)?;
+    let request = upstream_request(booked, headers, traceparent)?;
     Ok(tokio::time::timeout(wait(until), app.gateway.fresh.request(request)).await)
 }
 
@@ -869,6 +936,7 @@ async fn send(
 fn upstream_request(
     booked: &Sent,
     client_headers: &HeaderMap,
+    traceparent: Option<&HeaderValue>,
 ) -> Result<hyper::Request<Full<Bytes>>, GatewayError> {
     let uri = format!("{}{}", booked.base, booked.forward.path);
     let mut request = hyper::Request::post(uri);
@@ -889,6 +957,10 @@ fn upstream_request(
         }
         if let Some(key) = booked.api_key.as_ref().and_then(|k| k.authorization()) {
             headers.insert(header::AUTHORIZATION, key);
+        }
+        // Traced: the worker's parent is this request's `connect` span.
+        if let Some(traceparent) = traceparent {
+            headers.insert(HeaderName::from_static("traceparent"), traceparent.clone());
         }
     }
     request

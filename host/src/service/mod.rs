@@ -404,19 +404,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         ));
     }
     let gateway = crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
-        let at = config
-            .gateway
-            .tls_ca
-            .as_ref()
-            .map(|ca| ca.file.display().to_string());
-        config::ConfigErrors(vec![config::ConfigError::new(
-            &options.config,
-            None,
-            match at {
-                Some(file) => format!("gateway.tls_ca_file ({file}): {e}"),
-                None => format!("gateway: {e}"),
-            },
-        )])
+        config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
     })?;
     let hook_events = Arc::clone(&engine_events);
     let hook_router = Arc::clone(&router);
