@@ -29,6 +29,9 @@
 //! `cargo bench -p kvhint-e2e --bench gateway` measures (release kvhint);
 //! `KVHINT_BENCH_BEFORE=/path/to/kvhint` adds another build of kvhint (the one
 //! before a change) as a system of its own, in the same run and the soak;
+//! `kvhint+otel` is this build with `gateway.tracing` on, every request traced
+//! and exported to a real collector (PyPI `rotel`): its CPU per request beside
+//! `kvhint`'s is what tracing costs;
 //! `-- soak` runs the soak alone; `-- long-stream` streams one answer for ten
 //! minutes (a chunk every 5 s from a paced engine, `engines::paced`) through
 //! `kvhint serve` at its default flags and checks it arrives whole.
@@ -168,7 +171,7 @@ struct Figures {
 /// `kvhint serve` (the bench's build) in front of `urls`, each served as
 /// `engine`, at its default flags but the body limit.
 fn start_kvhint(dir: &kvhint_e2e::TempDir, urls: &[String], engine: &str) -> Server {
-    start_kvhint_from(&bench::artifacts().join("kvhint"), dir, urls, engine)
+    start_kvhint_from(&bench::artifacts().join("kvhint"), dir, urls, engine, "")
 }
 
 /// [`start_kvhint`] with the `kvhint` binary at `binary`.
@@ -177,6 +180,7 @@ fn start_kvhint_from(
     dir: &kvhint_e2e::TempDir,
     urls: &[String],
     engine: &str,
+    gateway: &str,
 ) -> Server {
     let config = dir.path().join("kvhint.yaml");
     let approximate = if engine == "llamacpp" {
@@ -186,7 +190,7 @@ fn start_kvhint_from(
     };
     let mut yaml = format!(
         "router:\n  block_size: 16\n  max_prompt_tokens: 65536\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
-         models:\n  {MODEL_NAME}:\n    tokenizer: {}\nworkers:\n",
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n{gateway}workers:\n",
         qwen3_tokenizer_dir().display()
     );
     for (i, url) in urls.iter().enumerate() {
@@ -228,18 +232,34 @@ fn main() {
             &before_dir,
             &urls,
             "llamacpp",
+            "",
         )
     });
-    let mut kvhints = vec![("kvhint", &kvhint)];
+    // The same build with OpenTelemetry tracing on, every request traced and
+    // exported to a real collector: what tracing costs per request.
+    let collector = kvhint_e2e::otel::Collector::start();
+    let traced_dir = private_dir();
+    let traced = start_kvhint_from(
+        &bench::artifacts().join("kvhint"),
+        &traced_dir,
+        &urls,
+        "llamacpp",
+        &format!(
+            "gateway:\n  tracing:\n    otlp_endpoint: {}\n",
+            collector.grpc
+        ),
+    );
+    let mut kvhints = vec![("kvhint", &kvhint), ("kvhint+otel", &traced)];
     if let Some(before) = &before {
         kvhints.push(("kvhint-before", before));
     }
     if !only("soak") {
         side_by_side(quick, &kvhints, &urls);
     }
-    for (name, server) in &kvhints {
+    for (name, server) in kvhints.iter().filter(|(name, _)| *name != "kvhint+otel") {
         soak(name, server, if quick { 320 } else { 10_000 });
     }
+    drop(collector);
     if quick {
         long_stream(true);
     }

@@ -213,6 +213,12 @@ impl Tokens {
 /// line, read as a token file is (a regular file only its owner may read or
 /// write, in directories no other user can write). The message never holds it.
 pub(crate) fn read_secret_file(path: &Path) -> Result<String, String> {
+    if std::fs::symlink_metadata(path).is_err() {
+        return Err(format!(
+            "there is no such file; write the worker's API key in it, readable by this user only: `(umask 077; cat > {})`",
+            path.display()
+        ));
+    }
     let lines = read_token_file(path).map_err(|e| e.replace("token file", "key file"))?;
     match lines.as_slice() {
         [(_, key)] => Ok(key.clone()),

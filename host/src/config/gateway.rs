@@ -129,6 +129,9 @@ pub struct TlsCa {
 /// The certificates of a PEM file (at least one).
 fn read_ca_file(path: &Path) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
     use rustls_pki_types::pem::PemObject;
+    if std::fs::metadata(path).is_err() {
+        return Err("there is no such file; point `tls_ca_file` at the PEM file of the CA certificates that signed the workers' certificates".into());
+    }
     let certificates = rustls_pki_types::CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|e| format!("cannot read it as PEM certificates: {e}"))?;
@@ -642,39 +645,42 @@ fn tracing(walker: &mut Walker, node: &Node) -> Option<TracingConfig> {
         path,
         &["otlp_endpoint", "service_name", "sample_percent"],
     );
-    let Some(endpoint_node) = map.get_node("otlp_endpoint") else {
-        walker.error(
-            node_location(path, node),
-            "tracing needs `otlp_endpoint`: the collector's OTLP/gRPC address, like http://127.0.0.1:4317",
-        );
-        return None;
+    let endpoint = match map.get_node("otlp_endpoint") {
+        None => {
+            walker.error(
+                node_location(path, node),
+                "tracing needs `otlp_endpoint`: the collector's OTLP/gRPC address, like http://127.0.0.1:4317",
+            );
+            None
+        }
+        Some(n) => {
+            let at = join(path, "otlp_endpoint");
+            walker.string(n, &at).and_then(|endpoint| {
+                let fits = (endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+                    && !endpoint.chars().any(|c| c.is_whitespace() || c.is_control());
+                if !fits {
+                    walker.error(
+                        location(&at, n.span()),
+                        format!("{endpoint:?} is not an OTLP/gRPC address; write it like http://127.0.0.1:4317"),
+                    );
+                }
+                fits.then_some(endpoint)
+            })
+        }
     };
-    let at = join(path, "otlp_endpoint");
-    let endpoint = walker.string(endpoint_node, &at)?;
-    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
-        || endpoint
-            .chars()
-            .any(|c| c.is_whitespace() || c.is_control())
-    {
-        walker.error(
-            location(&at, endpoint_node.span()),
-            format!(
-                "{endpoint:?} is not an OTLP/gRPC address; write it like http://127.0.0.1:4317"
-            ),
-        );
-        return None;
-    }
     let service_name = match map.get_node("service_name") {
-        Some(n) => walker.string(n, &join(path, "service_name"))?,
-        None => "kvhint".to_string(),
+        Some(n) => walker.string(n, &join(path, "service_name")),
+        None => Some("kvhint".to_string()),
     };
     let sample_percent = match map.get_node("sample_percent") {
-        Some(n) => walker.unsigned(n, &join(path, "sample_percent"), 0, 100)? as u32,
-        None => 100,
+        Some(n) => walker
+            .unsigned(n, &join(path, "sample_percent"), 0, 100)
+            .map(|v| v as u32),
+        None => Some(100),
     };
     Some(TracingConfig {
-        otlp_endpoint: endpoint,
-        service_name,
-        sample_percent,
+        otlp_endpoint: endpoint?,
+        service_name: service_name?,
+        sample_percent: sample_percent?,
     })
 }

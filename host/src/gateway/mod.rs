@@ -308,7 +308,7 @@ pub fn prepare(
                 )
             }
         },
-        Route::Embeddings => (embedding_input(&model, body)?, PieceStats::default()),
+        Route::Embeddings => (embedding_input(model, body)?, PieceStats::default()),
         Route::Generate => {
             match (prompt(body, "input_ids")?, prompt(body, "text")?) {
                 (Some(Prompt::Ids(ids)), None) => (ids, PieceStats::default()),
