@@ -4,6 +4,7 @@
 //! requests go through `kvhint serve`, are tokenized with the model's tokenizer,
 //! booked, forwarded, streamed back, and released on every way out.
 
+use kvhint_e2e::engines::paced::{chunk_text, Pace, Paced};
 use kvhint_e2e::http::{
     agent, call_with, cut_off_requests, metric_or_zero, raw_post, read_some, sum_of,
 };
@@ -350,10 +351,12 @@ fn a_worker_that_accepts_and_never_answers_hits_the_idle_timeout() {
         &workers,
         "  idle_timeout_ms: 300\n  max_attempts: 1\n  health:\n    interval_ms: 0\n",
     );
+    // A stream's head comes at once from a live engine: silence before it is
+    // the idle bound's.
     let (status, _, text) = call_with(
         &agent(),
         &format!("{}/v1/completions", server.base),
-        &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}),
+        &json!({"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "stream": true}),
     );
     assert_eq!(status, 504, "{text}");
     let error: Value = serde_json::from_str(&text).unwrap();
@@ -401,63 +404,122 @@ fn front_door_errors_take_openai_s_shape() {
     let dir = private_dir();
     let config = config(&dir, &worker_yaml(1, &w1), "");
     let server = Server::start(&config, &["--max-body-bytes", "16384"], dir.path());
-    let cases: Vec<(&str, String, u16, &str)> = vec![
+    // (path, body, status, code, the field at fault)
+    let cases: Vec<(&str, String, u16, &str, Option<&str>)> = vec![
         (
             "/v1/completions",
             json!({"model": "nope", "prompt": "x"}).to_string(),
             404,
             "model_not_found",
+            Some("model"),
         ),
         (
             "/v1/completions",
             "{\"model\": ".to_string(),
             400,
             "invalid_json",
+            None,
         ),
         (
             "/v1/completions",
             format!("{{\"model\":\"{MODEL_NAME}\",\"prompt\":\"a\",\"prompt\":\"b\"}}"),
             400,
             "invalid_json",
+            None,
         ),
         (
             "/v1/completions",
             json!({"model": MODEL_NAME, "prompt": "x", "kv_hints": {}}).to_string(),
             400,
             "client_hints_refused",
+            Some("kv_hints"),
         ),
         (
             "/v1/completions",
             json!({"model": MODEL_NAME, "prompt": ["a", "b"]}).to_string(),
             400,
             "batch_not_supported",
+            Some("prompt"),
         ),
         (
             "/v1/completions",
             json!({"model": MODEL_NAME}).to_string(),
             400,
             "missing_prompt",
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL_NAME, "prompt": "x", "stream": "yes"}).to_string(),
+            400,
+            "invalid_field",
+            Some("stream"),
         ),
         (
             "/v1/chat/completions",
             json!({"model": MODEL_NAME, "messages": []}).to_string(),
             400,
             "invalid_prompt",
+            Some("messages"),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": MODEL_NAME, "input": {"not": "text"}}).to_string(),
+            400,
+            "invalid_input",
+            Some("input"),
         ),
         (
             "/generate",
             json!({"model": MODEL_NAME, "text": "x"}).to_string(),
             503,
             "no_workers",
+            None,
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL_NAME, "input": "x"}).to_string(),
+            404,
+            "unknown_url",
+            None,
         ),
     ];
-    for (path, body, status, code) in cases {
+    for (path, body, status, code, param) in cases {
         let (got, reply) = server.post_raw(path, "application/json", &body);
         assert_eq!(got, status, "{path} {body}: {reply}");
         assert_eq!(reply["error"]["code"], code, "{path} {body}: {reply}");
+        assert_eq!(
+            reply["error"]["param"],
+            json!(param),
+            "{path} {body}: {reply}"
+        );
         assert!(reply["error"]["message"].is_string(), "{reply}");
         assert!(reply["error"]["type"].is_string(), "{reply}");
     }
+    // An unknown route under /v1/, whatever the method, in OpenAI's shape.
+    let (got, text) = server.get("/v1/files");
+    assert_eq!(got, 404, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(reply["error"]["code"], "unknown_url", "{reply}");
+    assert_eq!(reply["error"]["type"], "invalid_request_error", "{reply}");
+    // Every answer the router gave itself has its access-log line, with why.
+    server.wait_for("the access-log lines of the refusals", |s| {
+        let log = s.log();
+        [
+            "no_workers",
+            "unknown_url",
+            "batch_not_supported",
+            "model_not_found",
+        ]
+        .iter()
+        .all(|code| {
+            log.lines().any(|l| {
+                l.contains("kvhint::access")
+                    && l.contains("answered_by_router")
+                    && l.contains(&format!("code=\"{code}\""))
+            })
+        })
+    });
     // Over the body limit: 413, in the same shape.
     let big = json!({"model": MODEL_NAME, "prompt": "x".repeat(20_000)}).to_string();
     let (got, reply) = server.post_raw("/v1/completions", "application/json", &big);
@@ -500,4 +562,532 @@ fn the_client_token_guards_the_front_door_and_its_401_is_openai_shaped() {
         .unwrap();
     assert_eq!(response.status().as_u16(), 200);
     let _ = response.body_mut().read_to_string();
+}
+
+/// `workers:` with one worker, `paced`, served as an OpenAI-compatible engine.
+fn paced_yaml(paced: &Paced) -> String {
+    format!(
+        "  - worker_id: 1\n    http_endpoint: {}\n    engine: openai\n    models: [{MODEL_NAME}]\n",
+        paced.url()
+    )
+}
+
+/// The text of each SSE chunk's first choice (a chat's `delta.content`), in order.
+fn streamed_contents(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .filter(|data| data.trim() != "[DONE]")
+        .filter_map(|data| {
+            let chunk: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{e}: {data}"));
+            chunk["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn a_stream_that_outlasts_the_connection_idle_timeout_arrives_whole() {
+    // One chunk every 400 ms for over 5 s, through a router whose connections
+    // idle out after 1 s between requests.
+    let paced = Paced::start(Pace {
+        chunks: 13,
+        every: Duration::from_millis(400),
+        answer_after: Duration::ZERO,
+        close_after_stream: None,
+    });
+    let dir = private_dir();
+    let config = config(&dir, &paced_yaml(&paced), "");
+    let server = Server::start(&config, &["--idle-timeout-ms", "1000"], dir.path());
+    let (status, worker, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &json!({"model": MODEL_NAME, "stream": true, "messages": [{"role": "user", "content": "Go on."}]}),
+    );
+    assert_eq!((status, worker), (200, 1), "{text}");
+    let expected: Vec<String> = (0..13).map(chunk_text).collect();
+    assert_eq!(streamed_contents(&text), expected, "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(paced.streams_done(), 1);
+    server.until_idle();
+    let release = |reason: &str| {
+        metric_or_zero(
+            &server,
+            &format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(release("completed"), 1.0);
+    assert_eq!(release("client_disconnect"), 0.0);
+    // Between requests the idle timeout still holds: a connection that sends
+    // nothing is closed after it.
+    let mut idle = std::net::TcpStream::connect(server.address()).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        std::io::Read::read(&mut idle, &mut byte).unwrap_or(0),
+        0,
+        "an idle connection is closed"
+    );
+}
+
+/// Waits until the router has seen `worker` pass a health check.
+fn until_checked(server: &Server, worker: u64) {
+    server.wait_for("a passed health check", |s| {
+        s.status()["workers"].as_array().unwrap().iter().any(|w| {
+            w["worker_id"] == worker
+                && w["health"]["checks"].as_u64().unwrap_or(0) > 0
+                && w["health"]["healthy"] == true
+        })
+    });
+}
+
+#[test]
+fn a_non_streaming_answer_slower_than_the_idle_timeout_arrives_and_a_late_one_spares_the_circuit() {
+    // The engine sends nothing for 3 s, then the whole answer.
+    let paced = Paced::start(Pace {
+        chunks: 4,
+        every: Duration::from_millis(10),
+        answer_after: Duration::from_secs(3),
+        close_after_stream: None,
+    });
+    let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": "Think."}]});
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  idle_timeout_ms: 1000\n  circuit_failures: 1\n",
+    );
+    let url = format!("{}/v1/chat/completions", server.base);
+    let (status, _, text) = call_with(&agent(), &url, &body);
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], " t0 t1 t2 t3");
+    server.until_idle();
+    drop(server);
+
+    // Its own bound shorter than the answer: 504, and the worker, whose health
+    // check passes, keeps its circuit closed (one failure would open it).
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  idle_timeout_ms: 1000\n  response_timeout_ms: 1000\n  circuit_failures: 1\n",
+    );
+    until_checked(&server, 1);
+    let url = format!("{}/v1/chat/completions", server.base);
+    let (status, _, text) = call_with(&agent(), &url, &body);
+    assert_eq!(status, 504, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "response_timeout", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("gateway.response_timeout_ms"),
+        "{error}"
+    );
+    let worker = &server.status()["workers"][0];
+    assert_eq!(worker["health"]["circuit"], "closed", "{worker}");
+    assert_eq!(worker["health"]["circuit_opened"], 0, "{worker}");
+    assert_eq!(
+        metric_or_zero(
+            &server,
+            "kvhint_gateway_releases_total{reason=\"response_timeout\"}"
+        ),
+        1.0
+    );
+    // A stream goes to it at once.
+    let (status, worker, text) = call_with(
+        &agent(),
+        &url,
+        &json!({"model": MODEL_NAME, "stream": true, "messages": [{"role": "user", "content": "Go."}]}),
+    );
+    assert_eq!((status, worker), (200, 1), "{text}");
+    server.until_idle();
+}
+
+#[test]
+fn health_readiness_and_a_model_by_id_follow_the_workers_health_checks() {
+    let paced = Paced::start(Pace {
+        chunks: 1,
+        every: Duration::from_millis(1),
+        answer_after: Duration::ZERO,
+        close_after_stream: None,
+    });
+    // Checked on a path the engine does not serve: never healthy.
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  health:\n    interval_ms: 200\n    failures: 1\n    successes: 1\n    paths: {openai: /not-here}\n",
+    );
+    let (status, text) = server.get("/health");
+    assert_eq!((status, text.as_str()), (200, r#"{"status":"ok"}"#));
+    server.wait_for("readiness to say no", |s| s.get("/readiness").0 == 503);
+    let (_, text) = server.get("/readiness");
+    let readiness: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(readiness["status"], "not_ready", "{readiness}");
+    let reason = readiness["reasons"][0].as_str().unwrap();
+    assert!(
+        reason.contains(MODEL_NAME) && reason.contains("GET /not-here answered 404"),
+        "{readiness}"
+    );
+    let (status, text) = server.get(&format!("/v1/models/{MODEL_NAME}"));
+    assert_eq!(status, 404, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+    drop(server);
+
+    // Checked where it answers: ready, and the model is listed by its id.
+    let dir = private_dir();
+    let server = serve(&dir, &paced_yaml(&paced), "");
+    until_checked(&server, 1);
+    let (status, text) = server.get("/readiness");
+    assert_eq!((status, text.as_str()), (200, r#"{"status":"ready"}"#));
+    let (status, text) = server.get(&format!("/v1/models/{MODEL_NAME}"));
+    assert_eq!(status, 200, "{text}");
+    let model: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(model["id"], MODEL_NAME);
+    assert_eq!(model["object"], "model");
+    let (status, _) = server.get("/v1/models/other-model");
+    assert_eq!(status, 404);
+}
+
+#[test]
+fn tokenize_and_detokenize_answer_in_vllm_s_shapes_with_the_engine_s_ids() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let text = "The quick brown fox <|im_start|> jumps";
+    // A completion prompt: the ids llama.cpp's own tokenizer gives.
+    let (status, mine) = server.post("/tokenize", &json!({"model": MODEL_NAME, "prompt": text, "add_special_tokens": false, "return_token_strs": true}));
+    assert_eq!(status, 200, "{mine}");
+    let (_, theirs) = w1.post("/tokenize", &json!({"content": text, "add_special": false}));
+    assert_eq!(mine["tokens"], theirs["tokens"], "{mine} {theirs}");
+    assert_eq!(mine["count"], theirs["tokens"].as_array().unwrap().len());
+    assert!(mine["max_model_len"].as_u64().unwrap() > 0, "{mine}");
+    let strs = mine["token_strs"].as_array().unwrap();
+    assert_eq!(strs.len(), mine["tokens"].as_array().unwrap().len());
+    assert!(strs.iter().any(|s| s == "<|im_start|>"), "{mine}");
+    // A chat: what llama.cpp renders with the model's template, tokenized.
+    let messages =
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+    let (status, mine) = server.post("/tokenize", &json!({"messages": messages}));
+    assert_eq!(status, 200, "{mine}");
+    assert_eq!(mine["token_strs"], Value::Null);
+    let (_, rendered) = w1.post("/apply-template", &json!({"messages": messages}));
+    let (_, theirs) = w1.post(
+        "/tokenize",
+        &json!({"content": rendered["prompt"], "add_special": false, "parse_special": true}),
+    );
+    assert_eq!(
+        mine["tokens"], theirs["tokens"],
+        "{mine} {theirs} {rendered}"
+    );
+    // Back to text, as llama.cpp's /detokenize gives it.
+    let (status, back) = server.post("/detokenize", &json!({"tokens": mine["tokens"]}));
+    assert_eq!(status, 200, "{back}");
+    let (_, theirs) = w1.post("/detokenize", &json!({"tokens": mine["tokens"]}));
+    assert_eq!(back["prompt"], theirs["content"], "{back} {theirs}");
+    assert_eq!(back["prompt"], rendered["prompt"]);
+    // An id beyond the vocabulary names the field.
+    let (status, error) = server.post("/detokenize", &json!({"tokens": [1, 999_999_999]}));
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "tokens", "{error}");
+}
+
+#[test]
+fn a_pooled_connection_the_worker_closed_after_a_stream_is_re_sent_fresh_not_failed() {
+    // As llama.cpp's server does: a stream's head says keep-alive, and the
+    // connection is closed just after its last byte (here 200 ms after, so the
+    // router's next request is surely written into it).
+    let paced = Paced::start(Pace {
+        chunks: 2,
+        every: Duration::from_millis(5),
+        answer_after: Duration::ZERO,
+        close_after_stream: Some(Duration::from_millis(200)),
+    });
+    let dir = private_dir();
+    // One worker, one attempt, no health checks: a failure would reach the client.
+    let server = serve(
+        &dir,
+        &paced_yaml(&paced),
+        "  max_attempts: 1\n  circuit_failures: 1\n  health:\n    interval_ms: 0\n",
+    );
+    let agent = agent();
+    let url = format!("{}/v1/chat/completions", server.base);
+    for i in 0..6 {
+        let (status, _, text) = call_with(
+            &agent,
+            &url,
+            &json!({"model": MODEL_NAME, "stream": true, "messages": [{"role": "user", "content": format!("Turn {i}.")}]}),
+        );
+        assert_eq!(status, 200, "request {i}: {text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    assert_eq!(paced.streams_done(), 6);
+    let counter = |name: &str| metric_or_zero(&server, name);
+    assert!(counter("kvhint_gateway_resent_total") >= 1.0);
+    assert_eq!(counter("kvhint_gateway_retries_total"), 0.0);
+    let worker = &server.status()["workers"][0];
+    assert_eq!(worker["health"]["circuit_opened"], 0, "{worker}");
+    server.until_idle();
+}
+
+#[test]
+fn an_https_worker_is_reached_with_its_api_key_which_is_never_shown() {
+    use std::os::unix::fs::PermissionsExt;
+    const KEY: &str = "sk-worker-0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let ca = kvhint_e2e::tls::TestCa::new();
+    // llama.cpp checks the key; a real Envoy terminates TLS in front of it.
+    let worker = LlamaWorker::start_with(&["--api-key", KEY]);
+    let front = kvhint_e2e::envoy::Envoy::start(&kvhint_e2e::envoy::Routing::TlsFront {
+        worker: format!("127.0.0.1:{}", worker.port),
+        cert: ca.cert.clone(),
+        key: ca.key.clone(),
+    });
+    let dir = private_dir();
+    let key_file = dir.path().join("worker.key");
+    std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
+    std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::copy(&ca.ca, dir.path().join("ca.pem")).unwrap();
+    let entry = |key: bool| {
+        format!(
+            "  - worker_id: 1\n    http_endpoint: https://{}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n{}",
+            front.address,
+            if key { "    api_key_file: worker.key\n" } else { "" }
+        )
+    };
+    let chat = json!({"model": MODEL_NAME, "max_tokens": 4, "stream": true,
+                      "messages": [{"role": "user", "content": "Hello over TLS"}]});
+
+    // The CA file and the key: the answer streams back.
+    let path = config(
+        &dir,
+        &entry(true),
+        "  tls_ca_file: ca.pem\n  max_attempts: 1\n",
+    );
+    let server = Server::start(&path, &[], dir.path());
+    until_checked(&server, 1);
+    let (status, worker_id, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &chat,
+    );
+    assert_eq!((status, worker_id), (200, 1), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // The key is in no answer, status, log or `check` output; `check` names its file.
+    let (_, status_text) = server.get("/admin/status");
+    let check = kvhint_e2e::run_bounded(
+        std::process::Command::new(kvhint_e2e::kvhint_bin())
+            .args(["check", "--config"])
+            .arg(&path),
+        Duration::from_secs(120),
+    );
+    let check_text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert!(check.status.success(), "{check_text}");
+    assert!(check_text.contains("api key from"), "{check_text}");
+    for (what, shown) in [
+        ("the answer", &text),
+        ("/admin/status", &status_text),
+        ("check", &check_text),
+        ("the log", &server.log()),
+    ] {
+        assert!(!shown.contains(KEY), "{what} shows the worker's API key");
+    }
+    drop(server);
+
+    // Without the key, the worker's own 401 comes back (the client's own
+    // Authorization never goes on).
+    let path = config(
+        &dir,
+        &entry(false),
+        "  tls_ca_file: ca.pem\n  max_attempts: 1\n",
+    );
+    let server = Server::start(&path, &[], dir.path());
+    let (status, _, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &chat,
+    );
+    assert_eq!(status, 401, "{text}");
+    drop(server);
+
+    // Without the CA file the worker's certificate does not check against the
+    // system's roots: nothing is sent to it, and the client is told why.
+    let path = config(&dir, &entry(true), "  max_attempts: 1\n");
+    let server = Server::start(&path, &[], dir.path());
+    let (status, _, text) = call_with(
+        &agent(),
+        &format!("{}/v1/chat/completions", server.base),
+        &chat,
+    );
+    assert!(status == 502 || status == 503, "{status}: {text}");
+    server.wait_for("the certificate failure in the log", |s| {
+        s.log().contains("certificate")
+    });
+}
+
+#[test]
+fn embeddings_go_to_a_worker_that_serves_the_model_and_answer_as_it_does() {
+    let embedder = LlamaWorker::start_with(&["--embeddings"]);
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &embedder), "");
+    let body = json!({"model": MODEL_NAME, "input": ["Hello there", "A second text"]});
+    let (status, worker, text) =
+        call_with(&agent(), &format!("{}/v1/embeddings", server.base), &body);
+    assert_eq!((status, worker), (200, 1), "{text}");
+    let through: Value = serde_json::from_str(&text).unwrap();
+    let (_, straight) = embedder.post("/v1/embeddings", &body);
+    assert_eq!(
+        through["data"].as_array().map(Vec::len),
+        Some(2),
+        "{through}"
+    );
+    assert_eq!(
+        through["data"], straight["data"],
+        "the worker's own vectors"
+    );
+    server.until_idle();
+}
+
+#[test]
+fn time_to_first_token_and_the_engine_s_token_counts_are_measured() {
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(&dir, &worker_yaml(1, &w1), "");
+    let agent = agent();
+    let (status, _, streamed) = call_with(
+        &agent,
+        &format!("{}/v1/completions", server.base),
+        &json!({"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "stream": true,
+                "stream_options": {"include_usage": true}, "prompt": "One two three"}),
+    );
+    assert_eq!(status, 200, "{streamed}");
+    let usage_chunk: Value = stable_events(&streamed)
+        .into_iter()
+        .find(|e| e["usage"].is_object())
+        .unwrap_or_else(|| panic!("no usage chunk in {streamed}"));
+    let (status, _, whole) = call_with(
+        &agent,
+        &format!("{}/v1/chat/completions", server.base),
+        &json!({"model": MODEL_NAME, "max_tokens": 5, "temperature": 0,
+                "messages": [{"role": "user", "content": "Count to five."}]}),
+    );
+    assert_eq!(status, 200, "{whole}");
+    let whole: Value = serde_json::from_str(&whole).unwrap();
+    server.until_idle();
+    let metrics = kvhint_e2e::http::metrics(&server);
+    let total = |family: &str| sum_of(&metrics, &format!("{family}{{"));
+    let usage = |key: &str| {
+        usage_chunk["usage"][key].as_u64().unwrap() + whole["usage"][key].as_u64().unwrap()
+    };
+    assert_eq!(
+        total("kvhint_gateway_prompt_tokens_total") as u64,
+        usage("prompt_tokens")
+    );
+    assert_eq!(
+        total("kvhint_gateway_completion_tokens_total") as u64,
+        usage("completion_tokens")
+    );
+    assert_eq!(total("kvhint_gateway_ttft_seconds_count"), 2.0, "{metrics}");
+    assert_eq!(
+        total("kvhint_gateway_time_between_tokens_seconds_count"),
+        1.0,
+        "only the stream has tokens apart: {metrics}"
+    );
+    // The access log has them too.
+    server.wait_for("the access-log line with the token counts", |s| {
+        s.log().lines().any(|l| {
+            l.contains("kvhint::access")
+                && l.contains(&format!(
+                    "completion_tokens={}",
+                    whole["usage"]["completion_tokens"]
+                ))
+                && l.contains("ttft_ms=")
+        })
+    });
+}
+
+#[test]
+fn a_request_s_spans_reach_an_otlp_collector_under_the_client_s_traceparent() {
+    let collector = kvhint_e2e::otel::Collector::start();
+    let w1 = LlamaWorker::start();
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &worker_yaml(1, &w1),
+        &format!(
+            "  tracing:\n    otlp_endpoint: {}\n    service_name: kvhint-under-test\n",
+            collector.grpc
+        ),
+    );
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let mut response = agent()
+        .post(&format!("{}/v1/completions", server.base))
+        .header("content-type", "application/json")
+        .header("traceparent", &format!("00-{trace}-{client_span}-01"))
+        .send(
+            json!({"model": MODEL_NAME, "prompt": "Trace me", "max_tokens": 4, "stream": true})
+                .to_string(),
+        )
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let _ = response.body_mut().read_to_string();
+    // A request the router answers itself is traced too.
+    let refused = "0af7651916cd43dd8448eb211c80319c";
+    let (status, _) = {
+        let mut response = agent()
+            .post(&format!("{}/v1/completions", server.base))
+            .header("content-type", "application/json")
+            .header("traceparent", &format!("00-{refused}-b7ad6b7169203331-01"))
+            .send(json!({"model": "no-such-model", "prompt": "x"}).to_string())
+            .unwrap();
+        (
+            response.status().as_u16(),
+            response.body_mut().read_to_string(),
+        )
+    };
+    assert_eq!(status, 404);
+    let names = |trace: &str| -> Vec<String> {
+        collector
+            .spans()
+            .into_iter()
+            .filter(|s| s.trace_id == trace)
+            .map(|s| s.name)
+            .collect()
+    };
+    wait::until(
+        "the request's spans at the collector",
+        Duration::from_secs(30),
+        || {
+            let served = names(trace);
+            let complete = ["receive", "tokenize", "book", "connect", "first_byte"]
+                .iter()
+                .all(|n| served.iter().any(|m| m == n));
+            (complete && names(refused).iter().any(|n| n == "receive")).then_some(())
+        },
+    );
+    let spans = collector.spans();
+    let receive = spans
+        .iter()
+        .find(|s| s.trace_id == trace && s.name == "receive")
+        .unwrap();
+    assert_eq!(
+        receive.parent_id, client_span,
+        "it continues the client's trace"
+    );
+    for child in spans
+        .iter()
+        .filter(|s| s.trace_id == trace && s.name != "receive")
+    {
+        assert_eq!(child.parent_id, receive.id, "{child:?} hangs under receive");
+    }
+    assert!(collector.output().contains("kvhint-under-test"));
 }

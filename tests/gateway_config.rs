@@ -14,9 +14,10 @@ fn a_worker_entry_s_mistakes_are_each_located() {
     let yaml = format!(
         "{ROLES}workers:\n\
          \x20 - worker_id: 1\n\
-         \x20   http_endpoint: https://10.0.0.7:8000\n\
+         \x20   http_endpoint: ftp://10.0.0.7:8000\n\
          \x20   engine: vllm\n\
          \x20   models: [m]\n\
+         \x20   api_key_file: no-such.key\n\
          \x20 - worker_id: 2\n\
          \x20   http_endpoint: http://10.0.0.8\n\
          \x20   engine: tgi\n\
@@ -28,15 +29,16 @@ fn a_worker_entry_s_mistakes_are_each_located() {
     assert_eq!(
         errors(&yaml),
         vec![
-            "kvhint.yaml:5:20: workers[0].http_endpoint: http_endpoint is \"https://10.0.0.7:8000\": the gateway speaks plain HTTP to workers (put TLS in front of the router, not between it and the engines); write it like http://10.0.0.7:8000",
-            "kvhint.yaml:9:20: workers[1].http_endpoint: http_endpoint is \"http://10.0.0.8\": name the port, like http://10.0.0.7:8000",
-            "kvhint.yaml:10:13: workers[1].engine: unknown engine `tgi`; expected one of: vllm, sglang, trtllm, llamacpp, openai",
-            "kvhint.yaml:11:13: workers[1].models: `models` is a non-empty list of model names, like [qwen3-8b]",
-            "kvhint.yaml:12:16: workers[1].kv_events: `kv_events` is `approximate` (the engine publishes none) or where it publishes, {endpoint: tcp://…, replay_endpoint: …}",
-            "kvhint.yaml:13:5: workers[2]: a worker needs `http_endpoint`: where the engine serves HTTP, like http://10.0.0.7:8000",
-            "kvhint.yaml:13:5: workers[2]: a worker needs `engine`: which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
-            "kvhint.yaml:13:5: workers[2]: a worker needs `models`: the model names it serves, as clients write them in `model`",
-            "kvhint.yaml:14:5: workers[2].engin: unknown key `engin` (did you mean `engine`?); expected one of: worker_id, dp_size, role, runtime_data, http_endpoint, engine, models, kv_events",
+            "kvhint.yaml:5:20: workers[0].http_endpoint: http_endpoint is \"ftp://10.0.0.7:8000\": write the engine's HTTP address like http://10.0.0.7:8000 or https://worker-1.example:443",
+            "kvhint.yaml:8:19: workers[0].api_key_file: <dir>/no-such.key: there is no such file; write the worker's API key in it, readable by this user only: `(umask 077; cat > <dir>/no-such.key)`",
+            "kvhint.yaml:10:20: workers[1].http_endpoint: http_endpoint is \"http://10.0.0.8\": name the port, like http://10.0.0.7:8000 or https://worker-1.example:443",
+            "kvhint.yaml:11:13: workers[1].engine: unknown engine `tgi`; expected one of: vllm, sglang, trtllm, llamacpp, openai",
+            "kvhint.yaml:12:13: workers[1].models: `models` is a non-empty list of model names, like [qwen3-8b]",
+            "kvhint.yaml:13:16: workers[1].kv_events: `kv_events` is `approximate` (the engine publishes none) or where it publishes, {endpoint: tcp://…, replay_endpoint: …}",
+            "kvhint.yaml:14:5: workers[2]: a worker needs `http_endpoint`: where the engine serves HTTP, like http://10.0.0.7:8000",
+            "kvhint.yaml:14:5: workers[2]: a worker needs `engine`: which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
+            "kvhint.yaml:14:5: workers[2]: a worker needs `models`: the model names it serves, as clients write them in `model`",
+            "kvhint.yaml:15:5: workers[2].engin: unknown key `engin` (did you mean `engine`?); expected one of: worker_id, dp_size, role, runtime_data, http_endpoint, engine, models, kv_events, api_key_file",
         ]
     );
 }
@@ -99,7 +101,7 @@ fn a_broken_tokenizer_file_is_a_located_error() {
 #[test]
 fn gateway_settings_out_of_range_are_located() {
     let yaml = format!(
-        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n  tokenizer_cache_mib: 4096000\n"
+        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n    paths: {{tgi: /health, sglang: health_generate}}\n  tokenizer_cache_mib: 4096000\n  tracing:\n    otlp_endpoint: 127.0.0.1:4317\n    sample_percent: 101\n  tls_ca_file: no-such-ca.pem\n"
     );
     assert_eq!(
         errors(&yaml),
@@ -107,8 +109,13 @@ fn gateway_settings_out_of_range_are_located() {
             "kvhint.yaml:4:17: gateway.max_attempts: expected a whole number from 1 to 10, found `0`",
             "kvhint.yaml:5:20: gateway.idle_timeout_ms: expected a whole number from 1 to 86400000, found `fast`",
             "kvhint.yaml:7:15: gateway.health.failures: expected a whole number from 1 to 100, found `0`",
-            "kvhint.yaml:8:5: gateway.health.every: unknown key `every`; expected one of: interval_ms, timeout_ms, failures, successes",
-            "kvhint.yaml:9:24: gateway.tokenizer_cache_mib: expected a whole number from 0 to 1048576, found `4096000`",
+            "kvhint.yaml:8:5: gateway.health.every: unknown key `every`; expected one of: interval_ms, timeout_ms, failures, successes, paths",
+            "kvhint.yaml:9:13: gateway.health.paths.tgi: unknown engine `tgi`; expected one of: vllm, sglang, trtllm, llamacpp, openai",
+            "kvhint.yaml:9:35: gateway.health.paths.sglang: health path \"health_generate\": an absolute path on the worker, like /health or /health_generate (at most 256 characters, no spaces)",
+            "kvhint.yaml:10:24: gateway.tokenizer_cache_mib: expected a whole number from 0 to 1048576, found `4096000`",
+            "kvhint.yaml:12:20: gateway.tracing.otlp_endpoint: \"127.0.0.1:4317\" is not an OTLP/gRPC address; write it like http://127.0.0.1:4317",
+            "kvhint.yaml:13:21: gateway.tracing.sample_percent: expected a whole number from 0 to 100, found `101`",
+            "kvhint.yaml:14:16: gateway.tls_ca_file: <dir>/no-such-ca.pem: there is no such file; point `tls_ca_file` at the PEM file of the CA certificates that signed the workers' certificates",
         ]
     );
 }
@@ -122,7 +129,7 @@ fn a_registration_s_http_fields_are_checked_and_the_error_names_the_field() {
     let cases = [
         (
             json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000/v1", "engine": "vllm", "models": ["m"]}),
-            "worker 1 rank 0: http_endpoint is \"http://10.0.0.7:8000/v1\": only a scheme, host and port, like http://10.0.0.7:8000 (no path, query or user info)",
+            "worker 1 rank 0: http_endpoint is \"http://10.0.0.7:8000/v1\": only a scheme, host and port, like http://10.0.0.7:8000 or https://worker-1.example:443 (no path, query or user info)",
         ),
         (
             json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000", "models": ["m"]}),

@@ -9,6 +9,7 @@ use kvhint::registry::Registry;
 use kvhint::snapshot::{self, BuildOptions, Snapshot};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -351,7 +352,11 @@ fn serve(options: kvhint::service::ServeOptions) -> anyhow::Result<ExitCode> {
             Ok(app) => app,
             Err(errors) => return Ok(report_errors(&errors)),
         };
-        kvhint::service::serve(options, app, hangups).await?;
+        kvhint::service::serve(options, Arc::clone(&app), hangups).await?;
+        if let Some(tracing) = &app.gateway.tracing {
+            // The last batch of spans, before the exporter's runtime stops.
+            tracing.shutdown();
+        }
         Ok(ExitCode::SUCCESS)
     })
 }

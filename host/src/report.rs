@@ -151,7 +151,7 @@ pub fn check(
     for worker in &config.workers {
         writeln!(
             out,
-            "worker {} ({}, {} rank{}): {} at {}, models {}, kv events {}",
+            "worker {} ({}, {} rank{}): {} at {}, models {}, kv events {}{}",
             worker.worker_id,
             worker.role,
             worker.dp_size,
@@ -165,7 +165,13 @@ pub fn check(
                     "approximate".to_string(),
                 Some(crate::domain::event_source::KvEvents::Source(source)) =>
                     source.endpoint.clone(),
-            }
+            },
+            // The file, never the key.
+            worker
+                .api_key_file
+                .as_ref()
+                .map(|f| format!(", api key from {}", f.display()))
+                .unwrap_or_default()
         )?;
     }
     let kv_events = &config.kv_events;

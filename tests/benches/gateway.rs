@@ -20,11 +20,27 @@
 //! system prompt's ids (the text between two special tokens), so its figures are
 //! the warm ones.
 //!
+//! Then the soak: 10,000 short streaming chats at concurrency 16 through kvhint
+//! in front of the same two workers, every answer checked (a 200 whose stream
+//! ends in `[DONE]`): client-visible errors must be zero, and the retries the
+//! router made behind them are reported (`kvhint_gateway_retries_total`) with
+//! the re-sends on a fresh connection (`kvhint_gateway_resent_total`).
+//!
 //! `cargo bench -p kvhint-e2e --bench gateway` measures (release kvhint);
+//! `KVHINT_BENCH_BEFORE=/path/to/kvhint` adds another build of kvhint (the one
+//! before a change) as a system of its own, in the same run and the soak;
+//! `kvhint+otel` is this build with `gateway.tracing` on, every request traced
+//! and exported to a real collector (PyPI `rotel`): its CPU per request beside
+//! `kvhint`'s is what tracing costs;
+//! `-- soak` runs the soak alone; `-- long-stream` streams one answer for ten
+//! minutes (a chunk every 5 s from a paced engine, `engines::paced`) through
+//! `kvhint serve` at its default flags and checks it arrives whole.
 //! `cargo test -p kvhint-e2e --bench gateway` (CI's quick mode) runs each case
-//! once, on a debug build, to keep it working.
+//! once, a small soak (320 chats) and a 1-second stream, on a debug build, to
+//! keep them working; the soak's zero errors hold there too.
 
 use kvhint_e2e::bench::{self, quantile};
+use kvhint_e2e::engines::paced::{chunk_text, Pace, Paced};
 use kvhint_e2e::http::{agent, timed_post};
 use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
 use kvhint_e2e::process::{free_port, spawn_tied};
@@ -152,36 +168,107 @@ struct Figures {
     requests: usize,
 }
 
+/// `kvhint serve` (the bench's build) in front of `urls`, each served as
+/// `engine`, at its default flags but the body limit.
+fn start_kvhint(dir: &kvhint_e2e::TempDir, urls: &[String], engine: &str) -> Server {
+    start_kvhint_from(&bench::artifacts().join("kvhint"), dir, urls, engine, "")
+}
+
+/// [`start_kvhint`] with the `kvhint` binary at `binary`.
+fn start_kvhint_from(
+    binary: &std::path::Path,
+    dir: &kvhint_e2e::TempDir,
+    urls: &[String],
+    engine: &str,
+    gateway: &str,
+) -> Server {
+    let config = dir.path().join("kvhint.yaml");
+    let approximate = if engine == "llamacpp" {
+        "    kv_events: approximate\n"
+    } else {
+        ""
+    };
+    let mut yaml = format!(
+        "router:\n  block_size: 16\n  max_prompt_tokens: 65536\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n{gateway}workers:\n",
+        qwen3_tokenizer_dir().display()
+    );
+    for (i, url) in urls.iter().enumerate() {
+        yaml.push_str(&format!(
+            "  - worker_id: {}\n    http_endpoint: {url}\n    engine: {engine}\n    models: [{MODEL_NAME}]\n{approximate}",
+            i + 1
+        ));
+    }
+    std::fs::write(&config, yaml).unwrap();
+    Server::start_command(
+        Command::new(binary),
+        &config,
+        &["--max-body-bytes", "8388608"],
+        dir.path(),
+    )
+}
+
 fn main() {
     let quick = !bench::is_bench();
-    let (rounds, per_round): (usize, usize) = if quick { (1, 2) } else { (5, 40) };
+    let only = |mode: &str| std::env::args().skip(1).any(|a| a == mode);
+    if only("long-stream") {
+        long_stream(false);
+        return;
+    }
     // 8 slots, each room for a 4,000-token prompt.
     let workers = [
         LlamaWorker::start_sized(8, 8 * 4_200),
         LlamaWorker::start_sized(8, 8 * 4_200),
     ];
     let urls: Vec<String> = workers.iter().map(LlamaWorker::url).collect();
-
     let dir = private_dir();
-    let config = dir.path().join("kvhint.yaml");
-    let mut yaml = format!(
-        "router:\n  block_size: 16\n  max_prompt_tokens: 65536\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
-         models:\n  {MODEL_NAME}:\n    tokenizer: {}\nworkers:\n",
-        qwen3_tokenizer_dir().display()
+    let kvhint = start_kvhint(&dir, &urls, "llamacpp");
+    // `KVHINT_BENCH_BEFORE=/path/to/kvhint`: another build of kvhint (the one
+    // before a change), measured beside this one in the same run.
+    let before_dir = private_dir();
+    let before = std::env::var_os("KVHINT_BENCH_BEFORE").map(|binary| {
+        start_kvhint_from(
+            std::path::Path::new(&binary),
+            &before_dir,
+            &urls,
+            "llamacpp",
+            "",
+        )
+    });
+    // The same build with OpenTelemetry tracing on, every request traced and
+    // exported to a real collector: what tracing costs per request.
+    let collector = kvhint_e2e::otel::Collector::start();
+    let traced_dir = private_dir();
+    let traced = start_kvhint_from(
+        &bench::artifacts().join("kvhint"),
+        &traced_dir,
+        &urls,
+        "llamacpp",
+        &format!(
+            "gateway:\n  tracing:\n    otlp_endpoint: {}\n",
+            collector.grpc
+        ),
     );
-    for (i, url) in urls.iter().enumerate() {
-        yaml.push_str(&format!(
-            "  - worker_id: {}\n    http_endpoint: {url}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n",
-            i + 1
-        ));
+    let mut kvhints = vec![("kvhint", &kvhint), ("kvhint+otel", &traced)];
+    if let Some(before) = &before {
+        kvhints.push(("kvhint-before", before));
     }
-    std::fs::write(&config, yaml).unwrap();
-    let kvhint = Server::start_command(
-        Command::new(bench::artifacts().join("kvhint")),
-        &config,
-        &["--max-body-bytes", "8388608"],
-        dir.path(),
-    );
+    if !only("soak") {
+        side_by_side(quick, &kvhints, &urls);
+    }
+    for (name, server) in kvhints.iter().filter(|(name, _)| *name != "kvhint+otel") {
+        soak(name, server, if quick { 320 } else { 10_000 });
+    }
+    drop(collector);
+    if quick {
+        long_stream(true);
+    }
+}
+
+/// kvhint, the peers and straight, interleaved round by round.
+fn side_by_side(quick: bool, kvhints: &[(&'static str, &Server)], urls: &[String]) {
+    let kvhint = kvhints[0].1;
+    let (rounds, per_round): (usize, usize) = if quick { (1, 2) } else { (5, 40) };
     let smg_port = free_port();
     let mut smg_args: Vec<String> = ["launch", "--host", "127.0.0.1", "--port"]
         .iter()
@@ -216,17 +303,17 @@ fn main() {
     ]);
     let mut router = peer("vllm-router", &router_args, router_port);
 
-    let systems = [
-        System {
-            name: "straight",
-            urls: urls.clone(),
-            pid: None,
-        },
-        System {
-            name: "kvhint",
-            urls: vec![kvhint.base.clone()],
-            pid: Some(kvhint.child.id()),
-        },
+    let mut systems = vec![System {
+        name: "straight",
+        urls: urls.to_vec(),
+        pid: None,
+    }];
+    systems.extend(kvhints.iter().map(|(name, server)| System {
+        name,
+        urls: vec![server.base.clone()],
+        pid: Some(server.child.id()),
+    }));
+    systems.extend([
         System {
             name: "smg",
             urls: vec![format!("http://127.0.0.1:{smg_port}")],
@@ -237,7 +324,7 @@ fn main() {
             urls: vec![format!("http://127.0.0.1:{router_port}")],
             pid: Some(router.id()),
         },
-    ];
+    ]);
     let workloads = [
         Workload {
             name: "4k-token completion",
@@ -263,7 +350,7 @@ fn main() {
     for workload in &workloads {
         for concurrency in [1usize, 8] {
             let mut figures = vec![Figures::default(); systems.len()];
-            let tokenizing_before = tokenizing(&kvhint);
+            let tokenizing_before = tokenizing(kvhint);
             // Warm every path (connections, pools) before measuring.
             for system in &systems {
                 for url in &system.urls {
@@ -359,7 +446,7 @@ fn main() {
                     system.pid.map_or(0.0, rss_mb),
                 );
             }
-            let t = tokenizing(&kvhint).since(&tokenizing_before);
+            let t = tokenizing(kvhint).since(&tokenizing_before);
             println!(
                 "  kvhint tokenization {:.3} ms mean over {} requests, router overhead {:.3} ms mean; \
                  tokenizer cache: {:.0}% of the prompt text found ({} pieces found, {} encoded)",
@@ -376,6 +463,155 @@ fn main() {
     let _ = smg.wait();
     let _ = router.kill();
     let _ = router.wait();
+}
+
+/// The soak: `requests` short streaming chats at concurrency 16 through
+/// kvhint, each read to its end and checked (a 200 whose stream ends in
+/// `[DONE]`). Prints the client-visible errors (the first few in full), and the
+/// retries and fresh-connection re-sends the router made behind them.
+fn soak(name: &str, kvhint: &Server, requests: usize) {
+    const CONCURRENCY: usize = 16;
+    let url = format!("{}/v1/chat/completions", kvhint.base);
+    let counters = |kvhint: &Server| {
+        let metrics = kvhint_e2e::http::metrics(kvhint);
+        (
+            kvhint_e2e::http::sum_of(&metrics, "kvhint_gateway_retries_total"),
+            kvhint_e2e::http::sum_of(&metrics, "kvhint_gateway_resent_total"),
+        )
+    };
+    let (retries_before, resent_before) = counters(kvhint);
+    let counter = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..CONCURRENCY)
+        .map(|_| {
+            let url = url.clone();
+            let counter = Arc::clone(&counter);
+            std::thread::spawn(move || {
+                let agent = agent();
+                let mut latencies = Vec::new();
+                let mut errors: Vec<String> = Vec::new();
+                loop {
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    if n >= requests as u64 {
+                        break;
+                    }
+                    let body = short_chat(1_000_000 + n).to_string();
+                    let sent = Instant::now();
+                    let outcome = agent
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .send(&body)
+                        .map_err(|e| e.to_string())
+                        .and_then(|mut response| {
+                            let status = response.status().as_u16();
+                            let text = response
+                                .body_mut()
+                                .read_to_string()
+                                .map_err(|e| format!("reading the stream: {e}"))?;
+                            if status != 200 {
+                                Err(format!("{status}: {text}"))
+                            } else if !text.trim_end().ends_with("data: [DONE]") {
+                                Err(format!("a stream without [DONE]: {text}"))
+                            } else {
+                                Ok(())
+                            }
+                        });
+                    match outcome {
+                        Ok(()) => latencies.push(sent.elapsed().as_secs_f64()),
+                        Err(e) => errors.push(e),
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let (mut latencies, mut errors) = (Vec::new(), Vec::new());
+    for thread in threads {
+        let (l, e) = thread.join().unwrap();
+        latencies.extend(l);
+        errors.extend(e);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let (retries, resent) = counters(kvhint);
+    let (retries, resent) = (retries - retries_before, resent - resent_before);
+    println!(
+        "\nsoak: {requests} short streaming chats at concurrency {CONCURRENCY} through {name}, two llama.cpp workers"
+    );
+    println!(
+        "  {:.1} req/s, p50 {:.2} ms, p99 {:.2} ms; client-visible errors {}; retries {} ({:.3}%), re-sent on a fresh connection {} ({:.3}%)",
+        requests as f64 / seconds,
+        if latencies.is_empty() { 0.0 } else { quantile(&mut latencies, 0.5) * 1e3 },
+        if latencies.is_empty() { 0.0 } else { quantile(&mut latencies, 0.99) * 1e3 },
+        errors.len(),
+        retries,
+        100.0 * retries / requests as f64,
+        resent,
+        100.0 * resent / requests as f64,
+    );
+    for error in errors.iter().take(5) {
+        println!("  error: {error}");
+    }
+    // The build before a change is measured, not judged.
+    assert!(
+        errors.is_empty() || name != "kvhint",
+        "{} of {requests} chats failed against healthy workers; the first: {}",
+        errors.len(),
+        errors[0]
+    );
+}
+
+/// One answer streamed for ten minutes (`quick`: one second) by a paced engine,
+/// a chunk every 5 s (200 ms), through `kvhint serve` at its default flags:
+/// every chunk and `[DONE]` must arrive.
+fn long_stream(quick: bool) {
+    let (chunks, every) = if quick {
+        (5, Duration::from_millis(200))
+    } else {
+        (120, Duration::from_secs(5))
+    };
+    let paced = Paced::start(Pace {
+        chunks,
+        every,
+        answer_after: Duration::ZERO,
+        close_after_stream: None,
+    });
+    let dir = private_dir();
+    let kvhint = start_kvhint(&dir, &[paced.url()], "openai");
+    let agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(every * (chunks as u32 + 10)))
+        .build()
+        .new_agent();
+    let started = Instant::now();
+    let mut response = agent
+        .post(&format!("{}/v1/chat/completions", kvhint.base))
+        .header("content-type", "application/json")
+        .send(
+            json!({"model": MODEL_NAME, "stream": true,
+                   "messages": [{"role": "user", "content": "Reason at length."}]})
+            .to_string(),
+        )
+        .unwrap_or_else(|e| panic!("the long stream: {e}"));
+    let status = response.status().as_u16();
+    let text = response
+        .body_mut()
+        .with_config()
+        .limit(64 << 20)
+        .read_to_string()
+        .unwrap_or_else(|e| panic!("reading the long stream: {e}"));
+    let seconds = started.elapsed().as_secs_f64();
+    let arrived = (0..chunks)
+        .filter(|i| text.contains(&format!("\"{}\"", chunk_text(*i))))
+        .count();
+    let done = text.trim_end().ends_with("data: [DONE]");
+    println!(
+        "\nlong stream: status {status}, {arrived} of {chunks} chunks and {} over {seconds:.1} s (a chunk every {every:?}, kvhint at its default flags)",
+        if done { "[DONE]" } else { "NO [DONE]" }
+    );
+    assert!(
+        status == 200 && arrived == chunks && done,
+        "the stream was cut: {text}"
+    );
 }
 
 /// kvhint's tokenization counters, read from its `/metrics`.

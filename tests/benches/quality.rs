@@ -193,6 +193,7 @@ fn worker_options(quick: bool, cache_mib: i64) -> WorkerOptions {
         threads: 1,
         cache_ram_mib: Some(cache_mib),
         kv_unified: true,
+        extra: Vec::new(),
     }
 }
 

@@ -53,6 +53,14 @@ pub enum Routing {
     PickerByMetadata { picker: String },
     /// Envoy's own round-robin over `workers` (`127.0.0.1:PORT` each).
     RoundRobin { workers: Vec<String> },
+    /// TLS in front of one `worker` (`127.0.0.1:PORT`), as a fleet puts a
+    /// TLS-terminating proxy before an engine: the listener speaks HTTPS with the
+    /// PEM `cert` (and its `key`), and forwards as plain HTTP.
+    TlsFront {
+        worker: String,
+        cert: PathBuf,
+        key: PathBuf,
+    },
 }
 
 /// The bootstrap for `routing`, with the listener and admin on ports the kernel
@@ -63,7 +71,33 @@ pub fn bootstrap(routing: &Routing) -> String {
     let picked = match routing {
         Routing::Picker { picker, subset } => Some((picker, subset.as_ref(), false)),
         Routing::PickerByMetadata { picker } => Some((picker, None, true)),
-        Routing::RoundRobin { .. } => None,
+        Routing::RoundRobin { .. } | Routing::TlsFront { .. } => None,
+    };
+    let transport = match routing {
+        Routing::TlsFront { cert, key, .. } => format!(
+            r#"transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          common_tls_context:
+            tls_certificates:
+            - certificate_chain: {{filename: {}}}
+              private_key: {{filename: {}}}
+      "#,
+            cert.display(),
+            key.display()
+        ),
+        _ => String::new(),
+    };
+    let front;
+    let routing = match routing {
+        Routing::TlsFront { worker, .. } => {
+            front = Routing::RoundRobin {
+                workers: vec![worker.clone()],
+            };
+            &front
+        }
+        other => other,
     };
     let cluster = match (picked, routing) {
         (Some((picker, subset, by_metadata)), _) => {
@@ -168,7 +202,7 @@ static_resources:
   - name: inference
     address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
     filter_chains:
-    - filters:
+    - {transport}filters:
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager

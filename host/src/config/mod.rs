@@ -22,7 +22,9 @@ pub(crate) mod yaml;
 pub use crate::domain::{Role, RouterMode};
 pub use auth::AuthConfig;
 pub use endpoint_picker::EndpointPickerConfig;
-pub use gateway::{ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig};
+pub use gateway::{
+    ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig, TlsCa, TracingConfig,
+};
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
 pub use model::*;
@@ -191,10 +193,10 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
             config.models = gateway::models(&mut walker, node, base);
         }
         if let Some(node) = map.get_node("workers") {
-            config.workers = gateway::workers(&mut walker, node);
+            config.workers = gateway::workers(&mut walker, node, base);
         }
         if let Some(node) = map.get_node("gateway") {
-            config.gateway = gateway::gateway(&mut walker, node);
+            config.gateway = gateway::gateway(&mut walker, node, base);
         }
         if let Some(node) = map.get_node("endpoint_picker") {
             config.endpoint_picker = endpoint_picker::endpoint_picker(&mut walker, node);

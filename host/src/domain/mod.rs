@@ -159,6 +159,36 @@ pub struct WorkerRegistration {
     /// The model names it serves (the `model` of a request).
     #[serde(default)]
     pub models: Vec<String>,
+    /// The key the worker's server asks of its callers (`vllm serve --api-key`),
+    /// from the file a config's `workers[i].api_key_file` names; never from a
+    /// registration's body (a worker token could point the router at any file).
+    #[serde(skip)]
+    pub api_key: Option<ApiKey>,
+}
+
+/// A worker's API key: sent to it as `Authorization: Bearer`, never logged or
+/// shown (its `Debug` says only that there is one).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(Arc<str>);
+
+impl ApiKey {
+    pub fn new(key: &str) -> Self {
+        Self(Arc::from(key))
+    }
+
+    /// The `Authorization` value, marked sensitive (HTTP/2 never indexes it, and
+    /// `Debug` of the header map hides it).
+    pub fn authorization(&self) -> Option<axum::http::HeaderValue> {
+        let mut value = axum::http::HeaderValue::from_str(&format!("Bearer {}", self.0)).ok()?;
+        value.set_sensitive(true);
+        Some(value)
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
 }
 
 /// Which adapter talks to a worker's HTTP server: what it takes a pre-tokenized
@@ -208,7 +238,7 @@ impl fmt::Display for Engine {
 /// Where and how a worker takes requests over HTTP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpTarget {
-    /// `http://host:port`, without a trailing slash.
+    /// `http://host:port` (or `https://`), without a trailing slash.
     pub base: Arc<str>,
     /// `host:port`.
     pub authority: Arc<str>,
@@ -218,6 +248,8 @@ pub struct HttpTarget {
     /// endpoint plugin (`python/kvhint-vllm`), whose `/v1/completions` and
     /// `/v1/chat/completions` pass a body's `kv_hints` to the engine.
     pub hint_plugin: bool,
+    /// Sent to the worker on every request and health check.
+    pub api_key: Option<ApiKey>,
 }
 
 impl HttpTarget {
@@ -229,13 +261,15 @@ impl HttpTarget {
 /// Checks an `http_endpoint`: `http://host:port` with nothing after the authority
 /// (a path, a query or user info would be dropped or misread by every adapter).
 pub fn parse_http_endpoint(text: &str) -> Result<(Arc<str>, Arc<str>), String> {
-    let example = "like http://10.0.0.7:8000";
-    let Some(rest) = text.strip_prefix("http://") else {
-        return Err(if text.starts_with("https://") {
-            format!("is {text:?}: the gateway speaks plain HTTP to workers (put TLS in front of the router, not between it and the engines); write it {example}")
-        } else {
-            format!("is {text:?}: write the engine's HTTP address {example}")
-        });
+    let example = "like http://10.0.0.7:8000 or https://worker-1.example:443";
+    let (scheme, rest) = if let Some(rest) = text.strip_prefix("http://") {
+        ("http", rest)
+    } else if let Some(rest) = text.strip_prefix("https://") {
+        ("https", rest)
+    } else {
+        return Err(format!(
+            "is {text:?}: write the engine's HTTP address {example}"
+        ));
     };
     let authority = rest.strip_suffix('/').unwrap_or(rest);
     let bad = authority.is_empty()
@@ -256,7 +290,7 @@ pub fn parse_http_endpoint(text: &str) -> Result<(Arc<str>, Arc<str>), String> {
         return Err(format!("is {text:?}: name the port, {example}"));
     }
     Ok((
-        Arc::from(format!("http://{authority}")),
+        Arc::from(format!("{scheme}://{authority}")),
         Arc::from(authority),
     ))
 }
@@ -422,6 +456,7 @@ impl Worker {
                         .map(|m| Arc::from(m.as_str()))
                         .collect(),
                     hint_plugin,
+                    api_key: registration.api_key.clone(),
                 }))
             }
         };

@@ -450,6 +450,7 @@ impl EngineEvents {
                     http_endpoint: None,
                     engine: None,
                     models: Vec::new(),
+                    api_key: None,
                 };
                 let result = self
                     .register_locked(router, registration, Origin::Config)
@@ -486,6 +487,7 @@ impl EngineEvents {
                     http_endpoint: Some(configured.http_endpoint.clone()),
                     engine: Some(configured.engine),
                     models: configured.models.clone(),
+                    api_key: configured.api_key.clone(),
                 };
                 let result = self
                     .register_locked(router, registration, Origin::Config)

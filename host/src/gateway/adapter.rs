@@ -32,6 +32,8 @@ pub enum Route {
     Completions,
     /// SGLang's native `POST /generate`.
     Generate,
+    /// `POST /v1/embeddings`: forwarded as the client wrote it.
+    Embeddings,
 }
 
 impl Route {
@@ -40,6 +42,7 @@ impl Route {
             Self::Chat => "/v1/chat/completions",
             Self::Completions => "/v1/completions",
             Self::Generate => "/generate",
+            Self::Embeddings => "/v1/embeddings",
         }
     }
 
@@ -48,13 +51,14 @@ impl Route {
             Self::Chat => "chat",
             Self::Completions => "completions",
             Self::Generate => "generate",
+            Self::Embeddings => "embeddings",
         }
     }
 
     /// Whether `engine` serves this route at all.
     pub fn served_by(self, engine: Engine) -> bool {
         match self {
-            Self::Chat | Self::Completions => true,
+            Self::Chat | Self::Completions | Self::Embeddings => true,
             Self::Generate => engine == Engine::Sglang,
         }
     }
@@ -125,7 +129,7 @@ pub fn forward(
         (_, Route::Completions) => {
             edits.set("prompt", ids());
         }
-        (_, Route::Chat) => {}
+        (_, Route::Chat | Route::Embeddings) => {}
     }
     // kvhint's vLLM endpoint plugin takes the envelope on the OpenAI routes.
     if let (Engine::Vllm, Route::Completions | Route::Chat, true, Some(hint)) =
@@ -192,6 +196,7 @@ mod tests {
             engine,
             models: vec!["m".into()],
             hint_plugin,
+            api_key: None,
         }
     }
 

@@ -167,6 +167,24 @@ impl Health {
         }
     }
 
+    /// The worker sent no response in time. If its last health check passed it
+    /// is busy (a long generation), not broken, and this does not count against
+    /// its circuit; without a passing check (none yet, checks off, or failing) it
+    /// counts as [`Self::request_failed`] does.
+    pub fn timed_out(&self, key: WorkerKey, threshold: u32, open_ms: u64, why: String) {
+        let cell = self.cell(key);
+        let passing = cell.checks.load(Ordering::Relaxed) > 0
+            && cell.healthy.load(Ordering::Relaxed)
+            && cell.failures_in_a_row.load(Ordering::Relaxed) == 0;
+        if passing {
+            // A probe through a half-open circuit ends here without a verdict.
+            cell.probing.store(false, Ordering::Relaxed);
+            tracing::info!(worker = %key, %why, "a request timed out on a worker that passes its health checks; its circuit is left as it is");
+            return;
+        }
+        self.request_failed(key, threshold, open_ms, why);
+    }
+
     fn open(&self, cell: &HealthCell, key: WorkerKey, open_ms: u64, why: String) {
         let until = self.now_ms() + open_ms.max(1);
         if cell.open_until_ms.swap(until, Ordering::Relaxed) == 0 {

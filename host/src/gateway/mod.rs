@@ -18,7 +18,10 @@ pub mod adapter;
 pub mod approximate;
 pub mod health;
 pub mod release;
+pub mod signals;
 pub mod stats;
+pub mod trace;
+pub mod upstream;
 
 use crate::domain::{HttpTarget, Worker, WorkerKey};
 use crate::models::{ChatRequest, Model, PieceStats};
@@ -29,14 +32,13 @@ use adapter::Route;
 use axum::http::StatusCode;
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// An error on a gateway route, in OpenAI's shape:
-/// `{"error": {"message", "type", "code"}}`.
+/// `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatewayError {
     pub status: StatusCode,
@@ -44,6 +46,8 @@ pub struct GatewayError {
     pub kind: &'static str,
     pub code: &'static str,
     pub message: String,
+    /// The request body's field at fault, if one is (OpenAI's `param`).
+    pub param: Option<&'static str>,
 }
 
 impl GatewayError {
@@ -58,7 +62,14 @@ impl GatewayError {
             kind,
             code,
             message: message.into(),
+            param: None,
         }
+    }
+
+    /// The same error, naming the body's field at fault.
+    pub fn at(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
@@ -83,6 +94,7 @@ impl GatewayError {
         serde_json::json!({"error": {
             "message": self.message,
             "type": self.kind,
+            "param": self.param,
             "code": self.code,
         }})
     }
@@ -101,9 +113,11 @@ impl From<RouterError> for GatewayError {
                 error.to_string(),
             ),
             RouterError::PromptTooLong { .. } => {
-                Self::bad_request("prompt_too_long", error.to_string())
+                Self::bad_request("prompt_too_long", error.to_string()).at("prompt")
             }
-            RouterError::EmptyPrompt => Self::bad_request("empty_prompt", error.to_string()),
+            RouterError::EmptyPrompt => {
+                Self::bad_request("empty_prompt", error.to_string()).at("prompt")
+            }
             RouterError::RoleNotConfigured(_) => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -121,43 +135,74 @@ impl From<RouterError> for GatewayError {
 }
 
 /// The upstream client.
-pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+pub type UpstreamClient = Client<upstream::Connector, Full<Bytes>>;
+
+/// How long a connection to a worker may sit idle in the pool. Below the 5 s
+/// after which the engines' HTTP servers (cpp-httplib in llama.cpp, uvicorn in
+/// vLLM and SGLang) close an idle keep-alive connection: a pooled connection is
+/// dropped here before its worker closes it, rather than written to as the
+/// worker's close is on its way.
+pub const POOL_IDLE: Duration = Duration::from_secs(3);
 
 /// What the gateway keeps between requests.
 pub struct Gateway {
     pub client: UpstreamClient,
+    /// Never reuses a connection: for the one re-send of a request whose pooled
+    /// connection the worker had closed.
+    pub fresh: UpstreamClient,
     pub health: health::Health,
     pub stats: Arc<stats::GatewayStats>,
     /// What `kv_events: approximate` workers were credited with.
     pub approximate: approximate::Approximate,
+    /// OpenTelemetry traces, when `gateway.tracing` is configured.
+    pub tracing: Option<trace::Tracing>,
     next_id: AtomicU64,
     /// Makes request ids unique across restarts (engines key requests by id).
     instance: u64,
 }
 
 impl Gateway {
-    /// `connect_timeout`: the TCP connect's bound (from the first config; fixed
-    /// until restart, as the connection pool is).
-    pub fn new(connect_timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
-        connector.enforce_http(true);
+    /// From the first config's `gateway:` (the connect timeout and the TLS
+    /// roots are fixed until restart, as the connection pool is).
+    /// Call it inside the Tokio runtime (the trace exporter's gRPC client
+    /// lives there).
+    pub fn new(settings: &crate::config::GatewayConfig) -> Result<Self, String> {
+        let tls = |e: upstream::TlsSetupError| match &settings.tls_ca {
+            Some(ca) => format!("gateway.tls_ca_file ({}): {e}", ca.file.display()),
+            None => format!("gateway: {e}"),
+        };
+        let connector = upstream::Connector::new(
+            Duration::from_millis(settings.connect_timeout_ms),
+            upstream::tls_roots(settings.tls_ca.as_ref()).map_err(tls)?,
+        )
+        .map_err(tls)?;
+        let tracing = match &settings.tracing {
+            Some(config) => {
+                Some(trace::Tracing::start(config).map_err(|e| format!("gateway.tracing: {e}"))?)
+            }
+            None => None,
+        };
         let client = Client::builder(hyper_util::rt::TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(POOL_IDLE)
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .build(connector.clone());
+        let fresh = Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
         let instance = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
             ^ u64::from(std::process::id()).rotate_left(40);
-        Self {
+        Ok(Self {
             client,
+            fresh,
             health: health::Health::default(),
             stats: Arc::default(),
             approximate: approximate::Approximate::default(),
+            tracing,
             next_id: AtomicU64::new(0),
             instance,
-        }
+        })
     }
 
     /// A request id no other request of this router has had.
@@ -173,6 +218,10 @@ pub struct Prepared {
     pub model: Arc<Model>,
     pub token_ids: Vec<u32>,
     pub cache_salt: Option<String>,
+    /// The client asked for a stream (`"stream": true`): the worker's head comes
+    /// at once and bytes follow as tokens do; otherwise nothing comes until the
+    /// whole answer is ready.
+    pub stream: bool,
     pub tokenize: Duration,
     /// What the tokenizer's piece cache held of the prompt.
     pub pieces: PieceStats,
@@ -186,14 +235,16 @@ pub fn prepare(
     route: Route,
     body: &Body<'_>,
 ) -> Result<Prepared, GatewayError> {
-    let field = |e: String| GatewayError::bad_request("invalid_field", e);
+    let field =
+        |key: &'static str| move |e: String| GatewayError::bad_request("invalid_field", e).at(key);
     if body.has("kv_hints") {
         return Err(GatewayError::bad_request(
             "client_hints_refused",
             "the body has `kv_hints`: only the router attaches hints; remove the field",
-        ));
+        )
+        .at("kv_hints"));
     }
-    let name: Option<String> = body.get("model").map_err(field)?;
+    let name: Option<String> = body.get("model").map_err(field("model"))?;
     let name = match (name, route) {
         (Some(name), _) => name,
         // SGLang's /generate names no model: the one model served, if only one.
@@ -207,7 +258,8 @@ pub fn prepare(
                     "the body has no `model`; this router serves: {}",
                     snapshot.models.names().join(", ")
                 ),
-            ))
+            )
+            .at("model"))
         }
     };
     let Some(model) = snapshot.models.get(&name) else {
@@ -223,53 +275,119 @@ pub fn prepare(
                     snapshot.models.names().join(", ")
                 }
             ),
-        ));
+        )
+        .at("model"));
     };
-    let cache_salt: Option<String> = body.get("cache_salt").map_err(field)?;
+    let cache_salt: Option<String> = body.get("cache_salt").map_err(field("cache_salt"))?;
+    let stream = body
+        .get::<bool>("stream")
+        .map_err(field("stream"))?
+        .unwrap_or(false);
     let started = Instant::now();
     let render = |e: crate::models::RenderError| GatewayError::bad_request("invalid_prompt", e.0);
-    let (token_ids, pieces) =
-        match route {
-            Route::Chat => {
-                let request: ChatRequest = serde_json::from_str(body.text())
-                    .map_err(|e| GatewayError::bad_request("invalid_messages", format!("{e}")))?;
-                model.tokenizer.encode_chat(&request).map_err(render)?
+    let (token_ids, pieces) = match route {
+        Route::Chat => {
+            let request: ChatRequest = serde_json::from_str(body.text()).map_err(|e| {
+                GatewayError::bad_request("invalid_messages", format!("{e}")).at("messages")
+            })?;
+            model
+                .tokenizer
+                .encode_chat(&request)
+                .map_err(|e| render(e).at("messages"))?
+        }
+        Route::Completions => match prompt(body, "prompt")? {
+            Some(Prompt::Ids(ids)) => (ids, PieceStats::default()),
+            Some(Prompt::Text(text)) => model
+                .tokenizer
+                .encode_prompt(&text)
+                .map_err(|e| render(e).at("prompt"))?,
+            None => {
+                return Err(
+                    GatewayError::bad_request("missing_prompt", "the body has no `prompt`")
+                        .at("prompt"),
+                )
             }
-            Route::Completions => match prompt(body, "prompt")? {
-                Some(Prompt::Ids(ids)) => (ids, PieceStats::default()),
-                Some(Prompt::Text(text)) => model.tokenizer.encode_prompt(&text).map_err(render)?,
-                None => {
-                    return Err(GatewayError::bad_request(
-                        "missing_prompt",
-                        "the body has no `prompt`",
-                    ))
-                }
-            },
-            Route::Generate => match (prompt(body, "input_ids")?, prompt(body, "text")?) {
+        },
+        Route::Embeddings => (embedding_input(model, body)?, PieceStats::default()),
+        Route::Generate => {
+            match (prompt(body, "input_ids")?, prompt(body, "text")?) {
                 (Some(Prompt::Ids(ids)), None) => (ids, PieceStats::default()),
-                (None, Some(Prompt::Text(text))) => {
-                    model.tokenizer.encode_prompt(&text).map_err(render)?
-                }
+                (None, Some(Prompt::Text(text))) => model
+                    .tokenizer
+                    .encode_prompt(&text)
+                    .map_err(|e| render(e).at("text"))?,
                 (Some(_), Some(_)) => {
                     return Err(GatewayError::bad_request(
                         "invalid_prompt",
                         "give `text` or `input_ids`, not both",
-                    ))
+                    )
+                    .at("input_ids"))
                 }
                 _ => return Err(GatewayError::bad_request(
                     "missing_prompt",
                     "the body has neither `text` (a string) nor `input_ids` (a list of token ids)",
                 )),
-            },
-        };
+            }
+        }
+    };
     Ok(Prepared {
         route,
         model: Arc::clone(model),
         token_ids,
         cache_salt,
+        stream,
         tokenize: started.elapsed(),
         pieces,
     })
+}
+
+/// An embeddings request's `input` as token ids: a string, a list of ids, or a
+/// batch of either, every item's ids one after the other. The ids are not sent
+/// (the engine gets the client's body); they weigh the request's load and key
+/// its booking.
+fn embedding_input(model: &Model, body: &Body<'_>) -> Result<Vec<u32>, GatewayError> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Input {
+        Text(String),
+        Ids(Vec<u32>),
+        Texts(Vec<String>),
+        IdLists(Vec<Vec<u32>>),
+    }
+    let Some(raw) = body.raw("input") else {
+        return Err(GatewayError::bad_request(
+            "missing_input",
+            "the body has no `input`: a string, a list of strings, or token ids",
+        )
+        .at("input"));
+    };
+    let input: Input = serde_json::from_str(raw).map_err(|_| {
+        GatewayError::bad_request(
+            "invalid_input",
+            "`input` is a string, a list of strings, a list of token ids, or a list of such lists",
+        )
+        .at("input")
+    })?;
+    let encode = |text: &str| {
+        model
+            .tokenizer
+            .encode_prompt(text)
+            .map(|(ids, _)| ids)
+            .map_err(|e| GatewayError::bad_request("invalid_input", e.0).at("input"))
+    };
+    let ids = match input {
+        Input::Text(text) => encode(&text)?,
+        Input::Ids(ids) => ids,
+        Input::Texts(texts) => {
+            let mut ids = Vec::new();
+            for text in &texts {
+                ids.extend(encode(text)?);
+            }
+            ids
+        }
+        Input::IdLists(lists) => lists.concat(),
+    };
+    Ok(ids)
 }
 
 enum Prompt {
@@ -279,7 +397,7 @@ enum Prompt {
 
 /// A prompt field: a string, a list of token ids, or a list holding one of
 /// either. A batch is refused: the router books one worker per request.
-fn prompt(body: &Body<'_>, key: &str) -> Result<Option<Prompt>, GatewayError> {
+fn prompt(body: &Body<'_>, key: &'static str) -> Result<Option<Prompt>, GatewayError> {
     let Some(raw) = body.raw(key) else {
         return Ok(None);
     };
@@ -296,6 +414,7 @@ fn prompt(body: &Body<'_>, key: &str) -> Result<Option<Prompt>, GatewayError> {
             "batch_not_supported",
             format!("`{key}` holds several prompts; send one prompt per request (each is booked on its own worker)"),
         )
+        .at(key)
     };
     match serde_json::from_str::<Shape>(raw) {
         Ok(Shape::Text(text)) => Ok(Some(Prompt::Text(text))),
@@ -306,7 +425,8 @@ fn prompt(body: &Body<'_>, key: &str) -> Result<Option<Prompt>, GatewayError> {
         Err(_) => Err(GatewayError::bad_request(
             "invalid_prompt",
             format!("`{key}` is a string or a list of token ids (whole numbers below 2^32)"),
-        )),
+        )
+        .at(key)),
     }
 }
 

@@ -6,6 +6,7 @@
 //! last resort for a guard that never runs (a killed process leaves nothing).
 
 use super::approximate::{Credit, Settle};
+use super::signals::Signals;
 use super::stats::{GatewayStats, Release};
 use crate::router::Router;
 use bytes::Bytes;
@@ -129,8 +130,14 @@ pub struct GuardedBody {
     /// When the request reached the router, for the duration figure.
     received: Instant,
     done: bool,
-    on_end: Option<Box<dyn FnOnce(Release, Duration) + Send + Sync>>,
+    /// Time to first token, time between tokens, token counts.
+    signals: Signals,
+    on_end: Option<OnEnd>,
 }
+
+/// What runs once when a response ends: why, how long after the request came,
+/// and what the response said of its generation.
+pub type OnEnd = Box<dyn FnOnce(Release, Duration, &Signals) + Send + Sync>;
 
 impl GuardedBody {
     pub fn new(
@@ -139,7 +146,8 @@ impl GuardedBody {
         idle_timeout: Duration,
         deadline: Option<Instant>,
         received: Instant,
-        on_end: Box<dyn FnOnce(Release, Duration) + Send + Sync>,
+        stream: bool,
+        on_end: OnEnd,
     ) -> Self {
         Self {
             inner,
@@ -151,6 +159,7 @@ impl GuardedBody {
             first_byte: false,
             received,
             done: false,
+            signals: Signals::new(stream),
             on_end: Some(on_end),
         }
     }
@@ -159,7 +168,7 @@ impl GuardedBody {
         self.done = true;
         self.guard.finish(reason);
         if let Some(on_end) = self.on_end.take() {
-            on_end(reason, self.received.elapsed());
+            on_end(reason, self.received.elapsed(), &self.signals);
         }
     }
 }
@@ -188,9 +197,14 @@ impl HttpBody for GuardedBody {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if !this.first_byte && frame.data_ref().is_some_and(|d| !d.is_empty()) {
-                    this.first_byte = true;
-                    this.guard.prefill_done();
+                if let Some(data) = frame.data_ref() {
+                    if !data.is_empty() {
+                        if !this.first_byte {
+                            this.first_byte = true;
+                            this.guard.prefill_done();
+                        }
+                        this.signals.observe(data, Instant::now());
+                    }
                 }
                 if this.seeking_reuse {
                     if let Some(tokens) = frame.data_ref().and_then(|d| reused_tokens(d)) {

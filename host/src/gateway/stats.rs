@@ -3,6 +3,7 @@
 //! the duration and the router's own overhead (tokenization apart), read by
 //! `/metrics`.
 
+use super::signals::Signals;
 use crate::domain::{Engine, WorkerKey};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -20,6 +21,9 @@ pub enum Release {
     UpstreamError,
     /// No byte from the worker for `gateway.idle_timeout_ms`.
     IdleTimeout,
+    /// A non-streaming request's answer did not come within
+    /// `gateway.response_timeout_ms`.
+    ResponseTimeout,
     /// `gateway.request_timeout_ms` passed.
     Deadline,
     /// The router's `router.booking_ttl` released it first.
@@ -29,11 +33,12 @@ pub enum Release {
 }
 
 impl Release {
-    pub const ALL: [Release; 7] = [
+    pub const ALL: [Release; 8] = [
         Release::Completed,
         Release::ClientDisconnect,
         Release::UpstreamError,
         Release::IdleTimeout,
+        Release::ResponseTimeout,
         Release::Deadline,
         Release::Ttl,
         Release::Retried,
@@ -45,6 +50,7 @@ impl Release {
             Self::ClientDisconnect => "client_disconnect",
             Self::UpstreamError => "upstream_error",
             Self::IdleTimeout => "idle_timeout",
+            Self::ResponseTimeout => "response_timeout",
             Self::Deadline => "deadline",
             Self::Ttl => "ttl",
             Self::Retried => "retried",
@@ -85,6 +91,14 @@ pub struct Timings {
     /// Request received → request sent to the worker, tokenization included.
     pub overhead: Histogram,
     pub tokenize: Histogram,
+    /// Request received to the first content: a stream's first SSE event with a
+    /// token, a non-streaming answer's first byte.
+    pub ttft: Histogram,
+    /// A stream's mean time between content events after the first.
+    pub between_tokens: Histogram,
+    /// From the engine's `usage`, when it sent one.
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
     /// Responses by upstream status code.
     pub statuses: BTreeMap<u16, u64>,
 }
@@ -93,6 +107,9 @@ pub struct Timings {
 pub struct GatewayStats {
     releases: [AtomicU64; Release::ALL.len()],
     pub retries: AtomicU64,
+    /// Requests re-sent on a fresh connection to the same worker, their pooled
+    /// one having been closed by the worker.
+    pub resent: AtomicU64,
     undeliverable: [AtomicU64; 5],
     pub hints_delivered: AtomicU64,
     /// Requests answered by the router itself (no worker answered), by status.
@@ -196,11 +213,32 @@ impl GatewayStats {
         entry.ttfb.observe(ttfb.as_secs_f64());
     }
 
-    /// A response's end (whatever ended it), `duration` after the request came.
-    pub fn ended(&self, model: &str, worker: WorkerKey, duration: Duration) {
+    /// A response's end (whatever ended it), `duration` after the request came
+    /// (at `received`), with what its bytes said of the generation.
+    pub fn ended(
+        &self,
+        model: &str,
+        worker: WorkerKey,
+        duration: Duration,
+        signals: Option<(&Signals, std::time::Instant)>,
+    ) {
         let mut timings = self.timings.lock();
         let entry = timings.entry((model.to_string(), worker)).or_default();
         entry.duration.observe(duration.as_secs_f64());
+        if let Some((signals, received)) = signals {
+            if let Some(first) = signals.first_content {
+                entry
+                    .ttft
+                    .observe(first.saturating_duration_since(received).as_secs_f64());
+            }
+            if let Some(gap) = signals.between_tokens() {
+                entry.between_tokens.observe(gap);
+            }
+            if let Some(usage) = signals.usage {
+                entry.prompt_tokens += usage.prompt_tokens;
+                entry.completion_tokens += usage.completion_tokens;
+            }
+        }
     }
 
     pub fn timings(&self) -> Vec<((String, WorkerKey), Timings)> {

@@ -177,6 +177,40 @@ impl ModelTokenizer {
         }
     }
 
+    /// A text's ids with or without the special tokens the tokenizer adds, for
+    /// `POST /tokenize` (through the piece cache).
+    pub fn encode_text(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {
+        self.encode(text, special).map(|(ids, _)| ids)
+    }
+
+    /// Each id's token as the vocabulary writes it (`"Ġthe"`); an id the
+    /// vocabulary does not have is an error naming it.
+    pub fn token_strs(&self, ids: &[u32]) -> Result<Vec<String>, RenderError> {
+        ids.iter()
+            .map(|id| {
+                self.tokenizer.id_to_token(*id).ok_or_else(|| {
+                    RenderError(format!(
+                        "token id {id} is not in the model's vocabulary of {}",
+                        self.tokenizer.get_vocab_size(true)
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// The text of `ids`, special tokens included (as vLLM's `/detokenize`).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, RenderError> {
+        let size = self.tokenizer.get_vocab_size(true);
+        if let Some(bad) = ids.iter().find(|id| **id as usize >= size) {
+            return Err(RenderError(format!(
+                "token id {bad} is not in the model's vocabulary of {size}"
+            )));
+        }
+        self.tokenizer
+            .decode(ids, false)
+            .map_err(|e| RenderError(format!("the ids could not be decoded: {e}")))
+    }
+
     /// The ids `tokenizers` gives for the whole text, without the piece cache: what
     /// the cache must always equal.
     pub fn encode_uncached(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {

@@ -538,7 +538,7 @@ impl Exchange {
         self.app
             .gateway
             .stats
-            .ended(&booked.prepared.model.name, key, duration);
+            .ended(&booked.prepared.model.name, key, duration, None);
         tracing::info!(
             target: "kvhint::access",
             request_id = %booked.guard.request_id(),

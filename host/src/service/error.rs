@@ -96,12 +96,15 @@ pub async fn openai_shape(response: Response) -> Response {
     let body = serde_json::json!({"error": {
         "message": error.detail,
         "type": kind,
+        "param": null,
         "code": error.code,
     }});
     let (mut parts, _) = response.into_parts();
     parts.headers.remove(axum::http::header::CONTENT_LENGTH);
     let mut out = (error.status, axum::Json(body)).into_response();
     out.extensions_mut().insert(ErrorCode(error.code));
+    out.extensions_mut()
+        .insert(super::gateway::Refusal(error.detail.clone()));
     for (name, value) in &parts.headers {
         if name != axum::http::header::CONTENT_TYPE {
             out.headers_mut().insert(name.clone(), value.clone());

@@ -12,7 +12,8 @@ use super::App;
 use crate::domain::WorkerKey;
 use crate::gateway::adapter::{self, HintDelivery, Route};
 use crate::gateway::approximate;
-use crate::gateway::release::{GuardedBody, ReleaseGuard};
+use crate::gateway::release::{GuardedBody, OnEnd, ReleaseGuard};
+use crate::gateway::signals::Signals;
 use crate::gateway::stats::Release;
 use crate::gateway::{self, GatewayError, Prepared};
 use crate::splice::Body;
@@ -70,6 +71,212 @@ pub async fn generate(
     handle(app, Route::Generate, headers, body).await
 }
 
+/// Whether a worker that can take requests now serves `model`.
+fn served_now(
+    app: &App,
+    workers: &[(Arc<crate::domain::Worker>, crate::router::workers::Load)],
+    model: &str,
+) -> bool {
+    workers.iter().any(|(worker, _)| {
+        worker.http.as_ref().is_some_and(|h| h.serves(model))
+            && app.gateway.health.looks_up(worker.key)
+    })
+}
+
+fn model_object(name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvhint",
+    })
+}
+
+pub async fn embeddings(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<RawJson, ApiError>,
+) -> Response {
+    handle(app, Route::Embeddings, headers, body).await
+}
+
+/// The model a `/tokenize` or `/detokenize` body names: its `model`, or the
+/// one model this router serves.
+fn named_model(
+    snapshot: &crate::snapshot::Snapshot,
+    body: &Body<'_>,
+) -> Result<Arc<crate::models::Model>, GatewayError> {
+    let name: Option<String> = body
+        .get("model")
+        .map_err(|e| GatewayError::bad_request("invalid_field", e).at("model"))?;
+    let names = snapshot.models.names();
+    let name = match name {
+        Some(name) => name,
+        None if names.len() == 1 => names[0].clone(),
+        None => {
+            return Err(GatewayError::bad_request(
+                "missing_model",
+                format!(
+                    "the body has no `model`; this router serves: {}",
+                    names.join(", ")
+                ),
+            )
+            .at("model"))
+        }
+    };
+    snapshot.models.get(&name).cloned().ok_or_else(|| {
+        GatewayError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!(
+                "the model `{name}` does not exist here; this router serves: {}",
+                names.join(", ")
+            ),
+        )
+        .at("model")
+    })
+}
+
+/// `POST /tokenize`, in vLLM's shapes: `{model?, prompt, add_special_tokens =
+/// true, return_token_strs = false}` or `{model?, messages, tools?,
+/// add_generation_prompt = true, continue_final_message, chat_template_kwargs,
+/// add_special_tokens = false, return_token_strs}`; answers `{count,
+/// max_model_len, tokens, token_strs}`, with the ids the router books with
+/// (the model's own tokenizer and chat template, in process). `max_model_len`
+/// is the longest prompt this router books (`router.max_prompt_tokens`).
+pub async fn tokenize(State(app): State<Arc<App>>, body: Result<RawJson, ApiError>) -> Response {
+    tokenizer_job(app, body, true).await
+}
+
+/// `POST /detokenize`, in vLLM's shapes: `{model?, tokens}` → `{prompt}`
+/// (special tokens kept).
+pub async fn detokenize(State(app): State<Arc<App>>, body: Result<RawJson, ApiError>) -> Response {
+    tokenizer_job(app, body, false).await
+}
+
+/// Tokenizing is CPU work: it runs on the booking threads, as a booking does.
+async fn tokenizer_job(app: Arc<App>, body: Result<RawJson, ApiError>, encode: bool) -> Response {
+    let body = match body {
+        Ok(RawJson(body)) => body,
+        Err(error) => return error.into_response(),
+    };
+    let job = {
+        let app = Arc::clone(&app);
+        move || {
+            let snapshot = app.snapshot.load_full();
+            let text = std::str::from_utf8(&body).map_err(|_| {
+                GatewayError::bad_request("invalid_json", "the body is not UTF-8 text; send JSON")
+            })?;
+            let parsed = Body::parse(text)
+                .map_err(|e| GatewayError::bad_request("invalid_json", e.to_string()))?;
+            let model = named_model(&snapshot, &parsed)?;
+            if encode {
+                tokenize_body(&snapshot, &model, &parsed)
+            } else {
+                let ids: Vec<u32> = parsed
+                    .get("tokens")
+                    .map_err(|e| GatewayError::bad_request("invalid_tokens", e).at("tokens"))?
+                    .ok_or_else(|| {
+                        GatewayError::bad_request(
+                            "missing_tokens",
+                            "the body has no `tokens`: the list of token ids to turn into text",
+                        )
+                        .at("tokens")
+                    })?;
+                let prompt = model
+                    .tokenizer
+                    .decode(&ids)
+                    .map_err(|e| GatewayError::bad_request("invalid_tokens", e.0).at("tokens"))?;
+                Ok(serde_json::json!({"prompt": prompt}))
+            }
+        }
+    };
+    let answer = app.bookings.run(job).await.map_err(|_| {
+        GatewayError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "overloaded",
+            "every booking thread is busy and the booking queue is full; retry shortly",
+        )
+    });
+    match answer.and_then(|a| a) {
+        Ok(json) => axum::Json(json).into_response(),
+        Err(error) => error_response(&app, error),
+    }
+}
+
+fn tokenize_body(
+    snapshot: &crate::snapshot::Snapshot,
+    model: &crate::models::Model,
+    body: &Body<'_>,
+) -> Result<serde_json::Value, GatewayError> {
+    let flag = |key: &'static str| -> Result<Option<bool>, GatewayError> {
+        body.get(key)
+            .map_err(|e| GatewayError::bad_request("invalid_field", e).at(key))
+    };
+    let strs = flag("return_token_strs")?.unwrap_or(false);
+    let invalid = |param: &'static str| {
+        move |e: crate::models::RenderError| {
+            GatewayError::bad_request("invalid_prompt", e.0).at(param)
+        }
+    };
+    let tokens = if body.has("messages") {
+        let request: crate::models::ChatRequest =
+            serde_json::from_str(body.text()).map_err(|e| {
+                GatewayError::bad_request("invalid_messages", e.to_string()).at("messages")
+            })?;
+        if flag("add_special_tokens")?.unwrap_or(false) {
+            let text = model
+                .tokenizer
+                .render_chat(&request)
+                .map_err(invalid("messages"))?;
+            model
+                .tokenizer
+                .encode_text(&text, true)
+                .map_err(invalid("messages"))?
+        } else {
+            model
+                .tokenizer
+                .encode_chat(&request)
+                .map_err(invalid("messages"))?
+                .0
+        }
+    } else {
+        let prompt: String = body
+            .get("prompt")
+            .map_err(|e| GatewayError::bad_request("invalid_prompt", e).at("prompt"))?
+            .ok_or_else(|| {
+                GatewayError::bad_request(
+                    "missing_prompt",
+                    "the body has neither `prompt` (a string) nor `messages` (a chat)",
+                )
+                .at("prompt")
+            })?;
+        let special = flag("add_special_tokens")?.unwrap_or(true);
+        model
+            .tokenizer
+            .encode_text(&prompt, special)
+            .map_err(invalid("prompt"))?
+    };
+    let token_strs = if strs {
+        Some(
+            model
+                .tokenizer
+                .token_strs(&tokens)
+                .map_err(invalid("prompt"))?,
+        )
+    } else {
+        None
+    };
+    Ok(serde_json::json!({
+        "count": tokens.len(),
+        "max_model_len": snapshot.limits.max_prompt_tokens,
+        "tokens": tokens,
+        "token_strs": token_strs,
+    }))
+}
+
 /// The models a worker that can take requests now serves, in OpenAI's shape.
 pub async fn models(State(app): State<Arc<App>>) -> Response {
     let snapshot = app.snapshot.load_full();
@@ -78,22 +285,102 @@ pub async fn models(State(app): State<Arc<App>>) -> Response {
         .models
         .names()
         .iter()
-        .filter(|name| {
-            workers.iter().any(|(worker, _)| {
-                worker.http.as_ref().is_some_and(|h| h.serves(name))
-                    && app.gateway.health.looks_up(worker.key)
-            })
-        })
-        .map(|name| {
-            serde_json::json!({
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "kvhint",
-            })
-        })
+        .filter(|name| served_now(&app, &workers, name))
+        .map(|name| model_object(name))
         .collect();
     axum::Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model, if a worker that can take requests now
+/// serves it (as `/v1/models` lists it); 404 otherwise.
+pub async fn model(
+    State(app): State<Arc<App>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let snapshot = app.snapshot.load_full();
+    if snapshot.models.get(&id).is_some() && served_now(&app, &app.router.workers(), &id) {
+        return axum::Json(model_object(&id)).into_response();
+    }
+    let why = if snapshot.models.get(&id).is_some() {
+        "is configured, but no worker that can take requests serves it now (see /readiness)"
+    } else {
+        "does not exist here (GET /v1/models lists the models served)"
+    };
+    error_response(
+        &app,
+        GatewayError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "model_not_found",
+            format!("the model `{id}` {why}"),
+        ),
+    )
+}
+
+/// `GET /readiness`: 200 while every model in `models:` has a worker that can
+/// take requests (healthy, circuit not open), 503 naming each model that has
+/// none otherwise. Load balancers send traffic only to a ready router.
+pub async fn readiness(State(app): State<Arc<App>>) -> Response {
+    let snapshot = app.snapshot.load_full();
+    let workers = app.router.workers();
+    let missing: Vec<String> = snapshot
+        .models
+        .names()
+        .iter()
+        .filter(|name| !served_now(&app, &workers, name))
+        .map(|name| {
+            let serving: Vec<String> = workers
+                .iter()
+                .filter(|(w, _)| w.http.as_ref().is_some_and(|h| h.serves(name)))
+                .map(|(w, _)| {
+                    let why = app
+                        .gateway
+                        .health
+                        .view(w.key)
+                        .and_then(|v| v.why)
+                        .unwrap_or_else(|| "out of rotation".into());
+                    format!("{}: {why}", w.key)
+                })
+                .collect();
+            if serving.is_empty() {
+                format!("model `{name}`: no worker serves it (list one under `workers:` or register one)")
+            } else {
+                format!(
+                    "model `{name}`: no worker can take requests ({})",
+                    serving.join("; ")
+                )
+            }
+        })
+        .collect();
+    if missing.is_empty() {
+        axum::Json(serde_json::json!({"status": "ready"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({"status": "not_ready", "reasons": missing})),
+        )
+            .into_response()
+    }
+}
+
+/// An unknown route under `/v1/`: 404 in OpenAI's shape, as OpenAI answers it.
+pub async fn unknown_route(
+    State(app): State<Arc<App>>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    error_response(
+        &app,
+        GatewayError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "unknown_url",
+            format!(
+                "Invalid URL ({method} {}): this router serves /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models and /v1/models/{{id}}",
+                uri.path()
+            ),
+        ),
+    )
 }
 
 /// An error in OpenAI's shape, counted.
@@ -103,6 +390,7 @@ pub fn error_response(app: &App, error: GatewayError) -> Response {
     response
         .extensions_mut()
         .insert(super::error::ErrorCode(error.code));
+    response.extensions_mut().insert(Refusal(error.message));
     response
 }
 
@@ -120,11 +408,81 @@ async fn handle(
             return error.into_response();
         }
     };
-    match forward(&app, route, &headers, body, received).await {
+    let request_id = app.gateway.request_id();
+    let mut trace = app
+        .gateway
+        .tracing
+        .as_ref()
+        .and_then(|t| t.request(&headers, route.as_str(), received));
+    match forward(
+        &app,
+        route,
+        &headers,
+        body,
+        received,
+        &request_id,
+        &mut trace,
+    )
+    .await
+    {
         Ok(response) => response,
-        Err(error) => error_response(&app, error),
+        Err(error) => {
+            if let Some(trace) = trace {
+                trace.finish(
+                    Instant::now(),
+                    "answered_by_router",
+                    error.status.as_u16(),
+                    None,
+                    None,
+                );
+            }
+            let mut response = error_response(&app, error);
+            if let Ok(value) = HeaderValue::from_str(&request_id) {
+                response.headers_mut().insert("x-kvhint-request-id", value);
+            }
+            response
+        }
     }
 }
+
+/// The access-log line of a request the router answered itself (a refusal, a
+/// bad body, no worker, a timeout: every response that carries an error code
+/// of its own), so no answer goes unlogged; a worker's answer is logged when
+/// its body ends (in `forward`).
+pub async fn access_log(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let received = Instant::now();
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let response = next.run(request).await;
+    if let Some(super::error::ErrorCode(code)) = response.extensions().get() {
+        let request_id = response
+            .headers()
+            .get("x-kvhint-request-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let reason = response
+            .extensions()
+            .get::<Refusal>()
+            .map_or("", |r| r.0.as_str());
+        tracing::info!(
+            target: "kvhint::access",
+            request_id,
+            method = %method,
+            path = %path,
+            status = response.status().as_u16(),
+            duration_ms = received.elapsed().as_secs_f64() * 1e3,
+            end = "answered_by_router",
+            code,
+            reason,
+            "request"
+        );
+    }
+    response
+}
+
+/// Why the router answered a request itself, for the access log.
+#[derive(Debug, Clone)]
+pub struct Refusal(pub String);
 
 /// A booking's request on its way to the worker.
 struct Sent {
@@ -133,6 +491,7 @@ struct Sent {
     base: Arc<str>,
     engine: crate::domain::Engine,
     forward: adapter::Forward,
+    api_key: Option<crate::domain::ApiKey>,
 }
 
 /// What one booking job hands back: the open booking (its guard releases it on
@@ -152,6 +511,8 @@ pub(crate) struct Booked {
     pub authority: Arc<str>,
     pub engine: crate::domain::Engine,
     pub forward: adapter::Forward,
+    /// The worker's API key, if its server asks for one.
+    pub api_key: Option<crate::domain::ApiKey>,
 }
 
 /// A request body's CPU work, on a booking thread: parse, prepare (render and
@@ -237,6 +598,7 @@ pub(crate) fn book_body(
         authority: Arc::clone(&target.authority),
         engine: target.engine,
         forward,
+        api_key: target.api_key.clone(),
     })
 }
 
@@ -260,6 +622,8 @@ async fn forward(
     headers: &HeaderMap,
     body: Bytes,
     received: Instant,
+    request_id: &str,
+    trace: &mut Option<crate::gateway::trace::RequestTrace>,
 ) -> Result<Response, GatewayError> {
     if std::str::from_utf8(&body).is_err() {
         return Err(GatewayError::bad_request(
@@ -272,7 +636,7 @@ async fn forward(
     let idle = Duration::from_millis(settings.idle_timeout_ms);
     let deadline = (settings.request_timeout_ms > 0)
         .then(|| received + Duration::from_millis(settings.request_timeout_ms));
-    let request_id = app.gateway.request_id();
+    let request_id = request_id.to_string();
     let mut tried: Vec<WorkerKey> = Vec::new();
     let mut prepared: Option<Arc<Prepared>> = None;
     let mut backoff = Duration::from_millis(settings.retry_backoff_ms);
@@ -288,7 +652,8 @@ async fn forward(
             let tried = tried.clone();
             let prepared = prepared.clone();
             move || {
-                book_body(
+                let started = Instant::now();
+                let booked = book_body(
                     &app,
                     &snapshot,
                     route,
@@ -297,17 +662,27 @@ async fn forward(
                     &tried,
                     prepared,
                     None,
-                )
+                );
+                (started, booked)
             }
         };
-        let booked = app.bookings.run(job).await.map_err(|_| {
+        let (job_started, booked) = app.bookings.run(job).await.map_err(|_| {
             GatewayError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",
                 "overloaded",
                 "every booking thread is busy and the booking queue is full; retry shortly",
             )
-        })??;
+        })?;
+        let booked = booked?;
+        if let Some(trace) = trace.as_mut() {
+            trace.booked(
+                job_started,
+                booked.prepared.tokenize,
+                Instant::now(),
+                booked.worker,
+            );
+        }
         // The booking is open: the guard releases it on every way out, this
         // future being dropped (the client left) included.
         let Booked {
@@ -319,6 +694,7 @@ async fn forward(
             base,
             engine,
             forward,
+            api_key,
             ..
         } = booked;
         if let Some(gate) = wait_for {
@@ -332,16 +708,36 @@ async fn forward(
             base,
             engine,
             forward,
+            api_key,
         };
         prepared = Some(Arc::clone(&booked.prepared));
         count_hint(app, &booked.forward, booked.engine);
-        let request = upstream_request(&booked, headers)?;
         let sent = Instant::now();
-        let waited = match deadline {
-            Some(at) => idle.min(at.saturating_duration_since(sent)),
-            None => idle,
+        // A stream's head comes at once (bytes follow as tokens do), so silence
+        // before it is the idle bound's; a non-streaming engine sends nothing
+        // until the whole answer is ready, which may take minutes.
+        let (for_head, head_bound) = if booked.prepared.stream {
+            (idle, "gateway.idle_timeout_ms")
+        } else {
+            (
+                Duration::from_millis(settings.response_timeout_ms),
+                "gateway.response_timeout_ms",
+            )
         };
-        let answer = tokio::time::timeout(waited, app.gateway.client.request(request)).await;
+        let waited = match deadline {
+            Some(at) => for_head.min(at.saturating_duration_since(sent)),
+            None => for_head,
+        };
+        let traceparent = trace.as_mut().and_then(|t| t.sending(sent));
+        let answer = send(
+            app,
+            &booked,
+            headers,
+            sent + waited,
+            &request_id,
+            traceparent.as_ref(),
+        )
+        .await?;
         let key = booked.worker;
         let retry = |guard: &mut ReleaseGuard, tried: &mut Vec<WorkerKey>| {
             guard.finish(Release::Retried);
@@ -354,33 +750,29 @@ async fn forward(
         let response = match answer {
             Err(_) => {
                 let past_deadline = deadline.is_some_and(|at| Instant::now() >= at);
-                guard.finish(if past_deadline {
-                    Release::Deadline
+                let (release, code, bound) = if past_deadline {
+                    (Release::Deadline, "deadline", "gateway.request_timeout_ms")
+                } else if booked.prepared.stream {
+                    (Release::IdleTimeout, "idle_timeout", head_bound)
                 } else {
-                    Release::IdleTimeout
-                });
-                app.gateway.health.request_failed(
+                    (Release::ResponseTimeout, "response_timeout", head_bound)
+                };
+                guard.finish(release);
+                // A worker that passes its health checks is busy, not broken: a
+                // long generation must not take it out of rotation.
+                app.gateway.health.timed_out(
                     key,
                     settings.circuit_failures,
                     settings.circuit_open_ms,
-                    "it sent no response head in time".into(),
+                    format!("it sent no response head within {} ms", waited.as_millis()),
                 );
                 return Err(GatewayError::new(
                     StatusCode::GATEWAY_TIMEOUT,
                     "timeout_error",
-                    if past_deadline {
-                        "deadline"
-                    } else {
-                        "idle_timeout"
-                    },
+                    code,
                     format!(
-                        "{key} sent no response within {} ms ({})",
+                        "{key} sent no response within {} ms ({bound}); raise it for longer generations",
                         waited.as_millis(),
-                        if past_deadline {
-                            "gateway.request_timeout_ms"
-                        } else {
-                            "gateway.idle_timeout_ms"
-                        }
                     ),
                 ));
             }
@@ -399,6 +791,10 @@ async fn forward(
                     );
                 }
                 if !last_attempt {
+                    tracing::warn!(request_id = %request_id, worker = %key, error = %why, attempt, "the request failed before any byte reached the client; booking it again on another worker");
+                    if let Some(trace) = trace.as_mut() {
+                        trace.retried(key, &why);
+                    }
                     retry(&mut guard, &mut tried);
                     tokio::time::sleep(backoff).await;
                     backoff = backoff.mul_f32(1.5);
@@ -423,6 +819,9 @@ async fn forward(
                 format!("it answered {status}"),
             );
             if !last_attempt {
+                if let Some(trace) = trace.as_mut() {
+                    trace.retried(key, &format!("it answered {status}"));
+                }
                 retry(&mut guard, &mut tried);
                 drop(response);
                 tokio::time::sleep(backoff).await;
@@ -442,26 +841,57 @@ async fn forward(
             prepared.tokenize,
             now.saturating_duration_since(received),
         );
+        let mut trace = trace.take();
+        if let Some(trace) = trace.as_mut() {
+            trace.head(now, status.as_u16());
+        }
         let (parts, incoming) = response.into_parts();
         let stats = Arc::clone(&app.gateway.stats);
         let model = prepared.model.name.clone();
         let log_id = request_id.clone();
-        let on_end = Box::new(move |reason: Release, duration: Duration| {
-            stats.ended(&model, key, duration);
-            tracing::info!(
-                target: "kvhint::access",
-                request_id = %log_id,
-                model = %model,
-                worker = key.worker_id,
-                dp_rank = key.dp_rank,
-                status = status.as_u16(),
-                ttfb_ms = now.saturating_duration_since(received).as_secs_f64() * 1e3,
-                duration_ms = duration.as_secs_f64() * 1e3,
-                end = reason.as_str(),
-                "request"
-            );
-        });
-        let body = GuardedBody::new(incoming, guard, idle, deadline, received, on_end);
+        let on_end: OnEnd = Box::new(
+            move |reason: Release, duration: Duration, signals: &Signals| {
+                stats.ended(&model, key, duration, Some((signals, received)));
+                if let Some(trace) = trace {
+                    trace.finish(
+                        received + duration,
+                        reason.as_str(),
+                        status.as_u16(),
+                        signals.first_content,
+                        signals
+                            .usage
+                            .map(|u| (u.prompt_tokens, u.completion_tokens)),
+                    );
+                }
+                let since = |at: Option<Instant>| {
+                    at.map(|at| at.saturating_duration_since(received).as_secs_f64() * 1e3)
+                };
+                tracing::info!(
+                    target: "kvhint::access",
+                    request_id = %log_id,
+                    model = %model,
+                    worker = key.worker_id,
+                    dp_rank = key.dp_rank,
+                    status = status.as_u16(),
+                    ttfb_ms = now.saturating_duration_since(received).as_secs_f64() * 1e3,
+                    ttft_ms = since(signals.first_content),
+                    duration_ms = duration.as_secs_f64() * 1e3,
+                    prompt_tokens = signals.usage.map(|u| u.prompt_tokens),
+                    completion_tokens = signals.usage.map(|u| u.completion_tokens),
+                    end = reason.as_str(),
+                    "request"
+                );
+            },
+        );
+        let body = GuardedBody::new(
+            incoming,
+            guard,
+            idle,
+            deadline,
+            received,
+            prepared.stream,
+            on_end,
+        );
         let mut out = Response::new(axum::body::Body::new(body));
         *out.status_mut() = status;
         for (name, value) in &parts.headers {
@@ -501,11 +931,56 @@ pub(crate) async fn wait_for_prefix(
     settled
 }
 
+/// What became of a request sent to its worker: its head, a failure, or no
+/// head in time.
+type Answer = Result<
+    Result<hyper::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error>,
+    tokio::time::error::Elapsed,
+>;
+
+/// Sends the booked request on a pooled connection and waits for its head
+/// until `until`. A pooled connection the worker had closed while it sat idle
+/// (the request written on it got no byte of an answer: the worker's close
+/// crossed it) is not the worker's failure: the request is re-sent once, on a
+/// fresh connection to the same worker, and counted in
+/// `kvhint_gateway_resent_total`.
+async fn send(
+    app: &App,
+    booked: &Sent,
+    headers: &HeaderMap,
+    until: Instant,
+    request_id: &str,
+    traceparent: Option<&HeaderValue>,
+) -> Result<Answer, GatewayError> {
+    let request = upstream_request(booked, headers, traceparent)?;
+    let wait = |at: Instant| at.saturating_duration_since(Instant::now());
+    let answer = tokio::time::timeout(wait(until), app.gateway.client.request(request)).await;
+    let stale = match &answer {
+        Ok(Err(error)) if !error.is_connect() => {
+            crate::gateway::upstream::wire_of(error).is_some_and(|w| w.reused_and_unanswered())
+        }
+        _ => false,
+    };
+    if !stale {
+        return Ok(answer);
+    }
+    if let Ok(Err(error)) = &answer {
+        tracing::debug!(request_id, worker = %booked.worker, error = %describe(error), "the pooled connection was closed by the worker; re-sending on a fresh connection");
+    }
+    app.gateway
+        .stats
+        .resent
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let request = upstream_request(booked, headers, traceparent)?;
+    Ok(tokio::time::timeout(wait(until), app.gateway.fresh.request(request)).await)
+}
+
 /// The request to the booked worker: the adapter's body and headers, and the
 /// client's headers that may pass.
 fn upstream_request(
     booked: &Sent,
     client_headers: &HeaderMap,
+    traceparent: Option<&HeaderValue>,
 ) -> Result<hyper::Request<Full<Bytes>>, GatewayError> {
     let uri = format!("{}{}", booked.base, booked.forward.path);
     let mut request = hyper::Request::post(uri);
@@ -523,6 +998,13 @@ fn upstream_request(
             if let Ok(value) = HeaderValue::from_str(value) {
                 headers.insert(HeaderName::from_static(name), value);
             }
+        }
+        if let Some(key) = booked.api_key.as_ref().and_then(|k| k.authorization()) {
+            headers.insert(header::AUTHORIZATION, key);
+        }
+        // Traced: the worker's parent is this request's `connect` span.
+        if let Some(traceparent) = traceparent {
+            headers.insert(HeaderName::from_static("traceparent"), traceparent.clone());
         }
     }
     request
@@ -580,9 +1062,17 @@ pub async fn health_checks(app: Arc<App>) {
             let key = worker.key;
             let client = app.gateway.client.clone();
             let timeout = Duration::from_millis(settings.timeout_ms);
+            let path = settings.path(http.engine).to_string();
             checks.spawn(async move {
-                let uri = format!("{}/health", http.base);
-                let request = match hyper::Request::get(uri).body(Full::new(Bytes::new())) {
+                let uri = format!("{}{path}", http.base);
+                let mut request = hyper::Request::get(uri);
+                if let Some((headers, key)) = request
+                    .headers_mut()
+                    .zip(http.api_key.as_ref().and_then(|k| k.authorization()))
+                {
+                    headers.insert(header::AUTHORIZATION, key);
+                }
+                let request = match request.body(Full::new(Bytes::new())) {
                     Ok(request) => request,
                     Err(e) => return (key, Err(e.to_string())),
                 };
@@ -590,7 +1080,7 @@ pub async fn health_checks(app: Arc<App>) {
                     Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
                     Ok(Err(e)) => Err(describe(&e)),
                     Ok(Ok(response)) if response.status().is_success() => Ok(()),
-                    Ok(Ok(response)) => Err(format!("GET /health answered {}", response.status())),
+                    Ok(Ok(response)) => Err(format!("GET {path} answered {}", response.status())),
                 };
                 (key, result)
             });

@@ -11,10 +11,16 @@
 //!   request — `idle_timeout`;
 //! - **head**: from a request's first byte until its head is complete —
 //!   `header_timeout`, for the whole head, so a drip of bytes does not extend it;
-//! - **handling**: the handler runs; it reads the body under `body_timeout` (see
-//!   `body.rs`), and the phase has no deadline of its own;
-//! - **writing**: a response the peer does not read is given up after
-//!   `idle_timeout` without progress.
+//! - **handling**: from the request's head until the response's last byte; the
+//!   handler reads the body under `body_timeout` (see `body.rs`), and the phase
+//!   has no deadline of its own, so a response that streams for minutes is never
+//!   cut by a connection timer (the gateway bounds the silence between a worker's
+//!   bytes itself);
+//! - **writing**: a response the peer does not read at all is given up after
+//!   `idle_timeout` in which not one byte could be written. A peer that reads,
+//!   however slowly, is never cut: until it reads, backpressure holds the rest
+//!   (hyper's bounded write buffer, then the socket's), and nothing more is read
+//!   from the worker.
 //!
 //! Over the cap, the listener stops accepting: new connections wait in the
 //! kernel's backlog until one closes, which the deadlines make sure happens.
@@ -341,9 +347,22 @@ pub async fn serve(
             let response = tower_oneshot(router.clone(), request);
             let clock = Arc::clone(&clock);
             async move {
+                // The connection stays in the handling phase until the response's
+                // last byte: a stream that lasts minutes is still being answered,
+                // and the idle deadline (meant for between requests) must not
+                // cut it. The only bound on a streaming response is the gateway's
+                // own, between the worker's bytes.
                 let response = response.await;
-                clock.handled();
-                response
+                Ok::<_, std::convert::Infallible>(match response {
+                    Ok(response) => response.map(|body| {
+                        axum::body::Body::new(Answering {
+                            inner: body,
+                            clock,
+                            done: false,
+                        })
+                    }),
+                    Err(never) => match never {},
+                })
             }
         });
         let connection = hyper::server::conn::http1::Builder::new()
@@ -366,6 +385,56 @@ pub async fn serve(
         () = tokio::time::sleep(drain) => {
             tracing::warn!(?drain, "connections still open at shutdown were cut");
         }
+    }
+}
+
+/// A response body on its way out: when it ends (its last frame, or dropped
+/// because the peer went away) the connection is idle again, and the idle
+/// deadline applies until the next request.
+struct Answering {
+    inner: axum::body::Body,
+    clock: Arc<Clock>,
+    done: bool,
+}
+
+impl Answering {
+    fn finish(&mut self) {
+        if !std::mem::replace(&mut self.done, true) {
+            self.clock.handled();
+        }
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+impl http_body::Body for Answering {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.finish(),
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.finish(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

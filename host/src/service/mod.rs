@@ -117,16 +117,24 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
         .route("/v1/chat/completions", post(gateway::chat_completions))
         .route("/v1/completions", post(gateway::completions))
         .route("/generate", post(gateway::generate))
-        .route("/v1/models", get(gateway::models));
+        .route("/v1/models", get(gateway::models))
+        .route("/v1/models/{id}", get(gateway::model))
+        .route("/v1/embeddings", post(gateway::embeddings))
+        .route("/tokenize", post(gateway::tokenize))
+        .route("/detokenize", post(gateway::detokenize))
+        .route("/v1/{*rest}", axum::routing::any(gateway::unknown_route));
     let open = axum::Router::new()
         .route("/healthz", get(healthz))
+        .route("/health", get(health))
+        .route("/readiness", get(gateway::readiness))
         .route("/metrics", get(metrics));
     let routes = guarded(admin, Some(Caller::Admin))
         .merge(guarded(worker, Some(Caller::Worker)))
         .merge(guarded(client, Some(Caller::Client)))
         .merge(
             guarded(front_door, Some(Caller::Client))
-                .layer(axum::middleware::map_response(error::openai_shape)),
+                .layer(axum::middleware::map_response(error::openai_shape))
+                .layer(axum::middleware::from_fn(gateway::access_log)),
         )
         .merge(guarded(open, None))
         .fallback(|| async {
@@ -276,6 +284,12 @@ async fn release(
     })))
 }
 
+/// `GET /health`: the process is alive and serving (load balancers' and both
+/// peer gateways' path); `/readiness` says whether it can route.
+async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
 async fn healthz(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     Json(json!({"status": "ok", "generation": app.snapshot.load().generation}))
 }
@@ -389,6 +403,9 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
                 .collect(),
         ));
     }
+    let gateway = crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
+        config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
+    })?;
     let hook_events = Arc::clone(&engine_events);
     let hook_router = Arc::clone(&router);
     let _ = reloader
@@ -413,9 +430,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         exposure: auth::Exposure {
             loopback: options.listen.ip().is_loopback(),
         },
-        gateway: crate::gateway::Gateway::new(std::time::Duration::from_millis(
-            config.gateway.connect_timeout_ms,
-        )),
+        gateway,
         replication_config: config.replication.clone(),
         replication: std::sync::OnceLock::new(),
     }))

@@ -2,7 +2,7 @@
 """Serve a GGUF with llama.cpp's own HTTP server, for tests.
 
     python3 tests/engines/llamacpp/serve.py --model FILE [--port P] [--parallel N] [--ctx N]
-        [--threads N] [--cache-ram MIB] [--kv-unified]
+        [--threads N] [--cache-ram MIB] [--kv-unified] [--api-key KEY] [--embeddings]
 
 Runs llama.cpp's C++ server (``llama-server``'s code: ``/health``,
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
@@ -72,6 +72,12 @@ def main() -> int:
         "--cache-ram", type=int, default=None, help="prompt cache in MiB (default: llama.cpp's)"
     )
     ap.add_argument("--kv-unified", action="store_true", help="one KV buffer for all slots")
+    ap.add_argument("--api-key", help="the key callers must send (llama-server --api-key)")
+    ap.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="serve /v1/embeddings (mean pooling) instead of generation",
+    )
     args = ap.parse_args()
 
     try:
@@ -99,6 +105,11 @@ def main() -> int:
     params.endpoint_metrics = True
     params.use_jinja = True
     params.warmup = False
+    if args.api_key:
+        params.api_keys = [args.api_key]
+    if args.embeddings:
+        params.embedding = True
+        params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
 
     try:
         server = xllamacpp.Server(params)

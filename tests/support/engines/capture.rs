@@ -82,6 +82,63 @@ impl Upstream {
     }
 }
 
+/// Reads one HTTP/1.1 request (a content-length or chunked body) from a
+/// connection; `None` when it closes first.
+pub fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Captured> {
+    let mut line = String::new();
+    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+        return None;
+    }
+    let mut parts = line.split_whitespace();
+    let (method, path) = (
+        parts.next().unwrap_or("").to_string(),
+        parts.next().unwrap_or("").to_string(),
+    );
+    let (mut length, mut chunked) = (0usize, false);
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header).unwrap_or(0) == 0 {
+            return None;
+        }
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        let (name, value) = header.split_once(':').unwrap_or((header, ""));
+        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+        if name == "content-length" {
+            length = value.parse().unwrap_or(0);
+        } else if name == "transfer-encoding" && value.contains("chunked") {
+            chunked = true;
+        }
+    }
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            let mut size = String::new();
+            if reader.read_line(&mut size).unwrap_or(0) == 0 {
+                return None;
+            }
+            let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            let mut chunk = vec![0; size + 2];
+            reader.read_exact(&mut chunk).ok()?;
+            if size == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    } else {
+        body.resize(length, 0);
+        reader.read_exact(&mut body).ok()?;
+    }
+    Some(Captured {
+        method,
+        path,
+        body,
+        chunked,
+    })
+}
+
 /// Answers requests on one connection (keep-alive) until it closes or is quiet
 /// for 10 s.
 fn serve_connection(stream: TcpStream, seen: &Mutex<Vec<Captured>>, model: &str) {
@@ -90,58 +147,9 @@ fn serve_connection(stream: TcpStream, seen: &Mutex<Vec<Captured>>, model: &str)
         .unwrap();
     let mut writer = stream.try_clone().unwrap();
     let mut reader = BufReader::new(stream);
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut parts = line.split_whitespace();
-        let (method, path) = (
-            parts.next().unwrap_or("").to_string(),
-            parts.next().unwrap_or("").to_string(),
-        );
-        let (mut length, mut chunked) = (0usize, false);
-        loop {
-            let mut header = String::new();
-            if reader.read_line(&mut header).unwrap_or(0) == 0 {
-                return;
-            }
-            let header = header.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            let (name, value) = header.split_once(':').unwrap_or((header, ""));
-            let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
-            if name == "content-length" {
-                length = value.parse().unwrap_or(0);
-            } else if name == "transfer-encoding" && value.contains("chunked") {
-                chunked = true;
-            }
-        }
-        let mut body = Vec::new();
-        if chunked {
-            loop {
-                let mut size = String::new();
-                if reader.read_line(&mut size).unwrap_or(0) == 0 {
-                    return;
-                }
-                let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-                let mut chunk = vec![0; size + 2];
-                if reader.read_exact(&mut chunk).is_err() {
-                    return;
-                }
-                if size == 0 {
-                    break;
-                }
-                body.extend_from_slice(&chunk[..size]);
-            }
-        } else {
-            body.resize(length, 0);
-            if reader.read_exact(&mut body).is_err() {
-                return;
-            }
-        }
-        let answer = match (method.as_str(), path.as_str()) {
+    while let Some(request) = read_request(&mut reader) {
+        let (method, path) = (request.method.as_str(), request.path.as_str());
+        let answer = match (method, path) {
             ("GET", "/health") => json!({}),
             ("POST", "/generate") => json!({
                 "text": "ok", "output_ids": [9707],
@@ -153,12 +161,7 @@ fn serve_connection(stream: TcpStream, seen: &Mutex<Vec<Captured>>, model: &str)
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}),
             _ => json!({"error": "not here"}),
         };
-        seen.lock().unwrap().push(Captured {
-            method,
-            path,
-            body,
-            chunked,
-        });
+        seen.lock().unwrap().push(request);
         let answer = answer.to_string();
         let head = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",

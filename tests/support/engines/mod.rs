@@ -7,6 +7,7 @@
 //! renderer ([`vllm_render`]).
 
 pub mod capture;
+pub mod paced;
 pub mod vllm_render;
 
 use crate::paths::workspace_root;

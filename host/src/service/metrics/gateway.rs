@@ -17,7 +17,7 @@ super::debug_as_name!(GatewayCollector);
 type Pick = fn(&Timings) -> &Histogram;
 
 /// The latency histograms per (model, worker): name, help, which.
-const HISTOGRAMS: [(&str, &str, Pick); 4] = [
+const HISTOGRAMS: [(&str, &str, Pick); 6] = [
     (
         "kvhint_gateway_ttfb_seconds",
         "Request received to the worker's response head.",
@@ -37,6 +37,16 @@ const HISTOGRAMS: [(&str, &str, Pick); 4] = [
         "kvhint_gateway_tokenize_seconds",
         "Rendering and tokenizing the prompt.",
         |t| &t.tokenize,
+    ),
+    (
+        "kvhint_gateway_ttft_seconds",
+        "Request received to the first token: a stream's first SSE event with content, a non-streaming answer's first byte.",
+        |t| &t.ttft,
+    ),
+    (
+        "kvhint_gateway_time_between_tokens_seconds",
+        "A stream's mean time between content events after the first (one per request).",
+        |t| &t.between_tokens,
     ),
 ];
 
@@ -88,6 +98,12 @@ impl Collector for GatewayCollector {
         )?;
         counter(
             e,
+            "kvhint_gateway_resent",
+            "Requests re-sent on a fresh connection to the same worker: the pooled connection they were written on had been closed by the worker (no byte of an answer came). Not the worker's failure, not a retry.",
+            stats.resent.load(Ordering::Relaxed),
+        )?;
+        counter(
+            e,
             "kvhint_hints_delivered",
             "Hint messages forwarded in the engine's own field.",
             stats.hints_delivered.load(Ordering::Relaxed),
@@ -122,6 +138,22 @@ impl Collector for GatewayCollector {
                     ((by_worker(model, *worker), [("status", *status)]), *n)
                 })
             }),
+        )?;
+        counters(
+            e,
+            "kvhint_gateway_prompt_tokens",
+            "Prompt tokens, from the engine's usage (non-streaming answers, and streams that asked for stream_options.include_usage).",
+            timings
+                .iter()
+                .map(|((model, worker), t)| (by_worker(model, *worker), t.prompt_tokens)),
+        )?;
+        counters(
+            e,
+            "kvhint_gateway_completion_tokens",
+            "Completion tokens, from the engine's usage (as prompt tokens).",
+            timings
+                .iter()
+                .map(|((model, worker), t)| (by_worker(model, *worker), t.completion_tokens)),
         )?;
         for (name, help, pick) in HISTOGRAMS {
             histograms(
