@@ -38,7 +38,32 @@ fn a_worker_entry_s_mistakes_are_each_located() {
             "kvhint.yaml:14:5: workers[2]: a worker needs `http_endpoint`: where the engine serves HTTP, like http://10.0.0.7:8000",
             "kvhint.yaml:14:5: workers[2]: a worker needs `engine`: which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
             "kvhint.yaml:14:5: workers[2]: a worker needs `models`: the model names it serves, as clients write them in `model`",
-            "kvhint.yaml:15:5: workers[2].engin: unknown key `engin` (did you mean `engine`?); expected one of: worker_id, dp_size, role, runtime_data, http_endpoint, engine, models, kv_events, api_key_file",
+            "kvhint.yaml:15:5: workers[2].engin: unknown key `engin` (did you mean `engine`?); expected one of: worker_id, dp_size, role, runtime_data, http_endpoint, engine, models, kv_events, kv_capacity_tokens, api_key_file",
+        ]
+    );
+}
+
+#[test]
+fn kv_capacity_tokens_is_a_positive_count_for_approximate_workers_only() {
+    let yaml = format!(
+        "{ROLES}workers:\n\
+         \x20 - worker_id: 1\n\
+         \x20   http_endpoint: http://10.0.0.7:8000\n\
+         \x20   engine: llamacpp\n\
+         \x20   models: [m]\n\
+         \x20   kv_events: approximate\n\
+         \x20   kv_capacity_tokens: 0\n\
+         \x20 - worker_id: 2\n\
+         \x20   http_endpoint: http://10.0.0.8:8000\n\
+         \x20   engine: vllm\n\
+         \x20   models: [m]\n\
+         \x20   kv_capacity_tokens: 65536\n"
+    );
+    assert_eq!(
+        errors(&yaml),
+        vec![
+            "kvhint.yaml:9:25: workers[0].kv_capacity_tokens: expected a whole number from 1 to 1099511627776, found `0`",
+            "kvhint.yaml:14:25: workers[1].kv_capacity_tokens: `kv_capacity_tokens` bounds what the router credits a `kv_events: approximate` worker with; this worker is not one (a worker whose engine publishes KV events says what it holds): remove it, or set `kv_events: approximate`",
         ]
     );
 }
@@ -142,6 +167,14 @@ fn a_registration_s_http_fields_are_checked_and_the_error_names_the_field() {
         (
             json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000", "engine": "vllm", "models": []}),
             "worker 1 rank 0: models is empty: list the model names http://10.0.0.7:8000 serves, as clients name them in `model`",
+        ),
+        (
+            json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000", "engine": "vllm", "models": ["m"], "kv_capacity_tokens": 4096}),
+            "worker 1 rank 0: kv_capacity_tokens is only for `kv_events: approximate` workers: a worker whose engine publishes KV events tells the router what it holds; remove it",
+        ),
+        (
+            json!({"worker_id": 1, "role": "aggregated", "http_endpoint": "http://10.0.0.7:8000", "engine": "llamacpp", "models": ["m"], "kv_events": "approximate", "kv_capacity_tokens": 0}),
+            "worker 1 rank 0: kv_capacity_tokens is 0: give the tokens of KV the engine holds (its KV cache and any prompt cache), or leave it out to have the router learn it",
         ),
     ];
     for (body, detail) in cases {

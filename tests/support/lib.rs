@@ -15,6 +15,7 @@
 //! | [`tls`] | a CA and a server certificate for 127.0.0.1, made with `openssl` |
 //! | [`otel`] | a real OpenTelemetry collector (PyPI `rotel`) on 127.0.0.1, and the spans it received |
 //! | [`peers`] | the peer gateways the benches run beside kvhint (`smg`, `vllm-router`) |
+//! | [`sim`] | simulated vLLM-like engines (`kvhint-sim`) with bounded block caches, many in one process |
 //! | [`workloads`] | the routing benches' seeded workloads, their Poisson schedule and the streaming client that times them |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
 //! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
@@ -48,6 +49,7 @@ pub mod process;
 pub mod provision;
 pub mod replay;
 pub mod server;
+pub mod sim;
 pub mod tls;
 pub mod wait;
 pub mod workloads;

@@ -34,6 +34,8 @@ pub struct ConfiguredWorker {
     pub engine: Engine,
     pub models: Vec<String>,
     pub kv_events: Option<KvEvents>,
+    /// `kv_capacity_tokens`: an approximate worker's KV capacity.
+    pub kv_capacity_tokens: Option<u64>,
     /// `api_key_file`: where the worker's API key is kept.
     pub api_key_file: Option<PathBuf>,
     /// The key that file holds (read with the config, never shown).
@@ -275,6 +277,7 @@ fn configured(
             "engine",
             "models",
             "kv_events",
+            "kv_capacity_tokens",
             "api_key_file",
         ],
     );
@@ -401,6 +404,26 @@ fn configured(
             },
         },
     };
+    let kv_capacity_tokens = match map.get_node("kv_capacity_tokens") {
+        None => None,
+        Some(n) => {
+            let key_path = join(path, "kv_capacity_tokens");
+            let tokens = walker.unsigned(n, &key_path, 1, 1 << 40);
+            if tokens.is_some()
+                && matches!(&kv_events, Some(k) if !matches!(k, Some(KvEvents::Approximate)))
+            {
+                walker.error(
+                    location(&key_path, n.span()),
+                    "`kv_capacity_tokens` bounds what the router credits a `kv_events: \
+                     approximate` worker with; this worker is not one (a worker whose engine \
+                     publishes KV events says what it holds): remove it, or set `kv_events: \
+                     approximate`"
+                        .to_string(),
+                );
+            }
+            tokens
+        }
+    };
     let (api_key_file, api_key) = match map.get_node("api_key_file") {
         None => (None, None),
         Some(n) => {
@@ -439,6 +462,7 @@ fn configured(
         engine: engine?,
         models: models?,
         kv_events: kv_events?,
+        kv_capacity_tokens,
         api_key_file,
         api_key,
         at,

@@ -159,6 +159,12 @@ pub struct WorkerRegistration {
     /// The model names it serves (the `model` of a request).
     #[serde(default)]
     pub models: Vec<String>,
+    /// How many tokens of KV the worker's engine holds, for a `kv_events:
+    /// approximate` worker: the router credits it with no more blocks than
+    /// that. Absent: read from the engine where it says (vLLM, SGLang), else
+    /// learned from its answers.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
     /// The key the worker's server asks of its callers (`vllm serve --api-key`),
     /// from the file a config's `workers[i].api_key_file` names; never from a
     /// registration's body (a worker token could point the router at any file).
@@ -311,6 +317,8 @@ pub struct Worker {
     pub http: Option<Arc<HttpTarget>>,
     /// Publishes no KV events; the router credits it with what it routed there.
     pub approximate_kv: bool,
+    /// `kv_capacity_tokens`: bounds an approximate worker's credits.
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -460,6 +468,29 @@ impl Worker {
                 }))
             }
         };
+        let approximate_kv = matches!(
+            registration.kv_events,
+            Some(event_source::KvEvents::Approximate)
+        );
+        match registration.kv_capacity_tokens {
+            Some(0) => {
+                return Err(fail(
+                    "kv_capacity_tokens",
+                    "is 0: give the tokens of KV the engine holds (its KV cache and any \
+                     prompt cache), or leave it out to have the router learn it"
+                        .into(),
+                ))
+            }
+            Some(_) if !approximate_kv => {
+                return Err(fail(
+                    "kv_capacity_tokens",
+                    "is only for `kv_events: approximate` workers: a worker whose engine \
+                     publishes KV events tells the router what it holds; remove it"
+                        .into(),
+                ))
+            }
+            _ => {}
+        }
         Ok(Self {
             key,
             role: registration.role,
@@ -468,10 +499,8 @@ impl Worker {
             source_control_endpoint: Arc::from(endpoint),
             runtime_data: registration.runtime_data,
             http,
-            approximate_kv: matches!(
-                registration.kv_events,
-                Some(event_source::KvEvents::Approximate)
-            ),
+            approximate_kv,
+            kv_capacity_tokens: registration.kv_capacity_tokens,
         })
     }
 }

@@ -450,6 +450,7 @@ impl EngineEvents {
                     http_endpoint: None,
                     engine: None,
                     models: Vec::new(),
+                    kv_capacity_tokens: None,
                     api_key: None,
                 };
                 let result = self
@@ -487,6 +488,7 @@ impl EngineEvents {
                     http_endpoint: Some(configured.http_endpoint.clone()),
                     engine: Some(configured.engine),
                     models: configured.models.clone(),
+                    kv_capacity_tokens: configured.kv_capacity_tokens,
                     api_key: configured.api_key.clone(),
                 };
                 let result = self

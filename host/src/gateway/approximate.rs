@@ -91,6 +91,9 @@ pub struct Approximate {
     ledgers: Arc<Ledgers>,
     busy: Arc<BusyTable>,
     pub stats: Arc<PredictionStats>,
+    /// What each worker's engine said it holds, in tokens (`None`: it did not
+    /// say), and when it was asked (`capacity`).
+    reported: Mutex<HashMap<WorkerKey, (Instant, Option<u64>)>>,
 }
 
 /// How the router's credited prefixes compared with what the engines reused.
@@ -480,6 +483,32 @@ impl Approximate {
     pub fn forget(&self, keep: impl Fn(&WorkerKey) -> bool) {
         self.ledgers.lock().retain(|k, _| keep(k));
         self.busy.lock().retain(|(k, _), _| keep(k));
+        self.reported.lock().retain(|k, _| keep(k));
+    }
+
+    /// Whether to ask `worker`'s engine for its capacity now: never asked, or
+    /// it did not say and [`capacity::RETRY`](super::capacity::RETRY) has
+    /// passed. Marks it asked.
+    pub fn should_read(&self, worker: WorkerKey, now: Instant) -> bool {
+        let mut reported = self.reported.lock();
+        match reported.get(&worker) {
+            Some((_, Some(_))) => false,
+            Some((at, None)) if now.duration_since(*at) < super::capacity::RETRY => false,
+            _ => {
+                reported.insert(worker, (now, None));
+                true
+            }
+        }
+    }
+
+    /// What `worker`'s engine said it holds, in tokens.
+    pub fn reported(&self, worker: WorkerKey, tokens: Option<u64>, now: Instant) {
+        self.reported.lock().insert(worker, (now, tokens));
+    }
+
+    /// The capacity in tokens `worker`'s engine reported, if it did.
+    pub fn engine_capacity(&self, worker: WorkerKey) -> Option<u64> {
+        self.reported.lock().get(&worker).and_then(|(_, t)| *t)
     }
 
     /// Blocks credited to `worker` now.

@@ -16,6 +16,7 @@
 
 pub mod adapter;
 pub mod approximate;
+pub mod capacity;
 pub mod health;
 pub mod release;
 pub mod signals;

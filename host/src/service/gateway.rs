@@ -1031,6 +1031,86 @@ fn describe(error: &hyper_util::client::legacy::Error) -> String {
     text
 }
 
+/// Bounds each approximate worker's credits by its KV capacity: its
+/// `kv_capacity_tokens`, else what its engine says (asked in the background,
+/// once it answers; see `gateway::capacity`), else learned from its answers.
+fn bound_approximate_credits(
+    app: &Arc<App>,
+    workers: &[(Arc<crate::domain::Worker>, crate::router::workers::Load)],
+    block_size: usize,
+    settings: &crate::config::HealthConfig,
+) {
+    let now = Instant::now();
+    let approximate = &app.gateway.approximate;
+    for (worker, _) in workers.iter().filter(|(w, _)| w.approximate_kv) {
+        let tokens = worker
+            .kv_capacity_tokens
+            .or_else(|| approximate.engine_capacity(worker.key));
+        approximate.configure(
+            worker.key,
+            tokens.map(|t| (t / block_size.max(1) as u64).max(1)),
+        );
+        let Some(http) = worker.http.clone() else {
+            continue;
+        };
+        let Some(path) = gateway::capacity::path(http.engine) else {
+            continue;
+        };
+        if worker.kv_capacity_tokens.is_some() || !approximate.should_read(worker.key, now) {
+            continue;
+        }
+        let app = Arc::clone(app);
+        let key = worker.key;
+        let timeout = Duration::from_millis(settings.timeout_ms.max(1000));
+        tokio::spawn(async move {
+            let tokens = read_capacity(&app, &http, path, timeout).await;
+            match tokens {
+                Some(tokens) => tracing::info!(
+                    worker = %key,
+                    tokens,
+                    "the engine says its KV cache holds {tokens} tokens (GET {path}); its approximate credits are bounded by that"
+                ),
+                None => tracing::debug!(worker = %key, "GET {path} said no KV capacity; asking again later"),
+            }
+            app.gateway
+                .approximate
+                .reported(key, tokens, Instant::now());
+        });
+    }
+}
+
+/// `GET {path}` of a worker, read as [`gateway::capacity::parse`] reads it.
+async fn read_capacity(
+    app: &App,
+    http: &crate::domain::HttpTarget,
+    path: &str,
+    timeout: Duration,
+) -> Option<u64> {
+    use http_body_util::BodyExt;
+    let mut request = hyper::Request::get(format!("{}{path}", http.base));
+    if let Some((headers, key)) = request
+        .headers_mut()
+        .zip(http.api_key.as_ref().and_then(|k| k.authorization()))
+    {
+        headers.insert(header::AUTHORIZATION, key);
+    }
+    let request = request.body(Full::new(Bytes::new())).ok()?;
+    let read = async {
+        let response = app.gateway.client.request(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        // A vLLM server's metrics are tens of KiB; anything past 8 MiB is not one.
+        let body = http_body_util::Limited::new(response.into_body(), 8 << 20)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        gateway::capacity::parse(http.engine, &body)
+    };
+    tokio::time::timeout(timeout, read).await.ok().flatten()
+}
+
 /// Checks every HTTP worker's `GET /health` each `gateway.health.interval_ms`,
 /// for as long as the router runs; the health table follows the results, and
 /// forgets workers that left.
@@ -1042,6 +1122,8 @@ pub async fn health_checks(app: Arc<App>) {
             &app.ingest,
             Duration::from_secs(gateway_settings.approximate_ttl_s),
         );
+        let block_size = app.snapshot.load().block_size;
+        bound_approximate_credits(&app, &app.router.workers(), block_size, &settings);
         if settings.interval_ms == 0 {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
