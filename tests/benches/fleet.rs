@@ -1,0 +1,363 @@
+//! Routing quality at fleet scale: 16 and 64 simulated engines (`kvhint-sim`,
+//! `tests/sim/main.rs`: vLLM-like schedulers with bounded LRU block caches,
+//! prefill time per uncached token, decode time per batch, KV events through
+//! vLLM 0.23.0's own publisher over ZMQ), which two CPU cores could not run as
+//! real engines.
+//!
+//! Systems, interleaved (their order rotates from block to block), each on a
+//! fresh fleet (empty caches):
+//! - `straight`: the client sends round robin over the workers;
+//! - `smg`: `smg` 1.13 with `--policy cache_aware` at its launcher's defaults;
+//! - `kvhint-approx`: kvhint's documented config with `kv_events: approximate`
+//!   (it reads each engine's capacity from `vllm:cache_config_info`);
+//! - `kvhint-events`: the same, subscribed to every engine's KV events.
+//!
+//! Workload: the quality bench's mix (shared system prompts, multi-turn chats,
+//! unique prompts), scaled with the fleet (as many groups and chats as
+//! workers), as streaming chats on an open-loop Poisson schedule at a load
+//! where a fleet computing every prompt in full would be 70 % busy. Each engine
+//! holds `FLEET_CAPACITY_BLOCKS` (384) blocks of 16 tokens: a few prompts, so a
+//! router that spreads a prefix over the fleet computes it again and again.
+//!
+//! `cargo bench -p kvhint-e2e --bench fleet` measures; `cargo test -p
+//! kvhint-e2e --bench fleet` (CI's quick mode) runs 4 engines and a small
+//! workload once per system. Environment: `FLEET_WORKERS` (`16,64`),
+//! `FLEET_SYSTEMS` (`straight,smg,kvhint-approx,kvhint-events`), `FLEET_REPS`
+//! (1), `FLEET_SEED`, `FLEET_LOAD` (0.7), `FLEET_CAPACITY_BLOCKS`,
+//! `FLEET_PREFILL_US` (per uncached token, 1000).
+
+use kvhint_e2e::bench::{self, quantile};
+use kvhint_e2e::http::get;
+use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, MODEL_NAME};
+use kvhint_e2e::peers::Peer;
+use kvhint_e2e::sim::{SimFleet, SimWorker};
+use kvhint_e2e::workloads::{self, workload, Item, Kind, Outcome, Sizes, OUTPUT_TOKENS};
+use kvhint_e2e::{private_dir, Server};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+/// The simulated engines' costs, in µs.
+const STEP_US: f64 = 2_000.0;
+const DECODE_US_PER_SEQ: f64 = 200.0;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum System {
+    Straight,
+    Smg,
+    KvhintApprox,
+    KvhintEvents,
+}
+
+impl System {
+    fn parse(name: &str) -> System {
+        match name {
+            "straight" => System::Straight,
+            "smg" => System::Smg,
+            "kvhint-approx" => System::KvhintApprox,
+            "kvhint-events" => System::KvhintEvents,
+            other => {
+                panic!("unknown system {other:?}: straight, smg, kvhint-approx or kvhint-events")
+            }
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            System::Straight => "straight",
+            System::Smg => "smg",
+            System::KvhintApprox => "kvhint-approx",
+            System::KvhintEvents => "kvhint-events",
+        }
+    }
+}
+
+enum Front {
+    Straight(Vec<String>),
+    Kvhint(Server),
+    Peer(Peer),
+}
+
+impl Front {
+    fn url(&self, n: usize) -> String {
+        match self {
+            Front::Straight(urls) => urls[n % urls.len()].clone(),
+            Front::Kvhint(server) => server.base.clone(),
+            Front::Peer(peer) => peer.url.clone(),
+        }
+    }
+}
+
+/// kvhint's documented config for a vLLM fleet (no `worker_selection`: the
+/// default), approximate or fed by each engine's events.
+fn kvhint_config(workers: &[SimWorker], events: bool) -> String {
+    let mut yaml = format!(
+        "router:\n  block_size: 16\n  max_prompt_tokens: 65536\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\nworkers:\n",
+        qwen3_tokenizer_dir().display()
+    );
+    for (i, w) in workers.iter().enumerate() {
+        let source = match (&w.events, &w.replay, events) {
+            (Some(e), Some(r), true) => format!("{{endpoint: \"{e}\", replay_endpoint: \"{r}\"}}"),
+            (_, _, true) => panic!("kvhint-events needs the fleet's event endpoints"),
+            _ => "approximate".to_string(),
+        };
+        yaml.push_str(&format!(
+            "  - worker_id: {}\n    http_endpoint: {}\n    engine: vllm\n    models: [{MODEL_NAME}]\n    kv_events: {source}\n",
+            i + 1,
+            w.url
+        ));
+    }
+    yaml
+}
+
+struct Setup {
+    workers: usize,
+    capacity_blocks: usize,
+    prefill_us: f64,
+}
+
+fn fleet(setup: &Setup, events: bool) -> SimFleet {
+    let mut args: Vec<String> = vec![
+        "--workers".into(),
+        setup.workers.to_string(),
+        "--tokenizer".into(),
+        qwen3_tokenizer_dir().display().to_string(),
+        "--model".into(),
+        MODEL_NAME.into(),
+        "--block-size".into(),
+        "16".into(),
+        "--capacity-blocks".into(),
+        setup.capacity_blocks.to_string(),
+        "--prefill-us-per-token".into(),
+        setup.prefill_us.to_string(),
+        "--step-us".into(),
+        STEP_US.to_string(),
+        "--decode-us-per-seq".into(),
+        DECODE_US_PER_SEQ.to_string(),
+    ];
+    if events {
+        args.extend([
+            "--events".into(),
+            "--wheel".into(),
+            kvhint_e2e::provision::vllm_wheel().display().to_string(),
+            "--python".into(),
+            kvhint_e2e::provision::python().display().to_string(),
+        ]);
+    }
+    SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
+}
+
+/// Prompt tokens each engine was asked for (`vllm:prefix_cache_queries`).
+fn queried(url: &str) -> f64 {
+    let (_, text) = get(&kvhint_e2e::http::agent(), &format!("{url}/metrics"));
+    text.lines()
+        .filter(|l| l.starts_with("vllm:prefix_cache_queries_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn run_block(
+    system: System,
+    setup: &Setup,
+    items: &[Item],
+    rate: f64,
+    seed: u64,
+    dir: &Path,
+) -> (Vec<Outcome>, Vec<f64>) {
+    let sims = fleet(setup, system == System::KvhintEvents);
+    let urls = sims.urls();
+    let front = match system {
+        System::Straight => Front::Straight(urls.clone()),
+        System::Smg => Front::Peer(Peer::smg(&urls)),
+        System::KvhintApprox | System::KvhintEvents => {
+            let config = dir.join(format!("{}.yaml", system.name()));
+            let yaml = kvhint_config(&sims.workers, system == System::KvhintEvents);
+            std::fs::write(&config, yaml)
+                .unwrap_or_else(|e| panic!("cannot write {}: {e}", config.display()));
+            Front::Kvhint(Server::start_command(
+                Command::new(bench::artifacts().join("kvhint")),
+                &config,
+                &["--max-body-bytes", "8388608"],
+                dir,
+            ))
+        }
+    };
+    if let Front::Kvhint(server) = &front {
+        // Every engine's capacity read, or its event stream subscribed.
+        server.wait_for("every worker ready", |s| {
+            let status = s.status();
+            status["workers"].as_array().is_some_and(|ws| {
+                ws.len() == urls.len()
+                    && ws.iter().all(|w| {
+                        w["kv_events"] != "approximate" || w["approximate_capacity_blocks"] == setup.capacity_blocks
+                    })
+            })
+        });
+    }
+    let front = Arc::new(front);
+    let url_of = {
+        let front = Arc::clone(&front);
+        Arc::new(move |n: usize| front.url(n))
+    };
+    let outcomes = workloads::run(items, rate, seed, url_of);
+    let spread: Vec<f64> = urls.iter().map(|u| queried(u)).collect();
+    drop(front);
+    (outcomes, spread)
+}
+
+fn list(var: &str, default: &str) -> Vec<String> {
+    std::env::var(var)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn number<T: std::str::FromStr>(var: &str, default: T) -> T {
+    std::env::var(var)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let quick = !bench::is_bench();
+    let seed: u64 = number("FLEET_SEED", 11);
+    let reps: usize = if quick { 1 } else { number("FLEET_REPS", 1) };
+    let rho: f64 = number("FLEET_LOAD", 0.7);
+    let sizes_of: Vec<usize> = if quick {
+        vec![4]
+    } else {
+        list("FLEET_WORKERS", "16,64")
+            .iter()
+            .map(|n| n.parse().unwrap_or_else(|_| panic!("FLEET_WORKERS: {n:?}")))
+            .collect()
+    };
+    let systems: Vec<System> = list("FLEET_SYSTEMS", "straight,smg,kvhint-approx,kvhint-events")
+        .iter()
+        .map(|s| System::parse(s))
+        .collect();
+    let dir = private_dir();
+    println!(
+        "fleet bench ({}): simulated vLLM engines, 16-token blocks, {} µs a step + {} µs per prefilled token + {} µs per running request; {rho:.2} load; {reps} repetition(s)",
+        if quick { "quick mode, debug build: not measurements" } else { "release" },
+        STEP_US,
+        number("FLEET_PREFILL_US", 1000.0),
+        DECODE_US_PER_SEQ,
+    );
+    for &n in &sizes_of {
+        let setup = Setup {
+            workers: n,
+            capacity_blocks: number("FLEET_CAPACITY_BLOCKS", 384),
+            prefill_us: number("FLEET_PREFILL_US", if quick { 100.0 } else { 1000.0 }),
+        };
+        let sizes = if quick {
+            Sizes {
+                groups: 2,
+                per_group: 3,
+                system_words: 200,
+                question_words: 20,
+                chats: 2,
+                turns: 3,
+                chat_system_words: 150,
+                turn_words: 20,
+                unique: 4,
+                unique_words: 200,
+            }
+        } else {
+            Sizes {
+                groups: n,
+                per_group: 8,
+                system_words: 800,
+                question_words: 60,
+                chats: n,
+                turns: 6,
+                chat_system_words: 600,
+                turn_words: 60,
+                unique: 2 * n,
+                unique_words: 800,
+            }
+        };
+        let items = workload(Kind::Mix, &sizes, seed);
+        // A fleet that computes every prompt in full: ~1.3 tokens a word.
+        let full_service = |item: &Item| {
+            (item.words as f64 * 1.3 * setup.prefill_us
+                + OUTPUT_TOKENS as f64 * (STEP_US + DECODE_US_PER_SEQ))
+                / 1e6
+        };
+        let full = items.iter().map(full_service).sum::<f64>() / items.len() as f64;
+        let rate = rho * n as f64 / full;
+        let reusable = items.iter().map(|i| i.reusable_words).sum::<usize>() as f64
+            / items.iter().map(|i| i.words).sum::<usize>().max(1) as f64;
+        let mut pooled: Vec<(Vec<Outcome>, Vec<f64>, f64)> =
+            vec![(Vec::new(), vec![0.0; n], 0.0); systems.len()];
+        for rep in 0..reps {
+            for k in 0..systems.len() {
+                let at = (k + rep) % systems.len();
+                eprintln!(
+                    "[fleet] {n} workers rep {}: {} ({} requests at {rate:.1}/s)",
+                    rep + 1,
+                    systems[at].name(),
+                    items.len()
+                );
+                let (outcomes, spread) = run_block(
+                    systems[at],
+                    &setup,
+                    &items,
+                    rate,
+                    seed ^ ((rep as u64) << 32),
+                    dir.path(),
+                );
+                let p = &mut pooled[at];
+                p.2 += outcomes.iter().map(|o| o.ended).fold(0.0, f64::max);
+                for (a, b) in p.1.iter_mut().zip(spread) {
+                    *a += b;
+                }
+                p.0.extend(outcomes);
+            }
+        }
+        println!(
+            "\n{n} workers, {} requests at {rate:.1}/s (at most {:.0} % of prompt tokens reusable), {} blocks per engine:",
+            items.len(),
+            reusable * 100.0,
+            setup.capacity_blocks
+        );
+        println!(
+            "  {:<14} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>12} {:>6}",
+            "system", "ttft p50", "ttft p90", "ttft p99", "e2e p90", "req/s", "cached", "busiest", "errors"
+        );
+        for (system, (outcomes, spread, seconds)) in systems.iter().zip(&pooled) {
+            let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
+            let errors = outcomes.len() - ok.len();
+            if ok.is_empty() {
+                println!("  {:<14} every request failed", system.name());
+                continue;
+            }
+            let mut ttft: Vec<f64> = ok.iter().map(|o| o.ttft * 1e3).collect();
+            let mut e2e: Vec<f64> = ok.iter().map(|o| o.e2e * 1e3).collect();
+            let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+            let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+            let total: f64 = spread.iter().sum::<f64>().max(1.0);
+            let busiest = spread.iter().cloned().fold(0.0, f64::max) / total;
+            println!(
+                "  {:<14} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>7.2} {:>7.1}% {:>7.1}%/{:<3.1} {:>6}",
+                system.name(),
+                quantile(&mut ttft, 0.5),
+                quantile(&mut ttft, 0.9),
+                quantile(&mut ttft, 0.99),
+                quantile(&mut e2e, 0.9),
+                outcomes.len() as f64 / seconds.max(1e-9),
+                cached as f64 / prompt.max(1) as f64 * 100.0,
+                busiest * 100.0,
+                100.0 / n as f64,
+                errors,
+            );
+            if let Some(error) = outcomes.iter().find_map(|o| o.error.as_ref()) {
+                println!("    first error: {error}");
+            }
+        }
+    }
+}
