@@ -29,7 +29,7 @@ fn sim(workers: usize, capacity_blocks: usize) -> SimFleet {
     SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
 }
 
-fn worker<'a>(status: &'a Value, id: u64) -> &'a Value {
+fn worker(status: &Value, id: u64) -> &Value {
     status["workers"]
         .as_array()
         .and_then(|ws| ws.iter().find(|w| w["worker_id"] == id))
@@ -61,7 +61,11 @@ fn an_approximate_worker_s_credits_stop_at_the_capacity_its_engine_reports_or_it
         worker(&status, 1)["approximate_capacity_blocks"] == 64
     });
     let status = server.status();
-    assert_eq!(worker(&status, 2)["approximate_capacity_blocks"], 40, "{status}");
+    assert_eq!(
+        worker(&status, 2)["approximate_capacity_blocks"],
+        40,
+        "{status}"
+    );
     for id in [1, 2] {
         assert_eq!(
             worker(&status, id)["approximate_capacity_learned"],
@@ -84,8 +88,14 @@ fn an_approximate_worker_s_credits_stop_at_the_capacity_its_engine_reports_or_it
     }
     let status = server.status();
     let blocks = |id| worker(&status, id)["approximate_blocks"].as_u64().unwrap();
-    assert!(blocks(1) <= 64, "worker 1 credited past its 64 blocks: {status}");
-    assert!(blocks(2) <= 40, "worker 2 credited past its 40 blocks: {status}");
+    assert!(
+        blocks(1) <= 64,
+        "worker 1 credited past its 64 blocks: {status}"
+    );
+    assert!(
+        blocks(2) <= 40,
+        "worker 2 credited past its 40 blocks: {status}"
+    );
     assert!(
         blocks(1) + blocks(2) >= 40,
         "the workers were credited with what they were sent: {status}"

@@ -16,7 +16,7 @@
 //! unique prompts), scaled with the fleet (as many groups and chats as
 //! workers), as streaming chats on an open-loop Poisson schedule at a load
 //! where a fleet computing every prompt in full would be 70 % busy. Each engine
-//! holds `FLEET_CAPACITY_BLOCKS` (384) blocks of 16 tokens: a few prompts, so a
+//! holds `FLEET_CAPACITY_BLOCKS` (128) blocks of 16 tokens: two prompts, so a
 //! router that spreads a prefix over the fleet computes it again and again.
 //!
 //! `cargo bench -p kvhint-e2e --bench fleet` measures; `cargo test -p
@@ -190,7 +190,8 @@ fn run_block(
             status["workers"].as_array().is_some_and(|ws| {
                 ws.len() == urls.len()
                     && ws.iter().all(|w| {
-                        w["kv_events"] != "approximate" || w["approximate_capacity_blocks"] == setup.capacity_blocks
+                        w["kv_events"] != "approximate"
+                            || w["approximate_capacity_blocks"] == setup.capacity_blocks
                     })
             })
         });
@@ -251,7 +252,7 @@ fn main() {
     for &n in &sizes_of {
         let setup = Setup {
             workers: n,
-            capacity_blocks: number("FLEET_CAPACITY_BLOCKS", 384),
+            capacity_blocks: number("FLEET_CAPACITY_BLOCKS", 128),
             prefill_us: number("FLEET_PREFILL_US", if quick { 100.0 } else { 1000.0 }),
         };
         let sizes = if quick {
@@ -268,16 +269,18 @@ fn main() {
                 unique_words: 200,
             }
         } else {
+            // The mix takes half the groups, a third of the chats and of the
+            // unique prompts: n groups of 6, ~2n/3 chats of 4 turns, 2n unique.
             Sizes {
-                groups: n,
+                groups: 2 * n,
                 per_group: 8,
                 system_words: 800,
                 question_words: 60,
-                chats: n,
+                chats: 2 * n,
                 turns: 6,
                 chat_system_words: 600,
                 turn_words: 60,
-                unique: 2 * n,
+                unique: 6 * n,
                 unique_words: 800,
             }
         };
@@ -327,7 +330,15 @@ fn main() {
         );
         println!(
             "  {:<14} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>12} {:>6}",
-            "system", "ttft p50", "ttft p90", "ttft p99", "e2e p90", "req/s", "cached", "busiest", "errors"
+            "system",
+            "ttft p50",
+            "ttft p90",
+            "ttft p99",
+            "e2e p90",
+            "req/s",
+            "cached",
+            "busiest",
+            "errors"
         );
         for (system, (outcomes, spread, seconds)) in systems.iter().zip(&pooled) {
             let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();

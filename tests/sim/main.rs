@@ -174,12 +174,29 @@ type EventTx = std::sync::mpsc::Sender<String>;
 
 /// Starts `sim_publishers.py` with a publisher per worker on ports of its own;
 /// returns where batches go (JSON lines) and each worker's (events, replay) port.
-fn start_publishers(args: &Args) -> ((EventTx, Vec<(u16, u16)>), Child) {
+fn start_publishers(args: &Args) -> Publishers {
+    // Ports are picked by binding and letting go, so another process may take
+    // one before the publishers bind it: try again with new ones.
+    let mut why = String::new();
+    for _ in 0..3 {
+        match try_publishers(args) {
+            Ok(started) => return started,
+            Err(e) => why = e,
+        }
+    }
+    fail(&format!("the publishers did not start: {why}"))
+}
+
+/// The publishers' line, each engine's (events, replay) ports, their process.
+type Publishers = ((EventTx, Vec<(u16, u16)>), Child);
+
+fn try_publishers(args: &Args) -> Result<Publishers, String> {
     let Some(wheel) = &args.wheel else {
         fail("--events needs --wheel: the vLLM 0.23.0 wheel the publisher is read from");
     };
-    let ports: Vec<(u16, u16)> = (0..args.workers)
-        .map(|_| (free_port(), free_port()))
+    let ports: Vec<(u16, u16)> = free_ports(args.workers * 2)
+        .chunks(2)
+        .map(|p| (p[0], p[1]))
         .collect();
     let list = |f: fn(&(u16, u16)) -> u16| {
         ports
@@ -206,14 +223,16 @@ fn start_publishers(args: &Args) -> ((EventTx, Vec<(u16, u16)>), Child) {
         let _ = out.read_line(&mut ready);
     }
     if !ready.contains("\"ready\": true") {
-        fail(&format!("the publishers did not start: {}", ready.trim()));
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(ready.trim().to_string());
     }
     let Some(stdin) = child.stdin.take() else {
         fail("the publishers' stdin is gone");
     };
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || write_lines(stdin, rx));
-    ((tx, ports), child)
+    Ok(((tx, ports), child))
 }
 
 fn write_lines(mut stdin: ChildStdin, rx: std::sync::mpsc::Receiver<String>) {
@@ -224,11 +243,22 @@ fn write_lines(mut stdin: ChildStdin, rx: std::sync::mpsc::Receiver<String>) {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| fail(&format!("no free port: {e}")))
+/// `n` different free ports: all held at once while they are picked, so no
+/// two are the same.
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap_or_else(|e| fail(&format!("no free port: {e}")))
+        })
+        .collect();
+    held.iter()
+        .map(|l| {
+            l.local_addr()
+                .map(|a| a.port())
+                .unwrap_or_else(|e| fail(&format!("no free port: {e}")))
+        })
+        .collect()
 }
 
 // ------------------------------------------------------------------ the engine
@@ -403,15 +433,12 @@ impl Engine {
             while job.pinned.len() < full.min(job.hashes.len()) {
                 let depth = job.pinned.len();
                 let hash = job.hashes[depth];
-                if !state.blocks.contains_key(&hash) {
+                if let std::collections::hash_map::Entry::Vacant(entry) = state.blocks.entry(hash) {
                     new_blocks.push(depth);
-                    state.blocks.insert(
-                        hash,
-                        CachedBlock {
-                            refs: 0,
-                            order: (tick, u32::MAX - depth as u32),
-                        },
-                    );
+                    entry.insert(CachedBlock {
+                        refs: 0,
+                        order: (tick, u32::MAX - depth as u32),
+                    });
                 }
                 pin(state, hash, (tick, u32::MAX - depth as u32));
                 job.pinned.push(hash);

@@ -23,7 +23,7 @@ pub const OUTPUT_TOKENS: u64 = 12;
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn draw(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -33,11 +33,11 @@ impl Rng {
 
     /// Uniform in (0, 1].
     pub fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+        ((self.draw() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     }
 
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.draw() % n as u64) as usize
     }
 }
 

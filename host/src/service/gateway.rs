@@ -1070,7 +1070,9 @@ fn bound_approximate_credits(
                     tokens,
                     "the engine says its KV cache holds {tokens} tokens (GET {path}); its approximate credits are bounded by that"
                 ),
-                None => tracing::debug!(worker = %key, "GET {path} said no KV capacity; asking again later"),
+                None => {
+                    tracing::debug!(worker = %key, "GET {path} said no KV capacity; asking again later")
+                }
             }
             app.gateway
                 .approximate
