@@ -11,21 +11,8 @@ use serde_json::{json, Value};
 use std::path::Path;
 
 fn sim(workers: usize, capacity_blocks: usize) -> SimFleet {
-    let args: Vec<String> = [
-        "--workers".to_string(),
-        workers.to_string(),
-        "--tokenizer".into(),
-        qwen3_tokenizer_dir().display().to_string(),
-        "--model".into(),
-        MODEL_NAME.into(),
-        "--block-size".into(),
-        "16".into(),
-        "--capacity-blocks".into(),
-        capacity_blocks.to_string(),
-        "--speedup".into(),
-        "50".into(),
-    ]
-    .into();
+    let mut args = SimFleet::args(workers, capacity_blocks);
+    args.extend(["--speedup".to_string(), "50".to_string()]);
     SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
 }
 

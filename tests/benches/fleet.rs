@@ -31,7 +31,7 @@ use kvhint_e2e::http::get;
 use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, MODEL_NAME};
 use kvhint_e2e::peers::Peer;
 use kvhint_e2e::sim::{SimFleet, SimWorker};
-use kvhint_e2e::workloads::{self, workload, Item, Kind, Outcome, Sizes, OUTPUT_TOKENS};
+use kvhint_e2e::workloads::{self, workload, Front, Item, Kind, Outcome, Sizes, OUTPUT_TOKENS};
 use kvhint_e2e::{private_dir, Server};
 use std::path::Path;
 use std::process::Command;
@@ -72,22 +72,6 @@ impl System {
     }
 }
 
-enum Front {
-    Straight(Vec<String>),
-    Kvhint(Server),
-    Peer(Peer),
-}
-
-impl Front {
-    fn url(&self, n: usize) -> String {
-        match self {
-            Front::Straight(urls) => urls[n % urls.len()].clone(),
-            Front::Kvhint(server) => server.base.clone(),
-            Front::Peer(peer) => peer.url.clone(),
-        }
-    }
-}
-
 /// kvhint's documented config for a vLLM fleet (no `worker_selection`: the
 /// default), approximate or fed by each engine's events.
 fn kvhint_config(workers: &[SimWorker], events: bool) -> String {
@@ -118,24 +102,15 @@ struct Setup {
 }
 
 fn fleet(setup: &Setup, events: bool) -> SimFleet {
-    let mut args: Vec<String> = vec![
-        "--workers".into(),
-        setup.workers.to_string(),
-        "--tokenizer".into(),
-        qwen3_tokenizer_dir().display().to_string(),
-        "--model".into(),
-        MODEL_NAME.into(),
-        "--block-size".into(),
-        "16".into(),
-        "--capacity-blocks".into(),
-        setup.capacity_blocks.to_string(),
+    let mut args = SimFleet::args(setup.workers, setup.capacity_blocks);
+    args.extend([
         "--prefill-us-per-token".into(),
         setup.prefill_us.to_string(),
         "--step-us".into(),
         STEP_US.to_string(),
         "--decode-us-per-seq".into(),
         DECODE_US_PER_SEQ.to_string(),
-    ];
+    ]);
     if events {
         args.extend([
             "--events".into(),

@@ -43,11 +43,10 @@ use kvhint_e2e::bench::{self, quantile};
 use kvhint_e2e::engines::paced::{chunk_text, Pace, Paced};
 use kvhint_e2e::http::{agent, timed_post};
 use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, LlamaWorker, MODEL_NAME};
-use kvhint_e2e::process::{free_port, spawn_tied};
-use kvhint_e2e::wait::Waiting;
+use kvhint_e2e::peers::Peer;
 use kvhint_e2e::{private_dir, Server};
 use serde_json::{json, Value};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -82,45 +81,6 @@ fn rss_mb(pid: u32) -> f64 {
                 .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| kb / 1024.0)
-}
-
-/// Starts a peer gateway from the harness's Python environment and waits until
-/// it answers `GET /v1/models`.
-// The child is returned to the caller, which kills and waits for it.
-#[allow(clippy::zombie_processes)]
-fn peer(binary: &str, args: &[String], port: u16) -> Child {
-    let python = kvhint_e2e::provision::python();
-    let path = python.parent().unwrap().join(binary);
-    let log = std::env::temp_dir().join(format!("kvhint-bench-{binary}-{port}.log"));
-    let mut command = Command::new(&path);
-    command
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
-    let mut child =
-        spawn_tied(command).unwrap_or_else(|e| panic!("cannot run {}: {e}", path.display()));
-    let agent = agent();
-    Waiting::new(
-        &format!("{binary} to answer GET /v1/models"),
-        Duration::from_secs(60),
-    )
-    .every(Duration::from_millis(100))
-    .report(|| std::fs::read_to_string(&log).unwrap_or_default())
-    .until(|| {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!(
-                "{binary} exited ({status}):\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        agent
-            .get(&format!("http://127.0.0.1:{port}/v1/models"))
-            .call()
-            .is_ok_and(|r| r.status().as_u16() == 200)
-            .then_some(())
-    });
-    child
 }
 
 struct Workload {
@@ -269,39 +229,8 @@ fn main() {
 fn side_by_side(quick: bool, kvhints: &[(&'static str, &Server)], urls: &[String]) {
     let kvhint = kvhints[0].1;
     let (rounds, per_round): (usize, usize) = if quick { (1, 2) } else { (5, 40) };
-    let smg_port = free_port();
-    let mut smg_args: Vec<String> = ["launch", "--host", "127.0.0.1", "--port"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    smg_args.push(smg_port.to_string());
-    smg_args.push("--worker-urls".into());
-    smg_args.extend(urls.iter().cloned());
-    smg_args.extend(["--policy".to_string(), "cache_aware".to_string()]);
-    // Each on a metrics port of its own (both default to 29000).
-    smg_args.extend([
-        "--prometheus-host".to_string(),
-        "127.0.0.1".to_string(),
-        "--prometheus-port".to_string(),
-        free_port().to_string(),
-    ]);
-    let mut smg = peer("smg", &smg_args, smg_port);
-    let router_port = free_port();
-    let mut router_args: Vec<String> = ["--host", "127.0.0.1", "--port"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    router_args.push(router_port.to_string());
-    router_args.push("--worker-urls".into());
-    router_args.extend(urls.iter().cloned());
-    router_args.extend(["--policy".to_string(), "cache_aware".to_string()]);
-    router_args.extend([
-        "--prometheus-host".to_string(),
-        "127.0.0.1".to_string(),
-        "--prometheus-port".to_string(),
-        free_port().to_string(),
-    ]);
-    let mut router = peer("vllm-router", &router_args, router_port);
+    let smg = Peer::smg(urls);
+    let router = Peer::vllm_router(urls);
 
     let mut systems = vec![System {
         name: "straight",
@@ -316,13 +245,13 @@ fn side_by_side(quick: bool, kvhints: &[(&'static str, &Server)], urls: &[String
     systems.extend([
         System {
             name: "smg",
-            urls: vec![format!("http://127.0.0.1:{smg_port}")],
-            pid: Some(smg.id()),
+            urls: vec![smg.url.clone()],
+            pid: Some(smg.child.id()),
         },
         System {
             name: "vllm-router",
-            urls: vec![format!("http://127.0.0.1:{router_port}")],
-            pid: Some(router.id()),
+            urls: vec![router.url.clone()],
+            pid: Some(router.child.id()),
         },
     ]);
     let workloads = [
@@ -459,10 +388,8 @@ fn side_by_side(quick: bool, kvhints: &[(&'static str, &Server)], urls: &[String
             );
         }
     }
-    let _ = smg.kill();
-    let _ = smg.wait();
-    let _ = router.kill();
-    let _ = router.wait();
+    drop(smg);
+    drop(router);
 }
 
 /// The soak: `requests` short streaming chats at concurrency 16 through

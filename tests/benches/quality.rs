@@ -58,7 +58,9 @@ use kvhint_e2e::llamacpp::{
     quality_model, qwen3_tokenizer_dir, LlamaWorker, WorkerOptions, MODEL_NAME,
 };
 use kvhint_e2e::peers::Peer;
-use kvhint_e2e::workloads::{self, chat, client, text, workload, Item, Kind, Outcome, Sizes};
+use kvhint_e2e::workloads::{
+    self, chat, client, text, workload, Front, Item, Kind, Outcome, Sizes,
+};
 use kvhint_e2e::{private_dir, Server};
 use serde_json::json;
 use std::io::Write;
@@ -86,24 +88,6 @@ impl Costs {
     /// Seconds a worker is busy with `item` if it computes the whole prompt.
     fn full_service(&self, item: &Item) -> f64 {
         self.contention * (self.fixed + item.words as f64 * self.tokens_per_word * self.per_token)
-    }
-}
-
-/// A system under test in one block: where requests go.
-enum Front {
-    /// The client alternates between the workers.
-    Straight(Vec<String>),
-    Kvhint(Server),
-    Peer(Peer),
-}
-
-impl Front {
-    fn url(&self, n: usize) -> String {
-        match self {
-            Front::Straight(urls) => urls[n % urls.len()].clone(),
-            Front::Kvhint(server) => server.base.clone(),
-            Front::Peer(peer) => peer.url.clone(),
-        }
     }
 }
 

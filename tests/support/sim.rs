@@ -67,6 +67,23 @@ impl SimFleet {
         }
     }
 
+    /// `--workers N` engines of `--capacity-blocks C` blocks of 16 tokens,
+    /// serving the tiny model's name with Qwen3's tokenizer; more flags go after.
+    pub fn args(workers: usize, capacity_blocks: usize) -> Vec<String> {
+        vec![
+            "--workers".into(),
+            workers.to_string(),
+            "--tokenizer".into(),
+            crate::llamacpp::qwen3_tokenizer_dir().display().to_string(),
+            "--model".into(),
+            crate::llamacpp::MODEL_NAME.into(),
+            "--block-size".into(),
+            "16".into(),
+            "--capacity-blocks".into(),
+            capacity_blocks.to_string(),
+        ]
+    }
+
     pub fn urls(&self) -> Vec<String> {
         self.workers.iter().map(|w| w.url.clone()).collect()
     }

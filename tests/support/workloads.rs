@@ -421,3 +421,22 @@ pub fn run(
         .map(|t| t.join().unwrap_or_default())
         .collect()
 }
+
+/// A system under test in one block: where a request goes.
+pub enum Front {
+    /// The client alternates between the workers (round robin, nothing between).
+    Straight(Vec<String>),
+    Kvhint(crate::Server),
+    Peer(crate::peers::Peer),
+}
+
+impl Front {
+    /// Where the `n`th request goes.
+    pub fn url(&self, n: usize) -> String {
+        match self {
+            Front::Straight(urls) => urls[n % urls.len()].clone(),
+            Front::Kvhint(server) => server.base.clone(),
+            Front::Peer(peer) => peer.url.clone(),
+        }
+    }
+}
