@@ -102,6 +102,9 @@ pub struct GatewayConfig {
     /// request whose prompt holds its prefix to make it reusable, rather than
     /// compute the prefix again beside it; 0: never waits.
     pub prefix_wait_ms: u64,
+    /// The shortest busy prefix, in prompt tokens, worth that wait: a request
+    /// whose busy prefix is shorter is sent at once (0: any busy prefix).
+    pub prefix_wait_min_tokens: u64,
     /// Each model's cache of tokenized prompt pieces (the text between two
     /// special tokens: a system prompt, an earlier turn), in MiB; 0 turns it off.
     pub tokenizer_cache_mib: u64,
@@ -168,6 +171,7 @@ impl Default for GatewayConfig {
             approximate_ttl_s: 120,
             approximate_max_blocks: 100_000,
             prefix_wait_ms: 2_000,
+            prefix_wait_min_tokens: 256,
             tokenizer_cache_mib: 64,
             tls_ca: None,
             tracing: None,
@@ -490,6 +494,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             "approximate_ttl_s",
             "approximate_max_blocks",
             "prefix_wait_ms",
+            "prefix_wait_min_tokens",
             "tokenizer_cache_mib",
             "tls_ca_file",
             "tracing",
@@ -564,6 +569,13 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
         0,
         600_000,
         &mut out.prefix_wait_ms,
+    );
+    number(
+        walker,
+        "prefix_wait_min_tokens",
+        0,
+        1 << 24,
+        &mut out.prefix_wait_min_tokens,
     );
     number(
         walker,

@@ -24,7 +24,8 @@
 //! it settles (llama.cpp: when it ends; other engines: at its first byte), and a
 //! later request on the same worker whose cached prefix ends in a busy block
 //! waits for that gate (at most `gateway.prefix_wait_ms`) before it is sent,
-//! then finds its prefix ready. Requests waiting on one prefix are chained, one
+//! then finds its prefix ready, if the prefix is worth a whole request's wait
+//! (`gateway.prefix_wait_min_tokens`; the gateway decides). Requests waiting on one prefix are chained, one
 //! after the other, because each takes the prompt into its own slot.
 //!
 //! **Capacity.** A worker holds only what fits in its KV cache (for llama.cpp:

@@ -115,10 +115,11 @@ pub struct GatewayStats {
     /// Requests answered by the router itself (no worker answered), by status.
     refused: Mutex<BTreeMap<u16, u64>>,
     timings: Mutex<BTreeMap<(String, WorkerKey), Timings>>,
-    /// Requests that waited for the in-flight request holding their prefix:
-    /// [settled in time, waited `gateway.prefix_wait_ms` in vain], and the
-    /// nanoseconds they waited in all.
-    prefix_waits: [AtomicU64; 2],
+    /// Requests whose prefix an in-flight request was still computing:
+    /// [waited and it settled in time, waited `gateway.prefix_wait_ms` in vain,
+    /// sent at once (the prefix was shorter than
+    /// `gateway.prefix_wait_min_tokens`)], and the nanoseconds they waited in all.
+    prefix_waits: [AtomicU64; 3],
     prefix_wait_ns: AtomicU64,
 }
 
@@ -178,11 +179,17 @@ impl GatewayStats {
             .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
     }
 
-    /// (settled, timed out, seconds waited in all).
-    pub fn prefix_waits(&self) -> (u64, u64, f64) {
+    /// A request sent at once although its prefix was busy: too short to wait for.
+    pub fn prefix_too_short(&self) {
+        self.prefix_waits[2].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (settled, timed out, too short to wait for, seconds waited in all).
+    pub fn prefix_waits(&self) -> (u64, u64, u64, f64) {
         (
             self.prefix_waits[0].load(Ordering::Relaxed),
             self.prefix_waits[1].load(Ordering::Relaxed),
+            self.prefix_waits[2].load(Ordering::Relaxed),
             self.prefix_wait_ns.load(Ordering::Relaxed) as f64 / 1e9,
         )
     }

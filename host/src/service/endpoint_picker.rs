@@ -370,7 +370,7 @@ impl Exchange {
         count_hint(&self.app, &booked.forward, booked.engine);
         if let Some(gate) = booked.wait_for.as_deref() {
             let settings = self.app.snapshot.load().gateway.clone();
-            if !wait_for_prefix(&self.app, gate, &settings).await {
+            if !wait_for_prefix(&self.app, gate, booked.cached_tokens, &settings).await {
                 booked.guard.sent_while_busy();
             }
         }

@@ -698,7 +698,7 @@ async fn forward(
             ..
         } = booked;
         if let Some(gate) = wait_for {
-            if !wait_for_prefix(app, &gate, &settings).await {
+            if !wait_for_prefix(app, &gate, cached_tokens, &settings).await {
                 guard.sent_while_busy();
             }
         }
@@ -913,16 +913,30 @@ async fn forward(
 }
 
 /// Waits, at most `gateway.prefix_wait_ms`, for the in-flight request whose
-/// prompt holds this one's prefix to settle, so this one finds it reusable
-/// rather than computing it again beside it; counted either way. Whether it
-/// settled.
+/// prompt holds this one's prefix (`cached_tokens` long) to settle, so this one
+/// finds it reusable rather than computing it again beside it; counted either
+/// way. Whether it settled.
+///
+/// A prefix shorter than `gateway.prefix_wait_min_tokens` is not waited for:
+/// the wait lasts until the holder settles (on llama.cpp, until it has ended,
+/// its whole answer generated), while computing a short prefix again costs a
+/// few milliseconds; a common short system prompt would otherwise let one
+/// request at a time through to each worker.
 pub(crate) async fn wait_for_prefix(
     app: &App,
     gate: &approximate::Gate,
+    cached_tokens: usize,
     settings: &crate::config::GatewayConfig,
 ) -> bool {
     if settings.prefix_wait_ms == 0 {
         return gate.is_open();
+    }
+    if (cached_tokens as u64) < settings.prefix_wait_min_tokens {
+        let settled = gate.is_open();
+        if !settled {
+            app.gateway.stats.prefix_too_short();
+        }
+        return settled;
     }
     let started = Instant::now();
     let bound = Duration::from_millis(settings.prefix_wait_ms);

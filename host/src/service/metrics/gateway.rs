@@ -83,12 +83,16 @@ impl Collector for GatewayCollector {
                 .iter()
                 .map(|p| ([("outcome", p.as_str())], predictions.count(*p))),
         )?;
-        let (settled, timed_out, waited) = stats.prefix_waits();
+        let (settled, timed_out, short, waited) = stats.prefix_waits();
         counters(
             e,
             "kvhint_gateway_prefix_waits",
-            "Requests to an approximate worker that waited for the in-flight request holding their prefix, by whether it became reusable within gateway.prefix_wait_ms.",
-            [([("outcome", "settled")], settled), ([("outcome", "timed_out")], timed_out)],
+            "Requests to an approximate worker whose prefix an in-flight request was still computing: waited until it became reusable (settled), waited gateway.prefix_wait_ms in vain (timed_out), or sent at once, the prefix being shorter than gateway.prefix_wait_min_tokens (short).",
+            [
+                ([("outcome", "settled")], settled),
+                ([("outcome", "timed_out")], timed_out),
+                ([("outcome", "short")], short),
+            ],
         )?;
         super::float_counter(
             e,
