@@ -1091,3 +1091,50 @@ fn a_request_s_spans_reach_an_otlp_collector_under_the_client_s_traceparent() {
     }
     assert!(collector.output().contains("kvhint-under-test"));
 }
+
+#[test]
+fn a_body_made_of_keys_is_refused_at_the_field_cap_in_one_pass() {
+    // No worker answers: the body is refused before one is chosen.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &format!("  - worker_id: 1\n    http_endpoint: http://127.0.0.1:{port}\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n"),
+        "",
+    );
+    // Nearly the 8 MiB body limit in distinct keys: ~700,000 of them. A scan
+    // of the keys before each key took minutes on a tenth of this.
+    let mut body = format!("{{\"model\":\"{MODEL_NAME}\",\"prompt\":\"x\"");
+    let mut i = 0u64;
+    while body.len() < (8 << 20) - 64 {
+        body.push_str(&format!(",\"k{i}\":0"));
+        i += 1;
+    }
+    body.push('}');
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let (status, answer) = server.post_raw(path, "application/json", &body);
+        assert_eq!(status, 400, "{path}: {answer}");
+        assert_eq!(answer["error"]["code"], "invalid_json", "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("more than 1024 fields"), "{answer}");
+    }
+    // A message object is bounded the same way.
+    let fields: String = (0..2_000).map(|i| format!(",\"k{i}\":0")).collect();
+    let chat = format!(
+        "{{\"model\":\"{MODEL_NAME}\",\"messages\":[{{\"role\":\"user\",\"content\":\"x\"{fields}}}]}}"
+    );
+    let (status, answer) = server.post_raw("/v1/chat/completions", "application/json", &chat);
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("more than 1024 fields"),
+        "{answer}"
+    );
+    assert_eq!(server.status()["open_bookings"], 0);
+}

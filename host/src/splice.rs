@@ -6,8 +6,9 @@
 //! template must see the client's keys in the client's order. A leaf: it imports
 //! nothing of the crate.
 
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
+use std::collections::HashSet;
 use std::fmt;
 use std::ops::Range;
 
@@ -20,7 +21,13 @@ pub enum BodyError {
     NotObject(&'static str),
     #[error("the body has the field `{0}` twice; engines and this router could read different ones, so it is refused")]
     Duplicate(String),
+    #[error("the object has more than {MAX_FIELDS} fields; an OpenAI request or message has a few dozen at most")]
+    TooManyFields,
 }
+
+/// The most fields one object may have. A request has a few dozen; a bound
+/// keeps a body made of keys from costing memory and time for nothing.
+pub const MAX_FIELDS: usize = 1_024;
 
 /// The top-level fields of a JSON object body, each with where its value lies.
 #[derive(Debug)]
@@ -48,17 +55,23 @@ impl<'a> Body<'a> {
             }
         }
         let mut de = serde_json::Deserializer::from_str(text);
-        let raw: Vec<(String, &'a RawValue)> = de
+        let (raw, overflow): (Vec<(String, &'a RawValue)>, bool) = de
             .deserialize_map(FieldsVisitor)
             .map_err(|e| BodyError::Json(e.to_string()))?;
         de.end().map_err(|e| BodyError::Json(e.to_string()))?;
+        if overflow {
+            return Err(BodyError::TooManyFields);
+        }
+        // A set, not a scan of the fields before each: that was quadratic in
+        // the number of keys, a CPU weapon in a body made of keys.
+        let mut seen: HashSet<&str> = HashSet::with_capacity(raw.len());
+        if let Some((key, _)) = raw.iter().find(|(key, _)| !seen.insert(key.as_str())) {
+            return Err(BodyError::Duplicate(key.clone()));
+        }
         let base = text.as_ptr() as usize;
         let mut fields: Vec<(String, Range<usize>, Range<usize>)> = Vec::with_capacity(raw.len());
         let mut search_from = 0;
         for (key, value) in raw {
-            if fields.iter().any(|(k, _, _)| *k == key) {
-                return Err(BodyError::Duplicate(key));
-            }
             let start = value.get().as_ptr() as usize - base;
             let end = start + value.get().len();
             // The key's opening quote: the last `"` that starts a string before the
@@ -205,7 +218,9 @@ fn key_start(text: &str, from: usize, value_start: usize) -> usize {
 struct FieldsVisitor;
 
 impl<'de> Visitor<'de> for FieldsVisitor {
-    type Value = Vec<(String, &'de RawValue)>;
+    /// The fields, and whether there were more than [`MAX_FIELDS`] (the rest
+    /// are read to the object's end, for its syntax, and not kept).
+    type Value = (Vec<(String, &'de RawValue)>, bool);
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON object")
@@ -213,11 +228,19 @@ impl<'de> Visitor<'de> for FieldsVisitor {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::new();
-        while let Some(key) = map.next_key::<String>()? {
+        let mut overflow = false;
+        while out.len() < MAX_FIELDS {
+            let Some(key) = map.next_key::<String>()? else {
+                return Ok((out, false));
+            };
             let value: &'de RawValue = map.next_value()?;
             out.push((key, value));
         }
-        Ok(out)
+        while map.next_key::<IgnoredAny>()?.is_some() {
+            map.next_value::<IgnoredAny>()?;
+            overflow = true;
+        }
+        Ok((out, overflow))
     }
 }
 
@@ -337,6 +360,36 @@ mod tests {
                 assert!(value.get(key.as_str()).is_none(), "{out}");
             }
         }
+    }
+
+    #[test]
+    fn a_body_made_of_keys_is_refused_past_the_field_cap_in_one_pass() {
+        let keys = |n: usize| -> String {
+            let fields: Vec<String> = (0..n).map(|i| format!("\"k{i}\":{i}")).collect();
+            format!("{{{}}}", fields.join(","))
+        };
+        // At the cap: every field kept, in order.
+        let text = keys(MAX_FIELDS);
+        let body = Body::parse(&text).unwrap();
+        assert_eq!(body.fields().count(), MAX_FIELDS);
+        assert_eq!(body.raw(&format!("k{}", MAX_FIELDS - 1)), Some("1023"));
+        // 200,000 keys: refused by the cap, after one pass over the body (the
+        // scan each key made of the keys before it took minutes on a body
+        // like this one); the rest of the object is still checked for syntax.
+        assert_eq!(
+            Body::parse(&keys(200_000)).unwrap_err(),
+            BodyError::TooManyFields
+        );
+        assert!(matches!(
+            Body::parse(&format!("{},}}", &keys(2_000)[..keys(2_000).len() - 1])).unwrap_err(),
+            BodyError::Json(_)
+        ));
+        // A duplicate among many distinct keys is still found.
+        let text = format!("{},\"k5\":0}}", &keys(1_000)[..keys(1_000).len() - 1]);
+        assert_eq!(
+            Body::parse(&text).unwrap_err(),
+            BodyError::Duplicate("k5".into())
+        );
     }
 
     #[test]

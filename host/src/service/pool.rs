@@ -73,6 +73,12 @@ impl BookingPool {
         };
         let (reply, result) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move || {
+            // The request that queued it is gone (its client disconnected, its
+            // future was dropped): nobody would read the answer, so the
+            // booking and its hint policies do not run.
+            if reply.is_closed() {
+                return;
+            }
             let _ = reply.send(f());
         });
         match jobs.try_send(job) {
@@ -82,5 +88,52 @@ impl BookingPool {
         // A job that panicked drops its sender; report that as overload rather than
         // hanging the request (the router itself does not panic on user input).
         result.await.map_err(|_| Overloaded)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc};
+    use std::time::Duration;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_queued_booking_whose_request_is_gone_is_dropped_not_run() {
+        let pool = Arc::new(BookingPool::new(1, 8).unwrap());
+        // Hold the only booking thread until told.
+        let (held_tx, held_rx) = mpsc::channel::<()>();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let holder = tokio::spawn({
+            let pool = Arc::clone(&pool);
+            async move {
+                pool.run(move || {
+                    let _ = held_tx.send(());
+                    let _ = release_rx.recv();
+                })
+                .await
+            }
+        });
+        tokio::task::spawn_blocking(move || held_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        // Queue a booking (one poll sends it), then drop its request's future,
+        // as a disconnected client's is.
+        let ran = Arc::new(AtomicUsize::new(0));
+        let mut queued = Box::pin(pool.run({
+            let ran = Arc::clone(&ran);
+            move || ran.fetch_add(1, Ordering::SeqCst)
+        }));
+        assert!(tokio::time::timeout(Duration::ZERO, &mut queued)
+            .await
+            .is_err());
+        drop(queued);
+        release_tx.send(()).unwrap();
+        holder.await.unwrap().unwrap();
+        // Jobs run in order on the one thread: this one comes after the
+        // abandoned one was taken off the queue.
+        assert_eq!(pool.run(|| 7).await.unwrap(), 7);
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "the abandoned booking ran");
     }
 }
