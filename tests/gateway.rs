@@ -1093,7 +1093,7 @@ fn a_request_s_spans_reach_an_otlp_collector_under_the_client_s_traceparent() {
 }
 
 #[test]
-fn a_body_made_of_keys_is_refused_at_the_field_cap_in_one_pass() {
+fn a_body_made_of_keys_or_nested_too_deep_is_refused_in_one_pass() {
     // No worker answers: the body is refused before one is chosen.
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -1134,6 +1134,21 @@ fn a_body_made_of_keys_is_refused_at_the_field_cap_in_one_pass() {
             .as_str()
             .unwrap_or_default()
             .contains("more than 1024 fields"),
+        "{answer}"
+    );
+    // So is nesting, in a field the router would only pass on.
+    let deep = format!(
+        "{{\"model\":\"{MODEL_NAME}\",\"prompt\":\"x\",\"x\":{}{}}}",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let (status, answer) = server.post_raw("/v1/completions", "application/json", &deep);
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("more than 128 deep"),
         "{answer}"
     );
     assert_eq!(server.status()["open_bookings"], 0);

@@ -23,7 +23,13 @@ pub enum BodyError {
     Duplicate(String),
     #[error("the object has more than {MAX_FIELDS} fields; an OpenAI request or message has a few dozen at most")]
     TooManyFields,
+    #[error("the body nests objects and arrays more than {MAX_DEPTH} deep; a request, tool schemas included, needs a few levels")]
+    TooDeep,
 }
+
+/// The deepest nesting of objects and arrays a body may have (serde_json's
+/// own limit for what it decodes; the raw fields passed on are held to it too).
+pub const MAX_DEPTH: usize = 128;
 
 /// The most fields one object may have. A request has a few dozen; a bound
 /// keeps a body made of keys from costing memory and time for nothing.
@@ -53,6 +59,9 @@ impl<'a> Body<'a> {
                 }
                 return Err(BodyError::NotObject("scalar"));
             }
+        }
+        if nests_deeper_than(text, MAX_DEPTH) {
+            return Err(BodyError::TooDeep);
         }
         let mut de = serde_json::Deserializer::from_str(text);
         let (raw, overflow): (Vec<(String, &'a RawValue)>, bool) = de
@@ -177,6 +186,37 @@ impl<'a> Body<'a> {
         out.push_str(&text[close..]);
         out.into_bytes()
     }
+}
+
+/// Whether `text` nests objects and arrays deeper than `max` (brackets inside
+/// strings do not count); one pass.
+fn nests_deeper_than(text: &str, max: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in text.as_bytes() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
 }
 
 /// How many bytes of whitespace `text` starts with.
@@ -384,6 +424,20 @@ mod tests {
             Body::parse(&format!("{},}}", &keys(2_000)[..keys(2_000).len() - 1])).unwrap_err(),
             BodyError::Json(_)
         ));
+        // Nesting: to the limit, accepted; past it, refused; brackets inside
+        // strings do not count.
+        let nested = |n: usize| format!("{{\"x\":{}{}}}", "[".repeat(n - 1), "]".repeat(n - 1));
+        assert!(Body::parse(&nested(MAX_DEPTH)).is_ok());
+        assert_eq!(
+            Body::parse(&nested(MAX_DEPTH + 1)).unwrap_err(),
+            BodyError::TooDeep
+        );
+        assert_eq!(
+            Body::parse(&nested(1_000_000)).unwrap_err(),
+            BodyError::TooDeep
+        );
+        let quoted = format!("{{\"x\":\"{}\\\"{}\"}}", "[".repeat(500), "{".repeat(500));
+        assert!(Body::parse(&quoted).is_ok(), "{quoted}");
         // A duplicate among many distinct keys is still found.
         let text = format!("{},\"k5\":0}}", &keys(1_000)[..keys(1_000).len() - 1]);
         assert_eq!(
