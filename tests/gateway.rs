@@ -13,8 +13,11 @@ use kvhint_e2e::llamacpp::{
 };
 use kvhint_e2e::{private_dir, wait, Server, TempDir};
 use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A config serving the tiny model through `workers`, with fast health checks.
@@ -1152,4 +1155,173 @@ fn a_body_made_of_keys_or_nested_too_deep_is_refused_in_one_pass() {
         "{answer}"
     );
     assert_eq!(server.status()["open_bookings"], 0);
+}
+
+/// A worker that answers every GET (health checks, `/metrics`) with `200 {}`
+/// and every POST with `answer`, byte for byte, then closes the connection;
+/// counts the POSTs.
+fn crafted_worker(answer: String) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let posts = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&posts);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let answer = answer.clone();
+            let counted = Arc::clone(&counted);
+            std::thread::spawn(move || {
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut writer = stream.try_clone().unwrap();
+                let mut reader = BufReader::new(stream);
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let post = line.starts_with("POST");
+                    let mut length = 0usize;
+                    loop {
+                        let mut header = String::new();
+                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if header.trim().is_empty() {
+                            break;
+                        }
+                        if let Some((name, value)) = header.split_once(':') {
+                            if name.eq_ignore_ascii_case("content-length") {
+                                length = value.trim().parse().unwrap_or(0);
+                            }
+                        }
+                    }
+                    let mut body = vec![0u8; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    if post {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        let _ = writer.write_all(answer.as_bytes());
+                        let _ = writer.flush();
+                        let _ = writer.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    if writer.write_all(ok.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://127.0.0.1:{port}"), posts)
+}
+
+fn crafted_yaml(url: &str) -> String {
+    format!("  - worker_id: 1\n    http_endpoint: {url}\n    engine: vllm\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n")
+}
+
+/// The raw answer to a completion sent with `Connection: close`: its head
+/// (lower-cased) and its body, de-chunked if it came chunked.
+fn raw_completion(server: &Server) -> (String, String) {
+    let mut stream = raw_post(
+        server.address(),
+        "/v1/completions",
+        &json!({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}),
+    );
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let head = head.to_ascii_lowercase();
+    if !head.contains("transfer-encoding: chunked") {
+        return (head, body.to_string());
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if size == 0 || after.len() < size {
+            break;
+        }
+        out.push_str(&after[..size]);
+        rest = after[size..].trim_start_matches("\r\n");
+    }
+    (head, out)
+}
+
+#[test]
+fn a_worker_s_chunked_answer_reaches_the_client_whole_without_its_length_or_hop_headers() {
+    let text = format!("{}END", "x".repeat(250));
+    let json =
+        json!({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL_NAME,
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        .to_string();
+    // Chunked, with a Content-Length that would cut it at 10 bytes, and a
+    // header the worker names as this hop's own.
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nContent-Length: 10\r\nConnection: close, X-Secret\r\nX-Secret: hop-only\r\nX-Kept: yes\r\n\r\n{:x}\r\n{json}\r\n0\r\n\r\n",
+        json.len()
+    );
+    let (url, posts) = crafted_worker(answer);
+    let dir = private_dir();
+    let server = serve(&dir, &crafted_yaml(&url), "");
+    let (head, body) = raw_completion(&server);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(!head.contains("content-length: 10"), "{head}");
+    assert!(!head.contains("x-secret"), "{head}");
+    assert!(head.contains("x-kept: yes"), "{head}");
+    let answer: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert_eq!(answer["choices"][0]["text"], text, "{body}");
+    assert_eq!(posts.load(Ordering::SeqCst), 1);
+    server.until_idle();
+}
+
+#[test]
+fn a_worker_s_redirect_is_answered_502_and_never_passed_on() {
+    let (url, posts) = crafted_worker(
+        "HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:9/elsewhere\r\nContent-Length: 0\r\n\r\n"
+            .to_string(),
+    );
+    let dir = private_dir();
+    let server = serve(&dir, &crafted_yaml(&url), "  max_attempts: 1\n");
+    let (head, body) = raw_completion(&server);
+    assert!(head.starts_with("http/1.1 502"), "{head}");
+    assert!(!head.contains("location:"), "{head}");
+    let answer: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert_eq!(answer["error"]["code"], "upstream_redirect", "{answer}");
+    assert_eq!(posts.load(Ordering::SeqCst), 1);
+    server.until_idle();
+}
+
+#[test]
+fn when_the_only_worker_fails_the_client_gets_502_saying_why_not_503() {
+    for (answer, code) in [
+        (
+            "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n{}",
+            "upstream_status",
+        ),
+        (
+            "HTTP/1.1 302 Found\r\nLocation: /v2\r\nContent-Length: 0\r\n\r\n",
+            "upstream_redirect",
+        ),
+    ] {
+        let (url, posts) = crafted_worker(answer.to_string());
+        let dir = private_dir();
+        // Three attempts allowed, one worker: the retry finds no other.
+        let server = serve(&dir, &crafted_yaml(&url), "  max_attempts: 3\n");
+        let (head, body) = raw_completion(&server);
+        assert!(head.starts_with("http/1.1 502"), "{head}\n{body}");
+        let reply: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        assert_eq!(reply["error"]["code"], code, "{reply}");
+        assert!(
+            reply["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("worker 1"),
+            "{reply}"
+        );
+        assert_eq!(posts.load(Ordering::SeqCst), 1);
+    }
 }

@@ -641,6 +641,10 @@ async fn forward(
     let mut prepared: Option<Arc<Prepared>> = None;
     let mut backoff = Duration::from_millis(settings.retry_backoff_ms);
     let mut attempt = 0;
+    // What the last worker tried did wrong: the answer when no other worker is
+    // left to try (a 502 that says what failed, not a 503 that says none was
+    // there).
+    let mut last_failure: Option<GatewayError> = None;
     loop {
         attempt += 1;
         let last_attempt = attempt >= settings.max_attempts;
@@ -674,7 +678,13 @@ async fn forward(
                 "every booking thread is busy and the booking queue is full; retry shortly",
             )
         })?;
-        let booked = booked?;
+        let booked = match booked {
+            Ok(booked) => booked,
+            Err(error) if error.code == "no_workers" => {
+                return Err(last_failure.take().unwrap_or(error));
+            }
+            Err(error) => return Err(error),
+        };
         if let Some(trace) = trace.as_mut() {
             trace.booked(
                 job_started,
@@ -790,27 +800,60 @@ async fn forward(
                         why.clone(),
                     );
                 }
+                let failure = GatewayError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_unreachable",
+                    format!("{key} could not be reached: {why}"),
+                );
                 if !last_attempt {
                     tracing::warn!(request_id = %request_id, worker = %key, error = %why, attempt, "the request failed before any byte reached the client; booking it again on another worker");
                     if let Some(trace) = trace.as_mut() {
                         trace.retried(key, &why);
                     }
                     retry(&mut guard, &mut tried);
+                    last_failure = Some(failure);
                     tokio::time::sleep(backoff).await;
                     backoff = backoff.mul_f32(1.5);
                     continue;
                 }
                 guard.finish(Release::UpstreamError);
-                return Err(GatewayError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    "upstream_unreachable",
-                    format!("{key} could not be reached: {why}"),
-                ));
+                return Err(failure);
             }
             Ok(Ok(response)) => response,
         };
         let status = response.status();
+        if status.is_redirection() {
+            // A worker answers for itself. A redirect passed on would send the
+            // client (OpenAI's clients follow them) to whatever host the
+            // worker names, with the client's request.
+            let why = format!("it answered {status}, a redirect");
+            app.gateway.health.request_failed(
+                key,
+                settings.circuit_failures,
+                settings.circuit_open_ms,
+                why.clone(),
+            );
+            drop(response);
+            let failure = GatewayError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "upstream_redirect",
+                format!("{key} answered {status}, a redirect, which the router never passes on; point its http_endpoint at the server that answers"),
+            );
+            if !last_attempt {
+                if let Some(trace) = trace.as_mut() {
+                    trace.retried(key, &why);
+                }
+                retry(&mut guard, &mut tried);
+                last_failure = Some(failure);
+                tokio::time::sleep(backoff).await;
+                backoff = backoff.mul_f32(1.5);
+                continue;
+            }
+            guard.finish(Release::UpstreamError);
+            return Err(failure);
+        }
         if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
             app.gateway.health.request_failed(
                 key,
@@ -824,6 +867,12 @@ async fn forward(
                 }
                 retry(&mut guard, &mut tried);
                 drop(response);
+                last_failure = Some(GatewayError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_status",
+                    format!("{key} answered {status}"),
+                ));
                 tokio::time::sleep(backoff).await;
                 backoff = backoff.mul_f32(1.5);
                 continue;
@@ -894,8 +943,22 @@ async fn forward(
         );
         let mut out = Response::new(axum::body::Body::new(body));
         *out.status_mut() = status;
+        // Headers the worker names in `Connection` are this hop's too (RFC
+        // 9110 §7.6.1). A message sent chunked has no length to pass on: a
+        // Content-Length beside Transfer-Encoding is dropped (RFC 9112 §6.3),
+        // or the client would read that many bytes as the whole answer.
+        let named: Vec<HeaderName> = parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+            .collect();
+        let chunked = parts.headers.contains_key(header::TRANSFER_ENCODING);
         for (name, value) in &parts.headers {
-            if !HOP_BY_HOP.contains(&name.as_str()) {
+            let framing = chunked && name == header::CONTENT_LENGTH;
+            if !HOP_BY_HOP.contains(&name.as_str()) && !named.contains(name) && !framing {
                 out.headers_mut().append(name.clone(), value.clone());
             }
         }
