@@ -1325,3 +1325,53 @@ fn when_the_only_worker_fails_the_client_gets_502_saying_why_not_503() {
         assert_eq!(posts.load(Ordering::SeqCst), 1);
     }
 }
+
+#[test]
+fn a_request_that_comes_back_to_a_router_that_forwarded_it_is_refused_not_looped() {
+    // Router A's only worker is router B, and B's only worker is A: a request
+    // goes A → B → A, where A finds its own mark in the hop header.
+    let dir_a = private_dir();
+    let a = serve(&dir_a, "  []\n", "  max_attempts: 1\n");
+    let dir_b = private_dir();
+    let b = serve(
+        &dir_b,
+        &format!("  - worker_id: 1\n    http_endpoint: {}\n    engine: openai\n    models: [{MODEL_NAME}]\n    kv_events: approximate\n", a.base),
+        "  max_attempts: 1\n",
+    );
+    let (status, reply) = a.post(
+        "/workers",
+        &json!({"worker_id": 1, "role": "aggregated", "http_endpoint": b.base, "engine": "openai",
+                "models": [MODEL_NAME], "kv_events": "approximate"}),
+    );
+    assert_eq!(status, 201, "{reply}");
+    for (router, name) in [(&a, "A"), (&b, "B")] {
+        router.wait_for(&format!("router {name}'s worker healthy"), |s| {
+            s.status()["workers"][0]["health"]["healthy"] == true
+        });
+    }
+    let (status, _, text) = call_with(
+        &agent(),
+        &format!("{}/v1/completions", a.base),
+        &json!({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}),
+    );
+    assert_eq!(status, 508, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(reply["error"]["code"], "loop_detected", "{reply}");
+    // One booking on each router, both released; A logged the refusal.
+    a.until_idle();
+    b.until_idle();
+    a.wait_for("the loop's access-log line", |s| {
+        s.log().contains("loop_detected")
+    });
+    // A client that sends a hop header longer than any chain of routers.
+    let marks: Vec<String> = (0..8).map(|i| format!("kvhint-{i:016x}")).collect();
+    let answer = ureq::Agent::new_with_defaults()
+        .post(&format!("{}/v1/completions", b.base))
+        .header("x-kvhint-via", &marks.join(", "))
+        .config()
+        .http_status_as_error(false)
+        .build()
+        .send_json(json!({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}))
+        .unwrap();
+    assert_eq!(answer.status().as_u16(), 508);
+}

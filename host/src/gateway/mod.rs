@@ -146,6 +146,11 @@ pub type UpstreamClient = Client<upstream::Connector, Full<Bytes>>;
 pub const POOL_IDLE: Duration = Duration::from_secs(3);
 
 /// What the gateway keeps between requests.
+/// The hop header: the marks of the routers a request passed through.
+pub const VIA_HEADER: &str = "x-kvhint-via";
+/// Routers a request may pass through before it is taken for a loop.
+pub const MAX_HOPS: usize = 8;
+
 pub struct Gateway {
     pub client: UpstreamClient,
     /// Never reuses a connection: for the one re-send of a request whose pooled
@@ -203,6 +208,44 @@ impl Gateway {
             tracing,
             next_id: AtomicU64::new(0),
             instance,
+        })
+    }
+
+    /// This router's mark in `x-kvhint-via`, the hop header on every request it
+    /// forwards: a request that comes back carrying it has looped (a worker's
+    /// `http_endpoint` leads back to a router), and is refused, not forwarded
+    /// again.
+    pub fn via_mark(&self) -> String {
+        format!("kvhint-{:016x}", self.instance)
+    }
+
+    /// Whether a request with these headers is one this router forwarded, or
+    /// one that passed through more routers than any fleet chains: the
+    /// refusal to send instead of forwarding it.
+    pub fn looped(&self, headers: &axum::http::HeaderMap) -> Option<GatewayError> {
+        let mark = self.via_mark();
+        let mut hops = 0usize;
+        for value in headers.get_all(VIA_HEADER) {
+            let text = String::from_utf8_lossy(value.as_bytes());
+            for hop in text.split(',') {
+                hops += 1;
+                if hop.trim() == mark {
+                    return Some(GatewayError::new(
+                        axum::http::StatusCode::LOOP_DETECTED,
+                        "upstream_error",
+                        "loop_detected",
+                        format!("this request already passed through this router ({VIA_HEADER} carries its mark {mark}): a worker's http_endpoint leads back to a router; point every worker at its engine"),
+                    ));
+                }
+            }
+        }
+        (hops >= MAX_HOPS).then(|| {
+            GatewayError::new(
+                axum::http::StatusCode::LOOP_DETECTED,
+                "upstream_error",
+                "loop_detected",
+                format!("this request passed through {hops} routers ({VIA_HEADER}); more than {MAX_HOPS} means a loop through routers that point at each other"),
+            )
         })
     }
 

@@ -625,6 +625,9 @@ async fn forward(
     request_id: &str,
     trace: &mut Option<crate::gateway::trace::RequestTrace>,
 ) -> Result<Response, GatewayError> {
+    if let Some(looped) = app.gateway.looped(headers) {
+        return Err(looped);
+    }
     if std::str::from_utf8(&body).is_err() {
         return Err(GatewayError::bad_request(
             "invalid_json",
@@ -1029,7 +1032,7 @@ async fn send(
     request_id: &str,
     traceparent: Option<&HeaderValue>,
 ) -> Result<Answer, GatewayError> {
-    let request = upstream_request(booked, headers, traceparent)?;
+    let request = upstream_request(booked, headers, traceparent, &app.gateway.via_mark())?;
     let wait = |at: Instant| at.saturating_duration_since(Instant::now());
     let answer = tokio::time::timeout(wait(until), app.gateway.client.request(request)).await;
     let stale = match &answer {
@@ -1048,7 +1051,7 @@ async fn send(
         .stats
         .resent
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let request = upstream_request(booked, headers, traceparent)?;
+    let request = upstream_request(booked, headers, traceparent, &app.gateway.via_mark())?;
     Ok(tokio::time::timeout(wait(until), app.gateway.fresh.request(request)).await)
 }
 
@@ -1058,6 +1061,7 @@ fn upstream_request(
     booked: &Sent,
     client_headers: &HeaderMap,
     traceparent: Option<&HeaderValue>,
+    via_mark: &str,
 ) -> Result<hyper::Request<Full<Bytes>>, GatewayError> {
     let uri = format!("{}{}", booked.base, booked.forward.path);
     let mut request = hyper::Request::post(uri);
@@ -1078,6 +1082,16 @@ fn upstream_request(
         }
         if let Some(key) = booked.api_key.as_ref().and_then(|k| k.authorization()) {
             headers.insert(header::AUTHORIZATION, key);
+        }
+        // The hop header: the marks of the routers before this one, and its own.
+        let mut via: Vec<String> = client_headers
+            .get_all(gateway::VIA_HEADER)
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect();
+        via.push(via_mark.to_string());
+        if let Ok(value) = HeaderValue::from_str(&via.join(", ")) {
+            headers.insert(HeaderName::from_static(gateway::VIA_HEADER), value);
         }
         // Traced: the worker's parent is this request's `connect` span.
         if let Some(traceparent) = traceparent {
