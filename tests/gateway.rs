@@ -1158,8 +1158,8 @@ fn a_body_made_of_keys_or_nested_too_deep_is_refused_in_one_pass() {
 }
 
 /// A worker that answers every GET (health checks, `/metrics`) with `200 {}`
-/// and every POST with `answer`, byte for byte, then closes the connection;
-/// counts the POSTs.
+/// and every POST with `answer`, byte for byte, closing the connection after
+/// each answer; counts the POSTs.
 fn crafted_worker(answer: String) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -1174,43 +1174,43 @@ fn crafted_worker(answer: String) -> (String, Arc<AtomicUsize>) {
                 let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
                 let mut writer = stream.try_clone().unwrap();
                 let mut reader = BufReader::new(stream);
+                // One request per connection: each answer closes it, so no
+                // connection to this worker is ever reused.
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    return;
+                }
+                let post = line.starts_with("POST");
+                let mut length = 0usize;
                 loop {
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    let mut header = String::new();
+                    if reader.read_line(&mut header).unwrap_or(0) == 0 {
                         return;
                     }
-                    let post = line.starts_with("POST");
-                    let mut length = 0usize;
-                    loop {
-                        let mut header = String::new();
-                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
-                            return;
+                    if header.trim().is_empty() {
+                        break;
+                    }
+                    if let Some((name, value)) = header.split_once(':') {
+                        if name.eq_ignore_ascii_case("content-length") {
+                            length = value.trim().parse().unwrap_or(0);
                         }
-                        if header.trim().is_empty() {
-                            break;
-                        }
-                        if let Some((name, value)) = header.split_once(':') {
-                            if name.eq_ignore_ascii_case("content-length") {
-                                length = value.trim().parse().unwrap_or(0);
-                            }
-                        }
-                    }
-                    let mut body = vec![0u8; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    if post {
-                        counted.fetch_add(1, Ordering::SeqCst);
-                        let _ = writer.write_all(answer.as_bytes());
-                        let _ = writer.flush();
-                        let _ = writer.shutdown(std::net::Shutdown::Both);
-                        return;
-                    }
-                    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
-                    if writer.write_all(ok.as_bytes()).is_err() {
-                        return;
                     }
                 }
+                let mut body = vec![0u8; length];
+                if reader.read_exact(&mut body).is_err() {
+                    return;
+                }
+                let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}";
+                if post {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+                let _ = writer.write_all(if post {
+                    answer.as_bytes()
+                } else {
+                    ok.as_bytes()
+                });
+                let _ = writer.flush();
+                let _ = writer.shutdown(std::net::Shutdown::Both);
             });
         }
     });
@@ -1374,4 +1374,124 @@ fn a_request_that_comes_back_to_a_router_that_forwarded_it_is_refused_not_looped
         .send_json(json!({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}))
         .unwrap();
     assert_eq!(answer.status().as_u16(), 508);
+}
+
+/// Sets `pid`'s open-files soft limit to `soft`; returns the limit it had.
+fn set_open_files_limit(pid: u32, soft: u64) -> libc::rlimit {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: prlimit reads and writes only the two structs it is given.
+    let read = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            std::ptr::null(),
+            &mut old,
+        )
+    };
+    assert_eq!(read, 0, "prlimit: {}", std::io::Error::last_os_error());
+    let new = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: as above.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &new,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(set, 0, "prlimit: {}", std::io::Error::last_os_error());
+    old
+}
+
+#[test]
+fn out_of_file_descriptors_the_router_answers_503_itself_and_the_worker_stays_healthy() {
+    let json =
+        json!({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": MODEL_NAME,
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        .to_string();
+    // It closes the connection after each answer (health checks' too): each
+    // request needs a new socket to it.
+    let (url, posts) = crafted_worker(format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{json}",
+        json.len()
+    ));
+    let dir = private_dir();
+    let server = serve(&dir, &crafted_yaml(&url), "");
+    let body = json!({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1});
+    let send = |stream: &mut std::net::TcpStream| {
+        let text = body.to_string();
+        write!(
+            stream,
+            "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+            server.address(),
+            text.len()
+        )
+        .unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let mut status = String::new();
+        reader.read_line(&mut status).unwrap();
+        let mut length = 0usize;
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            if line.trim().is_empty() {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().unwrap();
+                }
+            }
+        }
+        let mut answer = vec![0u8; length];
+        reader.read_exact(&mut answer).unwrap();
+        (status, String::from_utf8_lossy(&answer).to_string())
+    };
+    // A keep-alive connection, open before the descriptors run out.
+    let mut client = std::net::TcpStream::connect(server.address()).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let (status, answer) = send(&mut client);
+    assert!(status.contains(" 200 "), "{status} {answer}");
+    // No new descriptor can be opened: every number from 3 up is taken or
+    // over the limit.
+    let pid = server.child.id();
+    let old = set_open_files_limit(pid, 3);
+    let (status, answer) = send(&mut client);
+    let outcome = std::panic::catch_unwind(|| {
+        assert!(status.contains(" 503 "), "{status} {answer}");
+        let reply: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(reply["error"]["code"], "router_out_of_resources", "{reply}");
+        assert!(
+            reply["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("not at fault"),
+            "{reply}"
+        );
+    });
+    // Health checks ran meanwhile (every 200 ms, one failure takes a worker
+    // out): none counted against the worker.
+    std::thread::sleep(Duration::from_millis(600));
+    set_open_files_limit(pid, old.rlim_cur);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+    let status = server.status();
+    let worker = &status["workers"][0]["health"];
+    assert_eq!(worker["healthy"], true, "{status}");
+    assert_eq!(worker["circuit"], "closed", "{status}");
+    // With descriptors back, the worker answers again.
+    let (code, answer) = send(&mut client);
+    assert!(code.contains(" 200 "), "{code} {answer}");
+    assert_eq!(posts.load(Ordering::SeqCst), 2);
+    server.until_idle();
 }

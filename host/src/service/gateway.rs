@@ -791,6 +791,19 @@ async fn forward(
             }
             Ok(Err(error)) => {
                 let why = describe(&error);
+                if let Some(shortage) = local_shortage(&error) {
+                    // The router's own shortage, not the worker's failure: no
+                    // circuit opens, no other worker is tried (it would meet
+                    // the same shortage).
+                    tracing::warn!(request_id = %request_id, worker = %key, error = %why, "the router could not open a connection to the worker: it is short of descriptors or memory");
+                    guard.finish(Release::UpstreamError);
+                    return Err(GatewayError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        "router_out_of_resources",
+                        format!("the router could not open a connection to {key}: {shortage}; the router is short of file descriptors or memory, {key} is not at fault (raise `ulimit -n`, or lower --max-connections)"),
+                    ));
+                }
                 if error.is_connect() {
                     app.gateway
                         .health
@@ -1111,6 +1124,25 @@ fn upstream_request(
 }
 
 /// A client error with its causes (hyper's top level says only "client error").
+/// The router's own shortage behind an upstream error, if that is what it was:
+/// out of file descriptors (per process or system-wide), socket buffers or
+/// memory. Such an error says nothing of the worker.
+fn local_shortage(error: &hyper_util::client::legacy::Error) -> Option<String> {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            if matches!(
+                io.raw_os_error(),
+                Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+            ) {
+                return Some(io.to_string());
+            }
+        }
+        source = cause.source();
+    }
+    None
+}
+
 fn describe(error: &hyper_util::client::legacy::Error) -> String {
     let mut text = error.to_string();
     let mut source = std::error::Error::source(error);
@@ -1249,19 +1281,21 @@ pub async fn health_checks(app: Arc<App>) {
                 }
                 let request = match request.body(Full::new(Bytes::new())) {
                     Ok(request) => request,
-                    Err(e) => return (key, Err(e.to_string())),
+                    Err(e) => return (key, Some(Err(e.to_string()))),
                 };
                 let result = match tokio::time::timeout(timeout, client.request(request)).await {
                     Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+                    // The router's own shortage: no verdict on the worker.
+                    Ok(Err(e)) if local_shortage(&e).is_some() => return (key, None),
                     Ok(Err(e)) => Err(describe(&e)),
                     Ok(Ok(response)) if response.status().is_success() => Ok(()),
                     Ok(Ok(response)) => Err(format!("GET {path} answered {}", response.status())),
                 };
-                (key, result)
+                (key, Some(result))
             });
         }
         while let Some(done) = checks.join_next().await {
-            if let Ok((key, result)) = done {
+            if let Ok((key, Some(result))) = done {
                 let ok = result.is_ok();
                 app.gateway.health.checked(
                     key,
