@@ -75,7 +75,8 @@ impl ConnectionLimits {
     }
 
     /// `for_sources` descriptors are kept for KV-event sources on top of
-    /// [`Self::RESERVED_FDS`].
+    /// [`Self::RESERVED_FDS`]; of the rest, each connection is counted twice
+    /// (its own socket and the one to the worker it is proxied to).
     pub fn capped_by_file_limit(self, for_sources: u64) -> Self {
         let mut limit = libc::rlimit {
             rlim_cur: 0,
@@ -85,10 +86,13 @@ impl ConnectionLimits {
         if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
             return self;
         }
-        let allowed = limit
+        // A client connection the gateway proxies needs a second descriptor,
+        // its socket to the worker: half of what is left is for each side.
+        let allowed = (limit
             .rlim_cur
             .saturating_sub(Self::RESERVED_FDS + for_sources)
-            .max(1);
+            / 2)
+        .max(1);
         if (self.max_connections as u64) <= allowed {
             return self;
         }
