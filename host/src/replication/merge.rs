@@ -210,6 +210,8 @@ pub struct MergeStats {
     pub replaced: u64,
     /// Messages ignored for another block size.
     pub refused_block_size: u64,
+    /// Messages ignored for a replica name over [`MAX_NAME_BYTES`].
+    pub refused_name: u64,
     /// Messages from a peer whose config or plugin set differs (applied; warned).
     pub fingerprint_mismatches: u64,
     pub messages: u64,
@@ -241,6 +243,13 @@ pub struct PeerStatus {
     pub same_config: bool,
 }
 
+/// Goodbyes remembered at once at most: a flood of goodbyes under made-up
+/// names must not grow a replica without bound.
+pub const MAX_GONE: usize = 4_096;
+
+/// The longest replica name taken; a message from a longer one is dropped.
+pub const MAX_NAME_BYTES: usize = 256;
+
 /// The peers' load as this replica sums it.
 #[derive(Debug)]
 pub struct Merge {
@@ -249,9 +258,12 @@ pub struct Merge {
     fingerprint: u64,
     peer_timeout: Duration,
     peers: BTreeMap<String, Peer>,
-    /// Peers gone by goodbye: (incarnation, last sequence), so a late message of
-    /// theirs does not bring them back.
-    gone: HashMap<String, (u64, u64)>,
+    /// Peers gone by goodbye: (incarnation, last sequence, when), so a late
+    /// message of theirs does not bring them back. Kept for a peer timeout
+    /// only (a late message comes within it; a goodbye forged with sequence
+    /// u64::MAX silences a name no longer than that), and at most
+    /// [`MAX_GONE`] of them.
+    gone: HashMap<String, (u64, u64, Instant)>,
     refused: BTreeMap<String, Refused>,
     sums: HashMap<WorkerId, Load>,
     stats: MergeStats,
@@ -362,6 +374,10 @@ impl Merge {
             return out;
         }
         self.stats.messages += 1;
+        if message.replica.len() > MAX_NAME_BYTES {
+            self.stats.refused_name += 1;
+            return out;
+        }
         if message.block_size != self.block_size {
             self.stats.refused_block_size += 1;
             let first = self
@@ -378,7 +394,7 @@ impl Merge {
             return out;
         }
         self.refused.remove(&message.replica);
-        if let Some(&(incarnation, seq)) = self.gone.get(&message.replica) {
+        if let Some(&(incarnation, seq, _)) = self.gone.get(&message.replica) {
             if message.incarnation < incarnation
                 || (message.incarnation == incarnation && message.seq <= seq)
             {
@@ -476,8 +492,12 @@ impl Merge {
                 out.want_sync = !peer.synced;
             }
             Body::Goodbye => {
-                self.gone
-                    .insert(message.replica.clone(), (message.incarnation, message.seq));
+                if self.gone.len() < MAX_GONE || self.gone.contains_key(&message.replica) {
+                    self.gone.insert(
+                        message.replica.clone(),
+                        (message.incarnation, message.seq, now),
+                    );
+                }
                 self.stats.left += 1;
                 let dropped = self.drop_peer(&message.replica);
                 out.changed.extend(dropped);
@@ -491,8 +511,12 @@ impl Merge {
         out
     }
 
-    /// Drops the peers silent longer than the timeout; the workers whose sums changed.
+    /// Drops the peers silent longer than the timeout, and goodbyes older than
+    /// it; the workers whose sums changed.
     pub fn expire(&mut self, now: Instant) -> Vec<WorkerId> {
+        let timeout = self.peer_timeout;
+        self.gone
+            .retain(|_, (_, _, at)| now.duration_since(*at) <= timeout);
         let silent: Vec<String> = self
             .peers
             .iter()
@@ -811,6 +835,52 @@ mod tests {
         merge.receive(&stale_before, later);
         assert_eq!(merge.sum(&id), Load::default());
         assert_eq!(merge.stats().left, 1);
+    }
+
+    /// Issue 44: a goodbye forged with sequence u64::MAX silenced a live replica
+    /// for good, and goodbyes under made-up names grew a replica without bound.
+    #[test]
+    fn goodbyes_are_forgotten_after_a_peer_timeout_bounded_in_number_and_long_names_refused() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(5);
+        let mut merge = Merge::new("a", BLOCK, 7, timeout, Duration::ZERO, t0);
+        let mut b = Outbox::new("b", 1, BLOCK);
+        let id = worker(1);
+        let mut forged = b.message(Body::Goodbye, 7, 0);
+        forged.seq = u64::MAX;
+        merge.receive(&forged, t0);
+        // Within the timeout, b's messages are taken for late ones.
+        let mut live = Outbox::new("b", 1, BLOCK);
+        let delta = |o: &mut Outbox, requests| {
+            let loads = o.changes(&[(id, one(requests))]);
+            o.message(Body::Delta { loads }, 7, 0)
+        };
+        merge.receive(&delta(&mut live, 2), t0 + Duration::from_secs(1));
+        assert_eq!(merge.sum(&id), Load::default());
+        // Past it, the goodbye is forgotten and b counts again.
+        merge.expire(t0 + Duration::from_secs(6));
+        merge.receive(&delta(&mut live, 3), t0 + Duration::from_secs(6));
+        assert_eq!(merge.sum(&id), one(3));
+        // A flood of goodbyes under made-up names: at most MAX_GONE remembered.
+        for i in 0..(MAX_GONE + 500) {
+            let mut bye = Outbox::new(format!("ghost-{i}"), 1, BLOCK);
+            merge.receive(
+                &bye.message(Body::Goodbye, 7, 0),
+                t0 + Duration::from_secs(7),
+            );
+        }
+        assert_eq!(merge.gone.len(), MAX_GONE);
+        merge.expire(t0 + Duration::from_secs(20));
+        assert!(merge.gone.is_empty());
+        // A name over the bound is not taken.
+        let mut long = Outbox::new("x".repeat(MAX_NAME_BYTES + 1), 1, BLOCK);
+        let loads = long.changes(&[(worker(2), one(1))]);
+        merge.receive(
+            &long.message(Body::Delta { loads }, 7, 0),
+            t0 + Duration::from_secs(20),
+        );
+        assert_eq!(merge.sum(&worker(2)), Load::default());
+        assert_eq!(merge.stats().refused_name, 1);
     }
 
     /// A peer with another block size is refused (its load never counts); another

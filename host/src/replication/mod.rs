@@ -78,6 +78,7 @@ pub struct StatsView {
     pub left: u64,
     pub replaced: u64,
     pub refused_block_size: u64,
+    pub refused_name: u64,
     pub fingerprint_mismatches: u64,
 }
 
@@ -457,6 +458,7 @@ async fn receive(
     housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_sync_ask = Instant::now();
     let mut connected_once = false;
+    let mut decode_warnings = Throttle::new(Duration::from_secs(10));
     loop {
         tokio::select! {
             next = subscriber.next() => {
@@ -473,7 +475,9 @@ async fn receive(
                     Ok(m) => m,
                     Err(e) => {
                         shared.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %e, "replication: a message on the fleet's subject is not kvhint's; ignored");
+                        if let Some(suppressed) = decode_warnings.allow(Instant::now()) {
+                            tracing::warn!(error = %e, suppressed, "replication: a message on the fleet's subject is not kvhint's; ignored (one warning per 10 s at most; kvhint_replication_decode_errors_total counts them all)");
+                        }
                         continue;
                     }
                 };
@@ -525,6 +529,7 @@ async fn receive(
                         left: stats.left,
                         replaced: stats.replaced,
                         refused_block_size: stats.refused_block_size,
+                        refused_name: stats.refused_name,
                         fingerprint_mismatches: stats.fingerprint_mismatches,
                     },
                 };
@@ -540,5 +545,60 @@ async fn receive(
                 shared.digest_now.store(true, Ordering::Relaxed);
             }
         }
+    }
+}
+
+/// At most one warning per `every`: a flood of bad messages must not become a
+/// flood of log lines (100,000 malformed messages wrote 14.9 MB of them).
+struct Throttle {
+    every: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    fn new(every: Duration) -> Self {
+        Self {
+            every,
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether to warn now; if so, how many warnings were held back since the
+    /// last one.
+    fn allow(&mut self, now: Instant) -> Option<u64> {
+        if self
+            .last
+            .is_some_and(|last| now.duration_since(last) < self.every)
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
+#[cfg(test)]
+mod throttle_tests {
+    use super::Throttle;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_flood_of_bad_messages_warns_once_per_interval_with_the_count_held_back() {
+        let t0 = Instant::now();
+        let mut throttle = Throttle::new(Duration::from_secs(10));
+        let warned: Vec<(u64, u64)> = (0..100_000u64)
+            .filter_map(|i| {
+                // 100,000 messages over 25 s.
+                let at = t0 + Duration::from_micros(i * 250);
+                throttle.allow(at).map(|held| (i, held))
+            })
+            .collect();
+        assert_eq!(warned.len(), 3, "{warned:?}");
+        assert_eq!(warned[0], (0, 0));
+        assert_eq!(warned[1], (40_000, 39_999));
+        assert_eq!(warned[2], (80_000, 39_999));
     }
 }

@@ -84,21 +84,23 @@ impl LoadCell {
         self.id
     }
 
-    /// The load selection sees: this replica's bookings and the other replicas'.
+    /// The load selection sees: this replica's bookings and the other replicas',
+    /// added saturating: a peer's forged load of 2^64 − n must make the worker
+    /// look full, never (wrapped around) idle.
     pub fn get(&self) -> Load {
         Load {
             active_requests: self
                 .active_requests
                 .load(Ordering::Relaxed)
-                .wrapping_add(self.remote_requests.load(Ordering::Relaxed)),
+                .saturating_add(self.remote_requests.load(Ordering::Relaxed)),
             active_blocks: self
                 .active_blocks
                 .load(Ordering::Relaxed)
-                .wrapping_add(self.remote_blocks.load(Ordering::Relaxed)),
+                .saturating_add(self.remote_blocks.load(Ordering::Relaxed)),
             prefill_blocks: self
                 .prefill_blocks
                 .load(Ordering::Relaxed)
-                .wrapping_add(self.remote_prefill.load(Ordering::Relaxed)),
+                .saturating_add(self.remote_prefill.load(Ordering::Relaxed)),
         }
     }
 
@@ -370,6 +372,31 @@ mod tests {
         assert_eq!(cell.get().active_requests, 3);
         cell.sub(one);
         assert_eq!(cell.get(), one.plus(one));
+    }
+
+    /// A forged remote load near 2^64 (issue 44: 2^64 − n made a busy worker
+    /// look idle and drew bookings to it) saturates instead of wrapping.
+    #[test]
+    fn a_remote_load_near_the_top_saturates_and_never_wraps_to_idle() {
+        let cell = LoadCell::default();
+        cell.add(Load {
+            active_requests: 5,
+            active_blocks: 50,
+            prefill_blocks: 20,
+        });
+        cell.set_remote(Load {
+            active_requests: u64::MAX - 2,
+            active_blocks: u64::MAX - 10,
+            prefill_blocks: u64::MAX,
+        });
+        assert_eq!(
+            cell.get(),
+            Load {
+                active_requests: u64::MAX,
+                active_blocks: u64::MAX,
+                prefill_blocks: u64::MAX,
+            }
+        );
     }
 
     /// The candidate list is read whole by every booking: a field added to `Listed`

@@ -61,8 +61,8 @@ impl Collector for ReplicationCollector {
         counter(
             e,
             "kvhint_replication_refused",
-            "Peer messages ignored because the peer uses another block size.",
-            view.stats.refused_block_size,
+            "Peer messages ignored because the peer uses another block size, or names itself with more than 256 bytes.",
+            view.stats.refused_block_size + view.stats.refused_name,
         )?;
         counter(
             e,
@@ -97,6 +97,12 @@ impl Collector for ReplicationCollector {
             "kvhint_replication_disconnects",
             "Times the connection to NATS was lost.",
             load(&counters_now.disconnects),
+        )?;
+        counter(
+            e,
+            "kvhint_replication_decode_errors",
+            "Messages on the fleet's subject that are not kvhint's (ignored; warned about once per 10 s at most).",
+            load(&counters_now.decode_errors),
         )
     }
 }
