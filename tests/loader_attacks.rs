@@ -894,3 +894,32 @@ fn sigterm_during_a_reload_whose_probe_hangs_exits_at_once_and_kills_the_probe()
         || !probe_running(),
     );
 }
+
+#[test]
+fn a_newline_or_an_escape_in_a_plugin_file_name_is_escaped_in_the_report() {
+    // A file name that would forge a report line, and one with a terminal
+    // escape: both are plugins the loader refuses (not ELF), both reported
+    // each on one line, their control characters escaped.
+    let dir = private_dir();
+    let plugins = dir.path().join("plugins");
+    mkdir(&plugins, 0o755);
+    for name in ["libx\n  plugin forged 1.0 loaded.so", "liby\u{1b}[2J.so"] {
+        let file = plugins.join(name);
+        std::fs::write(&file, "not a plugin\n").unwrap();
+        chmod(&file, 0o644);
+    }
+    let cache = private_dir();
+    let output = plugins_command(&plugins, &cache.path().join("cache"));
+    let all = assert_refused(&output);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!stdout.contains('\u{1b}'), "{all}");
+    assert!(
+        !stdout.lines().any(|l| l.starts_with("  plugin forged")),
+        "a file name forged a line: {all}"
+    );
+    assert!(
+        stdout.contains("libx\\n  plugin forged 1.0 loaded.so"),
+        "{all}"
+    );
+    assert!(stdout.contains("liby\\u{1b}[2J.so"), "{all}");
+}

@@ -225,7 +225,10 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!(
+                "error: {}",
+                kvhint::logging::escape_controls(&format!("{e:#}"))
+            );
             ExitCode::FAILURE
         }
     }
@@ -367,7 +370,10 @@ fn report_errors(errors: &ConfigErrors) -> ExitCode {
     let mut errors = errors.clone();
     errors.sort_in_file_order();
     for error in &errors.0 {
-        eprintln!("error: {error}");
+        eprintln!(
+            "error: {}",
+            kvhint::logging::escape_controls(&error.to_string())
+        );
     }
     let n = errors.0.len();
     eprintln!("{n} error{} found", if n == 1 { "" } else { "s" });

@@ -12,6 +12,16 @@ use crate::snapshot::{self, Snapshot};
 use std::io::{self, Write};
 use std::path::Path;
 
+/// `writeln!` with the line's control characters escaped: file names, plugin
+/// names and versions, and messages come from the plugins directory and the
+/// plugins themselves, and a newline or an escape sequence in one must not
+/// forge a line of the report or drive the operator's terminal.
+macro_rules! line {
+    ($out:expr, $($arg:tt)*) => {
+        writeln!($out, "{}", crate::logging::escape_controls(&format!($($arg)*)))
+    };
+}
+
 /// `kvhint check`'s report of a config that loaded: the router mode, each plugin,
 /// each role's selection and hint policies, auth, models, workers and engine
 /// event sources.
@@ -21,7 +31,7 @@ pub fn check(
     config: &Config,
     snapshot: &Snapshot,
 ) -> io::Result<()> {
-    writeln!(
+    line!(
         out,
         "{}: ok (router mode {}, block size {})",
         file.display(),
@@ -42,7 +52,7 @@ pub fn check(
         if types.is_empty() {
             types.push("no policy types".into());
         }
-        writeln!(
+        line!(
             out,
             "plugin {} {} from {} ({})",
             plugin.name,
@@ -52,7 +62,7 @@ pub fn check(
         )?;
     }
     if config.default_selection {
-        writeln!(
+        line!(
             out,
             "worker_selection: not in the config; every role is booked by `{}` with its defaults",
             crate::config::DEFAULT_SELECTION
@@ -72,13 +82,15 @@ pub fn check(
         } else {
             String::new()
         };
-        writeln!(
+        line!(
             out,
             "role {}: selection {} {}{commits}{booked_by}",
-            role.role, role.selection_type, role.selection_parameters
+            role.role,
+            role.selection_type,
+            role.selection_parameters
         )?;
         if let crate::registry::Origin::Plugin { .. } = &*role.booking_selection().origin {
-            writeln!(
+            line!(
                 out,
                 "  selection policy from {}",
                 role.booking_selection().origin
@@ -92,12 +104,12 @@ pub fn check(
         };
         let policies = role.hints.policies();
         if policies.is_empty() {
-            writeln!(out, "  hints ({from}): none")?;
+            line!(out, "  hints ({from}): none")?;
         } else {
-            writeln!(out, "  hints ({from}):")?;
+            line!(out, "  hints ({from}):")?;
         }
         for (i, policy) in policies.iter().enumerate() {
-            writeln!(
+            line!(
                 out,
                 "    {}. {} (type {}, {}, commitments {})",
                 i + 1,
@@ -118,9 +130,9 @@ pub fn check(
                     n => format!("{caller} {n} tokens"),
                 })
                 .collect();
-            writeln!(out, "auth: {}", classes.join(", "))?;
+            line!(out, "auth: {}", classes.join(", "))?;
         }
-        None => writeln!(
+        None => line!(
             out,
             "auth: none (serve refuses a non-loopback --listen without --allow-unauthenticated)"
         )?,
@@ -135,7 +147,7 @@ pub fn check(
             Some(Err(why)) => format!("no tokenizer cache: {why}"),
             None => "not loaded".into(),
         };
-        writeln!(
+        line!(
             out,
             "model {}: role {}, tokenizer {}{}, {cache}",
             model.name,
@@ -149,7 +161,7 @@ pub fn check(
         )?;
     }
     for worker in &config.workers {
-        writeln!(
+        line!(
             out,
             "worker {} ({}, {} rank{}): {} at {}, models {}, kv events {}{}",
             worker.worker_id,
@@ -176,7 +188,7 @@ pub fn check(
     }
     let kv_events = &config.kv_events;
     if !kv_events.sources.is_empty() {
-        writeln!(
+        line!(
             out,
             "kv_events: media {}, {} source{}",
             kv_events.media.join(", "),
@@ -188,7 +200,7 @@ pub fn check(
             }
         )?;
         for source in &kv_events.sources {
-            writeln!(
+            line!(
                 out,
                 "  worker {} ({}, {} rank{}): {} {}{}",
                 source.worker_id,
@@ -223,14 +235,14 @@ pub fn plugins(
 ) -> io::Result<usize> {
     let mut refused = 0;
     if reports.is_empty() {
-        writeln!(out, "no plugin files (lib*.so) found")?;
+        line!(out, "no plugin files (lib*.so) found")?;
     }
     for report in reports {
-        writeln!(out, "{}", report.path.display())?;
+        line!(out, "{}", report.path.display())?;
         match &report.result {
             Ok(loaded) => {
                 let info = &loaded.plugin.info;
-                writeln!(
+                line!(
                     out,
                     "  plugin {} {} (kvhint-plugin-api {}, ABI {}), sha256 {}",
                     info.name,
@@ -257,7 +269,7 @@ pub fn plugins(
                             .collect::<Vec<_>>()
                             .join(", ")
                     };
-                    writeln!(
+                    line!(
                         out,
                         "  hint {name}: commitments {commitments}; default under: {hosts}"
                     )?;
@@ -271,13 +283,13 @@ pub fn plugins(
                         Ok(policy) => selection_declarations(&policy),
                         Err(e) => format!("unknown until configured ({e})"),
                     };
-                    writeln!(out, "  selection {name}: {declared}")?;
+                    line!(out, "  selection {name}: {declared}")?;
                 }
             }
             Err(errors) => {
                 refused += 1;
                 for error in errors {
-                    writeln!(out, "  refused: {error}")?;
+                    line!(out, "  refused: {error}")?;
                 }
             }
         }
