@@ -491,7 +491,7 @@ fn endpoint_picker_config_mistakes_are_each_located() {
         )),
         vec![
             "kvhint.yaml:4:11: endpoint_picker.listen: `localhost:9002` is not an IP:PORT address; write e.g. `127.0.0.1:9002` (a host name is not resolved here)",
-            "kvhint.yaml:5:3: endpoint_picker.fallback: unknown key `fallback` (did you mean `fallbacks`?); expected one of: listen, fallbacks, max_body_bytes",
+            "kvhint.yaml:5:3: endpoint_picker.fallback: unknown key `fallback` (did you mean `fallbacks`?); expected one of: listen, fallbacks, max_body_bytes, max_streams, max_buffered_bytes, body_timeout_ms",
             "kvhint.yaml:6:19: endpoint_picker.max_body_bytes: expected a whole number from 1 to 1073741824, found `0`",
         ]
     );
@@ -807,4 +807,139 @@ fn a_booking_past_the_ttl_is_released_by_the_router_while_envoy_streams() {
         .wait_for("the exchange to end", |s| released(s, "ttl") == 1.0);
     assert_eq!(released(&picker.server, "client_disconnect"), 0.0);
     assert_eq!(released(&picker.server, "completed"), 0.0);
+}
+
+/// Issue 44: 20 ext_proc streams each sending 15 MiB and never ending grew the
+/// router by 377 MiB for as long as they were held. Now streams, the body
+/// bytes held across them and the time a body may take are bounded, each
+/// refusal a gRPC status that says which.
+#[test]
+fn the_picker_bounds_its_streams_the_bytes_it_holds_and_the_time_a_body_takes() {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        processing_request, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    };
+    let picker = start_picker_with(
+        &format!(
+            "router:\n  block_size: 16\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+             models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+             gateway:\n  health:\n    interval_ms: 0\n\
+             workers:\n\
+             \x20 - worker_id: 1\n    http_endpoint: http://127.0.0.1:18001\n    engine: llamacpp\n    models: [{MODEL_NAME}]\n",
+            qwen3_tokenizer_dir().display()
+        ),
+        "  max_streams: 2\n  max_buffered_bytes: 100000\n  body_timeout_ms: 1500\n",
+    );
+    let headers = || ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    HeaderValue {
+                        key: ":method".into(),
+                        raw_value: b"POST".to_vec(),
+                        ..Default::default()
+                    },
+                    HeaderValue {
+                        key: ":path".into(),
+                        raw_value: b"/v1/completions".to_vec(),
+                        ..Default::default()
+                    },
+                ],
+            }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let chunk = |n: usize| ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: vec![b' '; n],
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let address = format!("http://{}", picker.address);
+    type Stream = (
+        tokio::sync::mpsc::Sender<ProcessingRequest>,
+        Result<tonic::Streaming<ProcessingResponse>, tonic::Status>,
+    );
+    // A stream that sends `messages` and keeps its request side open.
+    let open = |messages: Vec<ProcessingRequest>| -> Stream {
+        runtime.block_on(async {
+            let (requests, outbound) = tokio::sync::mpsc::channel(8);
+            for message in messages {
+                requests.send(message).await.unwrap();
+            }
+            let channel = tonic::transport::Endpoint::from_shared(address.clone())
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let answer = ExternalProcessorClient::new(channel)
+                .process(tokio_stream::wrappers::ReceiverStream::new(outbound))
+                .await
+                .map(|r| r.into_inner());
+            (requests, answer)
+        })
+    };
+    // The status a stream ends with (bounded wait).
+    let ended = |stream: &mut Stream| -> tonic::Code {
+        let Ok(inbound) = stream.1.as_mut() else {
+            return stream.1.as_ref().err().map(|s| s.code()).unwrap();
+        };
+        runtime.block_on(async {
+            loop {
+                match tokio::time::timeout(Duration::from_secs(20), inbound.message())
+                    .await
+                    .expect("the stream ended within 20 s")
+                {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return tonic::Code::Ok,
+                    Err(status) => return status.code(),
+                }
+            }
+        })
+    };
+    // Two streams whose bodies never end: the third is refused at once.
+    let mut first = open(vec![headers(), chunk(10)]);
+    let mut second = open(vec![headers(), chunk(10)]);
+    let mut third = open(vec![headers()]);
+    assert_eq!(ended(&mut third), tonic::Code::ResourceExhausted);
+    // Their bodies took longer than body_timeout_ms: both end with it.
+    assert_eq!(ended(&mut first), tonic::Code::DeadlineExceeded);
+    assert_eq!(ended(&mut second), tonic::Code::DeadlineExceeded);
+    drop((first, second, third));
+    // A stream opened once the ended ones gave their places back (they do as
+    // their exchanges end, just after the status is sent).
+    let reopen = |messages: Vec<ProcessingRequest>| -> Stream {
+        kvhint_e2e::wait::until("a place among the streams", Duration::from_secs(20), || {
+            let stream = open(messages.clone());
+            match &stream.1 {
+                Err(status) if status.code() == tonic::Code::ResourceExhausted => None,
+                _ => Some(stream),
+            }
+        })
+    };
+    // 60,000 body bytes held by one stream, 60,000 more by another: past the
+    // 100,000 held across streams, one of them is ended with it, the other
+    // holds its bytes until its body times out.
+    let mut a = reopen(vec![headers(), chunk(60_000)]);
+    let mut b = reopen(vec![headers(), chunk(60_000)]);
+    let mut codes = vec![ended(&mut a), ended(&mut b)];
+    codes.sort_by_key(|c| *c as i32);
+    assert_eq!(
+        codes,
+        vec![
+            tonic::Code::DeadlineExceeded,
+            tonic::Code::ResourceExhausted
+        ]
+    );
+    picker.server.until_idle();
 }

@@ -20,11 +20,23 @@ pub struct EndpointPickerConfig {
     pub fallbacks: u32,
     /// `max_body_bytes`: a request body larger than this is refused with 413.
     pub max_body_bytes: u64,
+    /// `max_streams`: ext_proc streams open at once at most; one more is
+    /// refused with gRPC `RESOURCE_EXHAUSTED`.
+    pub max_streams: u64,
+    /// `max_buffered_bytes`: request-body bytes held across every stream at
+    /// most; a chunk past it ends its stream with `RESOURCE_EXHAUSTED`.
+    pub max_buffered_bytes: u64,
+    /// `body_timeout_ms`: from a request's headers to the end of its body at
+    /// most; past it the stream ends with `DEADLINE_EXCEEDED`.
+    pub body_timeout_ms: u64,
 }
 
 impl EndpointPickerConfig {
     pub const DEFAULT_FALLBACKS: u32 = 0;
     pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 << 20;
+    pub const DEFAULT_MAX_STREAMS: u64 = 1_024;
+    pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 << 20;
+    pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 30_000;
 }
 
 pub(super) fn endpoint_picker(walker: &mut Walker, node: &Node) -> Option<EndpointPickerConfig> {
@@ -32,7 +44,14 @@ pub(super) fn endpoint_picker(walker: &mut Walker, node: &Node) -> Option<Endpoi
     walker.known_keys(
         map,
         "endpoint_picker",
-        &["listen", "fallbacks", "max_body_bytes"],
+        &[
+            "listen",
+            "fallbacks",
+            "max_body_bytes",
+            "max_streams",
+            "max_buffered_bytes",
+            "body_timeout_ms",
+        ],
     );
     let mut fallbacks = EndpointPickerConfig::DEFAULT_FALLBACKS;
     if let Some(n) = map.get_node("fallbacks") {
@@ -46,6 +65,29 @@ pub(super) fn endpoint_picker(walker: &mut Walker, node: &Node) -> Option<Endpoi
             max_body_bytes = v;
         }
     }
+    let mut number = |key: &str, min: u64, max: u64, default: u64| {
+        map.get_node(key)
+            .and_then(|n| walker.unsigned(n, &join("endpoint_picker", key), min, max))
+            .unwrap_or(default)
+    };
+    let max_streams = number(
+        "max_streams",
+        1,
+        1 << 20,
+        EndpointPickerConfig::DEFAULT_MAX_STREAMS,
+    );
+    let max_buffered_bytes = number(
+        "max_buffered_bytes",
+        1,
+        1 << 40,
+        EndpointPickerConfig::DEFAULT_MAX_BUFFERED_BYTES,
+    );
+    let body_timeout_ms = number(
+        "body_timeout_ms",
+        1,
+        3_600_000,
+        EndpointPickerConfig::DEFAULT_BODY_TIMEOUT_MS,
+    );
     let path = join("endpoint_picker", "listen");
     let Some(listen) = map.get_node("listen") else {
         walker.error(
@@ -60,6 +102,9 @@ pub(super) fn endpoint_picker(walker: &mut Walker, node: &Node) -> Option<Endpoi
             listen,
             fallbacks,
             max_body_bytes,
+            max_streams,
+            max_buffered_bytes,
+            body_timeout_ms,
         }),
         Err(_) => {
             walker.error(

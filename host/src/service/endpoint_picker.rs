@@ -44,6 +44,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -69,6 +70,51 @@ const QUEUE: usize = 16;
 pub struct Picker {
     app: Arc<App>,
     config: EndpointPickerConfig,
+    /// Streams open now (`endpoint_picker.max_streams`).
+    streams: Arc<AtomicU64>,
+    /// Request-body bytes held now, across streams
+    /// (`endpoint_picker.max_buffered_bytes`).
+    buffered: Arc<AtomicU64>,
+}
+
+/// A stream's place in the count of open streams, given back when it ends.
+struct StreamSlot(Arc<AtomicU64>);
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The body bytes one stream holds, counted in the picker's total and given
+/// back when the body is taken or the stream ends.
+struct Held {
+    total: Arc<AtomicU64>,
+    here: u64,
+}
+
+impl Held {
+    /// Counts `n` more bytes unless the total would pass `max`.
+    fn take(&mut self, n: u64, max: u64) -> bool {
+        let before = self.total.fetch_add(n, Ordering::Relaxed);
+        if before.saturating_add(n) > max {
+            self.total.fetch_sub(n, Ordering::Relaxed);
+            return false;
+        }
+        self.here += n;
+        true
+    }
+
+    fn release(&mut self) {
+        self.total
+            .fetch_sub(std::mem::take(&mut self.here), Ordering::Relaxed);
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// The gRPC server on `listener` (ext_proc and `grpc.health.v1.Health`) until
@@ -85,7 +131,12 @@ pub async fn serve(
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
     let readiness = tokio::spawn(readiness(Arc::clone(&app), reporter));
-    let picker = Picker { app, config };
+    let picker = Picker {
+        app,
+        config,
+        streams: Arc::default(),
+        buffered: Arc::default(),
+    };
     // No Nagle: each ext_proc message is small and answered at once (with it, a
     // message waits for the peer's delayed ACK, ~40 ms).
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -130,9 +181,24 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let open = self.streams.fetch_add(1, Ordering::Relaxed);
+        let slot = StreamSlot(Arc::clone(&self.streams));
+        if open >= self.config.max_streams {
+            drop(slot);
+            return Err(Status::resource_exhausted(format!(
+                "{open} ext_proc streams are open, endpoint_picker.max_streams ({}); retry when some have ended, or raise it",
+                self.config.max_streams
+            )));
+        }
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(QUEUE);
         let exchange = Exchange {
+            _slot: slot,
+            held: Held {
+                total: Arc::clone(&self.buffered),
+                here: 0,
+            },
+            body_deadline: None,
             app: Arc::clone(&self.app),
             config: self.config.clone(),
             tx,
@@ -155,6 +221,12 @@ struct Stop;
 
 /// One HTTP request's conversation with Envoy.
 struct Exchange {
+    _slot: StreamSlot,
+    /// The body bytes buffered here, counted across streams.
+    held: Held,
+    /// When the request's body must have ended (set at its headers, cleared
+    /// once it has).
+    body_deadline: Option<Instant>,
     app: Arc<App>,
     config: EndpointPickerConfig,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
@@ -175,7 +247,23 @@ struct Exchange {
 impl Exchange {
     async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
         loop {
-            let message = match inbound.message().await {
+            let next = match self.body_deadline {
+                Some(at) => match tokio::time::timeout_at(at.into(), inbound.message()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        let _ = self
+                            .tx
+                            .send(Err(Status::deadline_exceeded(format!(
+                                "the request body did not end within {} ms of its headers (endpoint_picker.body_timeout_ms)",
+                                self.config.body_timeout_ms
+                            ))))
+                            .await;
+                        break;
+                    }
+                },
+                None => inbound.message().await,
+            };
+            let message = match next {
                 Ok(Some(message)) => message,
                 // Envoy closed the stream (the request is over) or it broke.
                 Ok(None) | Err(_) => break,
@@ -189,6 +277,19 @@ impl Exchange {
                         .await
                 }
                 processing_request::Request::RequestBody(body) => {
+                    if !self
+                        .held
+                        .take(body.body.len() as u64, self.config.max_buffered_bytes)
+                    {
+                        let _ = self
+                            .tx
+                            .send(Err(Status::resource_exhausted(format!(
+                                "the picker holds endpoint_picker.max_buffered_bytes ({}) of request bodies across its streams; retry shortly",
+                                self.config.max_buffered_bytes
+                            ))))
+                            .await;
+                        break;
+                    }
                     self.body.extend_from_slice(&body.body);
                     if self.body.len() as u64 > self.config.max_body_bytes {
                         let error = GatewayError::new(
@@ -313,7 +414,9 @@ impl Exchange {
                 .await;
         }
         // Nothing is sent yet: the headers' answer names the endpoint, which
-        // needs the body (full-duplex mode lets it wait for it).
+        // needs the body (full-duplex mode lets it wait for it), within its bound.
+        self.body_deadline =
+            Some(Instant::now() + Duration::from_millis(self.config.body_timeout_ms));
         Ok(())
     }
 
@@ -330,6 +433,8 @@ impl Exchange {
         let job = {
             let app = Arc::clone(&self.app);
             let body = std::mem::take(&mut self.body);
+            self.body_deadline = None;
+            self.held.release();
             let subset = self.subset.clone();
             let snapshot = Arc::clone(&snapshot);
             let request_id = request_id.clone();
