@@ -197,3 +197,47 @@ fn a_registration_s_http_fields_are_checked_and_the_error_names_the_field() {
     );
     assert_eq!(server.status()["workers"], json!([]));
 }
+
+#[test]
+fn a_registration_at_the_router_s_own_address_or_past_max_workers_is_refused() {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(&config, format!("{ROLES}gateway:\n  max_workers: 2\n")).unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let port = server.address().rsplit_once(':').unwrap().1.to_string();
+    let worker = |id: u64, endpoint: &str| json!({"worker_id": id, "role": "aggregated", "http_endpoint": endpoint, "engine": "vllm", "models": ["m"]});
+    // The router's own address, as written or as `localhost`: every request
+    // sent there would come back to it.
+    for endpoint in [server.base.clone(), format!("http://localhost:{port}")] {
+        let (status, reply) = server.post("/workers", &worker(1, &endpoint));
+        assert_eq!(status, 422, "{endpoint}: {reply}");
+        let detail = reply["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("this router's own address"), "{reply}");
+    }
+    // Two workers fit; a third does not; updating one already there does.
+    for id in [1, 2] {
+        let (status, reply) =
+            server.post("/workers", &worker(id, &format!("http://10.0.0.{id}:8000")));
+        assert_eq!(status, 201, "{reply}");
+    }
+    let (status, reply) = server.post("/workers", &worker(3, "http://10.0.0.3:8000"));
+    assert_eq!(status, 503, "{reply}");
+    assert_eq!(reply["error"], "too_many_workers", "{reply}");
+    assert!(
+        reply["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("gateway.max_workers (2)"),
+        "{reply}"
+    );
+    let (status, reply) = server.post("/workers", &worker(2, "http://10.0.0.9:8000"));
+    assert_eq!(status, 200, "{reply}");
+    // A config that lists more than it allows says so, at its `workers`.
+    let yaml = format!(
+        "{ROLES}gateway:\n  max_workers: 1\nworkers:\n  - {{worker_id: 1, http_endpoint: \"http://10.0.0.1:8000\", engine: vllm, models: [m]}}\n  - {{worker_id: 2, http_endpoint: \"http://10.0.0.2:8000\", engine: vllm, models: [m]}}\n"
+    );
+    assert_eq!(
+        errors(&yaml),
+        vec!["kvhint.yaml:6:3: workers: 2 workers, more than gateway.max_workers (1); raise it, or list fewer"]
+    );
+}

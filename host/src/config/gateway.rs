@@ -105,6 +105,9 @@ pub struct GatewayConfig {
     /// The shortest busy prefix, in prompt tokens, worth that wait: a request
     /// whose busy prefix is shorter is sent at once (0: any busy prefix).
     pub prefix_wait_min_tokens: u64,
+    /// Workers (ranks) registered at once at most, from the config and the API
+    /// together: a registration past it is refused with 503.
+    pub max_workers: u64,
     /// Each model's cache of tokenized prompt pieces (the text between two
     /// special tokens: a system prompt, an earlier turn), in MiB; 0 turns it off.
     pub tokenizer_cache_mib: u64,
@@ -172,6 +175,7 @@ impl Default for GatewayConfig {
             approximate_max_blocks: 100_000,
             prefix_wait_ms: 2_000,
             prefix_wait_min_tokens: 256,
+            max_workers: 4_096,
             tokenizer_cache_mib: 64,
             tls_ca: None,
             tracing: None,
@@ -495,6 +499,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             "approximate_max_blocks",
             "prefix_wait_ms",
             "prefix_wait_min_tokens",
+            "max_workers",
             "tokenizer_cache_mib",
             "tls_ca_file",
             "tracing",
@@ -570,6 +575,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
         600_000,
         &mut out.prefix_wait_ms,
     );
+    number(walker, "max_workers", 1, 1 << 20, &mut out.max_workers);
     number(
         walker,
         "prefix_wait_min_tokens",

@@ -198,6 +198,18 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
         if let Some(node) = map.get_node("gateway") {
             config.gateway = gateway::gateway(&mut walker, node, base);
         }
+        if let Some(node) = map.get_node("workers") {
+            if config.workers.len() as u64 > config.gateway.max_workers {
+                walker.error(
+                    yaml::node_location("workers", node),
+                    format!(
+                        "{} workers, more than gateway.max_workers ({}); raise it, or list fewer",
+                        config.workers.len(),
+                        config.gateway.max_workers
+                    ),
+                );
+            }
+        }
         if let Some(node) = map.get_node("endpoint_picker") {
             config.endpoint_picker = endpoint_picker::endpoint_picker(&mut walker, node);
         }

@@ -69,6 +69,9 @@ pub struct App {
     pub replication_config: Option<config::ReplicationConfig>,
     /// Load shared with the other replicas, once `serve` started it.
     pub replication: std::sync::OnceLock<Arc<crate::replication::Replication>>,
+    /// The address the HTTP API listens on, once bound: a worker registered
+    /// there would send every request back to the router.
+    pub listen: std::sync::OnceLock<SocketAddr>,
 }
 
 #[derive(Debug, Clone)]
@@ -166,6 +169,27 @@ async fn register_worker(
 ) -> Result<Response, ApiError> {
     let JsonBody(registration) = body?;
     let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
+    if let (Some(endpoint), Some(listen)) = (&registration.http_endpoint, app.listen.get()) {
+        if points_at(endpoint, *listen) {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_runtime_data",
+                format!("worker {worker_id} rank {dp_rank}: http_endpoint {endpoint} is this router's own address ({listen}): every request sent there would come back to the router; point it at the engine"),
+            ));
+        }
+    }
+    let max = app.snapshot.load().gateway.max_workers;
+    let workers = app.router.workers();
+    let known = workers
+        .iter()
+        .any(|(w, _)| w.key.worker_id == worker_id && w.key.dp_rank == dp_rank);
+    if !known && workers.len() as u64 >= max {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_workers",
+            format!("{} workers are registered, gateway.max_workers ({max}); deregister one, or raise it", workers.len()),
+        ));
+    }
     let new = app
         .engine_events
         .register(&app.router, registration, Origin::Registration)
@@ -177,6 +201,37 @@ async fn register_worker(
     };
     let body = json!({"worker_id": worker_id, "dp_rank": dp_rank, "registered": if new { "new" } else { "updated" }});
     Ok((status, Json(body)).into_response())
+}
+
+/// Whether `endpoint` (`http://host:port`) is the router's own `listen`
+/// address: the same port on the same IP, on a loopback address (or
+/// `localhost`) when the router listens on loopback or every address.
+fn points_at(endpoint: &str, listen: SocketAddr) -> bool {
+    let authority = endpoint
+        .split_once("://")
+        .map_or(endpoint, |(_, rest)| rest)
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return false;
+    };
+    if port.parse::<u16>().ok() != Some(listen.port()) {
+        return false;
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ip = if host.eq_ignore_ascii_case("localhost") {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        match host.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip,
+            // A host name: the hop header catches a loop through it.
+            Err(_) => return false,
+        }
+    };
+    ip == listen.ip()
+        || (ip.is_loopback() || ip.is_unspecified())
+            && (listen.ip().is_loopback() || listen.ip().is_unspecified())
 }
 
 #[derive(Deserialize)]
@@ -433,6 +488,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         gateway,
         replication_config: config.replication.clone(),
         replication: std::sync::OnceLock::new(),
+        listen: std::sync::OnceLock::new(),
     }))
 }
 
@@ -509,6 +565,7 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {}", options.listen))?;
     let address = listener.local_addr()?;
+    let _ = app.listen.set(address);
     // Each KV-event source holds descriptors too: they are kept out of the budget,
     // so subscriptions can never starve connections (or a reload) of descriptors.
     // They take at most half of what the limit leaves: a lower `ulimit -n` lowers
