@@ -505,3 +505,119 @@ fn a_bad_replication_section_is_refused_with_its_place() {
         assert!(text.contains(needle), "{needle:?} missing from\n{text}");
     }
 }
+
+/// Writes `text` to a private file in `dir` (0600, as a token file must be).
+fn secret_file(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+/// A replica whose `replication:` also has `extra` (YAML lines), its files
+/// written into its directory by `files`.
+fn start_with(nats_url: &str, name: &str, extra: impl Fn(&std::path::Path) -> String) -> Replica {
+    let dir = private_dir();
+    let path = dir.path().join("kvhint.yaml");
+    let yaml = format!("{}{}", config(nats_url, name, 16, FAST), extra(dir.path()));
+    drop_in(&path, yaml.as_bytes()).unwrap();
+    let server = Server::start(&path, &["--booking-threads", "2"], dir.path());
+    Replica {
+        server,
+        name: name.to_string(),
+        _dir: dir,
+    }
+}
+
+#[test]
+fn replicas_join_a_nats_server_that_asks_for_a_password_over_tls_and_others_do_not() {
+    let ca = kvhint_e2e::tls::TestCa::new();
+    let (cert, key) = (ca.cert.display().to_string(), ca.key.display().to_string());
+    let nats = NatsServer::start_with(
+        free_port(),
+        &[
+            "--user",
+            "kvhint",
+            "--pass",
+            "s3cret-nats-pass",
+            "--tls",
+            "--tlscert",
+            &cert,
+            "--tlskey",
+            &key,
+        ],
+    );
+    let url = nats.url();
+    let ca_file = ca.ca.display().to_string();
+    let good = |password: &'static str, with_ca: bool| {
+        let ca_file = ca_file.clone();
+        move |dir: &std::path::Path| {
+            secret_file(dir, "nats.pass", &format!("{password}\n"));
+            let mut extra = "  user: kvhint\n  password_file: nats.pass\n".to_string();
+            if with_ca {
+                extra.push_str(&format!("  tls_ca_file: {ca_file}\n"));
+            }
+            extra
+        }
+    };
+    // Two replicas with the password and the CA: they find each other.
+    let a = start_with(&url, "a", good("s3cret-nats-pass", true));
+    let b = start_with(&url, "b", good("s3cret-nats-pass", true));
+    a.wait("b among its peers", |_| a.peers() == vec!["b".to_string()]);
+    b.wait("a among its peers", |_| b.peers() == vec!["a".to_string()]);
+    // A wrong password, and the right one without the CA (the system's roots
+    // do not know it): neither connects, and each log says so.
+    let wrong = start_with(&url, "wrong", good("not-the-password", true));
+    let no_ca = start_with(&url, "no-ca", good("s3cret-nats-pass", false));
+    wrong.wait("the refusal in its log", |s| {
+        s.log().to_lowercase().contains("authorization")
+    });
+    // (async-nats reports a failed TLS handshake as an IO error.)
+    no_ca.wait("the connection's failure in its log", |s| {
+        s.log().contains("replication: NATS event=client error")
+    });
+    for replica in [&wrong, &no_ca] {
+        assert_eq!(
+            replica.replication()["connected"],
+            false,
+            "{}",
+            replica.server.log()
+        );
+    }
+    assert_eq!(a.peers(), vec!["b".to_string()]);
+    // The password is in no log and not in status.
+    for replica in [&a, &b, &wrong, &no_ca] {
+        assert!(!replica.server.log().contains("s3cret-nats-pass"));
+        assert!(!replica
+            .server
+            .status()
+            .to_string()
+            .contains("s3cret-nats-pass"));
+    }
+}
+
+#[test]
+fn nats_credential_mistakes_are_located() {
+    use kvhint_e2e::errors::config_errors;
+    let base = "worker_selection:\n  aggregated: dynamo-default-cost-fn\nreplication:\n  nats_url: nats://127.0.0.1:4222\n  fleet: test\n";
+    // A user without its password file, a token beside a user, a missing
+    // password file, a CA file that is not PEM.
+    assert_eq!(
+        config_errors(&format!("{base}  user: kvhint\n")),
+        vec!["kvhint.yaml:6:9: replication.user: `user` needs `password_file`: the file holding the NATS user's password"]
+    );
+    let errors = config_errors(&format!(
+        "{base}  user: kvhint\n  password_file: no-such.pass\n  token_file: no-such.token\n  tls_ca_file: kvhint.yaml\n"
+    ));
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    assert!(errors[0].starts_with("kvhint.yaml:7:18: replication.password_file: <dir>/no-such.pass: there is no such file; write the NATS password in it"), "{errors:?}");
+    assert!(
+        errors[1].starts_with(
+            "kvhint.yaml:8:15: replication.token_file: <dir>/no-such.token: there is no such file"
+        ),
+        "{errors:?}"
+    );
+    assert!(errors.iter().any(|e| e.starts_with("kvhint.yaml:8:15: replication.token_file: give either `user` with `password_file` or `token_file`")), "{errors:?}");
+    assert!(errors.iter().any(|e| e.starts_with("kvhint.yaml:9:16: replication.tls_ca_file: <dir>/kvhint.yaml:")), "{errors:?}");
+}

@@ -29,6 +29,8 @@ pub fn nats_server_bin() -> PathBuf {
 pub struct NatsServer {
     pub port: u16,
     child: Option<Child>,
+    /// Flags beyond the address and port (`--user`, `--tls`, …).
+    extra: Vec<String>,
 }
 
 impl NatsServer {
@@ -40,7 +42,17 @@ impl NatsServer {
     /// Starts one on `port` (again, after [`Self::stop`]), and waits until it
     /// accepts connections.
     pub fn start_on(port: u16) -> NatsServer {
-        let mut server = NatsServer { port, child: None };
+        Self::start_with(port, &[])
+    }
+
+    /// Starts one on `port` with `extra` flags (`--user u --pass p`, `--tls
+    /// --tlscert … --tlskey …`).
+    pub fn start_with(port: u16, extra: &[&str]) -> NatsServer {
+        let mut server = NatsServer {
+            port,
+            child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         server.restart();
         server
     }
@@ -64,6 +76,7 @@ impl NatsServer {
         command
             .args(["-a", "127.0.0.1", "-p"])
             .arg(self.port.to_string())
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let child = spawn_tied(command).unwrap_or_else(|e| {

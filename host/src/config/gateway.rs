@@ -139,7 +139,9 @@ pub struct TlsCa {
 }
 
 /// The certificates of a PEM file (at least one).
-fn read_ca_file(path: &Path) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
+pub(super) fn read_ca_file(
+    path: &Path,
+) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
     use rustls_pki_types::pem::PemObject;
     if std::fs::metadata(path).is_err() {
         return Err("there is no such file; point `tls_ca_file` at the PEM file of the CA certificates that signed the workers' certificates".into());

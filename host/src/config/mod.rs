@@ -28,7 +28,7 @@ pub use gateway::{
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
 pub use model::*;
-pub use replication::ReplicationConfig;
+pub use replication::{NatsAuth, ReplicationConfig};
 use std::path::{Path, PathBuf};
 use yaml::{join, key_location, location, node_location, Walker};
 
@@ -223,7 +223,7 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
             config.kv_events = kv_events::kv_events(&mut walker, node);
         }
         if let Some(node) = map.get_node("replication") {
-            config.replication = replication::replication(&mut walker, node);
+            config.replication = replication::replication(&mut walker, node, base);
         }
         if let Some(node) = map.get_node("auth") {
             config.auth = auth::auth(&mut walker, node, base);

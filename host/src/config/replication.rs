@@ -6,6 +6,8 @@
 
 use super::yaml::{location, Walker};
 use marked_yaml::Node;
+use std::fmt;
+use std::path::{Path, PathBuf};
 
 /// `replication:`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +26,31 @@ pub struct ReplicationConfig {
     pub peer_timeout_ms: u64,
     /// How long a joiner waits for its peers' state at most before it is ready.
     pub sync_timeout_ms: u64,
+    /// How the replica proves itself to the NATS server, if it asks.
+    pub auth: Option<NatsAuth>,
+    /// `tls_ca_file`: the CA the NATS server's certificate is checked against;
+    /// with it the connection must be TLS.
+    pub tls_ca_file: Option<PathBuf>,
+}
+
+/// `user` with `password_file`, or `token_file`: read when the config is, so a
+/// missing or unsafe file is a located error, never a replica that cannot join.
+#[derive(Clone, PartialEq, Eq)]
+pub enum NatsAuth {
+    UserPassword { user: String, password: String },
+    Token(String),
+}
+
+impl fmt::Debug for NatsAuth {
+    // The secrets never reach a log or a `Debug` print.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NatsAuth::UserPassword { user, .. } => {
+                write!(f, "UserPassword {{ user: {user:?}, password: <hidden> }}")
+            }
+            NatsAuth::Token(_) => f.write_str("Token(<hidden>)"),
+        }
+    }
 }
 
 impl ReplicationConfig {
@@ -42,6 +69,8 @@ impl ReplicationConfig {
             digest_interval_ms: Self::DEFAULT_DIGEST_INTERVAL_MS,
             peer_timeout_ms: Self::DEFAULT_PEER_TIMEOUT_MS,
             sync_timeout_ms: Self::DEFAULT_SYNC_TIMEOUT_MS,
+            auth: None,
+            tls_ca_file: None,
         }
     }
 }
@@ -56,7 +85,11 @@ fn valid_token(text: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
-pub(super) fn replication(walker: &mut Walker, node: &Node) -> Option<ReplicationConfig> {
+pub(super) fn replication(
+    walker: &mut Walker,
+    node: &Node,
+    base: &Path,
+) -> Option<ReplicationConfig> {
     let map = walker.mapping(node, "replication")?;
     walker.known_keys(
         map,
@@ -69,6 +102,10 @@ pub(super) fn replication(walker: &mut Walker, node: &Node) -> Option<Replicatio
             "digest_interval_ms",
             "peer_timeout_ms",
             "sync_timeout_ms",
+            "user",
+            "password_file",
+            "token_file",
+            "tls_ca_file",
         ],
     );
     let mut errors = false;
@@ -119,6 +156,19 @@ pub(super) fn replication(walker: &mut Walker, node: &Node) -> Option<Replicatio
     }
     let mut out = ReplicationConfig::new(nats_url.unwrap_or_default(), fleet.unwrap_or_default());
     out.name = name;
+    out.auth = nats_auth(walker, map, base);
+    if let Some(node) = map.get_node("tls_ca_file") {
+        let path = "replication.tls_ca_file";
+        if let Some(file) = walker.string(node, path).map(|f| base.join(f)) {
+            match super::gateway::read_ca_file(&file) {
+                Ok(_) => out.tls_ca_file = Some(file),
+                Err(e) => walker.error(
+                    location(path, node.span()),
+                    format!("{}: {e}; point `tls_ca_file` at the PEM file of the CA that signed the NATS server's certificate", file.display()),
+                ),
+            }
+        }
+    }
     let mut timer = |walker: &mut Walker, key: &str, min: u64, max: u64, into: &mut u64| {
         if let Some(node) = map.get_node(key) {
             match walker.unsigned(node, &format!("replication.{key}"), min, max) {
@@ -178,4 +228,78 @@ pub(super) fn replication(walker: &mut Walker, node: &Node) -> Option<Replicatio
         }
     }
     Some(out)
+}
+
+/// `user` + `password_file`, or `token_file`, each file read as a token file
+/// is (a private regular file; its first line).
+fn nats_auth(
+    walker: &mut Walker,
+    map: &marked_yaml::types::MarkedMappingNode,
+    base: &Path,
+) -> Option<NatsAuth> {
+    let secret = |walker: &mut Walker, key: &str, what: &str| -> Option<String> {
+        let node = map.get_node(key)?;
+        let path = format!("replication.{key}");
+        let file = base.join(walker.string(node, &path)?);
+        match crate::config::auth::read_secret_file(&file) {
+            Ok(secret) => Some(secret),
+            Err(e) => {
+                walker.error(
+                    location(&path, node.span()),
+                    format!(
+                        "{}: {}",
+                        file.display(),
+                        e.replace("the worker's API key", what)
+                            .replace("the key", what)
+                            .replace("one key", "one secret")
+                    ),
+                );
+                None
+            }
+        }
+    };
+    let user = map
+        .get_node("user")
+        .and_then(|n| walker.string(n, "replication.user"));
+    let password = secret(walker, "password_file", "the NATS password");
+    let token = secret(walker, "token_file", "the NATS token");
+    let at = |key: &str| {
+        map.get_node(key)
+            .map(|n| location(&format!("replication.{key}"), n.span()))
+    };
+    match (
+        map.get_node("user").is_some(),
+        map.get_node("password_file").is_some(),
+        map.get_node("token_file").is_some(),
+    ) {
+        (true, _, true) | (_, true, true) => {
+            if let Some(at) = at("token_file") {
+                walker.error(at, "give either `user` with `password_file` or `token_file`, as the NATS server asks, not both");
+            }
+            None
+        }
+        (true, false, false) => {
+            if let Some(at) = at("user") {
+                walker.error(
+                    at,
+                    "`user` needs `password_file`: the file holding the NATS user's password",
+                );
+            }
+            None
+        }
+        (false, true, false) => {
+            if let Some(at) = at("password_file") {
+                walker.error(
+                    at,
+                    "`password_file` needs `user`: the NATS user the password is for",
+                );
+            }
+            None
+        }
+        _ => match (user, password, token) {
+            (Some(user), Some(password), None) => Some(NatsAuth::UserPassword { user, password }),
+            (None, None, Some(token)) => Some(NatsAuth::Token(token)),
+            _ => None,
+        },
+    }
 }

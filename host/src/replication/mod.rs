@@ -19,7 +19,7 @@
 
 pub mod merge;
 
-use crate::config::ReplicationConfig;
+use crate::config::{NatsAuth, ReplicationConfig};
 use crate::domain::WorkerKey;
 use crate::router::workers::Load;
 use crate::router::Router;
@@ -176,7 +176,7 @@ impl Replication {
             reconnected: tokio::sync::Notify::new(),
         });
         let events = Arc::clone(&shared);
-        let options = async_nats::ConnectOptions::new()
+        let mut options = async_nats::ConnectOptions::new()
             .name(format!("kvhint {name}"))
             .retry_on_initial_connect()
             .max_reconnects(None)
@@ -199,10 +199,25 @@ impl Replication {
                             shared.connected.store(false, Ordering::Relaxed);
                             shared.counters.disconnects.fetch_add(1, Ordering::Relaxed);
                         }
+                        // Refused credentials, a TLS failure: the operator must see them.
+                        other @ (async_nats::Event::ServerError(_)
+                        | async_nats::Event::ClientError(_)) => {
+                            tracing::warn!(event = %other, "replication: NATS")
+                        }
                         other => tracing::debug!(event = %other, "replication: NATS event"),
                     }
                 }
             });
+        match &config.auth {
+            Some(NatsAuth::UserPassword { user, password }) => {
+                options = options.user_and_password(user.clone(), password.clone());
+            }
+            Some(NatsAuth::Token(token)) => options = options.token(token.clone()),
+            None => {}
+        }
+        if let Some(ca) = &config.tls_ca_file {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
         let client = options
             .connect(config.nats_url.as_str())
             .await
