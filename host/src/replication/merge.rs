@@ -212,6 +212,8 @@ pub struct MergeStats {
     pub refused_block_size: u64,
     /// Messages ignored for a replica name over [`MAX_NAME_BYTES`].
     pub refused_name: u64,
+    /// Messages ignored from a new peer while [`MAX_PEERS`] are summed.
+    pub refused_peers: u64,
     /// Messages from a peer whose config or plugin set differs (applied; warned).
     pub fingerprint_mismatches: u64,
     pub messages: u64,
@@ -249,6 +251,11 @@ pub const MAX_GONE: usize = 4_096;
 
 /// The longest replica name taken; a message from a longer one is dropped.
 pub const MAX_NAME_BYTES: usize = 256;
+
+/// Peers summed at once at most. A fleet has a handful of replicas; made-up
+/// peers past this are not taken, so a digest (which names the peers heard)
+/// stays far below NATS's 1 MiB payload: 256 names of at most 256 bytes.
+pub const MAX_PEERS: usize = 256;
 
 /// The peers' load as this replica sums it.
 #[derive(Debug)]
@@ -411,6 +418,10 @@ impl Merge {
                 true
             }
             Some(_) => false,
+            None if self.peers.len() >= MAX_PEERS => {
+                self.stats.refused_peers += 1;
+                return out;
+            }
             None => true,
         };
         if fresh {
@@ -840,7 +851,7 @@ mod tests {
     /// Issue 44: a goodbye forged with sequence u64::MAX silenced a live replica
     /// for good, and goodbyes under made-up names grew a replica without bound.
     #[test]
-    fn goodbyes_are_forgotten_after_a_peer_timeout_bounded_in_number_and_long_names_refused() {
+    fn goodbyes_are_forgotten_after_a_peer_timeout_and_goodbyes_names_and_peers_bounded() {
         let t0 = Instant::now();
         let timeout = Duration::from_secs(5);
         let mut merge = Merge::new("a", BLOCK, 7, timeout, Duration::ZERO, t0);
@@ -872,6 +883,16 @@ mod tests {
         assert_eq!(merge.gone.len(), MAX_GONE);
         merge.expire(t0 + Duration::from_secs(20));
         assert!(merge.gone.is_empty());
+        // Past MAX_PEERS live peers, a new one is not taken.
+        for i in 0..(MAX_PEERS + 10) {
+            let mut peer = Outbox::new(format!("peer-{i}"), 1, BLOCK);
+            merge.receive(
+                &peer.message(Body::Hello, 7, 0),
+                t0 + Duration::from_secs(20),
+            );
+        }
+        assert_eq!(merge.peers.len(), MAX_PEERS);
+        assert_eq!(merge.stats().refused_peers, 10);
         // A name over the bound is not taken.
         let mut long = Outbox::new("x".repeat(MAX_NAME_BYTES + 1), 1, BLOCK);
         let loads = long.changes(&[(worker(2), one(1))]);

@@ -79,6 +79,7 @@ pub struct StatsView {
     pub replaced: u64,
     pub refused_block_size: u64,
     pub refused_name: u64,
+    pub refused_peers: u64,
     pub fingerprint_mismatches: u64,
 }
 
@@ -545,6 +546,7 @@ async fn receive(
                         replaced: stats.replaced,
                         refused_block_size: stats.refused_block_size,
                         refused_name: stats.refused_name,
+                        refused_peers: stats.refused_peers,
                         fingerprint_mismatches: stats.fingerprint_mismatches,
                     },
                 };

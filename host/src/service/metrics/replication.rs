@@ -61,8 +61,8 @@ impl Collector for ReplicationCollector {
         counter(
             e,
             "kvhint_replication_refused",
-            "Peer messages ignored because the peer uses another block size, or names itself with more than 256 bytes.",
-            view.stats.refused_block_size + view.stats.refused_name,
+            "Peer messages ignored because the peer uses another block size, names itself with more than 256 bytes, or is new while 256 peers are summed.",
+            view.stats.refused_block_size + view.stats.refused_name + view.stats.refused_peers,
         )?;
         counter(
             e,
