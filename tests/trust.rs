@@ -1040,6 +1040,14 @@ fn a_worker_token_cannot_make_the_router_delete_a_file_and_sources_are_capped() 
     assert_eq!(status, 201, "{body}");
     let (status, body, _) = register(1, json!({"endpoint": socket, "bind": true}));
     assert_eq!(status, 200, "{body}");
+    // Another worker cannot bind the same path and take the endpoint over.
+    let (status, body, _) = register(9, json!({"endpoint": socket, "bind": true}));
+    assert_eq!(status, 400, "{body}");
+    let detail = body["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("is bound already for worker 1 dp_rank 0"),
+        "{body}"
+    );
     // Up to the cap, sources are taken: 3 more (unreachable) engines, then 503.
     let mut taken = 1;
     let mut full = 0;

@@ -253,6 +253,26 @@ impl EngineEvents {
             if !same {
                 self.check_bound_path(&endpoints, origin)
                     .map_err(AttachError::from)?;
+                // One bound path per worker: a second binding the same path
+                // would take the first one's endpoint over.
+                if endpoints.bind {
+                    let holder = sources.iter().find(|(other, running)| {
+                        **other != key
+                            && Endpoints::resolve(other.dp_rank, &running.source).is_ok_and(
+                                |theirs| theirs.bind && theirs.events == endpoints.events,
+                            )
+                    });
+                    if let Some((holder, _)) = holder {
+                        return Err(AttachError::from(SourceError {
+                            field: "endpoint",
+                            problem: format!(
+                                "`{}` with `bind: true` is bound already for {holder}; give each worker a path of its own",
+                                endpoints.events
+                            ),
+                        })
+                        .into());
+                    }
+                }
             }
             let cap = self.max_sources();
             if !sources.contains_key(&key) && sources.len() >= cap {
