@@ -469,3 +469,44 @@ fn locating_errors_scans_the_text_once_however_many_there_are() {
     }
     assert_eq!(scans, [1, 1]);
 }
+
+#[test]
+fn unknown_policy_parameters_are_located_in_one_pass_however_many() {
+    // 20,000 unknown keys, one error each, each pointed at its own key. Each
+    // line of the policy's report used to be searched for every key (10,000
+    // took 11 s); the bound below only keeps a regression from hanging.
+    let keys: String = (0..20_000).map(|i| format!("      k{i}: 1\n")).collect();
+    let dir = kvhint_e2e::private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!("worker_selection:\n  aggregated:\n    type: cache-aware\n    parameters:\n{keys}"),
+    )
+    .unwrap();
+    let output = kvhint_e2e::run_bounded(
+        std::process::Command::new(kvhint_e2e::kvhint_bin())
+            .arg("check")
+            .arg("--config")
+            .arg(&config),
+        std::time::Duration::from_secs(120),
+    );
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("error: "))
+        .collect();
+    assert_eq!(
+        errors.len(),
+        20_000,
+        "{}",
+        &stderr[..stderr.len().min(2000)]
+    );
+    for (i, error) in errors.iter().enumerate().step_by(997) {
+        let want = format!(
+            "kvhint.yaml:{}:7: worker_selection.aggregated.parameters.k{i}: ",
+            5 + i
+        );
+        assert!(error.contains(&want), "{error}\nwanted {want}");
+    }
+}

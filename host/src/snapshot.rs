@@ -689,9 +689,10 @@ fn report_parameters(
     else {
         return builder.error(&parameters.at, error.to_string());
     };
+    let locator = parameters.locator();
     for line in message.lines().filter(|l| !l.trim().is_empty()) {
         builder.error(
-            &parameters.locate(line),
+            &locator.locate(line),
             format!("bad parameters for {kind} {name:?} ({origin}): {line}"),
         );
     }

@@ -164,6 +164,28 @@ impl Parameters {
             };
             let message = error.inner().to_string();
             let key = fault_key(&error.path().to_string(), &message);
+            // An unknown field names the fields there are: every other key the
+            // mapping has is unknown too. All of them are reported and removed
+            // in this one round, so a mapping of many unknown keys costs one
+            // pass, not one deserialization per key.
+            if let (Some(first), Some(tail), Some(map)) = (
+                key.as_deref(),
+                unknown_field_tail(&message),
+                value.as_object_mut(),
+            ) {
+                let known = expected_fields(tail);
+                let unknown: Vec<String> = map
+                    .keys()
+                    .filter(|k| k.as_str() == first || !known.contains(&k.as_str()))
+                    .cloned()
+                    .collect();
+                for k in unknown {
+                    problems.push(format!("unknown field `{k}`{tail}"));
+                    map.remove(&k);
+                    removed.push(k);
+                }
+                continue;
+            }
             // A key this loop removed is not missing: its own error is listed.
             let missing_removed = removed
                 .iter()
@@ -196,6 +218,20 @@ impl Parameters {
     pub fn as_json(&self) -> &serde_json::Value {
         &self.value
     }
+}
+
+/// What follows the field's name in serde's "unknown field `x`, expected …"
+/// (from the comma on), if `message` is that error.
+fn unknown_field_tail(message: &str) -> Option<&str> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let close = rest.find('`')?;
+    Some(&rest[close + 1..])
+}
+
+/// The field names serde lists after "expected" (each in backquotes); none
+/// for "there are no fields".
+fn expected_fields(tail: &str) -> Vec<&str> {
+    tail.split('`').skip(1).step_by(2).collect()
 }
 
 /// The top-level key an error is about: the first segment of its path, or for

@@ -127,14 +127,37 @@ impl Parameters {
     /// Where to point an error about these parameters: at the key an "unknown
     /// field `x`" or "invalid value … for `x`" message names, else at the mapping.
     pub fn locate(&self, message: &str) -> Location {
-        // serde names the culprit first ("unknown field `a`, expected `b` or
-        // `c`"), so the key mentioned earliest is the one to point at.
-        self.keys
-            .iter()
-            .filter_map(|(key, at)| message.find(&format!("`{key}`")).map(|i| (i, at)))
-            .min_by_key(|(i, _)| *i)
-            .map(|(_, at)| at.clone())
-            .unwrap_or_else(|| self.at.clone())
+        self.locator().locate(message)
+    }
+
+    /// A [`Locator`] for many messages: the keys indexed once, so locating a
+    /// plugin's one-line-per-problem report is linear in it, not in its lines
+    /// times the keys (10,000 unknown keys took 11 s when each line scanned
+    /// every key).
+    pub fn locator(&self) -> Locator<'_> {
+        Locator {
+            keys: self.keys.iter().map(|(k, at)| (k.as_str(), at)).collect(),
+            at: &self.at,
+        }
+    }
+}
+
+/// Points messages at the `parameters` key they name (see [`Parameters::locator`]).
+pub struct Locator<'a> {
+    keys: std::collections::HashMap<&'a str, &'a Location>,
+    at: &'a Location,
+}
+
+impl Locator<'_> {
+    /// The key `message` names first in backquotes (serde names the culprit
+    /// first: "unknown field `a`, expected `b` or `c`"), else the mapping.
+    pub fn locate(&self, message: &str) -> Location {
+        message
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .find_map(|quoted| self.keys.get(quoted))
+            .map_or_else(|| self.at.clone(), |at| (*at).clone())
     }
 }
 
