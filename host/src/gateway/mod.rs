@@ -165,6 +165,8 @@ pub struct Gateway {
     next_id: AtomicU64,
     /// Makes request ids unique across restarts (engines key requests by id).
     instance: u64,
+    /// `kvhint-` and `instance` in hex: this router's mark in `x-kvhint-via`.
+    via: String,
 }
 
 impl Gateway {
@@ -208,6 +210,7 @@ impl Gateway {
             tracing,
             next_id: AtomicU64::new(0),
             instance,
+            via: format!("kvhint-{instance:016x}"),
         })
     }
 
@@ -215,8 +218,8 @@ impl Gateway {
     /// forwards: a request that comes back carrying it has looped (a worker's
     /// `http_endpoint` leads back to a router), and is refused, not forwarded
     /// again.
-    pub fn via_mark(&self) -> String {
-        format!("kvhint-{:016x}", self.instance)
+    pub fn via_mark(&self) -> &str {
+        &self.via
     }
 
     /// Whether a request with these headers is one this router forwarded, or
