@@ -1045,7 +1045,7 @@ async fn send(
     request_id: &str,
     traceparent: Option<&HeaderValue>,
 ) -> Result<Answer, GatewayError> {
-    let request = upstream_request(booked, headers, traceparent, &app.gateway.via_mark())?;
+    let request = upstream_request(booked, headers, traceparent, app.gateway.via_mark())?;
     let wait = |at: Instant| at.saturating_duration_since(Instant::now());
     let answer = tokio::time::timeout(wait(until), app.gateway.client.request(request)).await;
     let stale = match &answer {
@@ -1064,7 +1064,7 @@ async fn send(
         .stats
         .resent
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let request = upstream_request(booked, headers, traceparent, &app.gateway.via_mark())?;
+    let request = upstream_request(booked, headers, traceparent, app.gateway.via_mark())?;
     Ok(tokio::time::timeout(wait(until), app.gateway.fresh.request(request)).await)
 }
 
