@@ -204,8 +204,8 @@ async fn register_worker(
 }
 
 /// Whether `endpoint` (`http://host:port`) is the router's own `listen`
-/// address: the same port on the same IP, on a loopback address (or
-/// `localhost`) when the router listens on loopback or every address.
+/// address: the same port on the same IP (`localhost` taken as 127.0.0.1), or
+/// on a loopback address when the router listens on every address.
 fn points_at(endpoint: &str, listen: SocketAddr) -> bool {
     let authority = endpoint
         .split_once("://")
@@ -229,9 +229,12 @@ fn points_at(endpoint: &str, listen: SocketAddr) -> bool {
             Err(_) => return false,
         }
     };
+    // 0.0.0.0 as a destination reaches the local listener; a router listening
+    // on every address is reached on any loopback address. Another loopback
+    // address than the one the router listens on may be another process's.
     ip == listen.ip()
-        || (ip.is_loopback() || ip.is_unspecified())
-            && (listen.ip().is_loopback() || listen.ip().is_unspecified())
+        || (ip.is_unspecified() && listen.ip().is_loopback())
+        || (listen.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified()))
 }
 
 #[derive(Deserialize)]
@@ -698,4 +701,35 @@ async fn start_endpoint_picker(
         }
     });
     Ok(Some((stop, task)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::points_at;
+
+    #[test]
+    fn a_worker_endpoint_at_the_router_s_own_address_is_recognised_and_no_other() {
+        let loopback = "127.0.0.1:8080".parse().unwrap();
+        for (endpoint, own) in [
+            ("http://127.0.0.1:8080", true),
+            ("http://localhost:8080", true),
+            ("http://0.0.0.0:8080", true),
+            ("http://127.0.0.1:8081", false),
+            // Another loopback address may be another process's.
+            ("http://127.0.0.2:8080", false),
+            ("http://10.0.0.1:8080", false),
+            ("https://worker.example:8080", false),
+        ] {
+            assert_eq!(points_at(endpoint, loopback), own, "{endpoint}");
+        }
+        let every = "0.0.0.0:8080".parse().unwrap();
+        for (endpoint, own) in [
+            ("http://127.0.0.5:8080", true),
+            ("http://[::1]:8080", true),
+            ("http://localhost:8080", true),
+            ("http://127.0.0.5:9090", false),
+        ] {
+            assert_eq!(points_at(endpoint, every), own, "{endpoint}");
+        }
+    }
 }
