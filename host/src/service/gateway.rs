@@ -839,59 +839,50 @@ async fn forward(
             Ok(Ok(response)) => response,
         };
         let status = response.status();
-        if status.is_redirection() {
-            // A worker answers for itself. A redirect passed on would send the
-            // client (OpenAI's clients follow them) to whatever host the
-            // worker names, with the client's request.
-            let why = format!("it answered {status}, a redirect");
+        // A redirect is a failure too, never passed on: OpenAI's clients follow
+        // them, with the client's request, to whatever host the worker names.
+        let redirect = status.is_redirection();
+        if redirect || status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
+            let why = if redirect {
+                format!("it answered {status}, a redirect")
+            } else {
+                format!("it answered {status}")
+            };
             app.gateway.health.request_failed(
                 key,
                 settings.circuit_failures,
                 settings.circuit_open_ms,
                 why.clone(),
             );
-            drop(response);
-            let failure = GatewayError::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream_error",
-                "upstream_redirect",
-                format!("{key} answered {status}, a redirect, which the router never passes on; point its http_endpoint at the server that answers"),
-            );
+            let failure = if redirect {
+                GatewayError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_redirect",
+                    format!("{key} answered {status}, a redirect, which the router never passes on; point its http_endpoint at the server that answers"),
+                )
+            } else {
+                GatewayError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    "upstream_status",
+                    format!("{key} answered {status}"),
+                )
+            };
             if !last_attempt {
                 if let Some(trace) = trace.as_mut() {
                     trace.retried(key, &why);
                 }
                 retry(&mut guard, &mut tried);
+                drop(response);
                 last_failure = Some(failure);
                 tokio::time::sleep(backoff).await;
                 backoff = backoff.mul_f32(1.5);
                 continue;
             }
-            guard.finish(Release::UpstreamError);
-            return Err(failure);
-        }
-        if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() {
-            app.gateway.health.request_failed(
-                key,
-                settings.circuit_failures,
-                settings.circuit_open_ms,
-                format!("it answered {status}"),
-            );
-            if !last_attempt {
-                if let Some(trace) = trace.as_mut() {
-                    trace.retried(key, &format!("it answered {status}"));
-                }
-                retry(&mut guard, &mut tried);
-                drop(response);
-                last_failure = Some(GatewayError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    "upstream_status",
-                    format!("{key} answered {status}"),
-                ));
-                tokio::time::sleep(backoff).await;
-                backoff = backoff.mul_f32(1.5);
-                continue;
+            if redirect {
+                guard.finish(Release::UpstreamError);
+                return Err(failure);
             }
         } else {
             app.gateway.health.request_succeeded(key);
