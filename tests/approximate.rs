@@ -1,7 +1,9 @@
-//! `kv_events: approximate` workers' capacity, against simulated vLLM engines
-//! (`kvhint-sim`, whose `/metrics` carries vLLM's `vllm:cache_config_info`):
-//! the router credits a worker with no more blocks than its engine holds, as
-//! the engine says it or as `kv_capacity_tokens` gives it.
+//! What the router credits workers with, against simulated vLLM engines
+//! (`kvhint-sim`, whose `/metrics` carries vLLM's `vllm:cache_config_info` and
+//! which publish KV events with vLLM's own publisher): a `kv_events:
+//! approximate` worker no more blocks than its engine holds, as the engine says
+//! it or as `kv_capacity_tokens` gives it; a busy prefix waited for when it is
+//! worth it; an event-fed worker the prompts it is still computing.
 
 use kvhint_e2e::http::{agent, call_with, get};
 use kvhint_e2e::llamacpp::{qwen3_tokenizer_dir, MODEL_NAME};
@@ -182,5 +184,177 @@ fn a_request_waits_for_the_in_flight_request_computing_its_long_prefix_but_not_f
         server.log()
     );
     third.join().unwrap();
+    server.until_idle();
+}
+
+/// Two simulated vLLM engines publishing KV events with vLLM's own publisher,
+/// 3 ms of prefill a prompt token, and kvhint subscribed to both.
+fn event_fed(fleet: &SimFleet, dir: &Path, name: &str, credit_in_flight: bool) -> Server {
+    let config = dir.join(name);
+    let mut yaml = format!(
+        "router:\n  block_size: 16\n\
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+         gateway:\n  prefix_wait_ms: 60000\n  credit_in_flight: {credit_in_flight}\n\
+         workers:\n",
+        qwen3_tokenizer_dir().display(),
+    );
+    for (i, w) in fleet.workers.iter().enumerate() {
+        let (events, replay) = (w.events.as_ref(), w.replay.as_ref());
+        let (Some(events), Some(replay)) = (events, replay) else {
+            panic!("kvhint-sim --events gave no endpoints: {w:?}");
+        };
+        yaml.push_str(&format!(
+            "  - worker_id: {}\n    http_endpoint: {}\n    engine: vllm\n    models: [{MODEL_NAME}]\n    kv_events: {{endpoint: \"{events}\", replay_endpoint: \"{replay}\"}}\n",
+            i + 1,
+            w.url
+        ));
+    }
+    std::fs::write(&config, yaml).unwrap();
+    Server::start(&config, &[], dir)
+}
+
+/// Completes `prompt` through `server`: the worker that answered and the
+/// prompt tokens its engine served from cache.
+fn complete_on(server: &Server, prompt: &str) -> (u64, u64) {
+    let (status, worker, body) = call_with(
+        &agent(),
+        &format!("{}/v1/completions", server.base),
+        &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {body}"));
+    (worker, cached)
+}
+
+/// Which engine of `fleet` is computing a request now (1-based), once one is.
+fn engine_running(fleet: &SimFleet) -> u64 {
+    let agent = agent();
+    let mut running = 0;
+    kvhint_e2e::wait::until_true(
+        "an engine computing a request",
+        std::time::Duration::from_secs(20),
+        || {
+            let gauge = format!("vllm:num_requests_running{{model_name=\"{MODEL_NAME}\"}}");
+            running = fleet
+                .workers
+                .iter()
+                .position(|w| {
+                    let (_, metrics) = get(&agent, &format!("{}/metrics", w.url));
+                    sample(&metrics, &gauge) >= 1.0
+                })
+                .map_or(0, |i| i as u64 + 1);
+            running > 0
+        },
+    );
+    running
+}
+
+#[test]
+fn a_request_sharing_a_prefix_an_event_fed_engine_is_still_computing_goes_there_and_reuses_it() {
+    // An engine publishes a block once it has computed it: while a ~700-token
+    // prompt is prefilling (about 2 s here) the index has nothing of it. The
+    // router credits the worker with it while it runs (`credit_in_flight`), so
+    // the next request sharing the prefix goes to the same worker, waits for
+    // the first to be prefilled, and reuses it, instead of computing it again
+    // on the idle worker.
+    let mut args = SimFleet::args(2, 4096);
+    args.extend([
+        "--prefill-us-per-token".to_string(),
+        "3000".to_string(),
+        "--events".to_string(),
+        "--wheel".to_string(),
+        kvhint_e2e::provision::vllm_wheel().display().to_string(),
+        "--python".to_string(),
+        kvhint_e2e::provision::python().display().to_string(),
+    ]);
+    let fleet = SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args);
+    let dir = private_dir();
+    let words = |tag: &str, n: usize| -> String { (0..n).map(|w| format!("{tag}{w}w ")).collect() };
+    let in_flight_blocks = |server: &Server| {
+        let (_, metrics) = server.get("/metrics");
+        sample(&metrics, "kvhint_gateway_in_flight_blocks")
+    };
+
+    let server = event_fed(&fleet, dir.path(), "credited.yaml", true);
+    let prefix = words("a", 200);
+    let first = {
+        let base = server.base.clone();
+        let prompt = format!("{prefix}first of all");
+        std::thread::spawn(move || {
+            let (status, worker, body) = call_with(
+                &agent(),
+                &format!("{base}/v1/completions"),
+                &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
+            );
+            assert_eq!(status, 200, "{body}");
+            worker
+        })
+    };
+    let computing = engine_running(&fleet);
+    assert!(
+        in_flight_blocks(&server) >= 30.0,
+        "the running request's blocks are credited: {}",
+        server.log()
+    );
+    let (worker, cached) = complete_on(&server, &format!("{prefix}second of all"));
+    assert_eq!(
+        worker, computing,
+        "sent away from the prefix being computed"
+    );
+    assert!(
+        cached >= 480,
+        "the second request reused only {cached} tokens of the first's prefix"
+    );
+    assert_eq!(first.join().unwrap(), computing);
+    let (_, metrics) = server.get("/metrics");
+    assert_eq!(
+        sample(
+            &metrics,
+            "kvhint_gateway_prefix_waits_total{outcome=\"settled\"}"
+        ),
+        1.0,
+        "the second waited for the first's prefill: {metrics}"
+    );
+    // Both ended: their credits are gone, and the engine's own events hold
+    // the prefix now.
+    kvhint_e2e::wait::until_true(
+        "the ended requests' credits taken back",
+        std::time::Duration::from_secs(10),
+        || in_flight_blocks(&server) == 0.0,
+    );
+    let (worker, cached) = complete_on(&server, &format!("{prefix}third of all"));
+    assert_eq!(
+        worker, computing,
+        "the engine's published prefix was not found"
+    );
+    assert!(cached >= 480, "reused {cached}");
+    server.until_idle();
+    drop(server);
+
+    // The same without the credit: the second request's prefix is nowhere in
+    // the index, and it goes to the idle worker, computing it again.
+    let server = event_fed(&fleet, dir.path(), "published-only.yaml", false);
+    let prefix = words("b", 200);
+    let first = {
+        let base = server.base.clone();
+        let prompt = format!("{prefix}first of all");
+        std::thread::spawn(move || {
+            let (status, _, body) = call_with(
+                &agent(),
+                &format!("{base}/v1/completions"),
+                &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
+            );
+            assert_eq!(status, 200, "{body}");
+        })
+    };
+    let computing = engine_running(&fleet);
+    assert_eq!(in_flight_blocks(&server), 0.0);
+    let (worker, cached) = complete_on(&server, &format!("{prefix}second of all"));
+    assert_ne!(worker, computing);
+    assert_eq!(cached, 0);
+    first.join().unwrap();
     server.until_idle();
 }

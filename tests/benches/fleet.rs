@@ -5,12 +5,17 @@
 //! real engines.
 //!
 //! Systems, interleaved (their order rotates from block to block), each on a
-//! fresh fleet (empty caches):
+//! fresh fleet (empty caches), every fleet publishing its KV events whether the
+//! system subscribes or not (the publishers are Python processes, whose CPU
+//! would otherwise burden only the event-fed systems on a small machine):
 //! - `straight`: the client sends round robin over the workers;
 //! - `smg`: `smg` 1.13 with `--policy cache_aware` at its launcher's defaults;
 //! - `kvhint-approx`: kvhint's documented config with `kv_events: approximate`
 //!   (it reads each engine's capacity from `vllm:cache_config_info`);
-//! - `kvhint-events`: the same, subscribed to every engine's KV events.
+//! - `kvhint-events`: the same, subscribed to every engine's KV events;
+//! - `kvhint-published` (not run by default): `kvhint-events` with
+//!   `gateway.credit_in_flight: false`, the index holding only what the engines
+//!   published, to measure what crediting in-flight prompts buys.
 //!
 //! Workload: the quality bench's mix (shared system prompts, multi-turn chats,
 //! unique prompts), scaled with the fleet (as many groups and chats as
@@ -24,7 +29,8 @@
 //! workload once per system. Environment: `FLEET_WORKERS` (`16,64`),
 //! `FLEET_SYSTEMS` (`straight,smg,kvhint-approx,kvhint-events`), `FLEET_REPS`
 //! (1), `FLEET_SEED`, `FLEET_LOAD` (0.7), `FLEET_CAPACITY_BLOCKS`,
-//! `FLEET_PREFILL_US` (per uncached token, 1000).
+//! `FLEET_PREFILL_US` (per uncached token, 1000), `FLEET_OUT` (a file to append
+//! every request's outcome to, as JSON lines).
 
 use kvhint_e2e::bench::{self, quantile};
 use kvhint_e2e::http::get;
@@ -47,6 +53,7 @@ enum System {
     Smg,
     KvhintApprox,
     KvhintEvents,
+    KvhintPublished,
 }
 
 impl System {
@@ -56,8 +63,9 @@ impl System {
             "smg" => System::Smg,
             "kvhint-approx" => System::KvhintApprox,
             "kvhint-events" => System::KvhintEvents,
+            "kvhint-published" => System::KvhintPublished,
             other => {
-                panic!("unknown system {other:?}: straight, smg, kvhint-approx or kvhint-events")
+                panic!("unknown system {other:?}: straight, smg, kvhint-approx, kvhint-events or kvhint-published")
             }
         }
     }
@@ -68,16 +76,23 @@ impl System {
             System::Smg => "smg",
             System::KvhintApprox => "kvhint-approx",
             System::KvhintEvents => "kvhint-events",
+            System::KvhintPublished => "kvhint-published",
         }
+    }
+
+    fn events(self) -> bool {
+        matches!(self, System::KvhintEvents | System::KvhintPublished)
     }
 }
 
 /// kvhint's documented config for a vLLM fleet (no `worker_selection`: the
-/// default), approximate or fed by each engine's events.
-fn kvhint_config(workers: &[SimWorker], events: bool) -> String {
+/// default), approximate or fed by each engine's events (and then crediting
+/// in-flight prompts, or not).
+fn kvhint_config(workers: &[SimWorker], events: bool, credit_in_flight: bool) -> String {
     let mut yaml = format!(
         "router:\n  block_size: 16\n  max_prompt_tokens: 65536\n\
-         models:\n  {MODEL_NAME}:\n    tokenizer: {}\nworkers:\n",
+         models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
+         gateway:\n  credit_in_flight: {credit_in_flight}\nworkers:\n",
         qwen3_tokenizer_dir().display()
     );
     for (i, w) in workers.iter().enumerate() {
@@ -101,7 +116,7 @@ struct Setup {
     prefill_us: f64,
 }
 
-fn fleet(setup: &Setup, events: bool) -> SimFleet {
+fn fleet(setup: &Setup) -> SimFleet {
     let mut args = SimFleet::args(setup.workers, setup.capacity_blocks);
     args.extend([
         "--prefill-us-per-token".into(),
@@ -111,15 +126,13 @@ fn fleet(setup: &Setup, events: bool) -> SimFleet {
         "--decode-us-per-seq".into(),
         DECODE_US_PER_SEQ.to_string(),
     ]);
-    if events {
-        args.extend([
-            "--events".into(),
-            "--wheel".into(),
-            kvhint_e2e::provision::vllm_wheel().display().to_string(),
-            "--python".into(),
-            kvhint_e2e::provision::python().display().to_string(),
-        ]);
-    }
+    args.extend([
+        "--events".into(),
+        "--wheel".into(),
+        kvhint_e2e::provision::vllm_wheel().display().to_string(),
+        "--python".into(),
+        kvhint_e2e::provision::python().display().to_string(),
+    ]);
     SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
 }
 
@@ -140,14 +153,18 @@ fn run_block(
     seed: u64,
     dir: &Path,
 ) -> (Vec<Outcome>, Vec<f64>) {
-    let sims = fleet(setup, system == System::KvhintEvents);
+    let sims = fleet(setup);
     let urls = sims.urls();
     let front = match system {
         System::Straight => Front::Straight(urls.clone()),
         System::Smg => Front::Peer(Peer::smg(&urls)),
-        System::KvhintApprox | System::KvhintEvents => {
+        System::KvhintApprox | System::KvhintEvents | System::KvhintPublished => {
             let config = dir.join(format!("{}.yaml", system.name()));
-            let yaml = kvhint_config(&sims.workers, system == System::KvhintEvents);
+            let yaml = kvhint_config(
+                &sims.workers,
+                system.events(),
+                system != System::KvhintPublished,
+            );
             std::fs::write(&config, yaml)
                 .unwrap_or_else(|e| panic!("cannot write {}: {e}", config.display()));
             Front::Kvhint(Server::start_command(
@@ -180,6 +197,23 @@ fn run_block(
     let spread: Vec<f64> = urls.iter().map(|u| queried(u)).collect();
     drop(front);
     (outcomes, spread)
+}
+
+/// Appends each request's outcome to `path`, one JSON line each.
+fn write_outcomes(path: &str, workers: usize, rep: usize, system: System, outcomes: &[Outcome]) {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("FLEET_OUT {path}: {e}"));
+    for o in outcomes {
+        let line = serde_json::json!({"workers": workers, "rep": rep, "system": system.name(),
+            "key": o.key, "sent": o.sent, "ended": o.ended, "ttft": o.ttft, "e2e": o.e2e,
+            "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+            "predicted_tokens": o.predicted_tokens, "error": o.error});
+        let _ = writeln!(file, "{line}");
+    }
 }
 
 fn list(var: &str, default: &str) -> Vec<String> {
@@ -217,6 +251,7 @@ fn main() {
         .map(|s| System::parse(s))
         .collect();
     let dir = private_dir();
+    let out = std::env::var("FLEET_OUT").ok();
     println!(
         "fleet bench ({}): simulated vLLM engines, 16-token blocks, {} µs a step + {} µs per prefilled token + {} µs per running request; {rho:.2} load; {reps} repetition(s)",
         if quick { "quick mode, debug build: not measurements" } else { "release" },
@@ -289,6 +324,9 @@ fn main() {
                     seed ^ ((rep as u64) << 32),
                     dir.path(),
                 );
+                if let Some(path) = &out {
+                    write_outcomes(path, n, rep, systems[at], &outcomes);
+                }
                 let p = &mut pooled[at];
                 p.2 += outcomes.iter().map(|o| o.ended).fold(0.0, f64::max);
                 for (a, b) in p.1.iter_mut().zip(spread) {

@@ -105,6 +105,10 @@ pub struct GatewayConfig {
     /// The shortest busy prefix, in prompt tokens, worth that wait: a request
     /// whose busy prefix is shorter is sent at once (0: any busy prefix).
     pub prefix_wait_min_tokens: u64,
+    /// Whether a worker whose engine publishes KV events is credited with the
+    /// blocks of the requests it is running (until each ends), so that a burst
+    /// sharing a prefix finds it before the engine has computed and published it.
+    pub credit_in_flight: bool,
     /// Workers (ranks) registered at once at most, from the config and the API
     /// together: a registration past it is refused with 503.
     pub max_workers: u64,
@@ -177,6 +181,7 @@ impl Default for GatewayConfig {
             approximate_max_blocks: 100_000,
             prefix_wait_ms: 2_000,
             prefix_wait_min_tokens: 256,
+            credit_in_flight: true,
             max_workers: 4_096,
             tokenizer_cache_mib: 64,
             tls_ca: None,
@@ -501,6 +506,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             "approximate_max_blocks",
             "prefix_wait_ms",
             "prefix_wait_min_tokens",
+            "credit_in_flight",
             "max_workers",
             "tokenizer_cache_mib",
             "tls_ca_file",
@@ -585,6 +591,17 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
         1 << 24,
         &mut out.prefix_wait_min_tokens,
     );
+    if let Some(n) = map.get_node("credit_in_flight") {
+        if let Some(on) = walker.one_of(
+            n,
+            "gateway.credit_in_flight",
+            "value",
+            &["true", "false"],
+            |s| s.parse::<bool>().ok(),
+        ) {
+            out.credit_in_flight = on;
+        }
+    }
     number(
         walker,
         "tokenizer_cache_mib",

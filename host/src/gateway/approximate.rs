@@ -25,8 +25,10 @@
 //! later request on the same worker whose cached prefix ends in a busy block
 //! waits for that gate (at most `gateway.prefix_wait_ms`) before it is sent,
 //! then finds its prefix ready, if the prefix is worth a whole request's wait
-//! (`gateway.prefix_wait_min_tokens`; the gateway decides). Requests waiting on one prefix are chained, one
-//! after the other, because each takes the prompt into its own slot.
+//! (`gateway.prefix_wait_min_tokens`; the gateway decides). On llama.cpp,
+//! requests waiting on one prefix are chained, one after the other, because
+//! each takes the prompt into its own slot; on engines that share computed
+//! blocks, all wait for the one request computing it.
 //!
 //! **Capacity.** A worker holds only what fits in its KV cache (for llama.cpp:
 //! its slots and its host-memory prompt cache, `--cache-ram`, which it reports
@@ -42,6 +44,21 @@
 //! grows it by the difference and 10 %, never past `kv_capacity_tokens` or
 //! `gateway.approximate_max_blocks`. A request that was sent while its prefix was
 //! still busy proves nothing about capacity and is not counted.
+//!
+//! **In flight, on workers with KV events.** An engine publishes a block once it
+//! has computed it, so while a request is still waiting or prefilling, the index
+//! shows nothing of its prompt on its worker, and the next requests sharing its
+//! prefix scatter over the fleet, each computing it again (measured at fleet
+//! scale: BENCHMARKS.md, "Routing at fleet scale"). So a worker whose engine
+//! publishes events is credited too, with [`Approximate::in_flight`], for as long
+//! as the request runs: an engine keeps a running request's blocks, so the credit
+//! is never a false hit, and once the request ends the engine's own events say
+//! what it kept. Its blocks are named by hashes of their own (never the engine's,
+//! never an approximate worker's), counted per block over the requests running
+//! with it, and taken back when the last of them ends, so the index holds them as
+//! extra copies beside the engine's and loses nothing the engine published.
+//! They are busy like an approximate credit's, so the prefix wait applies alike.
+//! No ledger and no capacity: the engine's events bound what it holds.
 
 use crate::domain::WorkerKey;
 use crate::router::index::events::{KvEvent, StoredBlock};
@@ -86,11 +103,21 @@ type BusyTable = Mutex<HashMap<(WorkerKey, u64), Arc<Gate>>>;
 
 type Ledgers = Mutex<HashMap<WorkerKey, Ledger>>;
 
+/// Event-fed workers' in-flight credits: requests running with each block, by
+/// worker and (in-flight) hash. The lock is held while the credit's events are
+/// queued, so a block's store and its withdrawal reach the index in order.
+type InFlightTable = Mutex<HashMap<(WorkerKey, u64), u32>>;
+
+/// Mixed into the seed of in-flight credits' hashes, so they never name an
+/// approximate credit's blocks (a worker registered again in the other mode).
+const IN_FLIGHT_SEED: u64 = 0x6b76_6869_6e74_2d66;
+
 /// Every approximate worker's ledger.
 #[derive(Default)]
 pub struct Approximate {
     ledgers: Arc<Ledgers>,
     busy: Arc<BusyTable>,
+    in_flight: Arc<InFlightTable>,
     pub stats: Arc<PredictionStats>,
     /// What each worker's engine said it holds, in tokens (`None`: it did not
     /// say), and when it was asked (`capacity`).
@@ -211,6 +238,9 @@ pub struct Credit {
     speculative: AtomicBool,
     /// Whether the engine's count has been heard (it is taken once).
     reported: AtomicBool,
+    /// An event-fed worker's in-flight credit: its blocks are taken back from
+    /// the index when the request ends (see the module's "In flight").
+    in_flight: Option<Arc<InFlightTable>>,
 }
 
 impl Credit {
@@ -235,6 +265,12 @@ impl Credit {
 }
 
 impl Credit {
+    /// Whether the engine's count of reused tokens is wanted: it teaches an
+    /// approximate worker's cap; an event-fed worker's events say it all.
+    pub fn wants_reuse_report(&self) -> bool {
+        self.in_flight.is_none()
+    }
+
     /// The request was sent before the request holding its prefix settled:
     /// what the engine reuses then says nothing of its capacity.
     pub fn sent_while_busy(&self) {
@@ -245,7 +281,7 @@ impl Credit {
     /// credited prefix, it confirms the worker's cap, shrinks it or grows it
     /// (see the module's "Capacity"). Only the first report counts.
     pub fn engine_reused(&self, cached_tokens: u64) -> Prediction {
-        if self.reported.swap(true, Ordering::Relaxed) {
+        if self.in_flight.is_some() || self.reported.swap(true, Ordering::Relaxed) {
             return Prediction::Held;
         }
         let reused = (cached_tokens / self.block_size.max(1) as u64) as usize;
@@ -304,6 +340,35 @@ impl Credit {
 impl Drop for Credit {
     fn drop(&mut self) {
         self.settle();
+        if let Some(table) = &self.in_flight {
+            withdraw(table, &self.ingest, self.worker, &self.hashes);
+        }
+    }
+}
+
+/// The request that made an in-flight credit ended: each of its blocks loses it,
+/// and those no running request holds any more leave the index (under the lock,
+/// so that a store made meanwhile by another request is queued before or after
+/// this, not between).
+fn withdraw(table: &InFlightTable, ingest: &Ingest, worker: WorkerKey, hashes: &[u64]) {
+    if hashes.is_empty() {
+        return;
+    }
+    let mut table = table.lock();
+    let mut gone = Vec::new();
+    for hash in hashes {
+        if let std::collections::hash_map::Entry::Occupied(mut running) =
+            table.entry((worker, *hash))
+        {
+            *running.get_mut() -= 1;
+            if *running.get() == 0 {
+                running.remove();
+                gone.push(*hash);
+            }
+        }
+    }
+    if !gone.is_empty() {
+        let _ = ingest.submit_detached(worker, KvEvent::Removed { block_hashes: gone });
     }
 }
 
@@ -316,13 +381,26 @@ pub fn block_hashes(
     lora: Option<&str>,
     salt: Option<&str>,
 ) -> Vec<u64> {
+    seeded_hashes(0, token_ids, block_size, lora, salt)
+}
+
+fn seeded_hashes(
+    mix: u64,
+    token_ids: &[u32],
+    block_size: usize,
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> Vec<u64> {
     let mut seed = xxhash_rust::xxh3::xxh3_64(lora.unwrap_or("").as_bytes());
     seed ^= xxhash_rust::xxh3::xxh3_64(salt.unwrap_or("").as_bytes()).rotate_left(17);
-    let mut parent = seed;
+    let mut parent = seed ^ mix;
+    let block_size = block_size.max(1);
+    let mut bytes = Vec::with_capacity(block_size * 4);
     token_ids
-        .chunks_exact(block_size.max(1))
+        .chunks_exact(block_size)
         .map(|chunk| {
-            let bytes: Vec<u8> = chunk.iter().flat_map(|t| t.to_le_bytes()).collect();
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
             parent = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent);
             parent
         })
@@ -339,6 +417,25 @@ pub struct Prompt<'a> {
     pub cached_blocks: usize,
 }
 
+/// The stored event that credits `prompt`'s full blocks under `hashes`.
+fn stored(prompt: &Prompt<'_>, hashes: &[u64]) -> KvEvent {
+    KvEvent::Stored {
+        parent_block_hash: None,
+        blocks: prompt
+            .token_ids
+            .chunks_exact(prompt.block_size.max(1))
+            .zip(hashes)
+            .map(|(chunk, hash)| StoredBlock {
+                block_hash: *hash,
+                token_ids: chunk.into(),
+            })
+            .collect(),
+        lora_name: prompt.lora.map(str::to_string),
+        cache_salt: prompt.salt.map(str::to_string),
+        extra_keys: Vec::new(),
+    }
+}
+
 impl Approximate {
     /// Credits `worker` with the full blocks of `prompt`: stores them in the
     /// index (through `ingest`, without waiting), notes when, and marks them busy
@@ -351,42 +448,17 @@ impl Approximate {
         max_blocks: u64,
         settle: Settle,
     ) -> Credit {
-        let block_size = prompt.block_size.max(1);
-        let hashes = block_hashes(prompt.token_ids, block_size, prompt.lora, prompt.salt);
-        let gate = Arc::new(Gate::default());
-        let mut credit = Credit {
-            busy: Arc::clone(&self.busy),
-            ledgers: Arc::clone(&self.ledgers),
-            stats: Arc::clone(&self.stats),
-            ingest: ingest.clone(),
-            worker,
-            hashes: Vec::new(),
-            gate: Arc::clone(&gate),
-            settle,
-            wait_for: None,
-            predicted_blocks: prompt.cached_blocks,
-            block_size,
-            max_blocks,
-            speculative: AtomicBool::new(false),
-            reported: AtomicBool::new(false),
-        };
+        let hashes = block_hashes(
+            prompt.token_ids,
+            prompt.block_size.max(1),
+            prompt.lora,
+            prompt.salt,
+        );
+        let mut credit = self.new_credit(ingest, worker, prompt, max_blocks, settle);
         if hashes.is_empty() {
             return credit;
         }
-        {
-            let mut busy = self.busy.lock();
-            // The request whose prompt holds this one's cached prefix.
-            credit.wait_for = prompt
-                .cached_blocks
-                .checked_sub(1)
-                .and_then(|last| hashes.get(last))
-                .and_then(|hash| busy.get(&(worker, *hash)))
-                .filter(|g| !g.is_open())
-                .cloned();
-            for hash in &hashes {
-                busy.insert((worker, *hash), Arc::clone(&gate));
-            }
-        }
+        self.mark_busy(&mut credit, &hashes, prompt.cached_blocks);
         let now = Instant::now();
         let evicted = {
             let mut ledgers = self.ledgers.lock();
@@ -400,22 +472,10 @@ impl Approximate {
             let cap = ledger.cap(max_blocks);
             ledger.evict(|ledger| ledger.last_used.len() as u64 > cap)
         };
-        let event = KvEvent::Stored {
-            parent_block_hash: None,
-            blocks: prompt
-                .token_ids
-                .chunks_exact(block_size)
-                .zip(&hashes)
-                .map(|(chunk, hash)| StoredBlock {
-                    block_hash: *hash,
-                    token_ids: chunk.into(),
-                })
-                .collect(),
-            lora_name: prompt.lora.map(str::to_string),
-            cache_salt: prompt.salt.map(str::to_string),
-            extra_keys: Vec::new(),
-        };
-        if ingest.submit_detached(worker, event).is_err() {
+        if ingest
+            .submit_detached(worker, stored(prompt, &hashes))
+            .is_err()
+        {
             tracing::debug!(%worker, "approximate credit dropped: the ingestion queue is full");
         }
         if !evicted.is_empty() {
@@ -428,6 +488,121 @@ impl Approximate {
         }
         credit.hashes = hashes;
         credit
+    }
+
+    /// Credits an event-fed `worker` with the full blocks of `prompt` while the
+    /// request runs (see the module's "In flight"): stored in the index beside
+    /// the engine's own blocks, busy until the request settles, taken back when
+    /// the returned credit is dropped (the request's end) and no other running
+    /// request holds them.
+    pub fn in_flight(
+        &self,
+        ingest: &Ingest,
+        worker: WorkerKey,
+        prompt: &Prompt<'_>,
+        settle: Settle,
+    ) -> Credit {
+        let hashes = seeded_hashes(
+            IN_FLIGHT_SEED,
+            prompt.token_ids,
+            prompt.block_size.max(1),
+            prompt.lora,
+            prompt.salt,
+        );
+        let mut credit = self.new_credit(ingest, worker, prompt, 0, settle);
+        if hashes.is_empty() {
+            return credit;
+        }
+        self.mark_busy(&mut credit, &hashes, prompt.cached_blocks);
+        {
+            let mut table = self.in_flight.lock();
+            for hash in &hashes {
+                *table.entry((worker, *hash)).or_insert(0) += 1;
+            }
+            // Queued under the lock: see `withdraw`. Stored again for a block
+            // another running request holds, it changes nothing in the index.
+            if ingest
+                .submit_detached(worker, stored(prompt, &hashes))
+                .is_err()
+            {
+                tracing::debug!(%worker, "in-flight credit dropped: the ingestion queue is full");
+            }
+        }
+        credit.in_flight = Some(Arc::clone(&self.in_flight));
+        credit.hashes = hashes;
+        credit
+    }
+
+    fn new_credit(
+        &self,
+        ingest: &Ingest,
+        worker: WorkerKey,
+        prompt: &Prompt<'_>,
+        max_blocks: u64,
+        settle: Settle,
+    ) -> Credit {
+        Credit {
+            busy: Arc::clone(&self.busy),
+            ledgers: Arc::clone(&self.ledgers),
+            stats: Arc::clone(&self.stats),
+            ingest: ingest.clone(),
+            worker,
+            hashes: Vec::new(),
+            gate: Arc::new(Gate::default()),
+            settle,
+            wait_for: None,
+            predicted_blocks: prompt.cached_blocks,
+            block_size: prompt.block_size.max(1),
+            max_blocks,
+            speculative: AtomicBool::new(false),
+            reported: AtomicBool::new(false),
+            in_flight: None,
+        }
+    }
+
+    /// Marks `hashes` busy with `credit`'s request, and finds the in-flight
+    /// request whose prompt holds its cached prefix (`cached_blocks` long), if
+    /// it has not settled.
+    ///
+    /// On an engine that settles at the end (llama.cpp), requests on one prefix
+    /// are chained: each takes the prompt into its own slot, so the next waits
+    /// for the last. On one that settles at the first byte (vLLM, SGLang,
+    /// TRT-LLM), the prefix is reusable by every request once the request that
+    /// computes it is prefilled: a block stays busy with that request, and
+    /// later ones all wait for it, not each for the one before (a burst of a
+    /// group's requests would otherwise wait for each other's prefills in turn).
+    fn mark_busy(&self, credit: &mut Credit, hashes: &[u64], cached_blocks: usize) {
+        let worker = credit.worker;
+        let mut busy = self.busy.lock();
+        credit.wait_for = cached_blocks
+            .checked_sub(1)
+            .and_then(|last| hashes.get(last))
+            .and_then(|hash| busy.get(&(worker, *hash)))
+            .filter(|g| !g.is_open())
+            .cloned();
+        for hash in hashes {
+            let gate = Arc::clone(&credit.gate);
+            match credit.settle {
+                Settle::End => {
+                    busy.insert((worker, *hash), gate);
+                }
+                Settle::FirstByte => {
+                    busy.entry((worker, *hash))
+                        .and_modify(|held| {
+                            if held.is_open() {
+                                *held = Arc::clone(&credit.gate);
+                            }
+                        })
+                        .or_insert(gate);
+                }
+            }
+        }
+    }
+
+    /// Blocks of event-fed workers credited to requests in flight, over every
+    /// worker.
+    pub fn in_flight_blocks(&self) -> usize {
+        self.in_flight.lock().len()
     }
 
     /// Takes back credits older than `ttl`; returns how many blocks.
@@ -484,6 +659,7 @@ impl Approximate {
     pub fn forget(&self, keep: impl Fn(&WorkerKey) -> bool) {
         self.ledgers.lock().retain(|k, _| keep(k));
         self.busy.lock().retain(|(k, _), _| keep(k));
+        self.in_flight.lock().retain(|(k, _), _| keep(k));
         self.reported.lock().retain(|k, _| keep(k));
     }
 
@@ -688,5 +864,103 @@ mod tests {
             .map(|h| ledgers[&key(2)].last_used.contains_key(h))
             .collect();
         assert_eq!(kept, [true, true, false, false]);
+    }
+
+    #[test]
+    fn an_in_flight_block_stays_credited_until_the_last_request_holding_it_ends() {
+        let approximate = Approximate::default();
+        let ingest = ingest();
+        let prompt = |tokens: &'static [u32], cached_blocks| Prompt {
+            token_ids: tokens,
+            block_size: 2,
+            lora: None,
+            salt: None,
+            cached_blocks,
+        };
+        let a = approximate.in_flight(
+            &ingest,
+            key(1),
+            &prompt(&[1, 2, 3, 4], 0),
+            Settle::FirstByte,
+        );
+        assert!(!a.wants_reuse_report(), "the engine's events say it all");
+        // The same prefix, one more block, on the same worker: it waits for the
+        // first to be prefilled.
+        let b = approximate.in_flight(
+            &ingest,
+            key(1),
+            &prompt(&[1, 2, 3, 4, 5, 6], 2),
+            Settle::FirstByte,
+        );
+        assert!(b.wait_for.is_some());
+        assert_eq!(approximate.in_flight_blocks(), 3);
+        // Not an approximate credit: no ledger, no hashes of an approximate
+        // worker's.
+        assert_eq!(approximate.blocks(key(1)), 0);
+        assert!(a
+            .hashes
+            .iter()
+            .all(|h| !block_hashes(&[1, 2, 3, 4], 2, None, None).contains(h)));
+        drop(a);
+        assert_eq!(
+            approximate.in_flight_blocks(),
+            3,
+            "the second still runs with the shared blocks"
+        );
+        drop(b);
+        assert_eq!(approximate.in_flight_blocks(), 0);
+        assert_eq!(approximate.busy_blocks(), 0);
+    }
+
+    #[test]
+    fn on_an_engine_that_shares_computed_blocks_every_request_waits_for_the_one_computing_the_prefix(
+    ) {
+        let approximate = Approximate::default();
+        let ingest = ingest();
+        let prompt = |tokens: &'static [u32], cached_blocks| Prompt {
+            token_ids: tokens,
+            block_size: 2,
+            lora: None,
+            salt: None,
+            cached_blocks,
+        };
+        let first = approximate.in_flight(
+            &ingest,
+            key(1),
+            &prompt(&[1, 2, 3, 4, 5, 6], 0),
+            Settle::FirstByte,
+        );
+        let second = approximate.in_flight(
+            &ingest,
+            key(1),
+            &prompt(&[1, 2, 3, 4, 7, 7], 2),
+            Settle::FirstByte,
+        );
+        let third = approximate.in_flight(
+            &ingest,
+            key(1),
+            &prompt(&[1, 2, 3, 4, 8, 8], 2),
+            Settle::FirstByte,
+        );
+        for waiting in [&second, &third] {
+            let gate = waiting
+                .wait_for
+                .clone()
+                .expect("the prefix is being computed");
+            assert!(
+                Arc::ptr_eq(&gate, &first.gate),
+                "waits for the first, not the one before"
+            );
+        }
+        first.settle();
+        // Prefilled: a fourth goes at once, though the second and third run.
+        let fourth = approximate.in_flight(
+            &ingest,
+            key(1),
+            &prompt(&[1, 2, 3, 4, 9, 9], 2),
+            Settle::FirstByte,
+        );
+        assert!(fourth.wait_for.is_none());
+        drop((second, third, fourth));
     }
 }

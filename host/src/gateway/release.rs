@@ -24,9 +24,9 @@ pub struct ReleaseGuard {
     stats: Arc<GatewayStats>,
     request_id: String,
     open: bool,
-    /// An approximate worker's credit for this request: settled when its
-    /// prompt is reusable (first byte or end, by engine), and at the latest
-    /// with the booking.
+    /// The worker's credit for this request (an approximate worker's, or an
+    /// event-fed worker's while it runs): settled when its prompt is reusable
+    /// (first byte or end, by engine), and at the latest with the booking.
     credit: Option<Credit>,
 }
 
@@ -56,7 +56,7 @@ impl ReleaseGuard {
     /// Whether the engine's count of reused prompt tokens is wanted (the
     /// request went to an approximate worker).
     fn wants_reuse_report(&self) -> bool {
-        self.credit.is_some()
+        self.credit.as_ref().is_some_and(Credit::wants_reuse_report)
     }
 
     fn engine_reused(&self, cached_tokens: u64) {

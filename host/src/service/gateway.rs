@@ -560,20 +560,32 @@ pub(crate) fn book_body(
     app.metrics
         .booked(&booking, booking.hint.message().is_some());
     let mut wait_for = None;
-    if worker.approximate_kv {
-        let credit = app.gateway.approximate.credit(
+    let prompt = approximate::Prompt {
+        token_ids: &prepared.token_ids,
+        block_size: snapshot.block_size,
+        lora: prepared.model.lora.as_deref(),
+        salt: prepared.cache_salt.as_deref(),
+        cached_blocks: booking.cached_blocks,
+    };
+    let credit = if worker.approximate_kv {
+        Some(app.gateway.approximate.credit(
             &app.ingest,
             booking.worker,
-            &approximate::Prompt {
-                token_ids: &prepared.token_ids,
-                block_size: snapshot.block_size,
-                lora: prepared.model.lora.as_deref(),
-                salt: prepared.cache_salt.as_deref(),
-                cached_blocks: booking.cached_blocks,
-            },
+            &prompt,
             snapshot.gateway.approximate_max_blocks,
             approximate::settles(target.engine),
-        );
+        ))
+    } else if snapshot.gateway.credit_in_flight {
+        Some(app.gateway.approximate.in_flight(
+            &app.ingest,
+            booking.worker,
+            &prompt,
+            approximate::settles(target.engine),
+        ))
+    } else {
+        None
+    };
+    if let Some(credit) = credit {
         wait_for = credit.wait_for.clone();
         guard.hold(credit);
     }

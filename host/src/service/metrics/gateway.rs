@@ -87,12 +87,18 @@ impl Collector for GatewayCollector {
         counters(
             e,
             "kvhint_gateway_prefix_waits",
-            "Requests to an approximate worker whose prefix an in-flight request was still computing: waited until it became reusable (settled), waited gateway.prefix_wait_ms in vain (timed_out), or sent at once, the prefix being shorter than gateway.prefix_wait_min_tokens (short).",
+            "Requests whose prefix an in-flight request on the same worker was still computing: waited until it became reusable (settled), waited gateway.prefix_wait_ms in vain (timed_out), or sent at once, the prefix being shorter than gateway.prefix_wait_min_tokens (short).",
             [
                 ([("outcome", "settled")], settled),
                 ([("outcome", "timed_out")], timed_out),
                 ([("outcome", "short")], short),
             ],
+        )?;
+        super::gauge(
+            e,
+            "kvhint_gateway_in_flight_blocks",
+            "Blocks of workers with KV events credited to the requests they are running (gateway.credit_in_flight), over every worker: in the index until the last request holding each ends.",
+            app.gateway.approximate.in_flight_blocks() as f64,
         )?;
         super::float_counter(
             e,
