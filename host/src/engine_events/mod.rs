@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use subscriber::{Shared, Subscriber, SubscriberOptions};
+use subscriber::{Alive, Shared, Subscriber, SubscriberOptions};
 
 /// Who asked for a source: a worker's registration, or the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +106,9 @@ pub struct EngineEvents {
     /// The directories of the `ipc://` paths the config's sources bind: a
     /// registration may bind there too.
     config_ipc_dirs: Mutex<Vec<PathBuf>>,
+    /// Subscriber threads that hold sockets: every source's, and a stopped one's
+    /// until it has closed them.
+    alive: Arc<Alive>,
 }
 
 /// File descriptors one source may hold, kept out of the connection budget.
@@ -150,7 +153,14 @@ impl EngineEvents {
             max_sources: AtomicUsize::new(crate::config::DEFAULT_MAX_SOURCES as usize),
             bound_ipc: Mutex::new(HashSet::new()),
             config_ipc_dirs: Mutex::new(Vec::new()),
+            alive: Arc::new(Alive::default()),
         }
+    }
+
+    /// The subscriber threads holding sockets now (the descriptor budget counts
+    /// these, not `kv_events.max_sources`), and the hook that hears each change.
+    pub fn alive(&self) -> &Arc<Alive> {
+        &self.alive
     }
 
     /// Sets `kv_events.max_sources` (at start).
@@ -329,7 +339,11 @@ impl EngineEvents {
             }
         }
         if let Some(old) = sources.remove(&worker) {
+            // Its thread closes its sockets within a poll (every wait of the thread
+            // checks the flag) and stays counted in `alive` until it has. It is not
+            // joined here: this runs on the API's threads, under the membership lock.
             old.shared.stop.store(true, Ordering::Relaxed);
+            old.shared.stats.set_state(SourceState::Stopped);
         }
         if endpoints.bind {
             if let Some(path) = endpoints.events.strip_prefix("ipc://") {
@@ -349,6 +363,8 @@ impl EngineEvents {
             ingest: self.ingest.clone(),
             settings: Arc::clone(&self.settings),
             options: SubscriberOptions::clone(&self.options.load()),
+            // Counted before the thread starts; a thread that cannot start drops it.
+            alive: self.alive.enter(),
         };
         std::thread::Builder::new()
             .name(format!("kvhint-kv-{}-{}", worker.worker_id, worker.dp_rank))

@@ -18,15 +18,28 @@ pub enum SourceState {
     Replaying = 2,
     /// Its worker was deregistered or its source removed.
     Stopped = 3,
+    /// The last attempt to create, bind or connect its socket failed (`last_error`
+    /// says why); the next one comes after a backoff (100 ms, doubling to 5 s).
+    Failed = 4,
 }
 
 impl SourceState {
+    /// Every state, in `as_str` order (the metrics' `state` label).
+    pub const ALL: [SourceState; 5] = [
+        Self::Connecting,
+        Self::Live,
+        Self::Replaying,
+        Self::Stopped,
+        Self::Failed,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Connecting => "connecting",
             Self::Live => "live",
             Self::Replaying => "replaying",
             Self::Stopped => "stopped",
+            Self::Failed => "failed",
         }
     }
 
@@ -35,6 +48,7 @@ impl SourceState {
             1 => Self::Live,
             2 => Self::Replaying,
             3 => Self::Stopped,
+            4 => Self::Failed,
             _ => Self::Connecting,
         }
     }
@@ -56,6 +70,9 @@ pub struct SourceStats {
     /// The publisher's connection dropped and came back (the worker is rebuilt).
     pub reconnects: AtomicU64,
     pub socket_errors: AtomicU64,
+    /// Peers that accepted a connection but failed the ZMTP handshake: not a ZMQ
+    /// publisher (or not yet one).
+    pub handshake_failures: AtomicU64,
     pub batches: AtomicU64,
     pub stored: AtomicU64,
     pub removed: AtomicU64,
@@ -103,6 +120,7 @@ impl Default for SourceStats {
             connects: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
             socket_errors: AtomicU64::new(0),
+            handshake_failures: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             stored: AtomicU64::new(0),
             removed: AtomicU64::new(0),

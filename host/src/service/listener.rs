@@ -110,6 +110,130 @@ impl ConnectionLimits {
     }
 }
 
+/// The connection cap, following the KV-event sources that exist: the descriptors
+/// a source holds are kept out of the budget only while it holds them, so a
+/// router without sources gets every connection its limit allows, and each source
+/// that starts (from the config or a registration) takes its share from the cap,
+/// which it gives back when its thread has closed its sockets.
+///
+/// The cap is a semaphore's permits. Lowering it forgets the permits that are
+/// free; those held by open connections are owed, and forgotten as those
+/// connections close, so the cap is reached without cutting anyone off.
+pub struct ConnectionBudget {
+    permits: Arc<tokio::sync::Semaphore>,
+    /// `--max-connections`: the cap never goes above it.
+    most: usize,
+    /// The open-files limit, if it could be read (without it, `most` is the cap).
+    open_files: Option<u64>,
+    per_source: u64,
+    sources: Box<dyn Fn() -> u64 + Send + Sync>,
+    state: parking_lot::Mutex<BudgetState>,
+}
+
+#[derive(Debug)]
+struct BudgetState {
+    /// The cap now.
+    cap: usize,
+    /// The sources it was worked out for.
+    sources: u64,
+    /// Permits the cap went down by that open connections still hold.
+    owed: usize,
+}
+
+impl ConnectionBudget {
+    /// `most` is `--max-connections`; `sources` counts the sources that hold
+    /// descriptors now, `per_source` descriptors each.
+    pub fn new(
+        most: usize,
+        open_files: Option<u64>,
+        per_source: u64,
+        sources: Box<dyn Fn() -> u64 + Send + Sync>,
+    ) -> Arc<Self> {
+        let now = sources();
+        let budget = Self {
+            permits: Arc::new(tokio::sync::Semaphore::new(0)),
+            most,
+            open_files,
+            per_source,
+            sources,
+            state: parking_lot::Mutex::new(BudgetState {
+                cap: 0,
+                sources: now,
+                owed: 0,
+            }),
+        };
+        let cap = budget.cap_for(now);
+        budget.permits.add_permits(cap);
+        budget.state.lock().cap = cap;
+        Arc::new(budget)
+    }
+
+    /// The cap with `sources` sources: `--max-connections`, or what the limit
+    /// leaves after [`ConnectionLimits::RESERVED_FDS`] and the sources, halved
+    /// (a proxied connection holds its socket and the one to its worker).
+    pub fn cap_for(&self, sources: u64) -> usize {
+        match self.open_files {
+            None => self.most,
+            Some(limit) => {
+                let left = limit
+                    .saturating_sub(ConnectionLimits::RESERVED_FDS)
+                    .saturating_sub(sources.saturating_mul(self.per_source));
+                (self.most as u64).min((left / 2).max(1)) as usize
+            }
+        }
+    }
+
+    /// The cap now.
+    pub fn cap(&self) -> usize {
+        self.state.lock().cap
+    }
+
+    /// Works the cap out again for the sources there are now (called after each
+    /// change: it reads the count itself, under its lock, so changes that race
+    /// each other leave the cap for the latest count).
+    pub fn refresh(&self) {
+        let mut state = self.state.lock();
+        let sources = (self.sources)();
+        let cap = self.cap_for(sources);
+        let before = state.cap;
+        if cap < before {
+            let down = before - cap;
+            let free = self.permits.forget_permits(down);
+            state.owed += down - free;
+        } else if cap > before {
+            let up = cap - before;
+            let repaid = up.min(state.owed);
+            state.owed -= repaid;
+            self.permits.add_permits(up - repaid);
+        }
+        let changed = cap != before;
+        state.cap = cap;
+        state.sources = sources;
+        drop(state);
+        if changed {
+            tracing::info!(
+                max_connections = self.most,
+                open_files_limit = self.open_files.unwrap_or(0),
+                now = cap,
+                kept_for_kv_event_sources = sources * self.per_source,
+                "the connection cap follows the KV-event sources' descriptors"
+            );
+        }
+    }
+
+    /// A connection's permit, back when it closes (or forgotten, if the cap went
+    /// down while it was open).
+    fn release(&self, permit: tokio::sync::OwnedSemaphorePermit) {
+        let mut state = self.state.lock();
+        if state.owed > 0 {
+            state.owed -= 1;
+            permit.forget();
+        } else {
+            drop(permit);
+        }
+    }
+}
+
 /// The deadline a handler's body read is under (a request extension).
 #[derive(Debug, Clone, Copy)]
 pub struct BodyDeadline(pub Duration);
@@ -298,12 +422,13 @@ pub async fn serve(
     listener: TcpListener,
     router: axum::Router,
     limits: ConnectionLimits,
+    budget: Arc<ConnectionBudget>,
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()>,
     drain: Duration,
 ) {
     use hyper_util::rt::TokioIo;
-    let permits = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let permits = Arc::clone(&budget.permits);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut accept_errors_logged = Instant::now() - Duration::from_secs(60);
@@ -374,13 +499,14 @@ pub async fn serve(
             .serve_connection(TokioIo::new(io), service);
         let connection = graceful.watch(connection);
         let metrics = Arc::clone(&metrics);
+        let budget = Arc::clone(&budget);
         metrics.connection_opened();
         tokio::spawn(async move {
             // A connection's errors (a reset, a timeout, a malformed head) are the
             // peer's; hyper has answered what it could.
             let _ = connection.await;
             metrics.connection_closed();
-            drop(permit);
+            budget.release(permit);
         });
     }
     drop(listener);
@@ -451,4 +577,72 @@ fn tower_oneshot(
     let mut router = router;
     let request = request.map(axum::body::Body::new);
     router.call(request)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// Issue 44: descriptors are kept for the KV-event sources there are, not for
+    /// `kv_events.max_sources`; a cap lowered while connections hold its permits
+    /// is reached as they close, without cutting them.
+    #[test]
+    fn the_cap_follows_the_sources_and_a_lowered_cap_is_reached_as_connections_close() {
+        let sources = Arc::new(AtomicU64::new(0));
+        let count = Arc::clone(&sources);
+        // 256 descriptors: 64 reserved, 8 a source, 2 a connection.
+        let budget = ConnectionBudget::new(
+            1024,
+            Some(256),
+            8,
+            Box::new(move || count.load(Ordering::Relaxed)),
+        );
+        assert_eq!(budget.cap(), 96, "no source: nothing kept for one");
+        assert_eq!(budget.permits.available_permits(), 96);
+        // 90 connections open, then 3 sources start: the cap is 84 at once, and
+        // the 6 permits it owes are forgotten as connections close.
+        let mut open: Vec<_> = (0..90)
+            .map(|_| Arc::clone(&budget.permits).try_acquire_owned().unwrap())
+            .collect();
+        sources.store(3, Ordering::Relaxed);
+        budget.refresh();
+        assert_eq!(budget.cap(), 84);
+        assert_eq!(budget.permits.available_permits(), 0);
+        for permit in open.drain(..10) {
+            budget.release(permit);
+        }
+        // 6 closings paid what was owed; the other 4 are free again: 80 open + 4 = 84.
+        assert_eq!(budget.permits.available_permits(), 4);
+        // The sources go: the room comes back.
+        sources.store(0, Ordering::Relaxed);
+        budget.refresh();
+        assert_eq!(budget.cap(), 96);
+        assert_eq!(budget.permits.available_permits(), 16);
+        for permit in open.drain(..) {
+            budget.release(permit);
+        }
+        assert_eq!(budget.permits.available_permits(), 96);
+        // Lowered while nothing was owed, raised before the debt was paid: the
+        // raise cancels the debt first.
+        let held: Vec<_> = (0..96)
+            .map(|_| Arc::clone(&budget.permits).try_acquire_owned().unwrap())
+            .collect();
+        sources.store(2, Ordering::Relaxed);
+        budget.refresh();
+        sources.store(1, Ordering::Relaxed);
+        budget.refresh();
+        assert_eq!(budget.cap(), 92);
+        for permit in held {
+            budget.release(permit);
+        }
+        assert_eq!(budget.permits.available_permits(), 92);
+        // Never above --max-connections, never below 1.
+        let small = ConnectionBudget::new(10, Some(256), 8, Box::new(|| 0));
+        assert_eq!(small.cap(), 10);
+        let starved = ConnectionBudget::new(1024, Some(64), 8, Box::new(|| 5));
+        assert_eq!(starved.cap(), 1);
+        let unknown = ConnectionBudget::new(1024, None, 8, Box::new(|| 5));
+        assert_eq!(unknown.cap(), 1024);
+    }
 }

@@ -569,13 +569,16 @@ pub async fn serve(
         .with_context(|| format!("cannot listen on {}", options.listen))?;
     let address = listener.local_addr()?;
     let _ = app.listen.set(address);
-    // Each KV-event source holds descriptors too: they are kept out of the budget,
-    // so subscriptions can never starve connections (or a reload) of descriptors.
-    // They take at most half of what the limit leaves: a lower `ulimit -n` lowers
-    // the source cap too, with a warning.
+    // Each KV-event source holds descriptors too: they are kept out of the
+    // connection budget while a source holds them (from its thread's start until
+    // its sockets are closed), so subscriptions never starve connections (or a
+    // reload) of descriptors, and a router with no source keeps none back for
+    // them. Sources take at most half of what the limit leaves: a lower
+    // `ulimit -n` lowers the source cap too, with a warning.
     let per_source = crate::engine_events::FDS_PER_SOURCE;
-    let mut sources = app.engine_events.max_sources() as u64;
-    if let Some(limit) = listener::ConnectionLimits::open_files_limit() {
+    let open_files = listener::ConnectionLimits::open_files_limit();
+    if let Some(limit) = open_files {
+        let sources = app.engine_events.max_sources() as u64;
         let most =
             (limit.saturating_sub(listener::ConnectionLimits::RESERVED_FDS) / 2 / per_source)
                 .max(1);
@@ -586,19 +589,37 @@ pub async fn serve(
                 now = most,
                 "kv_events.max_sources is more than the open-files limit leaves room for; lowered (raise `ulimit -n` for more)"
             );
-            sources = most;
             app.engine_events.set_max_sources(most as usize);
         }
     }
     start_replication(&app).await?;
-    let for_sources = sources * per_source;
-    let connections = options.connections.capped_by_file_limit(for_sources);
+    let alive = Arc::clone(app.engine_events.alive());
+    let count = Arc::clone(&alive);
+    let budget = listener::ConnectionBudget::new(
+        options.connections.max_connections,
+        open_files,
+        per_source,
+        Box::new(move || count.count() as u64),
+    );
+    // Said once at start for the sources there are now (the config's), as before;
+    // the budget says each change after.
+    let connections = options
+        .connections
+        .capped_by_file_limit(alive.count() as u64 * per_source);
+    let follow = Arc::downgrade(&budget);
+    alive.on_change(Box::new(move || {
+        if let Some(budget) = follow.upgrade() {
+            budget.refresh();
+        }
+    }));
+    // A source that started or stopped before the hook was set.
+    budget.refresh();
     println!("listening on {address}");
     tracing::info!(
         %address,
         generation = app.snapshot.load().generation,
         auth = app.snapshot.load().tokens.is_some(),
-        max_connections = connections.max_connections,
+        max_connections = budget.cap(),
         "kvhint serving"
     );
 
@@ -623,6 +644,7 @@ pub async fn serve(
         listener,
         routes(app, options.max_body_bytes),
         connections,
+        budget,
         metrics,
         async {
             use tokio::signal::unix::{signal, SignalKind};

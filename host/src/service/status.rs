@@ -133,6 +133,10 @@ pub struct SourceStatus {
     pub mode: &'static str,
     pub state: &'static str,
     pub last_error: Option<String>,
+    /// Failed attempts to create, bind or connect the socket (each retried).
+    pub socket_errors: u64,
+    /// Peers that accepted but failed the ZMTP handshake (not a publisher).
+    pub handshake_failures: u64,
     pub last_seq: Option<u64>,
     pub last_event_age_ms: Option<u64>,
     pub lag_ms: u64,
@@ -290,6 +294,8 @@ fn kv_event_sources(app: &App) -> Vec<SourceStatus> {
                 },
                 state: stats.state().as_str(),
                 last_error: stats.last_error(),
+                socket_errors: stats.socket_errors.load(Ordering::Relaxed),
+                handshake_failures: stats.handshake_failures.load(Ordering::Relaxed),
                 last_seq: (last_seq != NO_SEQ).then_some(last_seq),
                 last_event_age_ms: stats.age_ms(),
                 lag_ms: stats.lag_ms.load(Ordering::Relaxed),

@@ -17,6 +17,16 @@
 //! Between the socket and the index nothing grows without bound: the socket's receive
 //! high-water mark drops what a stalled router cannot take (seen as a gap), and a batch
 //! the ingestion queue refuses is dropped and recovered the same way.
+//!
+//! The SUB socket's connection events come from libzmq's socket monitor, and libzmq
+//! sends each one from its single I/O thread with a *blocking* send to a PAIR socket
+//! only this thread reads ([`Sockets`]). That thread is shared by every socket of the
+//! router: an event it cannot deliver stops all of them. So the monitor is read
+//! whenever this thread waits (never left to fill), and it is stopped inside libzmq
+//! before its PAIR closes (never an event sent to a PAIR that is gone; issue 44: a
+//! storm of restarted subscriptions to a port that accepted and dropped connections
+//! blocked the I/O thread, after which no socket was ever closed again, 1,023 sockets
+//! later none could be made, and no source heard its engine).
 
 use super::decode::{decode_batch, DecodeSettings, DecodedBatch, GroupFilter};
 use super::stats::{SourceState, SourceStats};
@@ -27,7 +37,8 @@ use crate::router::index::{ApplyStats, KvEvent};
 use crate::router::ingest::Ingest;
 use crate::router::{Router, RouterError};
 use arc_swap::ArcSwap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -91,6 +102,94 @@ pub struct Subscriber {
     pub ingest: Ingest,
     pub settings: Arc<ArcSwap<DecodeSettings>>,
     pub options: SubscriberOptions,
+    /// Counts the thread from before it starts until its sockets are closed: a
+    /// stopped source's thread still holds descriptors until then (see [`Alive`]).
+    pub alive: AliveGuard,
+}
+
+/// How many subscriber threads hold sockets now, whether their source is still
+/// wanted or was stopped and they have not finished yet; `changed` runs after each
+/// change (the connection budget follows it).
+#[derive(Default)]
+pub struct Alive {
+    count: AtomicUsize,
+    changed: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl Alive {
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Sets what runs after each change (once; later calls change nothing).
+    pub fn on_change(&self, changed: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.changed.set(changed);
+    }
+
+    /// One more thread; it is counted until the guard drops.
+    pub fn enter(self: &Arc<Self>) -> AliveGuard {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        self.notify();
+        AliveGuard(Arc::clone(self))
+    }
+
+    fn notify(&self) {
+        if let Some(changed) = self.changed.get() {
+            changed();
+        }
+    }
+}
+
+/// A subscriber thread's place in [`Alive`].
+pub struct AliveGuard(Arc<Alive>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::AcqRel);
+        self.0.notify();
+    }
+}
+
+/// libzmq's `zmq_socket_monitor`, which the `zmq` crate wraps only for starting a
+/// monitor: a null endpoint stops one (socket_base.cpp: "Support deregistering
+/// monitoring endpoints as well"), the only way to stop it before the socket closes.
+mod libzmq {
+    use std::os::raw::{c_char, c_int, c_void};
+    extern "C" {
+        pub fn zmq_socket_monitor(
+            socket: *mut c_void,
+            endpoint: *const c_char,
+            events: c_int,
+        ) -> c_int;
+    }
+}
+
+/// A subscription's SUB socket and the PAIR its monitor reports to, closed in the one
+/// order that cannot block libzmq's I/O thread (see the module's comment).
+struct Sockets {
+    sub: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+impl Drop for Sockets {
+    fn drop(&mut self) {
+        // Empty the PAIR first: an event blocked on a full PAIR holds the lock that
+        // stopping the monitor takes. Then stop the monitor, which closes libzmq's end
+        // of the pair under that lock, so no event is sent from here on; only then
+        // may our end close (an event sent to a PAIR whose peer is gone blocks the I/O
+        // thread for good).
+        while self.monitor.recv_msg(zmq::DONTWAIT).is_ok() {}
+        // SAFETY: `as_mut_ptr` is the live socket `self.sub` owns, borrowed mutably, so
+        // no other call uses it meanwhile; a null endpoint with no events is how
+        // libzmq 4.3 stops a monitor (it reads nothing else through the pointers).
+        let stopped =
+            unsafe { libzmq::zmq_socket_monitor(self.sub.as_mut_ptr(), std::ptr::null(), 0) };
+        // It fails only once the context is terminating (ETERM), when libzmq's
+        // threads are being shut down and nothing waits on them any more.
+        if stopped != 0 {
+            tracing::debug!("a KV-event socket's monitor was stopped by the context's end");
+        }
+    }
 }
 
 /// Where the sequence stands.
@@ -151,7 +250,7 @@ impl Cursor {
 }
 
 struct Warnings {
-    last: [Option<Instant>; 6],
+    last: [Option<Instant>; 7],
 }
 
 #[derive(Clone, Copy)]
@@ -162,6 +261,7 @@ enum Warn {
     Recovery = 3,
     Topic = 4,
     Rank = 5,
+    Handshake = 6,
 }
 
 impl Warnings {
@@ -176,27 +276,52 @@ impl Warnings {
 }
 
 impl Subscriber {
-    /// Runs until the source is stopped.
+    /// Runs until the source is stopped; returns once its sockets are closed.
     pub fn run(self) {
         let mut thread = Thread {
             sub: &self,
+            sockets: None,
+            link: Link::default(),
             cursor: Cursor::default(),
             decoded: DecodedBatch::default(),
             groups: GroupFilter::default(),
             keys: vec![self.shared.worker],
             signed: Vec::new(),
-            warnings: Warnings { last: [None; 6] },
+            warnings: Warnings { last: [None; 7] },
             pending_clear: false,
             parent_rebuilt: false,
             follower: Follower::default(),
         };
         thread.run();
-        self.shared.stats.set_state(SourceState::Stopped);
+        // Closes the sockets, if the loop left any open.
+        drop(thread);
+        let Self { shared, alive, .. } = self;
+        shared.stats.set_state(SourceState::Stopped);
+        // Only now, with its sockets closed, does the thread stop counting.
+        drop(alive);
     }
+}
+
+/// What the monitor said about the publisher's connection, since the socket opened.
+#[derive(Debug, Default)]
+struct Link {
+    /// A publisher completed the ZMTP handshake and has not dropped since: something
+    /// that speaks ZMQ is there (a TCP connection alone proves nothing: any server
+    /// accepts one).
+    up: bool,
+    /// It dropped after a handshake: whoever completes the next one may be a
+    /// restarted engine.
+    dropped: bool,
+    /// A handshake completed after a drop and the worker is not rebuilt yet.
+    rejoined: bool,
 }
 
 struct Thread<'a> {
     sub: &'a Subscriber,
+    /// The open sockets (between a successful open and the end of the socket loop);
+    /// shared with the loop that reads them so that any wait can read the monitor.
+    sockets: Option<Rc<Sockets>>,
+    link: Link,
     cursor: Cursor,
     decoded: DecodedBatch,
     groups: GroupFilter,
@@ -227,12 +352,89 @@ impl Thread<'_> {
         &self.sub.shared.endpoints
     }
 
-    /// Sleeps `wait`, waking early when stopped.
+    /// Sleeps `wait`, waking early when stopped; the monitor is read meanwhile.
     fn pause(&mut self, wait: Duration) {
         let until = Instant::now() + wait;
         while !self.stopped() && Instant::now() < until {
             self.follower.follow(self.sub.ingest.scheduling());
+            self.read_monitor();
             std::thread::sleep(POLL.min(until.saturating_duration_since(Instant::now())));
+        }
+    }
+
+    /// Takes every event the monitor holds, noting what it says in `self.link` (and
+    /// the stats); acting on it is the socket loop's. Called from every wait, so
+    /// libzmq's I/O thread, shared by all sockets, never blocks on a full monitor.
+    fn read_monitor(&mut self) {
+        let Some(sockets) = self.sockets.clone() else {
+            return;
+        };
+        while let Ok(frames) = sockets.monitor.recv_multipart(zmq::DONTWAIT) {
+            // The first frame: the event (u16) and its value (u32), little-endian.
+            let Some(head) = frames.first().and_then(|f| f.get(..6)) else {
+                continue;
+            };
+            let event = u16::from_le_bytes([head[0], head[1]]);
+            let value = u32::from_le_bytes([head[2], head[3], head[4], head[5]]);
+            self.link_event(event, value);
+        }
+    }
+
+    fn link_event(&mut self, event: u16, value: u32) {
+        use zmq::SocketEvent as E;
+        if event == E::HANDSHAKE_SUCCEEDED.to_raw() {
+            self.link.up = true;
+            if self.link.dropped {
+                self.link.dropped = false;
+                self.link.rejoined = true;
+            }
+        } else if event == E::DISCONNECTED.to_raw() {
+            // Only a publisher's drop counts: a peer that never completed a handshake
+            // (not a publisher, or not yet) held nothing the worker's entries rest on.
+            if self.link.up {
+                self.link.up = false;
+                self.link.dropped = true;
+            }
+        } else if [
+            E::HANDSHAKE_FAILED_NO_DETAIL,
+            E::HANDSHAKE_FAILED_PROTOCOL,
+            E::HANDSHAKE_FAILED_AUTH,
+        ]
+        .iter()
+        .any(|e| e.to_raw() == event)
+        {
+            self.stats()
+                .handshake_failures
+                .fetch_add(1, Ordering::Relaxed);
+            let why = if event == E::HANDSHAKE_FAILED_NO_DETAIL.to_raw() {
+                // The value is the errno of the failure; 0 when the peer just hung up.
+                match value {
+                    0 => "the peer closed the connection".to_string(),
+                    errno => std::io::Error::from_raw_os_error(errno as i32).to_string(),
+                }
+            } else {
+                format!("ZMTP error {value:#x}")
+            };
+            let endpoints = self.endpoints();
+            let problem = if endpoints.bind {
+                format!(
+                    "a peer that connected to {} is not a ZMQ publisher: its handshake failed ({why})",
+                    endpoints.events
+                )
+            } else {
+                format!(
+                    "the peer at {} is not a ZMQ publisher, or not yet: its handshake failed ({why}); retrying",
+                    endpoints.events
+                )
+            };
+            if self.warnings.due(Warn::Handshake) {
+                tracing::warn!(
+                    worker_id = self.sub.shared.worker.worker_id,
+                    dp_rank = self.sub.shared.worker.dp_rank,
+                    "KV-event source: {problem}"
+                );
+            }
+            self.stats().set_error(&problem);
         }
     }
 
@@ -242,12 +444,14 @@ impl Thread<'_> {
         let mut replayed_history = false;
         while !self.stopped() {
             self.follower.follow(self.sub.ingest.scheduling());
-            self.stats().set_state(SourceState::Connecting);
-            let socket = match self.open() {
+            let sockets = match self.open() {
                 Ok(sockets) => sockets,
                 Err(problem) => {
+                    // Failed, not connecting: status and `/metrics` say so (with the
+                    // reason) until an attempt succeeds.
                     self.stats().socket_errors.fetch_add(1, Ordering::Relaxed);
                     self.stats().set_error(&problem);
+                    self.stats().set_state(SourceState::Failed);
                     if self.warnings.due(Warn::Socket) {
                         tracing::warn!(
                             worker_id = self.sub.shared.worker.worker_id,
@@ -263,19 +467,24 @@ impl Thread<'_> {
             };
             backoff = first;
             self.stats().connects.fetch_add(1, Ordering::Relaxed);
-            // Live once the publisher's connection is up (the socket monitor says so)
-            // or a batch arrives; until then, still connecting.
+            // Live once a publisher's handshake completes (the socket monitor says so)
+            // or a batch arrives; until then, connecting.
+            self.stats().set_state(SourceState::Connecting);
+            self.sockets = Some(Rc::new(sockets));
+            self.link = Link::default();
             // The replay buffer is the only history an engine keeps: load it once, so
             // a router started after the engine knows what the engine cached lately.
             if !replayed_history && self.endpoints().replay.is_some() {
                 replayed_history = true;
                 self.recover(Recovery::History);
             }
-            self.receive(&socket);
+            self.receive();
+            // Closes both sockets, in the order `Sockets` keeps.
+            self.sockets = None;
         }
     }
 
-    fn open(&self) -> Result<(zmq::Socket, zmq::Socket), String> {
+    fn open(&self) -> Result<Sockets, String> {
         let endpoints = self.endpoints();
         let socket = self
             .sub
@@ -293,28 +502,22 @@ impl Thread<'_> {
             Ok(())
         };
         setup().map_err(|e| format!("cannot configure the SUB socket: {e}"))?;
-        if endpoints.bind {
-            socket.bind(&endpoints.events).map_err(|e| {
-                format!(
-                    "cannot bind {}: {e} (is another process, or another worker's source, \
-                     bound there?)",
-                    endpoints.events
-                )
-            })?;
-        } else {
-            socket
-                .connect(&endpoints.events)
-                .map_err(|e| format!("cannot connect to {}: {e}", endpoints.events))?;
-        }
         // The socket's own connection events: a publisher that went away and came back
         // may be a restarted engine whose first batches were lost before the
         // subscription rejoined, which its sequence numbers alone cannot show.
+        // Monitored before it binds or connects: libzmq's monitor blocks on an event
+        // until our PAIR is there to take it, so the PAIR is connected before any
+        // connection activity can raise one.
         let address = format!(
             "inproc://kvhint-monitor-{}",
             MONITORS.fetch_add(1, Ordering::Relaxed)
         );
-        let events = zmq::SocketEvent::CONNECTED.to_raw()
-            | zmq::SocketEvent::ACCEPTED.to_raw()
+        // The handshake's outcome, not the TCP connection: any server accepts one, and
+        // only a completed ZMTP handshake says a publisher is there.
+        let events = zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw()
+            | zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL.to_raw()
+            | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL.to_raw()
+            | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH.to_raw()
             | zmq::SocketEvent::DISCONNECTED.to_raw();
         let monitor = self
             .sub
@@ -323,19 +526,49 @@ impl Thread<'_> {
             .map_err(|e| format!("cannot create a monitor socket: {e}"))?;
         socket
             .monitor(&address, i32::from(events))
-            .and_then(|()| monitor.connect(&address))
             .map_err(|e| format!("cannot monitor the SUB socket: {e}"))?;
-        Ok((socket, monitor))
+        // From here the monitor runs: `Sockets` stops it before anything closes,
+        // whatever fails next.
+        let sockets = Sockets {
+            sub: socket,
+            monitor,
+        };
+        sockets
+            .monitor
+            .connect(&address)
+            .map_err(|e| format!("cannot monitor the SUB socket: {e}"))?;
+        if endpoints.bind {
+            sockets.sub.bind(&endpoints.events).map_err(|e| {
+                format!(
+                    "cannot bind {}: {e} (is another process, or another worker's source, \
+                     bound there?)",
+                    endpoints.events
+                )
+            })?;
+        } else {
+            sockets
+                .sub
+                .connect(&endpoints.events)
+                .map_err(|e| format!("cannot connect to {}: {e}", endpoints.events))?;
+        }
+        Ok(sockets)
     }
 
     /// Reads batches until stopped or the socket fails.
-    fn receive(&mut self, (socket, monitor): &(zmq::Socket, zmq::Socket)) {
-        let mut dropped_peer = false;
+    fn receive(&mut self) {
+        let Some(sockets) = self.sockets.clone() else {
+            return;
+        };
         while !self.stopped() {
             self.follower.follow(self.sub.ingest.scheduling());
+            // The monitor first: libzmq sends an event before the batches that follow
+            // it, so a publisher's return is mostly seen before its first batch (one
+            // that arrives first is caught in `message`).
+            self.read_monitor();
+            self.follow_link();
             let mut items = [
-                socket.as_poll_item(zmq::POLLIN),
-                monitor.as_poll_item(zmq::POLLIN),
+                sockets.sub.as_poll_item(zmq::POLLIN),
+                sockets.monitor.as_poll_item(zmq::POLLIN),
             ];
             match zmq::poll(&mut items, POLL.as_millis() as i64) {
                 Ok(0) => continue,
@@ -346,32 +579,10 @@ impl Thread<'_> {
                     return;
                 }
             }
-            if items[1].is_readable() {
-                if let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
-                    let event = frames
-                        .first()
-                        .and_then(|f| f.get(..2))
-                        .map(|b| zmq::SocketEvent::from_raw(u16::from_le_bytes([b[0], b[1]])));
-                    match event {
-                        Some(zmq::SocketEvent::DISCONNECTED) => {
-                            dropped_peer = true;
-                            self.stats().set_state(SourceState::Connecting);
-                        }
-                        Some(zmq::SocketEvent::CONNECTED | zmq::SocketEvent::ACCEPTED) => {
-                            self.stats().set_state(SourceState::Live);
-                            if dropped_peer {
-                                dropped_peer = false;
-                                self.reconnected();
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-            }
             if !items[0].is_readable() {
                 continue;
             }
-            let frames = match socket.recv_multipart(zmq::DONTWAIT) {
+            let frames = match sockets.sub.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => frames,
                 Err(zmq::Error::EAGAIN) => continue,
                 Err(e) => {
@@ -383,10 +594,23 @@ impl Thread<'_> {
         }
     }
 
-    fn message(&mut self, frames: &[Vec<u8>]) {
-        if self.stats().state() != SourceState::Live {
+    /// Acts on what the monitor said: live while a publisher's handshake holds, and a
+    /// publisher that came back after a drop may be a restarted engine whose first
+    /// batches were lost before the subscription rejoined, which its sequence numbers
+    /// alone cannot show.
+    fn follow_link(&mut self) {
+        let state = self.stats().state();
+        if self.link.up && state == SourceState::Connecting {
             self.stats().set_state(SourceState::Live);
+        } else if self.link.dropped && state == SourceState::Live {
+            self.stats().set_state(SourceState::Connecting);
         }
+        if std::mem::take(&mut self.link.rejoined) {
+            self.reconnected();
+        }
+    }
+
+    fn message(&mut self, frames: &[Vec<u8>]) {
         let [topic, seq, payload] = frames else {
             self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
             return;
@@ -409,6 +633,18 @@ impl Thread<'_> {
             self.stats().frame_errors.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        // A batch of ours: a publisher is there, whether or not its handshake was
+        // reported yet (the event may still be on its way; a ZMTP 2 peer reports
+        // none). Junk frames are not one.
+        if self.stats().state() == SourceState::Connecting {
+            self.stats().set_state(SourceState::Live);
+        }
+        if !self.link.up {
+            self.link.up = true;
+            if std::mem::take(&mut self.link.dropped) {
+                self.reconnected();
+            }
+        }
         match self.cursor.classify(seq) {
             // The socket delivers in order: once the next new batch arrives, the live
             // copies of replayed batches are behind it, and a lower sequence from now
@@ -638,6 +874,12 @@ impl Thread<'_> {
                     self.pending_clear = false;
                     let mut waited = Duration::ZERO;
                     while waited < SUBMIT_WAIT {
+                        // A stopped source ends now (its sockets closed), not when
+                        // the router gets round to the batch.
+                        if self.stopped() {
+                            return None;
+                        }
+                        self.read_monitor();
                         match results.recv_timeout(POLL) {
                             Ok(mut results) => {
                                 results.drain(..clears.min(results.len()));

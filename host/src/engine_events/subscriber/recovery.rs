@@ -65,11 +65,19 @@ impl Thread<'_> {
             }
             return None;
         };
+        // Replaying (and up) only from live: a replay asked for while no publisher
+        // has been heard (a source's history at start, say) leaves it connecting,
+        // since nothing says the engine is there.
         let before = self.stats().state();
-        self.stats().set_state(SourceState::Replaying);
+        let from_live = before == SourceState::Live;
+        if from_live {
+            self.stats().set_state(SourceState::Replaying);
+        }
         self.stats().replays.fetch_add(1, Ordering::Relaxed);
         let fetched = self.fetch_replay(&replay, from);
-        self.stats().set_state(before);
+        if from_live {
+            self.stats().set_state(before);
+        }
         let batches = match fetched {
             Ok(batches) => batches,
             Err(problem) => {
@@ -147,6 +155,8 @@ impl Thread<'_> {
                 return Err("the source was stopped".into());
             }
             self.follower.follow(self.sub.ingest.scheduling());
+            // A replay may take seconds: the SUB socket's monitor is read meanwhile.
+            self.read_monitor();
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(format!(

@@ -17,7 +17,7 @@ super::debug_as_name!(SourceCollector);
 type Counter = fn(&SourceStats) -> &AtomicU64;
 
 /// Name (without `_total`), help, figure.
-const COUNTERS: [(&str, &str, Counter); 16] = [
+const COUNTERS: [(&str, &str, Counter); 17] = [
     (
         "kvhint_kv_source_other_topic",
         "Batches on another topic than the source's (ignored).",
@@ -32,6 +32,11 @@ const COUNTERS: [(&str, &str, Counter); 16] = [
         "kvhint_kv_source_socket_errors",
         "Failed attempts to create, bind or connect the socket.",
         |s| &s.socket_errors,
+    ),
+    (
+        "kvhint_kv_source_handshake_failures",
+        "Peers that accepted a connection but failed the ZMTP handshake: not a ZMQ publisher.",
+        |s| &s.handshake_failures,
     ),
     (
         "kvhint_kv_source_reconnects",
@@ -159,6 +164,20 @@ impl Collector for SourceCollector {
             "kvhint_kv_source_last_event_age_seconds",
             "Seconds since the last batch arrived (-1 before the first).",
             per_source(|s| s.age_ms().map_or(-1.0, |ms| ms as f64 / 1000.0)),
+        )?;
+        gauges(
+            e,
+            "kvhint_kv_source_state",
+            "1 for the state the subscription is in (connecting, live, replaying, stopped, failed: its socket could not be made, bound or connected, and is retried), 0 for the others.",
+            sources.iter().flat_map(|s| {
+                let now = s.stats().state();
+                SourceState::ALL.map(|state| {
+                    (
+                        (WorkerLabels(s.worker), [("state", state.as_str())]),
+                        f64::from(u8::from(state == now)),
+                    )
+                })
+            }),
         )?;
         gauges(
             e,
