@@ -798,6 +798,24 @@ fn tokenize_and_detokenize_answer_in_vllm_s_shapes_with_the_engine_s_ids() {
     let (status, error) = server.post("/detokenize", &json!({"tokens": [1, 999_999_999]}));
     assert_eq!(status, 400, "{error}");
     assert_eq!(error["error"]["param"], "tokens", "{error}");
+    // A text past `max_model_len` (router.max_prompt_tokens, 262,144 here) is
+    // refused as a prompt is, once the count passes it: a few hundred tokens
+    // over, 2 MiB of them, and not all of it tokenized.
+    let long = " a".repeat(1 << 20);
+    for (body, param) in [
+        (json!({"prompt": long}), "prompt"),
+        (
+            json!({"messages": [{"role": "user", "content": long}]}),
+            "messages",
+        ),
+    ] {
+        let (status, error) = server.post("/tokenize", &body);
+        assert_eq!(status, 400, "{error}");
+        assert_eq!(error["error"]["code"], "prompt_too_long", "{error}");
+        assert_eq!(error["error"]["param"], param, "{error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("262144"), "{message}");
+    }
 }
 
 #[test]

@@ -1112,3 +1112,259 @@ fn each_kv_event_source_holds_no_more_descriptors_than_the_budget_keeps() {
         "{per_source} descriptors a connecting source (with its connection), and one for a replay: the budget keeps {kept}"
     );
 }
+
+/// Issue 44, item 7: a prompt far over `max_prompt_tokens` was tokenized in full
+/// (about 1 s per MB) before it was refused. Now tokenizing stops once the count
+/// passes the bound: an 8 MiB prompt, as a completion and as a chat's message,
+/// is refused with the router's `prompt_too_long` after about the bound's worth
+/// of text is tokenized (the tokenizer's own count of the bytes it encoded, not
+/// a timing); 8 MiB with no place to cut it (one word, CJK with no punctuation)
+/// is refused with none of it tokenized; and token ids are counted without
+/// tokenizing anything.
+#[test]
+fn a_prompt_far_over_max_prompt_tokens_is_refused_after_tokenizing_about_the_bound() {
+    const MAX: usize = 4_096;
+    let dir = private_dir();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "router:\n  max_prompt_tokens: {MAX}\nworker_selection:\n  aggregated: dynamo-default-cost-fn\n\
+             models:\n  qwen3:\n    tokenizer: {}\n",
+            kvhint_e2e::llamacpp::qwen3_tokenizer_dir().display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&config, &["--max-body-bytes", "16777216"], dir.path());
+    let tokenized = || {
+        kvhint_e2e::http::metric_or_zero(
+            &server,
+            "kvhint_tokenizer_cache_text_bytes_total{model=\"qwen3\",result=\"miss\"}",
+        )
+    };
+    // About 4 bytes a token; 8 MiB is some 2 million tokens.
+    let sentence = "The quick brown fox jumps over the lazy dog, 1234 times; naïve café 東京。\n";
+    let prompt = sentence.repeat((8 << 20) / sentence.len());
+    // The bound's worth of this text and one part (8 KiB) of slack, doubled.
+    let about_the_bound = 2.0 * (MAX as f64 * 5.0 + 8192.0);
+    let requests = [
+        (
+            "/v1/completions",
+            json!({"model": "qwen3", "prompt": prompt}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "qwen3", "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": prompt},
+            ]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "qwen3", "prompt": "a".repeat(8 << 20)}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "qwen3", "messages": [
+                {"role": "user", "content": "中文测试数据".repeat((8 << 20) / 18)},
+            ]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "qwen3", "prompt": (0..=MAX as u32).collect::<Vec<_>>()}),
+        ),
+    ];
+    for (i, (path, body)) in requests.iter().enumerate() {
+        let before = tokenized();
+        let (status, reply) = server.post(path, body);
+        let spent = tokenized() - before;
+        let ids = i == requests.len() - 1;
+        if ids {
+            // Token ids: counted, nothing tokenized.
+            assert_eq!(spent, 0.0, "{path}: token ids were tokenized");
+        } else {
+            assert!(
+                spent <= about_the_bound,
+                "{path}: {spent} bytes of 8 MiB tokenized before the refusal"
+            );
+        }
+        // The router's own refusal, saying what was wrong and what to do.
+        assert_eq!(status, 400, "{path}: {reply}");
+        let error = &reply["error"];
+        assert_eq!(error["code"], "prompt_too_long", "{path}: {reply}");
+        assert_eq!(error["param"], "prompt", "{path}: {reply}");
+        let message = error["message"].as_str().unwrap();
+        let counted = if ids {
+            format!("has {} tokens", MAX + 1)
+        } else {
+            "has at least".to_string()
+        };
+        assert!(
+            message.contains(&counted)
+                && message.contains(&format!("at most {MAX} (router.max_prompt_tokens)"))
+                && message.contains("shorten the prompt"),
+            "{path}: {message}"
+        );
+    }
+}
+
+/// The count stops early only because Qwen3's long pieces are tokenized part by
+/// part; the parts must give exactly the ids of the whole. Checked on the real
+/// tokenizer: at every cut it allows in texts made of white-space runs, CJK and
+/// its punctuation, combining marks, digits, contractions and emoji; and on
+/// prompts and chats a few parts long, whose lengths sit around the part size,
+/// with special tokens among them. And a stretch with no cut, bounded from below
+/// before it is tokenized, is encoded at exactly its count and refused one under.
+#[test]
+fn qwen3_s_long_prompts_tokenized_part_by_part_get_the_ids_of_the_whole_text() {
+    const FRAGMENTS: &[&str] = &[
+        " ",
+        "  ",
+        "    ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        " \n",
+        "\u{a0}",
+        "\u{3000}",
+        "don't",
+        "I'LL",
+        "'s",
+        "'",
+        "x",
+        "The quick brown fox",
+        " jumps",
+        "123456",
+        "7",
+        "٣٤٥",
+        "中文测试",
+        "数据",
+        "，",
+        "。",
+        "、",
+        "！",
+        "é",
+        "e\u{301}",
+        "\u{301}",
+        "ﬁne",
+        "Ａ",
+        "①",
+        "Σσς",
+        "🙂🙂",
+        "...",
+        "--",
+        "(x)",
+        "$5",
+        "a.b",
+        "<tag>",
+        "x=1;",
+        "\u{200b}",
+        "<think>",
+        "<|im_end|>",
+        "<tool_call>",
+        "<|im_",
+    ];
+    let tokenizer =
+        kvhint::models::ModelTokenizer::load(kvhint_e2e::llamacpp::qwen3_tokenizer_dir(), 64 << 20)
+            .unwrap();
+    let cuts = tokenizer
+        .cuts()
+        .unwrap_or_else(|| panic!("Qwen3's pieces are not cut: {:?}", tokenizer.uncut()));
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state as usize
+    };
+    let mut text = |len: usize| -> String {
+        (0..len)
+            .map(|_| FRAGMENTS[next() % FRAGMENTS.len()])
+            .collect()
+    };
+    let ids = |text: &str, special: bool| tokenizer.encode_uncached(text, special).unwrap();
+    let mut allowed = 0;
+    for _ in 0..150 {
+        let text = text(10)
+            .replace("<|im_end|>", "")
+            .replace("<think>", "")
+            .replace("<tool_call>", "");
+        let whole = ids(&text, false);
+        for q in (1..text.len()).filter(|&q| cuts.cuts_at(&text, q)) {
+            allowed += 1;
+            let mut joined = ids(&text[..q], false);
+            joined.extend(ids(&text[q..], false));
+            assert_eq!(joined, whole, "the cut {:?} | {:?}", &text[..q], &text[q..]);
+        }
+    }
+    assert!(allowed > 300, "only {allowed} cuts tried");
+    let part = kvhint::models::cuts::PART_BYTES;
+    for size in [
+        part - 1,
+        part,
+        part + 1,
+        2 * part + 5,
+        3 * part + 300,
+        6 * part,
+    ] {
+        let mut prompt = text(size / 4);
+        prompt.push_str(&" ".repeat(part / 3));
+        prompt.push_str(&"z".repeat(part + 9));
+        prompt.push_str(&text(size / 4));
+        let mut end = size.min(prompt.len());
+        while !prompt.is_char_boundary(end) {
+            end -= 1;
+        }
+        prompt.truncate(end);
+        let (ours, _) = tokenizer.encode_prompt(&prompt).unwrap();
+        assert_eq!(
+            ours,
+            ids(&prompt, true),
+            "a prompt of {} bytes",
+            prompt.len()
+        );
+        let chat: kvhint::models::ChatRequest = serde_json::from_value(json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": prompt},
+        ]}))
+        .unwrap();
+        let (ours, _) = tokenizer.encode_chat(&chat).unwrap();
+        let rendered = tokenizer.render_chat(&chat).unwrap();
+        assert_eq!(
+            ours,
+            ids(&rendered, false),
+            "a chat of {} bytes",
+            rendered.len()
+        );
+    }
+    // At the bound exactly, and one token under it: stretches with no cut, long
+    // enough to be bounded from below first (the bound must never refuse what
+    // fits), alone and after a sentence and a special token.
+    for stretch in [
+        "a".repeat(40_000),
+        "中文测试数据".repeat(8_000),
+        " ".repeat(40_000),
+        "!".repeat(40_000),
+        format!(
+            "The quick brown fox<|im_end|>{}<think> tail",
+            "z".repeat(50_000)
+        ),
+    ] {
+        let whole = ids(&stretch, true);
+        let n = whole.len();
+        let (ours, _) = tokenizer
+            .encode_prompt_within(&stretch, n)
+            .unwrap_or_else(|e| panic!("{} bytes at their {n} tokens: {e}", stretch.len()));
+        assert_eq!(ours, whole, "{} bytes", stretch.len());
+        assert!(
+            matches!(
+                tokenizer.encode_prompt_within(&stretch, n - 1),
+                Err(kvhint::models::EncodeError::TooLong(_))
+            ),
+            "{} bytes, bound {}: not refused",
+            stretch.len(),
+            n - 1
+        );
+    }
+}

@@ -25,7 +25,7 @@ pub mod trace;
 pub mod upstream;
 
 use crate::domain::{HttpTarget, Worker, WorkerKey};
-use crate::models::{ChatRequest, Model, PieceStats};
+use crate::models::{ChatRequest, EncodeError, Model, PieceStats, TooLong};
 use crate::router::{BookRequest, Booking, Router, RouterError};
 use crate::snapshot::Snapshot;
 use crate::splice::Body;
@@ -331,7 +331,16 @@ pub fn prepare(
         .map_err(field("stream"))?
         .unwrap_or(false);
     let started = Instant::now();
-    let render = |e: crate::models::RenderError| GatewayError::bad_request("invalid_prompt", e.0);
+    // The router refuses a prompt over `router.max_prompt_tokens` when it books;
+    // tokenizing stops as soon as the count passes it, so that a prompt megabytes
+    // over costs what one at the bound costs, not what its whole text would.
+    let max = snapshot.limits.max_prompt_tokens;
+    let encoded = |param: &'static str| {
+        move |e: EncodeError| match e {
+            EncodeError::Invalid(e) => GatewayError::bad_request("invalid_prompt", e.0).at(param),
+            EncodeError::TooLong(too_long) => prompt_too_long(too_long),
+        }
+    };
     let (token_ids, pieces) = match route {
         Route::Chat => {
             let request: ChatRequest = serde_json::from_str(body.text()).map_err(|e| {
@@ -339,15 +348,17 @@ pub fn prepare(
             })?;
             model
                 .tokenizer
-                .encode_chat(&request)
-                .map_err(|e| render(e).at("messages"))?
+                .encode_chat_within(&request, max)
+                .map_err(encoded("messages"))?
         }
+        // Token ids are counted, not tokenized: the router refuses too many when
+        // it books.
         Route::Completions => match prompt(body, "prompt")? {
             Some(Prompt::Ids(ids)) => (ids, PieceStats::default()),
             Some(Prompt::Text(text)) => model
                 .tokenizer
-                .encode_prompt(&text)
-                .map_err(|e| render(e).at("prompt"))?,
+                .encode_prompt_within(&text, max)
+                .map_err(encoded("prompt"))?,
             None => {
                 return Err(
                     GatewayError::bad_request("missing_prompt", "the body has no `prompt`")
@@ -355,14 +366,14 @@ pub fn prepare(
                 )
             }
         },
-        Route::Embeddings => (embedding_input(model, body)?, PieceStats::default()),
+        Route::Embeddings => (embedding_input(model, body, max)?, PieceStats::default()),
         Route::Generate => {
             match (prompt(body, "input_ids")?, prompt(body, "text")?) {
                 (Some(Prompt::Ids(ids)), None) => (ids, PieceStats::default()),
                 (None, Some(Prompt::Text(text))) => model
                     .tokenizer
-                    .encode_prompt(&text)
-                    .map_err(|e| render(e).at("text"))?,
+                    .encode_prompt_within(&text, max)
+                    .map_err(encoded("text"))?,
                 (Some(_), Some(_)) => {
                     return Err(GatewayError::bad_request(
                         "invalid_prompt",
@@ -388,11 +399,19 @@ pub fn prepare(
     })
 }
 
+/// The refusal of a prompt found over `router.max_prompt_tokens` while it was
+/// tokenized: the router's own (400 `prompt_too_long` at `prompt`), saying
+/// where counting stopped.
+pub(crate) fn prompt_too_long(too_long: TooLong) -> GatewayError {
+    GatewayError::bad_request("prompt_too_long", too_long.to_string()).at("prompt")
+}
+
 /// An embeddings request's `input` as token ids: a string, a list of ids, or a
 /// batch of either, every item's ids one after the other. The ids are not sent
 /// (the engine gets the client's body); they weigh the request's load and key
-/// its booking.
-fn embedding_input(model: &Model, body: &Body<'_>) -> Result<Vec<u32>, GatewayError> {
+/// its booking, so they are held to `max` (`router.max_prompt_tokens`) as a
+/// prompt is: each text is tokenized within what the items before it left.
+fn embedding_input(model: &Model, body: &Body<'_>, max: usize) -> Result<Vec<u32>, GatewayError> {
     #[derive(serde::Deserialize)]
     #[serde(untagged)]
     enum Input {
@@ -415,20 +434,29 @@ fn embedding_input(model: &Model, body: &Body<'_>) -> Result<Vec<u32>, GatewayEr
         )
         .at("input")
     })?;
-    let encode = |text: &str| {
+    let encode = |text: &str, before: usize| {
         model
             .tokenizer
-            .encode_prompt(text)
+            .encode_prompt_within(text, max.saturating_sub(before))
             .map(|(ids, _)| ids)
-            .map_err(|e| GatewayError::bad_request("invalid_input", e.0).at("input"))
+            .map_err(|e| match e {
+                EncodeError::Invalid(e) => {
+                    GatewayError::bad_request("invalid_input", e.0).at("input")
+                }
+                EncodeError::TooLong(too_long) => prompt_too_long(TooLong {
+                    counted: too_long.counted + before,
+                    max,
+                    ..too_long
+                }),
+            })
     };
     let ids = match input {
-        Input::Text(text) => encode(&text)?,
+        Input::Text(text) => encode(&text, 0)?,
         Input::Ids(ids) => ids,
         Input::Texts(texts) => {
             let mut ids = Vec::new();
             for text in &texts {
-                ids.extend(encode(text)?);
+                ids.extend(encode(text, ids.len())?);
             }
             ids
         }

@@ -7,6 +7,8 @@
 //! reused rather than parsed again (a large vocabulary's `tokenizer.json` takes
 //! hundreds of milliseconds to load).
 
+pub mod cover;
+pub mod cuts;
 pub mod pieces;
 pub mod tokenizer;
 
@@ -17,7 +19,7 @@ pub use pieces::PieceStats;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-pub use tokenizer::{ChatRequest, ModelTokenizer, RenderError};
+pub use tokenizer::{ChatRequest, EncodeError, ModelTokenizer, RenderError, TooLong};
 
 /// One served model.
 #[derive(Debug)]

@@ -23,17 +23,31 @@
 //! alone: the ids are forwarded to the engine, so a collision would change another
 //! client's prompt) and weighed in bytes; the least useful go first when the
 //! budget is full (`quick_cache`'s S3-FIFO).
+//!
+//! Encoding takes a bound (`router.max_prompt_tokens`) and stops as soon as the
+//! running count passes it: after each piece, and inside a long piece after each
+//! part of about [`PART_BYTES`], cut where the
+//! tokenizer's own words end ([`Cuts`]). A prompt far over the bound then costs
+//! about what a prompt at the bound costs, and one under it gets the ids it
+//! always got.
 
+use super::cover::Cover;
+use super::cuts::{Cuts, PART_BYTES};
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use tokenizers::{Encoding, Token, Tokenizer};
 
 /// Bytes an entry costs beyond its text and ids (the table slot, two `Arc`
 /// headers and lengths), so a cache of tiny pieces still keeps to its budget.
 const ENTRY_OVERHEAD: u64 = 64;
+
+/// A part longer than this (no cut near: one long word, a run of one
+/// character) is first bounded from below ([`Cover`]) against the room left,
+/// and tokenized only if it may fit.
+const LONG_PART: usize = 4 * PART_BYTES;
 
 /// A piece shorter than this is encoded each time rather than cached: the
 /// newlines and role names between two special tokens cost less to encode than
@@ -59,13 +73,37 @@ pub struct PieceStats {
     pub miss_bytes: u64,
 }
 
+/// Why encoding stopped short of the ids.
+#[derive(Debug)]
+pub enum Stop {
+    /// The tokenizer failed.
+    Failed(tokenizers::Error),
+    /// The running count passed the bound: `counted` tokens (the post-processor's
+    /// included) in the first `read` bytes of the text, and the rest not read.
+    Over { counted: usize, read: usize },
+}
+
+impl From<tokenizers::Error> for Stop {
+    fn from(e: tokenizers::Error) -> Self {
+        Stop::Failed(e)
+    }
+}
+
 /// The cache of one tokenizer's pieces.
 pub struct PieceCache {
     /// The added tokens `tokenizers` splits at first, with their ids.
     splitter: Option<DoubleArrayAhoCorasick<u32>>,
-    /// Whether the post-processor adds tokens when asked to (a BOS, an EOS).
-    post_adds: bool,
-    cache: Cache<Arc<str>, Arc<[u32]>, ByBytes>,
+    /// How many tokens the post-processor adds when asked to (a BOS, an EOS).
+    post_added: usize,
+    /// Where a long piece may be cut, or why it is tokenized whole.
+    cuts: Result<Cuts, String>,
+    /// None when `gateway.tokenizer_cache_mib` is 0: pieces are still encoded
+    /// apart (the bound is checked after each), none is kept.
+    cache: Option<Cache<Arc<str>, Arc<[u32]>, ByBytes>>,
+    /// Made the first time a long part needs it (the automaton of a large
+    /// vocabulary takes some megabytes); `None` if this tokenizer's tokens do
+    /// not cover their text's bytes.
+    cover: OnceLock<Option<Cover>>,
     hits: AtomicU64,
     misses: AtomicU64,
     hit_bytes: AtomicU64,
@@ -75,19 +113,18 @@ pub struct PieceCache {
 impl std::fmt::Debug for PieceCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PieceCache")
-            .field("entries", &self.cache.len())
-            .field("bytes", &self.cache.weight())
+            .field("entries", &self.cache.as_ref().map(Cache::len))
+            .field("bytes", &self.cache.as_ref().map(Cache::weight))
+            .field("cuts", &self.cuts)
             .finish()
     }
 }
 
 impl PieceCache {
-    /// A cache of at most `budget` bytes for `tokenizer`, or why its pieces cannot
-    /// be encoded apart exactly (the caller then encodes every text whole).
+    /// A cache of at most `budget` bytes for `tokenizer` (none when it is 0), or
+    /// why its pieces cannot be encoded apart exactly (the caller then encodes
+    /// every text whole).
     pub fn for_tokenizer(tokenizer: &Tokenizer, budget: u64) -> Result<PieceCache, String> {
-        if budget == 0 {
-            return Err("gateway.tokenizer_cache_mib is 0".into());
-        }
         if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
             return Err("tokenizer.json sets truncation or padding".into());
         }
@@ -130,15 +167,17 @@ impl PieceCache {
                     .map_err(|e| format!("its added tokens cannot be matched: {e}"))?,
             )
         };
-        let post_adds = tokenizer
+        let post_added = tokenizer
             .get_post_processor()
-            .is_some_and(|p| tokenizers::PostProcessor::added_tokens(p, false) > 0);
+            .map_or(0, |p| tokenizers::PostProcessor::added_tokens(p, false));
         // A rough guess of the entry count; the weight decides what stays.
         let items = (budget / 4096).clamp(16, 1 << 20) as usize;
         Ok(PieceCache {
             splitter,
-            post_adds,
-            cache: Cache::with_weighter(items, budget, ByBytes),
+            post_added,
+            cuts: Cuts::for_tokenizer(tokenizer),
+            cache: (budget > 0).then(|| Cache::with_weighter(items, budget, ByBytes)),
+            cover: OnceLock::new(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             hit_bytes: AtomicU64::new(0),
@@ -147,30 +186,33 @@ impl PieceCache {
     }
 
     /// The ids `tokenizer.encode(text, add_special)` gives, from cached pieces
-    /// where it can; with what it found in the cache.
+    /// where it can, with what it found in the cache; or [`Stop::Over`] as soon as
+    /// the count (with the tokens the post-processor would add) passes `max`.
     pub fn encode(
         &self,
         tokenizer: &Tokenizer,
         text: &str,
         add_special: bool,
-    ) -> tokenizers::Result<(Vec<u32>, PieceStats)> {
-        let mut ids = Vec::new();
-        let mut stats = PieceStats::default();
-        let mut at = 0;
-        if let Some(splitter) = &self.splitter {
-            for m in splitter.leftmost_find_iter(text) {
-                self.piece(tokenizer, &text[at..m.start()], &mut ids, &mut stats)?;
-                ids.push(m.value());
-                at = m.end();
-            }
-        }
-        self.piece(tokenizer, &text[at..], &mut ids, &mut stats)?;
+        max: usize,
+    ) -> Result<(Vec<u32>, PieceStats), Stop> {
+        let mut run = Run {
+            ids: Vec::new(),
+            stats: PieceStats::default(),
+            max,
+            added: if add_special { self.post_added } else { 0 },
+        };
+        let done = self.pieces(tokenizer, text, &mut run);
+        // Counted whether or not the text was encoded to the end: the work a
+        // refused prompt cost shows in the totals.
+        let stats = run.stats;
         self.hits.fetch_add(stats.hits, Ordering::Relaxed);
         self.misses.fetch_add(stats.misses, Ordering::Relaxed);
         self.hit_bytes.fetch_add(stats.hit_bytes, Ordering::Relaxed);
         self.miss_bytes
             .fetch_add(stats.miss_bytes, Ordering::Relaxed);
-        if add_special && self.post_adds {
+        done?;
+        let mut ids = run.ids;
+        if add_special && self.post_added > 0 {
             // What `encode` does last, on the joined ids: only the ids are read
             // back, so the tokens' text and offsets can stay empty.
             let tokens = ids
@@ -183,33 +225,110 @@ impl PieceCache {
         Ok((ids, stats))
     }
 
+    /// Where a long piece is cut, if it is.
+    pub fn cuts(&self) -> Option<Cuts> {
+        self.cuts.as_ref().ok().copied()
+    }
+
+    /// Why a long piece is tokenized whole for this tokenizer, if it is.
+    pub fn uncut(&self) -> Option<&str> {
+        self.cuts.as_ref().err().map(String::as_str)
+    }
+
+    fn pieces(&self, tokenizer: &Tokenizer, text: &str, run: &mut Run) -> Result<(), Stop> {
+        let mut at = 0;
+        if let Some(splitter) = &self.splitter {
+            for m in splitter.leftmost_find_iter(text) {
+                self.piece(tokenizer, text, at..m.start(), run)?;
+                run.ids.push(m.value());
+                run.check(m.end())?;
+                at = m.end();
+            }
+        }
+        self.piece(tokenizer, text, at..text.len(), run)
+    }
+
+    /// Encodes `text[span]`, a piece, onto `run`: from the cache, or part by part
+    /// with the count checked after each.
     fn piece(
         &self,
         tokenizer: &Tokenizer,
-        piece: &str,
-        ids: &mut Vec<u32>,
-        stats: &mut PieceStats,
-    ) -> tokenizers::Result<()> {
+        text: &str,
+        span: std::ops::Range<usize>,
+        run: &mut Run,
+    ) -> Result<(), Stop> {
+        let (start, piece) = (span.start, &text[span]);
         if piece.is_empty() {
             return Ok(());
         }
-        if piece.len() >= MIN_CACHED_PIECE {
-            if let Some(cached) = self.cache.get(piece) {
-                stats.hits += 1;
-                stats.hit_bytes += piece.len() as u64;
-                ids.extend_from_slice(&cached);
-                return Ok(());
-            }
+        let cache = self
+            .cache
+            .as_ref()
+            .filter(|_| piece.len() >= MIN_CACHED_PIECE);
+        if let Some(cached) = cache.and_then(|c| c.get(piece)) {
+            run.stats.hits += 1;
+            run.stats.hit_bytes += piece.len() as u64;
+            run.ids.extend_from_slice(&cached);
+            return run.check(start + piece.len());
         }
-        let encoding = tokenizer.encode_fast(piece, false)?;
-        stats.misses += 1;
-        stats.miss_bytes += piece.len() as u64;
-        ids.extend_from_slice(encoding.get_ids());
-        if piece.len() >= MIN_CACHED_PIECE {
-            self.cache
-                .insert(Arc::from(piece), Arc::from(encoding.get_ids()));
+        run.stats.misses += 1;
+        let first = run.ids.len();
+        let mut at = 0;
+        while at < piece.len() {
+            let (end, known) = match &self.cuts {
+                Ok(cuts) => (cuts.end_of_part(piece, at), true),
+                // Not cut: its pre-tokenizer's shape is not known either, so
+                // neither is whether its tokens spell every byte (the cover's
+                // premise).
+                Err(_) => (piece.len(), false),
+            };
+            let room = run.room();
+            // A part of n bytes has at most n tokens: only a long part that may
+            // not fit is worth bounding first.
+            if known && end - at > LONG_PART && end - at > room {
+                let least = self
+                    .cover(tokenizer)
+                    .and_then(|cover| cover.more_than(tokenizer, &piece[at..end], room));
+                if let Some((least, read)) = least {
+                    return Err(Stop::Over {
+                        counted: run.counted().saturating_add(least),
+                        read: start + at + read,
+                    });
+                }
+            }
+            let encoding = tokenizer.encode_fast(&piece[at..end], false)?;
+            run.stats.miss_bytes += (end - at) as u64;
+            run.ids.extend_from_slice(encoding.get_ids());
+            at = end;
+            run.check(start + at)?;
+        }
+        if let Some(cache) = cache {
+            cache.insert(Arc::from(piece), Arc::from(&run.ids[first..]));
         }
         Ok(())
+    }
+
+    /// The vocabulary's cover, made on first use (only tokenizers whose pieces
+    /// are cut get there).
+    fn cover(&self, tokenizer: &Tokenizer) -> Option<&Cover> {
+        self.cover
+            .get_or_init(|| match Cover::for_tokenizer(tokenizer) {
+                Ok(cover) => {
+                    tracing::info!(
+                        "bounding long prompt parts with the vocabulary's cover ({} KiB)",
+                        cover.heap_bytes() >> 10
+                    );
+                    Some(cover)
+                }
+                Err(why) => {
+                    tracing::info!(
+                        "a long prompt part with no cut is tokenized whole before the bound \
+                         is checked: {why}"
+                    );
+                    None
+                }
+            })
+            .as_ref()
     }
 
     /// Totals since the cache was made, and what it holds now (entries, bytes).
@@ -220,7 +339,47 @@ impl PieceCache {
             hit_bytes: self.hit_bytes.load(Ordering::Relaxed),
             miss_bytes: self.miss_bytes.load(Ordering::Relaxed),
         };
-        (stats, self.cache.len() as u64, self.cache.weight())
+        match &self.cache {
+            Some(cache) => (stats, cache.len() as u64, cache.weight()),
+            None => (stats, 0, 0),
+        }
+    }
+
+    /// Whether pieces are kept (`gateway.tokenizer_cache_mib` is not 0).
+    pub fn keeps(&self) -> bool {
+        self.cache.is_some()
+    }
+}
+
+/// One text's encoding under way.
+struct Run {
+    ids: Vec<u32>,
+    stats: PieceStats,
+    /// The most tokens the text may have, the post-processor's included.
+    max: usize,
+    /// The tokens the post-processor will add.
+    added: usize,
+}
+
+impl Run {
+    /// The tokens so far, with the post-processor's.
+    fn counted(&self) -> usize {
+        self.ids.len().saturating_add(self.added)
+    }
+
+    /// How many more tokens fit.
+    fn room(&self) -> usize {
+        self.max.saturating_sub(self.counted())
+    }
+
+    /// [`Stop::Over`] if the ids so far (the first `read` bytes' worth) and the
+    /// post-processor's are more than `max`: no later token takes one away.
+    fn check(&self, read: usize) -> Result<(), Stop> {
+        let counted = self.counted();
+        if counted > self.max {
+            return Err(Stop::Over { counted, read });
+        }
+        Ok(())
     }
 }
 
@@ -340,11 +499,13 @@ mod tests {
         for with_bos in [false, true] {
             let tokenizer = trained(with_bos);
             let cache = PieceCache::for_tokenizer(&tokenizer, 1 << 20).unwrap();
-            assert_eq!(cache.post_adds, with_bos);
+            assert_eq!(cache.post_added, usize::from(with_bos));
             for round in ["cold", "warm"] {
                 for text in texts(400) {
                     for special in [false, true] {
-                        let (ids, _) = cache.encode(&tokenizer, &text, special).unwrap();
+                        let (ids, _) = cache
+                            .encode(&tokenizer, &text, special, usize::MAX)
+                            .unwrap();
                         assert_eq!(
                             ids,
                             whole(&tokenizer, &text, special),
@@ -365,8 +526,10 @@ mod tests {
         let system = "<|im_start|>system\nYou are a helpful assistant. Answer briefly.<|im_end|>\n";
         let first = format!("{system}<|im_start|>user\nWhat is a fox?<|im_end|>\n");
         let second = format!("{system}<|im_start|>user\nWhat is a lazy dog?<|im_end|>\n");
-        let (_, cold) = cache.encode(&tokenizer, &first, false).unwrap();
-        let (ids, warm) = cache.encode(&tokenizer, &second, false).unwrap();
+        let (_, cold) = cache.encode(&tokenizer, &first, false, usize::MAX).unwrap();
+        let (ids, warm) = cache
+            .encode(&tokenizer, &second, false, usize::MAX)
+            .unwrap();
         assert_eq!(ids, whole(&tokenizer, &second, false));
         // The system prompt's text is found; the new question is encoded; the
         // newlines and role names between special tokens are too short to keep.
@@ -377,7 +540,9 @@ mod tests {
             "system\nYou are a helpful assistant. Answer briefly.".len() as u64
         );
         // Again: both long pieces found; the two "\n" between the turns encoded.
-        let (_, again) = cache.encode(&tokenizer, &second, false).unwrap();
+        let (_, again) = cache
+            .encode(&tokenizer, &second, false, usize::MAX)
+            .unwrap();
         assert_eq!((again.hits, again.misses), (2, 2), "{again:?}");
     }
 
@@ -387,7 +552,7 @@ mod tests {
         let cache = PieceCache::for_tokenizer(&tokenizer, 64 << 10).unwrap();
         for i in 0..2_000 {
             let text = format!("{} {i} <|im_end|>", FRAGMENTS[8].repeat(8));
-            cache.encode(&tokenizer, &text, false).unwrap();
+            cache.encode(&tokenizer, &text, false, usize::MAX).unwrap();
         }
         let (_, entries, bytes) = cache.totals();
         assert!(bytes <= 64 << 10, "{bytes} bytes held");
@@ -396,7 +561,11 @@ mod tests {
 
     #[test]
     fn a_tokenizer_whose_pieces_depend_on_their_place_is_not_cached() {
-        assert!(PieceCache::for_tokenizer(&trained(false), 0).is_err());
+        // A budget of 0 keeps nothing, but still encodes the pieces apart (the
+        // bound is checked after each).
+        assert!(!PieceCache::for_tokenizer(&trained(false), 0)
+            .unwrap()
+            .keeps());
 
         let mut lstrip = trained(false);
         lstrip
@@ -414,5 +583,205 @@ mod tests {
         dropout.with_pre_tokenizer(Some(ByteLevel::default()));
         let why = PieceCache::for_tokenizer(&dropout, 1 << 20).unwrap_err();
         assert!(why.contains("dropout"), "{why}");
+    }
+
+    /// A Qwen-shaped tokenizer (its regex, NFC, byte-level BPE) with chat
+    /// special tokens, and a BOS its post-processor adds if `with_bos`.
+    fn qwen_shaped(with_bos: bool) -> Tokenizer {
+        use crate::models::cuts::{tests, QWEN2_PATTERN};
+        let mut tokenizer = tests::trained(
+            Some(tokenizers::normalizers::NFC.into()),
+            tests::split(QWEN2_PATTERN),
+        );
+        tokenizer
+            .add_special_tokens([
+                AddedToken::from("<|im_start|>", true),
+                AddedToken::from("<|im_end|>", true),
+                AddedToken::from("<s>", true),
+            ])
+            .unwrap();
+        if with_bos {
+            let bos = tokenizer.token_to_id("<s>").unwrap();
+            tokenizer.with_post_processor(Some(
+                TemplateProcessing::builder()
+                    .try_single("<s> $A")
+                    .unwrap()
+                    .special_tokens(vec![("<s>", bos)])
+                    .build()
+                    .unwrap(),
+            ));
+        }
+        tokenizer
+    }
+
+    /// Long texts, each several parts long: the fragments in a pseudo-random
+    /// order, with special tokens now and then, runs of white space and words
+    /// longer than a part (so parts end where no cut is near), and lengths
+    /// around the part size.
+    fn long_texts() -> Vec<String> {
+        use crate::models::cuts::{tests, PART_BYTES};
+        let words = tests::texts(4_000, 8);
+        let mut out = Vec::new();
+        for (i, size) in [
+            PART_BYTES - 1,
+            PART_BYTES,
+            PART_BYTES + 1,
+            PART_BYTES + 7,
+            2 * PART_BYTES + 3,
+            3 * PART_BYTES,
+            5 * PART_BYTES + 11,
+            7 * PART_BYTES,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut text = String::new();
+            let mut n = i * 97;
+            while text.len() < size {
+                n += 1;
+                match n % 61 {
+                    0 => text.push_str("<|im_end|>\n<|im_start|>user\n"),
+                    1 if i % 2 == 0 => text.push_str(&" ".repeat(PART_BYTES / 3)),
+                    2 if i % 3 == 0 => text.push_str(&"z".repeat(PART_BYTES + 5)),
+                    // Longer than a long part: bounded from below first.
+                    4 if i == 7 => text.push_str(&"y".repeat(LONG_PART + 3)),
+                    3 => text.push_str(&"\n".repeat(40)),
+                    _ => text.push_str(&words[n % words.len()]),
+                }
+            }
+            // Cut to the size exactly where a character allows: lengths next
+            // to the part size.
+            let mut end = size.min(text.len());
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            text.truncate(end);
+            out.push(text);
+        }
+        out
+    }
+
+    #[test]
+    fn long_pieces_tokenized_part_by_part_give_the_ids_of_the_whole_text() {
+        for with_bos in [false, true] {
+            let tokenizer = qwen_shaped(with_bos);
+            let cache = PieceCache::for_tokenizer(&tokenizer, 1 << 20).unwrap();
+            assert_eq!(cache.uncut(), None);
+            for text in long_texts() {
+                for special in [false, true] {
+                    let (ids, stats) = cache
+                        .encode(&tokenizer, &text, special, usize::MAX)
+                        .unwrap();
+                    assert_eq!(
+                        ids,
+                        whole(&tokenizer, &text, special),
+                        "bos {with_bos}, add_special {special}, {} bytes",
+                        text.len()
+                    );
+                    // Under the bound: every byte but the special tokens' was
+                    // encoded or found, once.
+                    let specials = text.matches("<|im_end|>").count() * "<|im_end|>".len()
+                        + text.matches("<|im_start|>").count() * "<|im_start|>".len();
+                    assert_eq!(
+                        stats.hit_bytes + stats.miss_bytes + specials as u64,
+                        text.len() as u64
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_prompt_far_over_the_bound_is_refused_after_tokenizing_about_the_bound() {
+        use crate::models::cuts::PART_BYTES;
+        const MAX: usize = 2_000;
+        let tokenizer = qwen_shaped(true);
+        let cache = PieceCache::for_tokenizer(&tokenizer, 1 << 20).unwrap();
+        // 4 MiB of text: one piece, and the same between special tokens.
+        let sentence = "The quick brown fox jumps over the lazy dog, don't 123 中文，数据。\n";
+        let plain = sentence.repeat((4 << 20) / sentence.len());
+        let chat = format!(
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{plain}<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // What the bound's worth of this text is, in bytes.
+        let per_token = sentence.len() as f64 / whole(&tokenizer, sentence, false).len() as f64;
+        let at_the_bound = (MAX as f64 * per_token) as u64;
+        for (name, text) in [("one piece", &plain), ("a chat", &chat)] {
+            let Err(Stop::Over { counted, read }) = cache.encode(&tokenizer, text, true, MAX)
+            else {
+                panic!("{name}: not refused");
+            };
+            assert!(counted > MAX, "{name}: {counted}");
+            // Within a part of the bound: the count stops at the first check past it.
+            assert!(counted <= MAX + PART_BYTES, "{name}: {counted}");
+            assert!(
+                read as u64 <= at_the_bound + 2 * PART_BYTES as u64,
+                "{name}: read {read} of {}",
+                text.len()
+            );
+        }
+        let (stats, _, _) = cache.totals();
+        // Both texts together: about twice the bound's bytes were tokenized, of 8 MiB.
+        assert!(
+            stats.miss_bytes <= 2 * (at_the_bound + 2 * PART_BYTES as u64),
+            "{} bytes tokenized for a bound of about {at_the_bound}",
+            stats.miss_bytes
+        );
+
+        // No cut at all for megabytes (one word; CJK with no punctuation; one
+        // word after a short sentence): bounded from below, nothing of it
+        // tokenized.
+        let tokenized = || cache.totals().0.miss_bytes;
+        for (name, text) in [
+            ("one word", "z".repeat(4 << 20)),
+            ("CJK", "中文数据".repeat(1 << 18)),
+            (
+                "a sentence, then one word",
+                format!("{sentence}{}", "q".repeat(4 << 20)),
+            ),
+        ] {
+            let before = tokenized();
+            let Err(Stop::Over { counted, read }) = cache.encode(&tokenizer, &text, true, MAX)
+            else {
+                panic!("{name}: not refused");
+            };
+            assert!(counted > MAX, "{name}: {counted}");
+            assert!(
+                read < text.len() / 4,
+                "{name}: read {read} of {}",
+                text.len()
+            );
+            assert!(tokenized() - before <= sentence.len() as u64, "{name}");
+        }
+
+        // A tokenizer whose cuts are not known stops only after the piece:
+        // the whole text, as before.
+        let mut uncut = qwen_shaped(true);
+        uncut
+            .with_normalizer(Some(tokenizers::normalizers::Lowercase))
+            .unwrap();
+        let cache = PieceCache::for_tokenizer(&uncut, 1 << 20).unwrap();
+        assert!(cache.uncut().is_some());
+        let short = &plain[..plain.len() / 64];
+        assert!(matches!(
+            cache.encode(&uncut, short, true, MAX),
+            Err(Stop::Over { read, .. }) if read == short.len()
+        ));
+    }
+
+    #[test]
+    fn a_prompt_at_the_bound_is_encoded_and_one_token_more_is_refused() {
+        let tokenizer = qwen_shaped(true);
+        let cache = PieceCache::for_tokenizer(&tokenizer, 1 << 20).unwrap();
+        for text in long_texts() {
+            let ids = whole(&tokenizer, &text, true);
+            let n = ids.len();
+            assert_eq!(cache.encode(&tokenizer, &text, true, n).unwrap().0, ids);
+            match cache.encode(&tokenizer, &text, true, n - 1) {
+                // The BOS is counted: the count passes n - 1 with the last token.
+                Err(Stop::Over { counted, .. }) => assert_eq!(counted, n),
+                other => panic!("{} bytes, bound {}: {other:?}", text.len(), n - 1),
+            }
+        }
     }
 }

@@ -12,7 +12,8 @@
 //! rendered chat is encoded without special tokens (the template wrote them);
 //! a completion prompt with them, as vLLM does.
 
-use super::pieces::{PieceCache, PieceStats};
+use super::cuts::Cuts;
+use super::pieces::{PieceCache, PieceStats, Stop};
 use crate::splice::{Body, Edits};
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
@@ -33,6 +34,46 @@ pub struct LoadError {
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{0}")]
 pub struct RenderError(pub String);
+
+/// A prompt with more tokens than the router books (`router.max_prompt_tokens`),
+/// found before all of it was tokenized: `counted` tokens in its first `read`
+/// bytes of `bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooLong {
+    pub counted: usize,
+    pub max: usize,
+    pub read: usize,
+    pub bytes: usize,
+}
+
+impl std::fmt::Display for TooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            counted,
+            max,
+            read,
+            bytes,
+        } = self;
+        // The router's own refusal says "the prompt has N tokens"; here N is where
+        // counting stopped, so it says "at least", and how far in that was.
+        write!(
+            f,
+            "the prompt has at least {counted} tokens (counting stopped there, {read} of its \
+             {bytes} bytes in); this router accepts at most {max} (router.max_prompt_tokens): \
+             shorten the prompt, or raise router.max_prompt_tokens"
+        )
+    }
+}
+
+/// Why a prompt was not tokenized: it is not valid (a client's error), or it has
+/// more tokens than the bound it was tokenized under.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EncodeError {
+    #[error("{0}")]
+    Invalid(#[from] RenderError),
+    #[error("{0}")]
+    TooLong(TooLong),
+}
 
 /// The special tokens `tokenizer_config.json` names, passed to the template as
 /// `transformers` passes them.
@@ -139,11 +180,21 @@ impl ModelTokenizer {
             None => None,
         };
         let pieces = PieceCache::for_tokenizer(&tokenizer, cache_bytes);
-        if let Err(why) = &pieces {
-            tracing::info!(
+        match &pieces {
+            Err(why) => tracing::info!(
                 tokenizer = %tokenizer_file.display(),
-                "prompt pieces are not cached for this tokenizer: {why}"
-            );
+                "prompt pieces are not cached for this tokenizer, and a prompt over \
+                 router.max_prompt_tokens is tokenized whole before it is refused: {why}"
+            ),
+            Ok(pieces) => {
+                if let Some(why) = pieces.uncut() {
+                    tracing::info!(
+                        tokenizer = %tokenizer_file.display(),
+                        "a long prompt piece is tokenized whole for this tokenizer (the \
+                         bound is checked after it): {why}"
+                    );
+                }
+            }
         }
         Ok(Self {
             tokenizer,
@@ -162,25 +213,72 @@ impl ModelTokenizer {
     /// for models that take one), as vLLM encodes `/v1/completions`; with what the
     /// piece cache held of it.
     pub fn encode_prompt(&self, prompt: &str) -> Result<(Vec<u32>, PieceStats), RenderError> {
-        self.encode(prompt, true)
+        self.encode(prompt, true, usize::MAX).map_err(unbounded)
     }
 
-    fn encode(&self, text: &str, special: bool) -> Result<(Vec<u32>, PieceStats), RenderError> {
+    /// [`encode_prompt`](Self::encode_prompt), refused with [`EncodeError::TooLong`]
+    /// as soon as the count passes `max`, before the rest is tokenized.
+    pub fn encode_prompt_within(
+        &self,
+        prompt: &str,
+        max: usize,
+    ) -> Result<(Vec<u32>, PieceStats), EncodeError> {
+        self.encode(prompt, true, max)
+    }
+
+    fn encode(
+        &self,
+        text: &str,
+        special: bool,
+        max: usize,
+    ) -> Result<(Vec<u32>, PieceStats), EncodeError> {
         let fail = |e| RenderError(format!("the prompt could not be tokenized: {e}"));
+        let too_long = |counted, read| {
+            EncodeError::TooLong(TooLong {
+                counted,
+                max,
+                read,
+                bytes: text.len(),
+            })
+        };
         match &self.pieces {
-            Ok(pieces) => pieces.encode(&self.tokenizer, text, special).map_err(fail),
-            Err(_) => self
-                .tokenizer
-                .encode_fast(text, special)
-                .map(|e| (e.get_ids().to_vec(), PieceStats::default()))
-                .map_err(fail),
+            Ok(pieces) => match pieces.encode(&self.tokenizer, text, special, max) {
+                Ok(done) => Ok(done),
+                Err(Stop::Over { counted, read }) => Err(too_long(counted, read)),
+                Err(Stop::Failed(e)) => Err(fail(e).into()),
+            },
+            // Not cut into pieces: tokenized whole, then counted.
+            Err(_) => {
+                let ids = self
+                    .tokenizer
+                    .encode_fast(text, special)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(fail)?;
+                if ids.len() > max {
+                    return Err(too_long(ids.len(), text.len()));
+                }
+                Ok((ids, PieceStats::default()))
+            }
         }
     }
 
     /// A text's ids with or without the special tokens the tokenizer adds, for
     /// `POST /tokenize` (through the piece cache).
     pub fn encode_text(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {
-        self.encode(text, special).map(|(ids, _)| ids)
+        self.encode(text, special, usize::MAX)
+            .map(|(ids, _)| ids)
+            .map_err(unbounded)
+    }
+
+    /// [`encode_text`](Self::encode_text), refused with [`EncodeError::TooLong`]
+    /// as soon as the count passes `max`, before the rest is tokenized.
+    pub fn encode_text_within(
+        &self,
+        text: &str,
+        special: bool,
+        max: usize,
+    ) -> Result<Vec<u32>, EncodeError> {
+        self.encode(text, special, max).map(|(ids, _)| ids)
     }
 
     /// Each id's token as the vocabulary writes it (`"Ġthe"`); an id the
@@ -227,15 +325,41 @@ impl ModelTokenizer {
         &self,
         request: &ChatRequest,
     ) -> Result<(Vec<u32>, PieceStats), RenderError> {
+        self.encode_chat_within(request, usize::MAX)
+            .map_err(unbounded)
+    }
+
+    /// [`encode_chat`](Self::encode_chat), refused with [`EncodeError::TooLong`]
+    /// as soon as the count passes `max`, before the rest is tokenized.
+    pub fn encode_chat_within(
+        &self,
+        request: &ChatRequest,
+        max: usize,
+    ) -> Result<(Vec<u32>, PieceStats), EncodeError> {
         let text = self.render_chat(request)?;
-        self.encode(&text, false)
+        self.encode(&text, false, max)
     }
 
     /// The piece cache's totals and size (entries, bytes), or why it is off.
     pub fn piece_cache(&self) -> Result<(PieceStats, u64, u64), &str> {
         match &self.pieces {
-            Ok(pieces) => Ok(pieces.totals()),
+            Ok(pieces) if pieces.keeps() => Ok(pieces.totals()),
+            Ok(_) => Err("gateway.tokenizer_cache_mib is 0"),
             Err(why) => Err(why),
+        }
+    }
+
+    /// Where this tokenizer cuts a long prompt piece into parts, if it does.
+    pub fn cuts(&self) -> Option<Cuts> {
+        self.pieces.as_ref().ok()?.cuts()
+    }
+
+    /// Why a long prompt piece is tokenized whole rather than part by part (the
+    /// bound on its tokens is then checked only after it), if it is.
+    pub fn uncut(&self) -> Option<&str> {
+        match &self.pieces {
+            Ok(pieces) => pieces.uncut(),
+            Err(why) => Some(why),
         }
     }
 
@@ -319,6 +443,15 @@ impl ModelTokenizer {
             return Ok(cut);
         }
         Ok(rendered)
+    }
+}
+
+/// An encoding with no bound (`usize::MAX` tokens) cannot be too long; if it
+/// somehow were, it is reported as a tokenizer failure rather than a panic.
+fn unbounded(error: EncodeError) -> RenderError {
+    match error {
+        EncodeError::Invalid(e) => e,
+        EncodeError::TooLong(t) => RenderError(t.to_string()),
     }
 }
 

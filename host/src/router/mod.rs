@@ -75,7 +75,7 @@ pub enum RouterError {
     NoEligibleWorkers(Role),
     #[error("the request has no token ids")]
     EmptyPrompt,
-    #[error("the prompt has {tokens} tokens; this router accepts at most {max} (router.max_prompt_tokens)")]
+    #[error("the prompt has {tokens} tokens; this router accepts at most {max} (router.max_prompt_tokens): shorten the prompt, or raise router.max_prompt_tokens")]
     PromptTooLong { tokens: usize, max: usize },
     #[error("the request id is {bytes} bytes; this router accepts at most {max} (router.max_request_id_bytes): use a shorter id, such as a UUID")]
     RequestIdTooLong { bytes: usize, max: usize },

@@ -221,6 +221,20 @@ fn tokenize_body(
             GatewayError::bad_request("invalid_prompt", e.0).at(param)
         }
     };
+    // Held to the bound a prompt is held to: past it the count is of no use
+    // (no prompt that long is booked), and tokenizing it all would let one
+    // request spend seconds of CPU.
+    let max = snapshot.limits.max_prompt_tokens;
+    let bounded = |param: &'static str| {
+        move |e: crate::models::EncodeError| match e {
+            crate::models::EncodeError::Invalid(e) => {
+                GatewayError::bad_request("invalid_prompt", e.0).at(param)
+            }
+            crate::models::EncodeError::TooLong(too_long) => {
+                crate::gateway::prompt_too_long(too_long).at(param)
+            }
+        }
+    };
     let tokens = if body.has("messages") {
         let request: crate::models::ChatRequest =
             serde_json::from_str(body.text()).map_err(|e| {
@@ -233,13 +247,13 @@ fn tokenize_body(
                 .map_err(invalid("messages"))?;
             model
                 .tokenizer
-                .encode_text(&text, true)
-                .map_err(invalid("messages"))?
+                .encode_text_within(&text, true, max)
+                .map_err(bounded("messages"))?
         } else {
             model
                 .tokenizer
-                .encode_chat(&request)
-                .map_err(invalid("messages"))?
+                .encode_chat_within(&request, max)
+                .map_err(bounded("messages"))?
                 .0
         }
     } else {
@@ -256,8 +270,8 @@ fn tokenize_body(
         let special = flag("add_special_tokens")?.unwrap_or(true);
         model
             .tokenizer
-            .encode_text(&prompt, special)
-            .map_err(invalid("prompt"))?
+            .encode_text_within(&prompt, special, max)
+            .map_err(bounded("prompt"))?
     };
     let token_strs = if strs {
         Some(
