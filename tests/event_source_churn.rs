@@ -531,7 +531,7 @@ fn serve_with_file_limit(config: &Path, dir: &Path, limit: u32) -> Server {
 /// Issue 44: the budget kept descriptors for `kv_events.max_sources` sources
 /// whether or not one existed (`ulimit -n 256`: 96 kept, 48 connections). Now
 /// it keeps them for the sources there are: none at start (the cap is half of
-/// 256 - 64), 8 for each of three registered sources (84), and none again once
+/// 256 - 64), 10 for each of three registered sources (81), and none again once
 /// they are deregistered and their threads have closed their sockets.
 #[test]
 fn the_connection_cap_keeps_descriptors_only_for_sources_that_exist() {

@@ -1067,8 +1067,8 @@ fn a_worker_token_cannot_make_the_router_delete_a_file_and_sources_are_capped() 
     }
     assert_eq!((taken, full), (4, 16));
     // The connection cap leaves the sources' descriptors free, and counts two
-    // per connection (its socket and the one to its worker): (256 - 64 - 4 × 8) / 2.
-    assert!(server.log().contains("now=80"), "{}", server.log());
+    // per connection (its socket and the one to its worker): (256 - 64 - 4 × 10) / 2.
+    assert!(server.log().contains("now=76"), "{}", server.log());
     // And a reload still works.
     let (status, body, _) = call(&server, "POST", "/admin/reload", Some(ADMIN), &[], None);
     assert_eq!(status, 200, "{body}");
@@ -1107,9 +1107,12 @@ fn each_kv_event_source_holds_no_more_descriptors_than_the_budget_keeps() {
         .until(|| (fds() - before >= 16 * 6).then_some(()));
     let per_source = (fds() - before) as f64 / 16.0;
     let kept = kvhint::engine_events::FDS_PER_SOURCE as f64;
+    // A replay in flight holds 3 more (its DEALER socket's mailbox, its
+    // connection, libzmq's reaper; measured with a publisher's replay socket
+    // that never answers).
     assert!(
-        per_source + 1.0 <= kept,
-        "{per_source} descriptors a connecting source (with its connection), and one for a replay: the budget keeps {kept}"
+        per_source + 3.0 <= kept,
+        "{per_source} descriptors a connecting source (with its connection), and 3 for a replay: the budget keeps {kept}"
     );
 }
 

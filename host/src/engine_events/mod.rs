@@ -114,9 +114,10 @@ pub struct EngineEvents {
 /// File descriptors one source may hold, kept out of the connection budget.
 /// Measured (`trust::each_kv_event_source_holds_no_more_descriptors_than_the_budget_keeps`):
 /// 6 for a subscription still connecting (the SUB socket's and its monitor's
-/// mailboxes and libzmq's own), one more once the publisher's connection is up
-/// and one for a replay request: 8.
-pub const FDS_PER_SOURCE: u64 = 8;
+/// mailboxes and libzmq's own), one more once the publisher's connection is up,
+/// and 3 more while a replay is in flight (the DEALER socket's mailbox, its
+/// connection, libzmq's reaper): 10.
+pub const FDS_PER_SOURCE: u64 = 10;
 
 /// Whether `path` is a directory only the router's user (or root) can change.
 fn is_private_dir(path: &Path) -> bool {
