@@ -216,54 +216,42 @@ fn write_outcomes(path: &str, workers: usize, rep: usize, system: System, outcom
     }
 }
 
-fn list(var: &str, default: &str) -> Vec<String> {
-    std::env::var(var)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
-fn number<T: std::str::FromStr>(var: &str, default: T) -> T {
-    std::env::var(var)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
-}
-
 fn main() {
     let quick = !bench::is_bench();
-    let seed: u64 = number("FLEET_SEED", 11);
-    let reps: usize = if quick { 1 } else { number("FLEET_REPS", 1) };
-    let rho: f64 = number("FLEET_LOAD", 0.7);
+    let seed: u64 = bench::env_number("FLEET_SEED", 11);
+    let reps: usize = if quick {
+        1
+    } else {
+        bench::env_number("FLEET_REPS", 1)
+    };
+    let rho: f64 = bench::env_number("FLEET_LOAD", 0.7);
     let sizes_of: Vec<usize> = if quick {
         vec![4]
     } else {
-        list("FLEET_WORKERS", "16,64")
+        bench::env_list("FLEET_WORKERS", "16,64")
             .iter()
             .map(|n| n.parse().unwrap_or_else(|_| panic!("FLEET_WORKERS: {n:?}")))
             .collect()
     };
-    let systems: Vec<System> = list("FLEET_SYSTEMS", "straight,smg,kvhint-approx,kvhint-events")
-        .iter()
-        .map(|s| System::parse(s))
-        .collect();
+    let systems: Vec<System> =
+        bench::env_list("FLEET_SYSTEMS", "straight,smg,kvhint-approx,kvhint-events")
+            .iter()
+            .map(|s| System::parse(s))
+            .collect();
     let dir = private_dir();
     let out = std::env::var("FLEET_OUT").ok();
     println!(
         "fleet bench ({}): simulated vLLM engines, 16-token blocks, {} µs a step + {} µs per prefilled token + {} µs per running request; {rho:.2} load; {reps} repetition(s)",
         if quick { "quick mode, debug build: not measurements" } else { "release" },
         STEP_US,
-        number("FLEET_PREFILL_US", 1000.0),
+        bench::env_number("FLEET_PREFILL_US", 1000.0),
         DECODE_US_PER_SEQ,
     );
     for &n in &sizes_of {
         let setup = Setup {
             workers: n,
-            capacity_blocks: number("FLEET_CAPACITY_BLOCKS", 128),
-            prefill_us: number("FLEET_PREFILL_US", if quick { 100.0 } else { 1000.0 }),
+            capacity_blocks: bench::env_number("FLEET_CAPACITY_BLOCKS", 128),
+            prefill_us: bench::env_number("FLEET_PREFILL_US", if quick { 100.0 } else { 1000.0 }),
         };
         let sizes = if quick {
             Sizes {

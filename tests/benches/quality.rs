@@ -292,34 +292,27 @@ struct Pooled {
     spread: Vec<f64>,
 }
 
-fn list(var: &str, default: &str) -> Vec<String> {
-    std::env::var(var)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
 fn systems(quick: bool) -> Vec<System> {
     let kvhint = bench::artifacts().join("kvhint");
-    let mut out: Vec<System> = list("QUALITY_SYSTEMS", "straight,smg,vllm-router,kvhint")
-        .into_iter()
-        .map(|name| {
-            let how = match name.as_str() {
-                "straight" => How::Straight,
-                "smg" => How::Smg,
-                "vllm-router" => How::VllmRouter,
-                "kvhint" => How::Kvhint {
-                    selection: None,
-                    binary: kvhint.clone(),
-                },
-                other => panic!("unknown system {other:?}: straight, smg, vllm-router or kvhint"),
-            };
-            System { name, how }
-        })
-        .collect();
+    let mut out: Vec<System> =
+        bench::env_list("QUALITY_SYSTEMS", "straight,smg,vllm-router,kvhint")
+            .into_iter()
+            .map(|name| {
+                let how = match name.as_str() {
+                    "straight" => How::Straight,
+                    "smg" => How::Smg,
+                    "vllm-router" => How::VllmRouter,
+                    "kvhint" => How::Kvhint {
+                        selection: None,
+                        binary: kvhint.clone(),
+                    },
+                    other => {
+                        panic!("unknown system {other:?}: straight, smg, vllm-router or kvhint")
+                    }
+                };
+                System { name, how }
+            })
+            .collect();
     if let Ok(variants) = std::env::var("QUALITY_VARIANTS") {
         for variant in variants.split(';').filter(|v| !v.trim().is_empty()) {
             let Some((name, yaml)) = variant.split_once('=') else {
@@ -401,7 +394,7 @@ fn main() {
     let workloads: Vec<Kind> = if quick {
         vec![Kind::Mix]
     } else {
-        list("QUALITY_WORKLOADS", "shared,multiturn,unique,mix")
+        bench::env_list("QUALITY_WORKLOADS", "shared,multiturn,unique,mix")
             .iter()
             .map(|w| Kind::parse(w))
             .collect()
@@ -409,7 +402,7 @@ fn main() {
     let loads: Vec<(String, f64)> = if quick {
         vec![("medium".into(), 0.7)]
     } else {
-        list("QUALITY_LOADS", "light,medium,saturated")
+        bench::env_list("QUALITY_LOADS", "light,medium,saturated")
             .into_iter()
             .map(|l| {
                 let rho = match l.as_str() {

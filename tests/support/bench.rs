@@ -17,6 +17,27 @@ pub fn artifacts() -> &'static Path {
 
 /// Whether the binary runs as a benchmark (`cargo bench`) rather than as a
 /// quick test (`cargo test --benches`).
+/// The comma-separated list in the environment variable `var` (a bench's
+/// systems, loads or sizes), or `default`'s.
+pub fn env_list(var: &str, default: &str) -> Vec<String> {
+    std::env::var(var)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The number in the environment variable `var`, or `default` when it is
+/// unset or not one.
+pub fn env_number<T: std::str::FromStr>(var: &str, default: T) -> T {
+    std::env::var(var)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 pub fn is_bench() -> bool {
     std::env::args().any(|a| a == "--bench")
 }
