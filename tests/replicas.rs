@@ -618,6 +618,357 @@ fn nats_credential_mistakes_are_located() {
         ),
         "{errors:?}"
     );
-    assert!(errors.iter().any(|e| e.starts_with("kvhint.yaml:8:15: replication.token_file: give either `user` with `password_file` or `token_file`")), "{errors:?}");
+    assert!(errors.iter().any(|e| e.starts_with("kvhint.yaml:8:15: replication.token_file: give one kind of NATS credentials, the one the NATS server asks for: `user` with `password_file`, `token_file`, `nkey_file` or `credentials_file`, not several")), "{errors:?}");
     assert!(errors.iter().any(|e| e.starts_with("kvhint.yaml:9:16: replication.tls_ca_file: <dir>/kvhint.yaml:")), "{errors:?}");
+
+    // nkey and .creds files: a public key where the seed belongs, an account's
+    // seed, a .creds file that is not one, one others may read, a missing one,
+    // and two kinds of credentials at once.
+    use kvhint_e2e::errors::config_errors_naming;
+    use std::os::unix::fs::PermissionsExt;
+    let files = private_dir();
+    let user = nkeys::KeyPair::new_user();
+    let account_seed = nkeys::KeyPair::new_account().seed().unwrap();
+    secret_file(
+        files.path(),
+        "public.nk",
+        &format!("{}\n", user.public_key()),
+    );
+    secret_file(files.path(), "account.nk", &format!("{account_seed}\n"));
+    secret_file(
+        files.path(),
+        "user.nk",
+        &format!("{}\n", user.seed().unwrap()),
+    );
+    secret_file(files.path(), "junk.creds", "not a creds file\n");
+    let open = secret_file(files.path(), "open.creds", &operator_mode().creds);
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mine = [(files.path(), "<files>")];
+    let one = |key: &str, file: &str| {
+        config_errors_naming(
+            &format!("{base}  {key}: {}/{file}\n", files.path().display()),
+            &mine,
+        )
+    };
+    let public = one("nkey_file", "public.nk");
+    assert_eq!(public.len(), 1, "{public:?}");
+    assert!(public[0].starts_with("kvhint.yaml:6:14: replication.nkey_file: <files>/public.nk: holds a user's public key (U…), which the server keeps; the replica needs the seed (SU…)"), "{public:?}");
+    let account = one("nkey_file", "account.nk");
+    assert!(account[0].starts_with("kvhint.yaml:6:14: replication.nkey_file: <files>/account.nk: holds the seed of an NKey of type Account, not of a user (SU…)"), "{account:?}");
+    let missing = one("nkey_file", "no-such.nk");
+    assert!(missing[0].starts_with("kvhint.yaml:6:14: replication.nkey_file: <files>/no-such.nk: there is no such file; write the NATS user's NKey seed (SU…) in it"), "{missing:?}");
+    let junk = one("credentials_file", "junk.creds");
+    assert!(junk[0].starts_with("kvhint.yaml:6:21: replication.credentials_file: <files>/junk.creds: is not a NATS .creds file (cannot parse user JWT from the credentials file)"), "{junk:?}");
+    let readable = one("credentials_file", "open.creds");
+    assert!(readable[0].starts_with("kvhint.yaml:6:21: replication.credentials_file: <files>/open.creds: may be read by other users (mode 0644)"), "{readable:?}");
+    let absent = one("credentials_file", "no-such.creds");
+    assert!(absent[0].starts_with("kvhint.yaml:6:21: replication.credentials_file: <files>/no-such.creds: there is no such file; write the NATS user's .creds file there"), "{absent:?}");
+    let both = config_errors_naming(
+        &format!(
+            "{base}  token_file: {0}/user.nk\n  nkey_file: {0}/user.nk\n  credentials_file: {0}/open.creds\n",
+            files.path().display()
+        ),
+        &mine,
+    );
+    for at in [
+        "kvhint.yaml:7:14: replication.nkey_file: give one kind of NATS credentials",
+        "kvhint.yaml:8:21: replication.credentials_file: give one kind of NATS credentials",
+    ] {
+        assert!(
+            both.iter().any(|e| e.starts_with(at)),
+            "{at:?} missing from {both:?}"
+        );
+    }
+    // A good seed or .creds file alone is taken, and no error shows a secret.
+    secret_file(files.path(), "good.creds", &operator_mode().creds);
+    assert_eq!(one("nkey_file", "user.nk"), Vec::<String>::new());
+    assert_eq!(one("credentials_file", "good.creds"), Vec::<String>::new());
+    for errors in [public, account, junk, both] {
+        for e in errors {
+            assert!(
+                !e.contains(&account_seed) && !e.contains(&user.seed().unwrap()),
+                "{e}"
+            );
+        }
+    }
+}
+
+/// A nats-server config file (`-c`) in `dir` with `text`.
+fn nats_config(dir: &std::path::Path, text: &str) -> String {
+    let path = dir.join("nats.conf");
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn replicas_join_a_nats_server_that_asks_for_an_nkey_and_others_do_not() {
+    let user = nkeys::KeyPair::new_user();
+    let seed = user.seed().unwrap();
+    let stranger = nkeys::KeyPair::new_user().seed().unwrap();
+    let dir = private_dir();
+    let conf = nats_config(
+        dir.path(),
+        &format!(
+            "authorization {{\n  users = [\n    {{ nkey: \"{}\" }}\n  ]\n}}\n",
+            user.public_key()
+        ),
+    );
+    let nats = NatsServer::start_with(free_port(), &["-c", &conf]);
+    let url = nats.url();
+    let with_seed = |seed: String| {
+        move |dir: &std::path::Path| {
+            secret_file(dir, "nats.nk", &format!("{seed}\n"));
+            "  nkey_file: nats.nk\n".to_string()
+        }
+    };
+    // Two replicas with the user's seed find each other.
+    let a = start_with(&url, "a", with_seed(seed.clone()));
+    let b = start_with(&url, "b", with_seed(seed.clone()));
+    a.wait("b among its peers", |_| a.peers() == vec!["b".to_string()]);
+    b.wait("a among its peers", |_| b.peers() == vec!["a".to_string()]);
+    // No credentials, and another user's seed: refused, and each log says so.
+    let none = start_with(&url, "none", |_| String::new());
+    let other = start_with(&url, "other", with_seed(stranger.clone()));
+    for replica in [&none, &other] {
+        replica.wait("the refusal in its log", |s| {
+            s.log().to_lowercase().contains("authorization")
+        });
+        assert_eq!(
+            replica.replication()["connected"],
+            false,
+            "{}",
+            replica.server.log()
+        );
+    }
+    assert_eq!(a.peers(), vec!["b".to_string()]);
+    // The seeds are in no log and not in status.
+    for replica in [&a, &b, &none, &other] {
+        for secret in [&seed, &stranger] {
+            assert!(!replica.server.log().contains(secret.as_str()));
+            assert!(!replica
+                .server
+                .status()
+                .to_string()
+                .contains(secret.as_str()));
+        }
+    }
+}
+
+/// base64url without padding, as a JWT's three parts are written.
+fn base64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// A NATS JWT (v2): `claims` about `subject`, signed by `issuer` (the
+/// operator signs itself and its accounts, an account its users).
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: Value) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = json!({
+        "jti": format!("{:X}{}", now, name.len()),
+        "iat": now,
+        "iss": issuer.public_key(),
+        "name": name,
+        "sub": subject,
+        "nats": nats,
+    });
+    let signed = format!(
+        "{}.{}",
+        base64url(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#),
+        base64url(claims.to_string().as_bytes())
+    );
+    let signature = issuer.sign(signed.as_bytes()).unwrap();
+    format!("{signed}.{}", base64url(&signature))
+}
+
+/// An operator-mode NATS setup: the server's config (the operator's JWT, the
+/// account's preloaded) and a `.creds` file's text for a user of the account.
+struct Operator {
+    server_config: String,
+    creds: String,
+    user_seed: String,
+}
+
+fn operator_mode() -> Operator {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let operator_jwt = nats_jwt(
+        &operator,
+        &operator.public_key(),
+        "kvhint-test",
+        json!({"type": "operator", "version": 2}),
+    );
+    let unlimited = json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+    });
+    let account_jwt = nats_jwt(
+        &operator,
+        &account.public_key(),
+        "replicas",
+        json!({"limits": unlimited, "default_permissions": {"pub": {}, "sub": {}},
+               "type": "account", "version": 2}),
+    );
+    let user_jwt = nats_jwt(
+        &account,
+        &user.public_key(),
+        "kvhint",
+        json!({"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+               "type": "user", "version": 2}),
+    );
+    let user_seed = user.seed().unwrap();
+    let creds = format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\
+         NKEYs are sensitive and should be treated as secrets.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{user_seed}\n------END USER NKEY SEED------\n\n\
+         *************************************************************\n"
+    );
+    let server_config = format!(
+        "operator: {operator_jwt}\nresolver: MEMORY\nresolver_preload: {{\n  {}: {account_jwt}\n}}\n",
+        account.public_key()
+    );
+    Operator {
+        server_config,
+        creds,
+        user_seed,
+    }
+}
+
+#[test]
+fn replicas_join_an_operator_mode_nats_server_with_a_creds_file_and_others_do_not() {
+    let setup = operator_mode();
+    // Another operator's user: a well-formed .creds file the server does not trust.
+    let foreign = operator_mode();
+    let dir = private_dir();
+    let conf = nats_config(dir.path(), &setup.server_config);
+    let nats = NatsServer::start_with(free_port(), &["-c", &conf]);
+    let url = nats.url();
+    let with_creds = |creds: String| {
+        move |dir: &std::path::Path| {
+            secret_file(dir, "user.creds", &creds);
+            "  credentials_file: user.creds\n".to_string()
+        }
+    };
+    let a = start_with(&url, "a", with_creds(setup.creds.clone()));
+    let b = start_with(&url, "b", with_creds(setup.creds.clone()));
+    a.wait("b among its peers", |_| a.peers() == vec!["b".to_string()]);
+    b.wait("a among its peers", |_| b.peers() == vec!["a".to_string()]);
+    let none = start_with(&url, "none", |_| String::new());
+    let stranger = start_with(&url, "stranger", with_creds(foreign.creds.clone()));
+    for replica in [&none, &stranger] {
+        replica.wait("the refusal in its log", |s| {
+            s.log().to_lowercase().contains("authorization")
+        });
+        assert_eq!(
+            replica.replication()["connected"],
+            false,
+            "{}",
+            replica.server.log()
+        );
+    }
+    assert_eq!(a.peers(), vec!["b".to_string()]);
+    for replica in [&a, &b, &none, &stranger] {
+        for secret in [&setup.user_seed, &foreign.user_seed] {
+            assert!(!replica.server.log().contains(secret.as_str()));
+            assert!(!replica
+                .server
+                .status()
+                .to_string()
+                .contains(secret.as_str()));
+        }
+    }
+}
+
+/// Every worker's open requests as `server`'s selection sees them.
+fn all_loads(server: &Server) -> std::collections::BTreeMap<u64, u64> {
+    server.status()["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().unwrap(),
+                w["load"]["active_requests"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Issue 44: a digest over the server's max payload was refused whole, so a
+/// joiner never learned its peers' load. With `max_payload` at 16 KiB and 900
+/// workers loaded (a digest of about 30 KB), a late joiner, which hears the
+/// load only from digests, ends with exactly the other replica's view.
+#[test]
+fn a_joiner_converges_when_the_digest_is_over_the_servers_max_payload() {
+    const MANY: u64 = 900;
+    let dir = private_dir();
+    let conf = nats_config(dir.path(), "max_payload: 16384\n");
+    let nats = NatsServer::start_with(free_port(), &["-c", &conf]);
+    let url = nats.url();
+    let register = |replica: &Replica| {
+        for id in 1..=MANY {
+            let (status, body) = replica.server.post(
+                "/workers",
+                &json!({"worker_id": id, "role": "aggregated", "runtime_data": {}}),
+            );
+            assert!(status == 201 || status == 200, "{body}");
+        }
+    };
+    let a = start_with(&url, "a", |_| String::new());
+    register(&a);
+    a.wait("connected", |_| a.replication()["connected"] == true);
+    for i in 0..MANY {
+        http::book(
+            &a.server,
+            &format!("a-{i}"),
+            "aggregated",
+            &tokens(i as u32 + 1),
+        );
+    }
+    let want = all_loads(&a.server);
+    let loaded = want.values().filter(|n| **n > 0).count();
+    assert!(
+        loaded > 600,
+        "{loaded} workers loaded: the digest would fit"
+    );
+    // b joins after every booking: only a's digest can tell it a's load.
+    let b = start_with(&url, "b", |_| String::new());
+    register(&b);
+    b.wait("a's whole view, from a's digest in parts", |_| {
+        all_loads(&b.server) == want
+    });
+    Waiting::new("the same checksum", BOUND)
+        .every(Duration::from_millis(25))
+        .until_ok(|| {
+            let (x, y) = (
+                a.replication()["checksum"].clone(),
+                b.replication()["checksum"].clone(),
+            );
+            if x == y {
+                Ok(())
+            } else {
+                Err(format!("{x} and {y}"))
+            }
+        });
+    assert_eq!(b.metric("kvhint_replication_decode_errors_total"), 0.0);
+    assert_eq!(
+        a.metric("kvhint_replication_messages_total{direction=\"publish_failed\"}"),
+        0.0
+    );
 }

@@ -33,12 +33,20 @@ pub struct ReplicationConfig {
     pub tls_ca_file: Option<PathBuf>,
 }
 
-/// `user` with `password_file`, or `token_file`: read when the config is, so a
-/// missing or unsafe file is a located error, never a replica that cannot join.
+/// `user` with `password_file`, `token_file`, `nkey_file` or `credentials_file`:
+/// read when the config is, so a missing, unsafe or malformed file is a located
+/// error, never a replica that cannot join.
 #[derive(Clone, PartialEq, Eq)]
 pub enum NatsAuth {
-    UserPassword { user: String, password: String },
+    UserPassword {
+        user: String,
+        password: String,
+    },
     Token(String),
+    /// A user's NKey seed (`SU…`): the client signs the server's nonce with it.
+    NKey(String),
+    /// A `.creds` file's text: the user's JWT and the seed that signs the nonce.
+    Credentials(String),
 }
 
 impl fmt::Debug for NatsAuth {
@@ -49,6 +57,8 @@ impl fmt::Debug for NatsAuth {
                 write!(f, "UserPassword {{ user: {user:?}, password: <hidden> }}")
             }
             NatsAuth::Token(_) => f.write_str("Token(<hidden>)"),
+            NatsAuth::NKey(_) => f.write_str("NKey(<hidden>)"),
+            NatsAuth::Credentials(_) => f.write_str("Credentials(<hidden>)"),
         }
     }
 }
@@ -105,6 +115,8 @@ pub(super) fn replication(
             "user",
             "password_file",
             "token_file",
+            "nkey_file",
+            "credentials_file",
             "tls_ca_file",
         ],
     );
@@ -230,55 +242,111 @@ pub(super) fn replication(
     Some(out)
 }
 
-/// `user` + `password_file`, or `token_file`, each file read as a token file
-/// is (a private regular file; its first line).
+/// The longest `.creds` file read: a user JWT with its permissions and the seed
+/// fit in a few KiB; a file far larger is not one.
+const MAX_CREDS_FILE_BYTES: u64 = 64 << 10;
+
+/// The credential kinds, each as the keys that give it, in the order a
+/// conflict is reported.
+const CREDENTIAL_KINDS: [&[&str]; 4] = [
+    &["user", "password_file"],
+    &["token_file"],
+    &["nkey_file"],
+    &["credentials_file"],
+];
+
+/// `user` + `password_file`, `token_file`, `nkey_file` or `credentials_file`:
+/// one kind at most, each file read as a token file is (a private regular file
+/// in directories no other user can write; its first line, but for a `.creds`
+/// file, which is read whole).
 fn nats_auth(
     walker: &mut Walker,
     map: &marked_yaml::types::MarkedMappingNode,
     base: &Path,
 ) -> Option<NatsAuth> {
-    let secret = |walker: &mut Walker, key: &str, what: &str| -> Option<String> {
+    // Each file's secret, or a located error saying what the file must hold;
+    // `check` looks at the secret once read (an NKey seed's kind).
+    let secret = |walker: &mut Walker,
+                  key: &str,
+                  what: &str,
+                  check: &dyn Fn(&str) -> Result<(), String>|
+     -> Option<String> {
         let node = map.get_node(key)?;
         let path = format!("replication.{key}");
         let file = base.join(walker.string(node, &path)?);
-        match crate::config::auth::read_secret_file(&file) {
+        let read = crate::config::auth::read_secret_file(&file)
+            .map_err(|e| {
+                e.replace("the worker's API key", what)
+                    .replace("the key", what)
+                    .replace("one key", "one secret")
+            })
+            .and_then(|secret| check(&secret).map(|()| secret));
+        match read {
             Ok(secret) => Some(secret),
             Err(e) => {
                 walker.error(
                     location(&path, node.span()),
-                    format!(
-                        "{}: {}",
-                        file.display(),
-                        e.replace("the worker's API key", what)
-                            .replace("the key", what)
-                            .replace("one key", "one secret")
-                    ),
+                    format!("{}: {e}", file.display()),
                 );
                 None
             }
         }
     };
-    let user = map
-        .get_node("user")
-        .and_then(|n| walker.string(n, "replication.user"));
-    let password = secret(walker, "password_file", "the NATS password");
-    let token = secret(walker, "token_file", "the NATS token");
     let at = |key: &str| {
         map.get_node(key)
             .map(|n| location(&format!("replication.{key}"), n.span()))
     };
+    let user = map
+        .get_node("user")
+        .and_then(|n| walker.string(n, "replication.user"));
+    let any = |_: &str| Ok(());
+    let password = secret(walker, "password_file", "the NATS password", &any);
+    let token = secret(walker, "token_file", "the NATS token", &any);
+    let nkey = secret(
+        walker,
+        "nkey_file",
+        "the NATS user's NKey seed (SU…)",
+        &check_user_seed,
+    );
+    let credentials = map.get_node("credentials_file").and_then(|node| {
+        let path = "replication.credentials_file";
+        let file = base.join(walker.string(node, path)?);
+        match read_credentials_file(&file) {
+            Ok(text) => Some(text),
+            Err(why) => {
+                walker.error(
+                    location(path, node.span()),
+                    format!("{}: {why}", file.display()),
+                );
+                None
+            }
+        }
+    });
+    // One kind at a time: the server asks for one, and which one a replica
+    // offered would otherwise depend on the client library's order. Each kind
+    // after the first is located at its (first) key.
+    let given: Vec<&str> = CREDENTIAL_KINDS
+        .iter()
+        .filter_map(|keys| keys.iter().copied().find(|k| map.get_node(k).is_some()))
+        .collect();
+    if given.len() > 1 {
+        for key in &given[1..] {
+            if let Some(at) = at(key) {
+                walker.error(
+                    at,
+                    "give one kind of NATS credentials, the one the NATS server asks for: \
+                     `user` with `password_file`, `token_file`, `nkey_file` or \
+                     `credentials_file`, not several",
+                );
+            }
+        }
+        return None;
+    }
     match (
         map.get_node("user").is_some(),
         map.get_node("password_file").is_some(),
-        map.get_node("token_file").is_some(),
     ) {
-        (true, _, true) | (_, true, true) => {
-            if let Some(at) = at("token_file") {
-                walker.error(at, "give either `user` with `password_file` or `token_file`, as the NATS server asks, not both");
-            }
-            None
-        }
-        (true, false, false) => {
+        (true, false) => {
             if let Some(at) = at("user") {
                 walker.error(
                     at,
@@ -287,7 +355,7 @@ fn nats_auth(
             }
             None
         }
-        (false, true, false) => {
+        (false, true) => {
             if let Some(at) = at("password_file") {
                 walker.error(
                     at,
@@ -296,10 +364,151 @@ fn nats_auth(
             }
             None
         }
-        _ => match (user, password, token) {
-            (Some(user), Some(password), None) => Some(NatsAuth::UserPassword { user, password }),
-            (None, None, Some(token)) => Some(NatsAuth::Token(token)),
+        _ => match (user, password, token, nkey, credentials) {
+            (Some(user), Some(password), None, None, None) => {
+                Some(NatsAuth::UserPassword { user, password })
+            }
+            (None, None, Some(token), None, None) => Some(NatsAuth::Token(token)),
+            (None, None, None, Some(seed), None) => Some(NatsAuth::NKey(seed)),
+            (None, None, None, None, Some(creds)) => Some(NatsAuth::Credentials(creds)),
             _ => None,
         },
+    }
+}
+
+/// Whether `seed` is a NATS user's NKey seed (`SU…`), which is what a server's
+/// `authorization { users = [ { nkey: U… } ] }` checks a signature against.
+/// The message never holds the seed.
+fn check_user_seed(seed: &str) -> Result<(), String> {
+    const MAKE: &str = "make one with `nsc generate nkey --user` or `nk -gen user`, and give \
+                        the server its public key (U…)";
+    if seed.starts_with('U') && nkeys::KeyPair::from_public_key(seed).is_ok() {
+        return Err(format!(
+            "holds a user's public key (U…), which the server keeps; the replica needs the \
+             seed (SU…) it was made from: {MAKE}"
+        ));
+    }
+    match nkeys::KeyPair::from_seed(seed) {
+        Ok(pair) if matches!(pair.key_pair_type(), nkeys::KeyPairType::User) => Ok(()),
+        Ok(pair) => Err(format!(
+            "holds the seed of an NKey of type {:?}, not of a user (SU…): {MAKE}",
+            pair.key_pair_type()
+        )),
+        Err(e) => Err(format!("is not an NKey seed ({e}): {MAKE}")),
+    }
+}
+
+/// A NATS `.creds` file (the user's JWT and NKey seed, as `nsc generate creds`
+/// writes it), read as a token file is: a private regular file in directories
+/// no other user can write, not blocking on a FIFO, not read past
+/// [`MAX_CREDS_FILE_BYTES`]; and parsed as the NATS client parses it, so a
+/// mistake shows now rather than as a replica that cannot join. The message
+/// never holds the file's text.
+fn read_credentials_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => format!(
+                "there is no such file; write the NATS user's .creds file there (`nsc generate \
+                 creds`), readable by this user only: `(umask 077; nsc generate creds -a ACCOUNT \
+                 -n USER > {})`",
+                path.display()
+            ),
+            _ => format!("cannot read the .creds file: {e}"),
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read the .creds file: {e}"))?;
+    if !meta.file_type().is_file() {
+        return Err("is not a regular file; a .creds file holds a user JWT and its seed".into());
+    }
+    let mode = meta.mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "may be read by other users (mode {mode:04o}); it holds the NATS user's seed: run \
+             `chmod 600 {}`",
+            path.display()
+        ));
+    }
+    // Whoever else could write it, or a directory on its way, would choose whom
+    // the replica connects as: checked as a token file is.
+    crate::trust::check_token_file(path, &meta).map_err(|e| e.to_string())?;
+    if meta.len() > MAX_CREDS_FILE_BYTES {
+        return Err(format!(
+            "is {} bytes, more than a .creds file's {MAX_CREDS_FILE_BYTES}",
+            meta.len()
+        ));
+    }
+    let mut text = String::new();
+    file.take(MAX_CREDS_FILE_BYTES)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read the .creds file as UTF-8 text: {e}"))?;
+    async_nats::ConnectOptions::new()
+        .credentials(&text)
+        .map_err(|e| {
+            format!(
+                "is not a NATS .creds file ({e}): it holds the user JWT between `-----BEGIN NATS \
+                 USER JWT-----` and `------END NATS USER JWT------` lines and the seed (SU…) \
+                 between `-----BEGIN USER NKEY SEED-----` and `------END USER NKEY SEED------`, \
+                 as `nsc generate creds` writes it"
+            )
+        })?;
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The secrets of every kind stay out of a `Debug` print (a config dump,
+    /// a log line that prints the config).
+    #[test]
+    fn no_nats_secret_is_in_a_debug_print() {
+        for (auth, secret) in [
+            (
+                NatsAuth::UserPassword {
+                    user: "kvhint".into(),
+                    password: "pw-0123456789".into(),
+                },
+                "pw-0123456789",
+            ),
+            (NatsAuth::Token("tok-0123456789".into()), "tok-0123456789"),
+            (
+                NatsAuth::NKey("SUSEED0123456789".into()),
+                "SUSEED0123456789",
+            ),
+            (
+                NatsAuth::Credentials("-----BEGIN NATS USER JWT-----\neyJ0".into()),
+                "eyJ0",
+            ),
+        ] {
+            let shown = format!("{auth:?}");
+            assert!(
+                !shown.contains(secret) && shown.contains("<hidden>"),
+                "{shown}"
+            );
+        }
+    }
+
+    /// A user's seed is taken; its public key, another kind's seed and a
+    /// word that is no key are refused, none of them repeated in the message.
+    #[test]
+    fn only_a_user_seed_is_taken_for_nkey_file() {
+        let user = nkeys::KeyPair::new_user();
+        let seed = user.seed().unwrap_or_default();
+        assert_eq!(check_user_seed(&seed), Ok(()));
+        let account = nkeys::KeyPair::new_account().seed().unwrap_or_default();
+        for (given, says) in [
+            (user.public_key(), "public key"),
+            (account.clone(), "type Account"),
+            ("SUNOTAKEY".to_string(), "is not an NKey seed"),
+        ] {
+            let why = check_user_seed(&given).unwrap_err();
+            assert!(why.contains(says) && !why.contains(&given[1..]), "{why}");
+        }
     }
 }

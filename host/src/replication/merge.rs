@@ -7,11 +7,17 @@
 //! newer value replaces an older one and an older one is ignored, so a lost message
 //! is corrected by the next one naming the worker (at the latest the periodic digest),
 //! and a repeated or late one changes nothing.
+//!
+//! Every message fits the NATS server's max payload: a delta too large for one
+//! is sent as several (each entry stands alone), and a digest too large for one
+//! as `digest_part`s, each the whole truth about a contiguous range of workers
+//! (see [`Body::DigestPart`]).
 
 use crate::domain::Role;
 use crate::router::workers::Load;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Bound;
 use std::time::{Duration, Instant};
 
 /// A worker as replicas name it to each other: by its registered identity, never by
@@ -69,6 +75,23 @@ pub enum Body {
     Digest {
         loads: Vec<Entry>,
         peers: Vec<String>,
+    },
+    /// One part of a digest too large for one message: every worker with load
+    /// in the range `from` (inclusive; none in the first part) to `to`
+    /// (exclusive; none in the last part), in [`WorkerId`] order. The parts of
+    /// one digest share its sequence and cover every worker between them, so
+    /// each is a digest of its range and needs none of the others: a lost part
+    /// leaves its range as it was until the next digest, a repeated one changes
+    /// nothing. `peers` is in the first part only. Only a digest over the max
+    /// payload is sent so: replicas that predate parts cannot read them (they
+    /// count a decode error), and they never received such a digest anyway.
+    DigestPart {
+        loads: Vec<Entry>,
+        peers: Vec<String>,
+        from: Option<WorkerId>,
+        to: Option<WorkerId>,
+        part: u32,
+        parts: u32,
     },
     /// A joiner (or a replica back on the bus) asks every peer for a digest.
     Hello,
@@ -160,16 +183,188 @@ impl Outbox {
     /// `body` as the next message.
     pub fn message(&mut self, body: Body, fingerprint: u64, sent_us: u64) -> Message {
         self.seq += 1;
+        self.stamped(body, self.seq, fingerprint, sent_us)
+    }
+
+    fn stamped(&self, body: Body, seq: u64, fingerprint: u64, sent_us: u64) -> Message {
         Message {
             replica: self.replica.clone(),
             incarnation: self.incarnation,
-            seq: self.seq,
+            seq,
             block_size: self.block_size,
             fingerprint,
             sent_us,
             body,
         }
     }
+
+    /// `loads` (from [`Self::changes`]) as delta messages, encoded, each at most
+    /// `max_bytes`: one when they fit. Each entry is a total on its own, so any
+    /// split is sound. `None` when one entry alone does not fit.
+    pub fn delta_messages(
+        &mut self,
+        loads: Vec<Entry>,
+        fingerprint: u64,
+        sent_us: u64,
+        max_bytes: usize,
+    ) -> Option<Vec<Vec<u8>>> {
+        let next = self.seq + 1;
+        let whole = self.stamped(Body::Delta { loads }, next, fingerprint, sent_us);
+        let encoded = encode(&whole);
+        if encoded.len() <= max_bytes {
+            self.seq = next;
+            return Some(vec![encoded]);
+        }
+        let Body::Delta { loads } = whole.body else {
+            return None;
+        };
+        // The envelope at its longest (the sequence at u64::MAX), so every
+        // chunk's real size is at most what is counted.
+        let envelope = encode(&self.stamped(
+            Body::Delta { loads: vec![] },
+            u64::MAX,
+            fingerprint,
+            sent_us,
+        ))
+        .len();
+        let chunks = chunk(&loads, envelope, max_bytes)?;
+        Some(
+            chunks
+                .into_iter()
+                .map(|range| {
+                    let body = Body::Delta {
+                        loads: loads[range].to_vec(),
+                    };
+                    encode(&self.message(body, fingerprint, sent_us))
+                })
+                .collect(),
+        )
+    }
+
+    /// The digest (every worker with load, and `peers`) as encoded messages of
+    /// at most `max_bytes` each: one `digest` when it fits, which every replica
+    /// reads; else `digest_part`s, one sequence for all. `None` when one entry
+    /// alone does not fit.
+    pub fn digest_messages(
+        &mut self,
+        peers: Vec<String>,
+        fingerprint: u64,
+        sent_us: u64,
+        max_bytes: usize,
+    ) -> Option<Vec<Vec<u8>>> {
+        let loads = self.digest();
+        let seq = self.seq + 1;
+        let whole = self.stamped(Body::Digest { loads, peers }, seq, fingerprint, sent_us);
+        let encoded = encode(&whole);
+        if encoded.len() <= max_bytes {
+            self.seq = seq;
+            return Some(vec![encoded]);
+        }
+        let Body::Digest { loads, mut peers } = whole.body else {
+            return None;
+        };
+        let widest = Some(WorkerId {
+            role: Role::Aggregated,
+            worker_id: u64::MAX,
+            dp_rank: u32::MAX,
+        });
+        let envelope = |peers: Vec<String>| {
+            encode(&self.stamped(
+                Body::DigestPart {
+                    loads: vec![],
+                    peers,
+                    from: widest,
+                    to: widest,
+                    part: u32::MAX,
+                    parts: u32::MAX,
+                },
+                u64::MAX,
+                fingerprint,
+                sent_us,
+            ))
+            .len()
+        };
+        // The peers a joiner waits for ride in the first part; so many that
+        // they would crowd out the loads are cut to half a message (a joiner
+        // then waits `sync_timeout_ms` at most, as for a peer it never heard).
+        while !peers.is_empty() && envelope(peers.clone()) > max_bytes / 2 {
+            peers.truncate(peers.len() / 2);
+        }
+        let first = envelope(peers.clone());
+        let rest = envelope(Vec::new());
+        // The first chunk with the peers' room, the others without: chunked
+        // against the larger envelope, so every part fits.
+        let chunks = chunk(&loads, first.max(rest), max_bytes)?;
+        let parts = u32::try_from(chunks.len()).ok()?;
+        if parts > MAX_DIGEST_PARTS {
+            return None;
+        }
+        self.seq = seq;
+        let bounds: Vec<usize> = chunks.iter().map(|r| r.start).collect();
+        Some(
+            chunks
+                .into_iter()
+                .enumerate()
+                .map(|(i, range)| {
+                    let from = (i > 0).then(|| loads[range.start].id());
+                    let to = bounds.get(i + 1).map(|at| loads[*at].id());
+                    let body = Body::DigestPart {
+                        loads: loads[range].to_vec(),
+                        peers: if i == 0 {
+                            std::mem::take(&mut peers)
+                        } else {
+                            Vec::new()
+                        },
+                        from,
+                        to,
+                        part: i as u32,
+                        parts,
+                    };
+                    encode(&self.stamped(body, seq, fingerprint, sent_us))
+                })
+                .collect(),
+        )
+    }
+}
+
+/// A message as it goes on the wire (JSON).
+pub fn encode(message: &Message) -> Vec<u8> {
+    // Serialising these types cannot fail (no maps with non-string keys, no
+    // custom serialisers); an empty payload would be dropped as undecodable.
+    serde_json::to_vec(message).unwrap_or_default()
+}
+
+/// `loads` cut into consecutive ranges whose message, `envelope` bytes with
+/// an empty list, stays within `max_bytes` with the range's entries in it
+/// (each entry's JSON and a comma between two). `None` when one entry alone
+/// does not fit. Always at least one range (empty when `loads` is).
+fn chunk(
+    loads: &[Entry],
+    envelope: usize,
+    max_bytes: usize,
+) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut size = envelope;
+    for (i, entry) in loads.iter().enumerate() {
+        let len = serde_json::to_vec(entry).map_or(usize::MAX / 2, |v| v.len());
+        let add = if i == start { len } else { len + 1 };
+        if size + add > max_bytes {
+            if i == start {
+                return None;
+            }
+            out.push(start..i);
+            start = i;
+            size = envelope + len;
+            if size > max_bytes {
+                return None;
+            }
+        } else {
+            size += add;
+        }
+    }
+    out.push(start..loads.len());
+    Some(out)
 }
 
 /// One peer as a replica knows it.
@@ -181,13 +376,18 @@ struct Peer {
     last_seen: Instant,
     fingerprint: u64,
     /// Each worker's total and the sequence of the message that set it.
-    loads: HashMap<WorkerId, (Load, u64)>,
+    /// In worker order, so a digest part walks its own range only.
+    loads: BTreeMap<WorkerId, (Load, u64)>,
     /// A digest has arrived since this incarnation was first heard.
     synced: bool,
     /// The newest digest's sequence: every worker it did not list had no load then,
     /// so an older message about one (reordered) is stale even if it is the first
     /// heard about that worker.
     digest_seq: u64,
+    /// The newest split digest's sequence and which of its parts were
+    /// received (a bit each, so at most [`MAX_DIGEST_PARTS`] / 8 bytes a peer
+    /// whatever a sender claims): the peer is synced once all have come.
+    assembling: (u64, Vec<u64>),
 }
 
 /// Why a peer's messages are ignored.
@@ -251,6 +451,10 @@ pub const MAX_GONE: usize = 4_096;
 
 /// The longest replica name taken; a message from a longer one is dropped.
 pub const MAX_NAME_BYTES: usize = 256;
+
+/// Parts of one digest at most (a receiver ignores a part claiming more): 1M
+/// workers with load in 64 KiB messages take about 700.
+pub const MAX_DIGEST_PARTS: u32 = 1 << 16;
 
 /// Peers summed at once at most. A fleet has a handful of replicas; made-up
 /// peers past this are not taken, so a digest (which names the peers heard)
@@ -432,9 +636,10 @@ impl Merge {
                     seq: 0,
                     last_seen: now,
                     fingerprint: message.fingerprint,
-                    loads: HashMap::new(),
+                    loads: BTreeMap::new(),
                     synced: false,
                     digest_seq: 0,
+                    assembling: (0, Vec::new()),
                 },
             );
             if message.fingerprint != self.fingerprint {
@@ -458,8 +663,13 @@ impl Merge {
         match &message.body {
             Body::Delta { loads } => {
                 for entry in loads {
-                    let slot = peer.loads.entry(entry.id()).or_default();
-                    if message.seq > slot.1.max(peer.digest_seq) {
+                    // Newer than what is known of the worker: its slot, or for
+                    // one never heard, the newest digest (which said it had
+                    // none). A worker whose digest part was lost keeps an
+                    // older slot, so a delta between the two still counts.
+                    let known = peer.loads.get(&entry.id()).map_or(peer.digest_seq, |s| s.1);
+                    if message.seq > known {
+                        let slot = peer.loads.entry(entry.id()).or_default();
                         if slot.0 != entry.load() {
                             touched.push(entry.id());
                         }
@@ -470,32 +680,50 @@ impl Merge {
             }
             Body::Digest { loads, peers } => {
                 let synced = peer.synced;
-                let listed: HashMap<WorkerId, Load> =
-                    loads.iter().map(|e| (e.id(), e.load())).collect();
-                let floor = peer.digest_seq;
-                for (id, load) in &listed {
-                    let slot = peer.loads.entry(*id).or_default();
-                    if message.seq > slot.1.max(floor) {
-                        if slot.0 != *load {
-                            touched.push(*id);
-                        }
-                        *slot = (*load, message.seq);
-                    }
-                }
-                for (id, slot) in peer.loads.iter_mut() {
-                    if !listed.contains_key(id) && message.seq > slot.1 {
-                        if !slot.0.is_zero() {
-                            touched.push(*id);
-                        }
-                        *slot = (Load::default(), message.seq);
-                    }
-                }
+                fold_digest(peer, message.seq, loads, None, None, &mut touched);
                 if synced {
                     self.stats.corrections += touched.len() as u64;
                 }
-                peer.digest_seq = peer.digest_seq.max(message.seq);
                 peer.synced = true;
                 self.answered.insert(message.replica.clone());
+                self.mentioned.extend(peers.iter().cloned());
+            }
+            Body::DigestPart {
+                loads,
+                peers,
+                from,
+                to,
+                part,
+                parts,
+            } => {
+                // A part that cannot be one of a digest the sender split is
+                // only a heartbeat.
+                if *part >= *parts
+                    || *parts > MAX_DIGEST_PARTS
+                    || matches!((from, to), (Some(f), Some(t)) if f >= t)
+                {
+                    return out;
+                }
+                let synced = peer.synced;
+                fold_digest(peer, message.seq, loads, *from, *to, &mut touched);
+                if synced {
+                    self.stats.corrections += touched.len() as u64;
+                }
+                if message.seq > peer.assembling.0 {
+                    peer.assembling = (message.seq, vec![0; parts.div_ceil(64) as usize]);
+                }
+                let seen = &mut peer.assembling.1;
+                let (word, bit) = ((*part / 64) as usize, 1u64 << (*part % 64));
+                if message.seq == peer.assembling.0 && word < seen.len() {
+                    seen[word] |= bit;
+                    let received: u32 = seen.iter().map(|w| w.count_ones()).sum();
+                    if received == *parts {
+                        peer.synced = true;
+                        self.answered.insert(message.replica.clone());
+                    }
+                }
+                // No ask for a sync while the parts come in: every peer would
+                // answer a hello with its whole digest again.
                 self.mentioned.extend(peers.iter().cloned());
             }
             Body::Hello => {
@@ -574,6 +802,55 @@ impl Merge {
     }
 }
 
+/// Folds a digest (or a part of one: the workers from `from`, inclusive, to
+/// `to`, exclusive) with sequence `seq` into `peer`: each listed worker's total
+/// and, for every worker in the range it does not list, zero. Newer knowledge
+/// of a worker is kept: its slot's sequence, or for a worker never heard, the
+/// newest digest's (which said it had none). The parts of one digest share a
+/// sequence, so a part may come after a sibling that raised the floor to it.
+fn fold_digest(
+    peer: &mut Peer,
+    seq: u64,
+    loads: &[Entry],
+    from: Option<WorkerId>,
+    to: Option<WorkerId>,
+    touched: &mut Vec<WorkerId>,
+) {
+    let in_range = |id: &WorkerId| from.is_none_or(|f| *id >= f) && to.is_none_or(|t| *id < t);
+    let floor = peer.digest_seq;
+    let listed: HashMap<WorkerId, Load> = loads
+        .iter()
+        .filter(|e| in_range(&e.id()))
+        .map(|e| (e.id(), e.load()))
+        .collect();
+    for (id, load) in &listed {
+        let newer = match peer.loads.get(id) {
+            Some((_, at)) => seq > *at,
+            None => seq >= floor,
+        };
+        if newer {
+            let slot = peer.loads.entry(*id).or_default();
+            if slot.0 != *load {
+                touched.push(*id);
+            }
+            *slot = (*load, seq);
+        }
+    }
+    let range = (
+        from.map_or(Bound::Unbounded, Bound::Included),
+        to.map_or(Bound::Unbounded, Bound::Excluded),
+    );
+    for (id, slot) in peer.loads.range_mut(range) {
+        if !listed.contains_key(id) && seq > slot.1 {
+            if !slot.0.is_zero() {
+                touched.push(*id);
+            }
+            *slot = (Load::default(), seq);
+        }
+    }
+    peer.digest_seq = peer.digest_seq.max(seq);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -616,6 +893,12 @@ mod tests {
         truth: BTreeMap<WorkerId, Load>,
         outbox: Outbox,
         merge: Merge,
+        /// The max payload its digests are cut to (parts when under a digest).
+        max_bytes: usize,
+    }
+
+    fn decode(payload: &[u8]) -> Message {
+        serde_json::from_slice(payload).unwrap_or_else(|e| panic!("{e}"))
     }
 
     impl Replica {
@@ -624,6 +907,7 @@ mod tests {
                 truth: BTreeMap::new(),
                 outbox: Outbox::new(name, incarnation, BLOCK),
                 merge: Merge::new(name, BLOCK, 7, LONG, Duration::ZERO, now),
+                max_bytes: usize::MAX,
             }
         }
         fn current(&self) -> Vec<(WorkerId, Load)> {
@@ -633,17 +917,15 @@ mod tests {
             let loads = self.outbox.changes(&self.current());
             (!loads.is_empty()).then(|| self.outbox.message(Body::Delta { loads }, 7, 0))
         }
-        fn digest(&mut self) -> Message {
+        /// A digest, as one message or in parts (its delta since the last
+        /// tick is lost).
+        fn digest(&mut self) -> Vec<Message> {
             self.tick();
-            let loads = self.outbox.digest();
-            self.outbox.message(
-                Body::Digest {
-                    loads,
-                    peers: vec![],
-                },
-                7,
-                0,
-            )
+            let payloads = self
+                .outbox
+                .digest_messages(vec![], 7, 0, self.max_bytes)
+                .unwrap_or_else(|| panic!("{} bytes hold no entry", self.max_bytes));
+            payloads.iter().map(|p| decode(p)).collect()
         }
     }
 
@@ -689,22 +971,36 @@ mod tests {
     /// restart under the same name, over a bus that drops, duplicates and reorders;
     /// once the dust settles (each publishes a digest, delivered with every stale
     /// message still in flight, in any order), every replica's sums are the truth.
+    /// Every other seed sends its digests in parts, each part dropped, repeated
+    /// and reordered on its own.
     #[test]
     fn views_converge_to_the_truth_over_a_bus_that_drops_duplicates_and_reorders() {
+        let mut split = 0;
         for seed in 1..=500u64 {
             let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
             let now = Instant::now();
             let n = 2 + (seed % 3) as usize;
             let names: Vec<String> = (0..n).map(|i| format!("r{i}")).collect();
             let mut incarnation = 1;
-            let mut replicas: Vec<Replica> =
-                names.iter().map(|n| Replica::new(n, 1, now)).collect();
+            // Every other seed, 40 workers and digests cut to about eight
+            // workers a part, so the parts of one digest are dropped, repeated
+            // and reordered each on their own.
+            let (workers, max_bytes) = if seed % 2 == 0 {
+                (6, usize::MAX)
+            } else {
+                (40, 600)
+            };
+            let replica = |name: &str, incarnation| Replica {
+                max_bytes,
+                ..Replica::new(name, incarnation, now)
+            };
+            let mut replicas: Vec<Replica> = names.iter().map(|n| replica(n, 1)).collect();
             let mut bus = Bus { pending: vec![] };
             for _ in 0..400 {
                 let r = rng.below(n as u64) as usize;
                 match rng.below(10) {
                     0..=3 => {
-                        let id = worker(rng.below(6));
+                        let id = worker(rng.below(workers));
                         let load = if rng.chance(25) {
                             Load::default()
                         } else {
@@ -722,13 +1018,16 @@ mod tests {
                         }
                     }
                     6 => {
-                        let m = replicas[r].digest();
-                        bus.send(&mut rng, r, n, m, true);
+                        let parts = replicas[r].digest();
+                        split += usize::from(parts.len() > 1);
+                        for m in parts {
+                            bus.send(&mut rng, r, n, m, true);
+                        }
                     }
                     7 if rng.chance(10) => {
                         // Restart under the same name: a newer incarnation, no load.
                         incarnation += 1;
-                        replicas[r] = Replica::new(&names[r], incarnation, now);
+                        replicas[r] = replica(&names[r], incarnation);
                     }
                     _ => {
                         for _ in 0..3 {
@@ -742,14 +1041,15 @@ mod tests {
             // Settle: a digest from everyone, delivered without loss among the
             // stale messages still in flight.
             for (r, replica) in replicas.iter_mut().enumerate() {
-                let m = replica.digest();
-                bus.send(&mut rng, r, n, m, false);
+                for m in replica.digest() {
+                    bus.send(&mut rng, r, n, m, false);
+                }
             }
             while let Some((to, m)) = bus.take(&mut rng) {
                 replicas[to].merge.receive(&m, now);
             }
             for me in 0..n {
-                for w in 0..6 {
+                for w in 0..workers {
                     let id = worker(w);
                     assert_eq!(
                         replicas[me].merge.sum(&id),
@@ -759,6 +1059,7 @@ mod tests {
                 }
             }
         }
+        assert!(split > 1_000, "only {split} digests were split");
     }
 
     /// Over a reliable, ordered bus, digests correct nothing: a correction means a
@@ -782,7 +1083,9 @@ mod tests {
                 b.merge.receive(&m, now);
             }
             if rng.chance(10) {
-                b.merge.receive(&a.digest(), now);
+                for m in a.digest() {
+                    b.merge.receive(&m, now);
+                }
             }
         }
         assert_eq!(b.merge.stats().corrections, 0);
@@ -952,6 +1255,248 @@ mod tests {
         let mut alone = Merge::new("me", BLOCK, 7, LONG, wait, t0);
         assert!(!alone.is_ready(t0 + Duration::from_millis(100)));
         assert!(alone.is_ready(t0 + wait));
+    }
+
+    /// `count` workers, each with its own load (none zero).
+    fn fleet(count: u64) -> Vec<(WorkerId, Load)> {
+        (0..count)
+            .map(|i| {
+                let id = WorkerId {
+                    role: Role::ALL[(i % 3) as usize],
+                    worker_id: i / 3,
+                    dp_rank: (i % 7) as u32,
+                };
+                let load = Load {
+                    active_requests: 1 + i % 5,
+                    active_blocks: i % 1_000,
+                    prefill_blocks: i % 17,
+                };
+                (id, load)
+            })
+            .collect()
+    }
+
+    /// Every worker's sum in `merge`, sorted.
+    fn view(merge: &Merge) -> Vec<(WorkerId, Load)> {
+        let mut out: Vec<(WorkerId, Load)> = merge.sums().map(|(id, l)| (*id, *l)).collect();
+        out.sort_by_key(|(id, _)| *id);
+        out
+    }
+
+    /// Issue 44: 800 fake peers, or a fleet far past `gateway.max_workers`'s
+    /// 4,096 default, pushed a digest over NATS's max payload; it was refused
+    /// whole, and with it loss correction and a joiner's sync. A digest of
+    /// 200,000 workers is sent as parts that each fit; a replica that hears
+    /// them ends with exactly the sender's view; a lost part leaves only its
+    /// range behind, a repeated one changes nothing, and the next digest, its
+    /// parts in any order, corrects the rest.
+    #[test]
+    fn a_digest_over_the_max_payload_is_sent_in_parts_that_rebuild_the_senders_view() {
+        const MAX: usize = 256 << 10;
+        let now = Instant::now();
+        let mut sender = Outbox::new("big", 1, BLOCK);
+        let mut receiver = Merge::new("me", BLOCK, 7, LONG, Duration::ZERO, now);
+        let mut truth = fleet(200_000);
+        truth.sort_by_key(|(id, _)| *id);
+        // Before: one message of several MB.
+        let changes = sender.changes(&truth);
+        let whole = encode(&Message {
+            replica: "big".into(),
+            incarnation: 1,
+            seq: 1,
+            block_size: BLOCK,
+            fingerprint: 7,
+            sent_us: 0,
+            body: Body::Digest {
+                loads: changes.clone(),
+                peers: vec!["a".into()],
+            },
+        });
+        assert!(whole.len() > 20 * MAX, "{} bytes", whole.len());
+        // The deltas (all 200,000 changed at once) fit too, and are lost here:
+        // the digest alone must bring the view.
+        let deltas = sender
+            .delta_messages(changes, 7, 0, MAX)
+            .unwrap_or_default();
+        assert!(deltas.len() > 20 && deltas.iter().all(|d| d.len() <= MAX));
+        let mut by_deltas = Merge::new("other", BLOCK, 7, LONG, Duration::ZERO, now);
+        for d in &deltas {
+            by_deltas.receive(&decode(d), now);
+        }
+        assert_eq!(view(&by_deltas), truth);
+        let parts = sender
+            .digest_messages(vec!["a".into(), "me".into()], 7, 0, MAX)
+            .unwrap_or_default();
+        assert!(parts.len() > 20, "{} parts", parts.len());
+        let messages: Vec<Message> = parts
+            .iter()
+            .map(|p| {
+                assert!(p.len() <= MAX, "a part of {} bytes", p.len());
+                decode(p)
+            })
+            .collect();
+        // One sequence, every part's range starting where the last one's ended.
+        assert!(messages.iter().all(|m| m.seq == messages[0].seq));
+        let mut listed = 0;
+        for (i, m) in messages.iter().enumerate() {
+            let Body::DigestPart {
+                loads,
+                from,
+                to,
+                part,
+                parts: of,
+                ..
+            } = &m.body
+            else {
+                panic!("part {i} is not a digest part");
+            };
+            assert_eq!((*part as usize, *of as usize), (i, messages.len()));
+            assert_eq!(from.is_none(), i == 0);
+            assert_eq!(to.is_none(), i + 1 == messages.len());
+            listed += loads.len();
+        }
+        assert_eq!(listed, truth.len());
+        // Delivered in reverse, one repeated: exactly the sender's view, synced.
+        for m in messages.iter().rev().chain([&messages[3]]) {
+            receiver.receive(m, now);
+        }
+        assert_eq!(view(&receiver), truth);
+        assert!(receiver.peers(now)[0].synced);
+        assert_eq!(receiver.stats().corrections, 0);
+        assert!(receiver.is_ready(now));
+
+        // The load moves: every third worker's goes, every fifth doubles, and
+        // 500 new workers appear; the deltas saying so are all lost, and so is
+        // part 5 of the next digest.
+        let mut next: Vec<(WorkerId, Load)> = truth
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 3 != 0)
+            .map(|(i, (id, l))| (*id, if i % 5 == 0 { l.plus(*l) } else { *l }))
+            .collect();
+        next.extend(fleet(200_500).into_iter().skip(200_000).map(|(id, l)| {
+            let id = WorkerId {
+                worker_id: id.worker_id + 1_000_000,
+                ..id
+            };
+            (id, l)
+        }));
+        next.sort_by_key(|(id, _)| *id);
+        let _lost = sender.changes(&next);
+        let parts: Vec<Message> = sender
+            .digest_messages(vec![], 7, 0, MAX)
+            .unwrap_or_default()
+            .iter()
+            .map(|p| decode(p))
+            .collect();
+        let Body::DigestPart { from, to, .. } = &parts[5].body else {
+            panic!("not a part");
+        };
+        let (from, to) = (
+            from.unwrap_or_else(|| panic!()),
+            to.unwrap_or_else(|| panic!()),
+        );
+        for (i, m) in parts.iter().enumerate() {
+            if i != 5 {
+                receiver.receive(m, now);
+                receiver.receive(m, now);
+            }
+        }
+        // Right outside part 5's range; inside it, the old view.
+        let inside = |id: &WorkerId| *id >= from && *id < to;
+        let want_outside: Vec<_> = next.iter().filter(|(id, _)| !inside(id)).copied().collect();
+        let got_outside: Vec<_> = view(&receiver)
+            .into_iter()
+            .filter(|(id, _)| !inside(id))
+            .collect();
+        assert_eq!(got_outside, want_outside);
+        let old_inside: Vec<_> = truth.iter().filter(|(id, _)| inside(id)).copied().collect();
+        let got_inside: Vec<_> = view(&receiver)
+            .into_iter()
+            .filter(|(id, _)| inside(id))
+            .collect();
+        assert_eq!(got_inside, old_inside);
+        assert_ne!(
+            old_inside,
+            next.iter()
+                .filter(|(id, _)| inside(id))
+                .copied()
+                .collect::<Vec<_>>()
+        );
+        // The next digest, its parts shuffled, corrects it.
+        let mut rng = Rng(7);
+        let mut parts: Vec<Message> = sender
+            .digest_messages(vec![], 7, 0, MAX)
+            .unwrap_or_default()
+            .iter()
+            .map(|p| decode(p))
+            .collect();
+        while !parts.is_empty() {
+            let at = rng.below(parts.len() as u64) as usize;
+            receiver.receive(&parts.swap_remove(at), now);
+        }
+        assert_eq!(view(&receiver), next);
+        // A late part of the older digest changes nothing.
+        let stale = sender.stamped(
+            Body::DigestPart {
+                loads: vec![],
+                peers: vec![],
+                from: None,
+                to: None,
+                part: 0,
+                parts: 1,
+            },
+            2,
+            7,
+            0,
+        );
+        receiver.receive(&stale, now);
+        assert_eq!(view(&receiver), next);
+    }
+
+    /// A digest that fits is one `digest`, which replicas without parts read;
+    /// a max payload too small for one worker's entry is said, not sent.
+    #[test]
+    fn a_digest_that_fits_is_one_message_and_a_payload_too_small_for_one_entry_sends_none() {
+        let mut o = Outbox::new("a", 1, BLOCK);
+        o.changes(&fleet(10));
+        let one = o
+            .digest_messages(vec!["b".into()], 7, 0, 1 << 20)
+            .unwrap_or_default();
+        assert_eq!(one.len(), 1);
+        assert!(
+            matches!(decode(&one[0]).body, Body::Digest { ref loads, .. } if loads.len() == 10)
+        );
+        assert!(o.digest_messages(vec![], 7, 0, 200).is_none());
+        assert!(o
+            .delta_messages(Outbox::new("b", 1, BLOCK).changes(&fleet(3)), 7, 0, 100)
+            .is_none());
+        // A part naming its range backwards, or more parts than a digest has,
+        // is a heartbeat only.
+        let now = Instant::now();
+        let mut merge = Merge::new("me", BLOCK, 7, LONG, Duration::ZERO, now);
+        let (id, load) = fleet(1)[0];
+        for (from, to, part, parts) in [
+            (Some(id), Some(id), 0, 2),
+            (None, None, 2, 2),
+            (None, None, 0, MAX_DIGEST_PARTS + 1),
+        ] {
+            let m = o.message(
+                Body::DigestPart {
+                    loads: vec![Entry::new(id, load)],
+                    peers: vec![],
+                    from,
+                    to,
+                    part,
+                    parts,
+                },
+                7,
+                0,
+            );
+            merge.receive(&m, now);
+        }
+        assert_eq!(merge.sum(&id), Load::default());
+        assert!(!merge.peers(now)[0].synced);
     }
 
     /// Messages round-trip through JSON, the wire format.

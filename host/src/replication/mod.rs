@@ -24,7 +24,7 @@ use crate::domain::WorkerKey;
 use crate::router::workers::Load;
 use crate::router::Router;
 use futures_util::StreamExt;
-use merge::{Body, Merge, Message, Outbox, PeerStatus, WorkerId};
+use merge::{encode, Body, Merge, Message, Outbox, PeerStatus, WorkerId};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -214,6 +214,17 @@ impl Replication {
                 options = options.user_and_password(user.clone(), password.clone());
             }
             Some(NatsAuth::Token(token)) => options = options.token(token.clone()),
+            Some(NatsAuth::NKey(seed)) => options = options.nkey(seed.clone()),
+            Some(NatsAuth::Credentials(creds)) => {
+                // Parsed once already when the config was read; a failure here
+                // says what, never the file's text.
+                options = options
+                    .credentials(creds)
+                    .map_err(|e| ReplicationError::Connect {
+                        url: config.nats_url.clone(),
+                        message: format!("replication.credentials_file: {e}"),
+                    })?;
+            }
             None => {}
         }
         if let Some(ca) = &config.tls_ca_file {
@@ -343,10 +354,6 @@ pub fn checksum(router: &Router) -> String {
     format!("{:016x}", hasher.digest())
 }
 
-fn encode(message: &Message) -> Option<bytes::Bytes> {
-    serde_json::to_vec(message).ok().map(bytes::Bytes::from)
-}
-
 /// The publisher thread: polls the local load, publishes changes, digests and the
 /// goodbye.
 fn publish(shared: &Shared, client: &async_nats::Client, handle: &tokio::runtime::Handle) {
@@ -360,17 +367,14 @@ fn publish(shared: &Shared, client: &async_nats::Client, handle: &tokio::runtime
     let digest_every = Duration::from_millis(config.digest_interval_ms);
     let mut last_digest = Instant::now();
     let mut current: Vec<(WorkerId, Load)> = Vec::new();
-    let send = |outbox: &mut Outbox, body: Body, sent_us: u64| {
-        let message = outbox.message(body, shared.fingerprint.load(Ordering::Relaxed), sent_us);
-        let Some(payload) = encode(&message) else {
-            return;
-        };
+    let mut too_small = Throttle::new(Duration::from_secs(10));
+    let send = |payload: Vec<u8>| {
         // The client buffers while NATS is away; when its buffer is full, the message
         // is dropped rather than wait (totals are absolute: the next one corrects it).
         let sent = handle.block_on(async {
             tokio::time::timeout(
                 Duration::from_millis(50),
-                client.publish(shared.subject.clone(), payload),
+                client.publish(shared.subject.clone(), bytes::Bytes::from(payload)),
             )
             .await
         });
@@ -383,9 +387,30 @@ fn publish(shared: &Shared, client: &async_nats::Client, handle: &tokio::runtime
                 .fetch_add(1, Ordering::Relaxed);
         }
     };
+    // Each message within the server's max payload (from its INFO; 1 MiB by
+    // default): a larger one would be refused whole, and with it the loss
+    // correction and a joiner's sync a digest carries.
+    let mut send_all = |payloads: Option<Vec<Vec<u8>>>| match payloads {
+        Some(payloads) => payloads.into_iter().for_each(&send),
+        None => {
+            shared
+                .counters
+                .publish_failures
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(suppressed) = too_small.allow(Instant::now()) {
+                tracing::error!(max_payload = client.max_payload(), suppressed, "replication: the NATS server's max_payload is too small for one worker's load in a message; raise it");
+            }
+        }
+    };
     loop {
+        let max_payload = client.max_payload();
+        let fingerprint = shared.fingerprint.load(Ordering::Relaxed);
         if shared.stop.load(Ordering::Relaxed) {
-            send(&mut outbox, Body::Goodbye, unix_us());
+            send(encode(&outbox.message(
+                Body::Goodbye,
+                fingerprint,
+                unix_us(),
+            )));
             return;
         }
         std::thread::sleep(tick);
@@ -403,10 +428,10 @@ fn publish(shared: &Shared, client: &async_nats::Client, handle: &tokio::runtime
         }));
         let loads = outbox.changes(&current);
         if !loads.is_empty() {
-            send(&mut outbox, Body::Delta { loads }, seen_us);
+            send_all(outbox.delta_messages(loads, fingerprint, seen_us, max_payload));
         }
         if shared.hello_now.swap(false, Ordering::Relaxed) {
-            send(&mut outbox, Body::Hello, seen_us);
+            send(encode(&outbox.message(Body::Hello, fingerprint, seen_us)));
         }
         if shared.digest_now.swap(false, Ordering::Relaxed) || last_digest.elapsed() >= digest_every
         {
@@ -418,8 +443,7 @@ fn publish(shared: &Shared, client: &async_nats::Client, handle: &tokio::runtime
                 .iter()
                 .map(|p| p.name.clone())
                 .collect();
-            let loads = outbox.digest();
-            send(&mut outbox, Body::Digest { loads, peers }, seen_us);
+            send_all(outbox.digest_messages(peers, fingerprint, seen_us, max_payload));
         }
     }
 }
