@@ -792,10 +792,12 @@ fn processes_with(needle: &str) -> Vec<i32> {
 /// Issue 28, item 2: a constructor that forks left its child behind, sleeping,
 /// after the probe ended (and the router, opening the library after it, forked
 /// too). The probe kills every process the library starts — in its process
-/// group or not (`setsid`) — and refuses the library.
+/// group or not (`setsid`), its child or, with `clone(CLONE_PARENT)`, its
+/// parent's (issue 44, item 8: that one outlived the probe as the router's
+/// child) — and refuses the library.
 #[test]
 fn a_constructor_that_forks_leaves_no_process_behind_and_is_refused() {
-    for fork in ["group", "setsid"] {
+    for fork in ["group", "setsid", "clone_parent"] {
         let dir = private_dir();
         mkdir(&dir.path().join("plugins"), 0o700);
         copy_so(
@@ -808,11 +810,13 @@ fn a_constructor_that_forks_leaves_no_process_behind_and_is_refused() {
             .args(["check", "--config"])
             .arg(&config));
         let all = assert_refused(&output);
+        let said = if fork == "clone_parent" {
+            "started a process outside the process that opened it (its initialisation code clones with CLONE_PARENT), which the probe killed"
+        } else {
+            "started 1 process (its initialisation code forks), which the probe killed"
+        };
         assert!(
-            all.contains("libfixture_ctor_fork.so")
-                && all.contains(
-                    "started 1 process (its initialisation code forks), which the probe killed"
-                ),
+            all.contains("libfixture_ctor_fork.so") && all.contains(said),
             "{fork}: {all}"
         );
         // Nothing it started is left: neither a copy of the probe nor of `check`.

@@ -30,7 +30,9 @@
 //! the outcome; it dies with the router (`PR_SET_PDEATHSIG`); it is a child
 //! subreaper, so a process the library starts (even one that leaves the group)
 //! is its child, and it kills those and refuses the library, which would start
-//! them in the router too. On shutdown, [`abandon_all`] kills every running
+//! them in the router too. It opens the library in a child of its own, so that
+//! even a process started with `clone(CLONE_PARENT)` (a child of the opener's
+//! parent) is the probe's to kill, never the router's. On shutdown, [`abandon_all`] kills every running
 //! probe and refuses new ones, so a hung constructor cannot hold up an exit.
 //!
 //! A refusal the child found itself (no root module, wrong ABI,
@@ -231,6 +233,26 @@ pub fn child(file: &Path, answer_fd: Option<RawFd>, nonce_fd: Option<RawFd>) -> 
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
         libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     }
+    // The library is opened in a child of this process, which waits for it:
+    // a process the library starts with `clone(CLONE_PARENT)` is a child of its
+    // opener's parent, so without this step it would be the router's, outside
+    // the probe's reach; here it is this process's, killed below.
+    // SAFETY: fork in the probe subcommand, which starts no thread of its own
+    // (no runtime; logging writes from the calling thread), so the child may
+    // run any code.
+    let opener = unsafe { libc::fork() };
+    if opener < 0 {
+        return 7;
+    }
+    if opener > 0 {
+        return outlive(opener);
+    }
+    // SAFETY: plain system calls on this process, with valid arguments.
+    unsafe {
+        // Dies with the probe, and is the subreaper of what the library starts.
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+        libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    }
     // The nonce is read, and its pipe closed, before the library's code runs.
     let nonce = match nonce_fd {
         Some(fd) => {
@@ -256,8 +278,9 @@ pub fn child(file: &Path, answer_fd: Option<RawFd>, nonce_fd: Option<RawFd>) -> 
     let started = kill_children();
     let envelope = Envelope {
         nonce,
-        // SAFETY: getpid has no preconditions.
-        pid: unsafe { libc::getpid() } as u32,
+        // The probe's own process, the one the router started (this one is its
+        // child). SAFETY: getppid has no preconditions.
+        pid: unsafe { libc::getppid() } as u32,
         sha256,
         started,
         answer: Answer::of(&opened),
@@ -285,6 +308,39 @@ pub fn child(file: &Path, answer_fd: Option<RawFd>, nonce_fd: Option<RawFd>) -> 
             0
         }
     }
+}
+
+/// The probe's exit code when the library started a process outside the
+/// process that opened it (`clone(CLONE_PARENT)`), which the probe killed.
+const STARTED_OUTSIDE: i32 = 6;
+
+/// The probe's own process: waits for the child that opens the library, kills
+/// whatever else is its child then (a process the library started as the
+/// opener's sibling, orphans of those), and exits as the opener did: with
+/// [`STARTED_OUTSIDE`] if there was anything to kill, with the opener's signal
+/// if one ended it (so the router names the crash), else with its code.
+fn outlive(opener: i32) -> i32 {
+    let mut status = 0;
+    // SAFETY: waits for this process's own child; `status` is a live int.
+    let waited = unsafe { libc::waitpid(opener, &mut status, 0) };
+    let strays = kill_children();
+    if waited != opener {
+        return 7;
+    }
+    if strays > 0 {
+        return STARTED_OUTSIDE;
+    }
+    if libc::WIFSIGNALED(status) {
+        let signal = libc::WTERMSIG(status);
+        // SAFETY: the default action for the opener's signal, then the signal
+        // to this process, so it ends the same way (no core: RLIMIT_CORE is 0).
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+            libc::raise(signal);
+        }
+        return 128 + signal;
+    }
+    libc::WEXITSTATUS(status)
 }
 
 /// Kills the processes this process has as children (what the library's code
@@ -646,6 +702,11 @@ fn run_child(
     }
     let text = String::from_utf8_lossy(&answer);
     let line = text.lines().find_map(|l| l.strip_prefix(MARKER));
+    if status.code() == Some(STARTED_OUTSIDE) {
+        return Err(LoadErrorKind::ProbeFailed {
+            what: "opening it started a process outside the process that opened it (its initialisation code clones with CLONE_PARENT), which the probe killed: loaded in the router it would start it there too, as the router's own child; fix the plugin (start no process from a constructor)".to_string(),
+        });
+    }
     if !status.success() {
         return Err(failed(format!(
             "the probe exited with {status}{}",
