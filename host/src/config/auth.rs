@@ -229,49 +229,85 @@ pub(crate) fn read_secret_file(path: &Path) -> Result<String, String> {
     }
 }
 
-/// The tokens in a file, with their line numbers: each line trimmed, blank lines
-/// and `#` comments skipped. Refuses what is not a private regular file, without
-/// blocking on a FIFO and without reading a huge file.
-fn read_token_file(path: &Path) -> Result<Vec<(usize, String)>, String> {
+/// How a private file is named in its messages, and how large it may be.
+pub(super) struct PrivateFile<'a> {
+    /// "token file", ".creds file".
+    pub kind: &'a str,
+    /// What a good one holds ("one token per line").
+    pub holds: &'a str,
+    /// The whole message when there is no such file (how to make one).
+    pub missing: String,
+    /// Why it must be private, said before the `chmod` ("" or "it holds …: ").
+    pub why_private: &'a str,
+    pub max_bytes: u64,
+}
+
+/// A secret file's text. Refuses what is not a private regular file in
+/// directories no other user can write, without blocking on a FIFO and without
+/// reading a huge file (token files, key files, NATS `.creds` files alike).
+pub(super) fn read_private_file(path: &Path, spec: &PrivateFile<'_>) -> Result<String, String> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let PrivateFile {
+        kind,
+        holds,
+        why_private,
+        max_bytes,
+        ..
+    } = spec;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => format!(
-                "there is no such token file; make one with `(umask 077; openssl rand -hex 32 > {})`",
-                path.display()
-            ),
-            _ => format!("cannot read the token file: {e}"),
+            std::io::ErrorKind::NotFound => spec.missing.clone(),
+            _ => format!("cannot read the {kind}: {e}"),
         })?;
     let meta = file
         .metadata()
-        .map_err(|e| format!("cannot read the token file: {e}"))?;
+        .map_err(|e| format!("cannot read the {kind}: {e}"))?;
     if !meta.file_type().is_file() {
-        return Err("is not a regular file; a token file holds one token per line".to_string());
+        return Err(format!("is not a regular file; a {kind} holds {holds}"));
     }
     let mode = meta.mode() & 0o777;
     if mode & 0o077 != 0 {
         return Err(format!(
-            "may be read by other users (mode {mode:04o}); run `chmod 600 {}`",
+            "may be read by other users (mode {mode:04o}); {why_private}run `chmod 600 {}`",
             path.display()
         ));
     }
     // Who could have written it: the owner, and every directory on its way (through
     // any symlinks), as the loader checks a plugin file. Another user who owns the
-    // file, or can write a directory it sits in, would choose the tokens.
+    // file, or can write a directory it sits in, would choose the secret.
     crate::trust::check_token_file(path, &meta).map_err(|e| e.to_string())?;
-    if meta.len() > MAX_TOKEN_FILE_BYTES {
+    if meta.len() > *max_bytes {
         return Err(format!(
-            "is {} bytes, more than a token file's {MAX_TOKEN_FILE_BYTES}; it holds one token per line",
+            "is {} bytes, more than a {kind}'s {max_bytes}; it holds {holds}",
             meta.len()
         ));
     }
     let mut text = String::new();
-    file.take(MAX_TOKEN_FILE_BYTES)
+    file.take(*max_bytes)
         .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read the token file as UTF-8 text: {e}"))?;
+        .map_err(|e| format!("cannot read the {kind} as UTF-8 text: {e}"))?;
+    Ok(text)
+}
+
+/// The tokens in a file, with their line numbers: each line trimmed, blank lines
+/// and `#` comments skipped; the file read as [`read_private_file`] reads one.
+fn read_token_file(path: &Path) -> Result<Vec<(usize, String)>, String> {
+    let text = read_private_file(
+        path,
+        &PrivateFile {
+            kind: "token file",
+            holds: "one token per line",
+            missing: format!(
+                "there is no such token file; make one with `(umask 077; openssl rand -hex 32 > {})`",
+                path.display()
+            ),
+            why_private: "",
+            max_bytes: MAX_TOKEN_FILE_BYTES,
+        },
+    )?;
     let mut tokens = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line_text = line.trim();

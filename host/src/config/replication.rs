@@ -405,48 +405,21 @@ fn check_user_seed(seed: &str) -> Result<(), String> {
 /// mistake shows now rather than as a replica that cannot join. The message
 /// never holds the file's text.
 fn read_credentials_file(path: &Path) -> Result<String, String> {
-    use std::io::Read;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => format!(
+    let text = super::auth::read_private_file(
+        path,
+        &super::auth::PrivateFile {
+            kind: ".creds file",
+            holds: "a user JWT and its seed",
+            missing: format!(
                 "there is no such file; write the NATS user's .creds file there (`nsc generate \
                  creds`), readable by this user only: `(umask 077; nsc generate creds -a ACCOUNT \
                  -n USER > {})`",
                 path.display()
             ),
-            _ => format!("cannot read the .creds file: {e}"),
-        })?;
-    let meta = file
-        .metadata()
-        .map_err(|e| format!("cannot read the .creds file: {e}"))?;
-    if !meta.file_type().is_file() {
-        return Err("is not a regular file; a .creds file holds a user JWT and its seed".into());
-    }
-    let mode = meta.mode() & 0o777;
-    if mode & 0o077 != 0 {
-        return Err(format!(
-            "may be read by other users (mode {mode:04o}); it holds the NATS user's seed: run \
-             `chmod 600 {}`",
-            path.display()
-        ));
-    }
-    // Whoever else could write it, or a directory on its way, would choose whom
-    // the replica connects as: checked as a token file is.
-    crate::trust::check_token_file(path, &meta).map_err(|e| e.to_string())?;
-    if meta.len() > MAX_CREDS_FILE_BYTES {
-        return Err(format!(
-            "is {} bytes, more than a .creds file's {MAX_CREDS_FILE_BYTES}",
-            meta.len()
-        ));
-    }
-    let mut text = String::new();
-    file.take(MAX_CREDS_FILE_BYTES)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read the .creds file as UTF-8 text: {e}"))?;
+            why_private: "it holds the NATS user's seed: ",
+            max_bytes: MAX_CREDS_FILE_BYTES,
+        },
+    )?;
     async_nats::ConnectOptions::new()
         .credentials(&text)
         .map_err(|e| {
