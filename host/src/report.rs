@@ -147,9 +147,20 @@ pub fn check(
             Some(Err(why)) => format!("no tokenizer cache: {why}"),
             None => "not loaded".into(),
         };
+        // Which library encodes the model's prompts, and why not the fast one
+        // when it fell back (a model loaded is a model with an encoder).
+        let encoder = match snapshot
+            .models
+            .get(&model.name)
+            .map(|m| m.tokenizer.encoder())
+        {
+            Some((name, None)) => format!(", encoder {name}"),
+            Some((name, Some(why))) => format!(", encoder {name} ({why})"),
+            None => String::new(),
+        };
         line!(
             out,
-            "model {}: role {}, tokenizer {}{}, {cache}",
+            "model {}: role {}, tokenizer {}{}, {cache}{encoder}",
             model.name,
             model.role,
             model.tokenizer.display(),

@@ -9,11 +9,13 @@
 
 pub mod cover;
 pub mod cuts;
+pub mod encoder;
 pub mod pieces;
 pub mod tokenizer;
 
 use crate::config::{ConfigError, ModelConfig};
 use crate::domain::Role;
+pub use encoder::EncoderOptions;
 use parking_lot::Mutex;
 pub use pieces::PieceStats;
 use std::collections::HashMap;

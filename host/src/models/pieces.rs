@@ -33,6 +33,7 @@
 
 use super::cover::Cover;
 use super::cuts::{Cuts, PART_BYTES};
+use super::encoder::Encode;
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use quick_cache::sync::Cache;
 use quick_cache::Weighter;
@@ -188,9 +189,10 @@ impl PieceCache {
     /// The ids `tokenizer.encode(text, add_special)` gives, from cached pieces
     /// where it can, with what it found in the cache; or [`Stop::Over`] as soon as
     /// the count (with the tokens the post-processor would add) passes `max`.
-    pub fn encode(
+    /// The parts are encoded by `tokenizer`'s encoder (0.23 or the fast one).
+    pub fn encode<E: Encode>(
         &self,
-        tokenizer: &Tokenizer,
+        tokenizer: &E,
         text: &str,
         add_special: bool,
         max: usize,
@@ -219,7 +221,10 @@ impl PieceCache {
                 .iter()
                 .map(|&id| Token::new(id, String::new(), (0, 0)))
                 .collect();
-            let encoding = tokenizer.post_process(Encoding::from_tokens(tokens, 0), None, true)?;
+            let encoding =
+                tokenizer
+                    .hf()
+                    .post_process(Encoding::from_tokens(tokens, 0), None, true)?;
             ids = encoding.get_ids().to_vec();
         }
         Ok((ids, stats))
@@ -235,7 +240,7 @@ impl PieceCache {
         self.cuts.as_ref().err().map(String::as_str)
     }
 
-    fn pieces(&self, tokenizer: &Tokenizer, text: &str, run: &mut Run) -> Result<(), Stop> {
+    fn pieces<E: Encode>(&self, tokenizer: &E, text: &str, run: &mut Run) -> Result<(), Stop> {
         let mut at = 0;
         if let Some(splitter) = &self.splitter {
             for m in splitter.leftmost_find_iter(text) {
@@ -250,9 +255,9 @@ impl PieceCache {
 
     /// Encodes `text[span]`, a piece, onto `run`: from the cache, or part by part
     /// with the count checked after each.
-    fn piece(
+    fn piece<E: Encode>(
         &self,
-        tokenizer: &Tokenizer,
+        tokenizer: &E,
         text: &str,
         span: std::ops::Range<usize>,
         run: &mut Run,
@@ -287,8 +292,8 @@ impl PieceCache {
             // not fit is worth bounding first.
             if known && end - at > LONG_PART && end - at > room {
                 let least = self
-                    .cover(tokenizer)
-                    .and_then(|cover| cover.more_than(tokenizer, &piece[at..end], room));
+                    .cover(tokenizer.hf())
+                    .and_then(|cover| cover.more_than(tokenizer.hf(), &piece[at..end], room));
                 if let Some((least, read)) = least {
                     return Err(Stop::Over {
                         counted: run.counted().saturating_add(least),
@@ -296,9 +301,8 @@ impl PieceCache {
                     });
                 }
             }
-            let encoding = tokenizer.encode_fast(&piece[at..end], false)?;
+            tokenizer.encode_onto(&piece[at..end], false, &mut run.ids)?;
             run.stats.miss_bytes += (end - at) as u64;
-            run.ids.extend_from_slice(encoding.get_ids());
             at = end;
             run.check(start + at)?;
         }

@@ -10,9 +10,12 @@
 //! (`", "` and `": "` separators, key order kept, no HTML escaping; minijinja's own
 //! `tojson` escapes `<` and writes no spaces, which changes every tool prompt). A
 //! rendered chat is encoded without special tokens (the template wrote them);
-//! a completion prompt with them, as vLLM does.
+//! a completion prompt with them, as vLLM does. The text is encoded by the
+//! encoder picked for the model at load ([`super::encoder`]: `tokenizers`
+//! 1.0.0-rc.3 where it gives 0.23's ids on a self-test, 0.23 otherwise).
 
 use super::cuts::Cuts;
+use super::encoder::{Encode, Encoder, EncoderOptions};
 use super::pieces::{PieceCache, PieceStats, Stop};
 use crate::splice::{Body, Edits};
 use minijinja::value::{Kwargs, Value, ValueKind};
@@ -90,7 +93,9 @@ const SPECIAL_TOKENS: &[&str] = &[
 /// One model's tokenizer and (if it has one) its chat template, ready to use from
 /// any thread.
 pub struct ModelTokenizer {
-    tokenizer: tokenizers::Tokenizer,
+    /// 0.23's tokenizer (decoding, the vocabulary, the piece cache's split) and
+    /// the encoder picked for this model's text.
+    encoder: Encoder,
     /// The template environment, with the template named `chat`.
     chat: Option<Environment<'static>>,
     /// `bos_token` and the others, as strings (absent ones left out).
@@ -105,6 +110,7 @@ impl std::fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelTokenizer")
             .field("dir", &self.dir)
+            .field("encoder", &self.encoder)
             .field("chat_template", &self.chat.is_some())
             .field("pieces", &self.pieces)
             .finish()
@@ -116,6 +122,15 @@ impl ModelTokenizer {
     /// `chat_template`, or a `chat_template.jinja` beside it, as newer models ship),
     /// with a cache of at most `cache_bytes` for the ids of prompt pieces.
     pub fn load(dir: &Path, cache_bytes: u64) -> Result<Self, LoadError> {
+        Self::load_with(dir, cache_bytes, &EncoderOptions::default())
+    }
+
+    /// [`load`](Self::load), with the encoder picked as `options` say.
+    pub fn load_with(
+        dir: &Path,
+        cache_bytes: u64,
+        options: &EncoderOptions,
+    ) -> Result<Self, LoadError> {
         let tokenizer_file = dir.join("tokenizer.json");
         let fail = |file: &Path, problem: String| LoadError {
             file: file.to_path_buf(),
@@ -129,7 +144,7 @@ impl ModelTokenizer {
                     .into(),
             ));
         }
-        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_file).map_err(|e| {
+        let encoder = Encoder::load(&tokenizer_file, options).map_err(|e| {
             fail(
                 &tokenizer_file,
                 format!("not a tokenizer HF tokenizers can load: {e}"),
@@ -179,7 +194,7 @@ impl ModelTokenizer {
             })?),
             None => None,
         };
-        let pieces = PieceCache::for_tokenizer(&tokenizer, cache_bytes);
+        let pieces = PieceCache::for_tokenizer(encoder.hf(), cache_bytes);
         match &pieces {
             Err(why) => tracing::info!(
                 tokenizer = %tokenizer_file.display(),
@@ -197,7 +212,7 @@ impl ModelTokenizer {
             }
         }
         Ok(Self {
-            tokenizer,
+            encoder,
             chat,
             specials,
             pieces,
@@ -207,6 +222,15 @@ impl ModelTokenizer {
 
     pub fn has_chat_template(&self) -> bool {
         self.chat.is_some()
+    }
+
+    /// The library that encodes this model's text ([`encoder::FAST`] or
+    /// [`encoder::HF`]), and why not the fast one when it is 0.23.
+    ///
+    /// [`encoder::FAST`]: super::encoder::FAST
+    /// [`encoder::HF`]: super::encoder::HF
+    pub fn encoder(&self) -> (&'static str, Option<&str>) {
+        (self.encoder.name(), self.encoder.fallback())
     }
 
     /// A completion prompt's ids, with the special tokens the tokenizer adds (a BOS
@@ -242,17 +266,16 @@ impl ModelTokenizer {
             })
         };
         match &self.pieces {
-            Ok(pieces) => match pieces.encode(&self.tokenizer, text, special, max) {
+            Ok(pieces) => match pieces.encode(&self.encoder, text, special, max) {
                 Ok(done) => Ok(done),
                 Err(Stop::Over { counted, read }) => Err(too_long(counted, read)),
                 Err(Stop::Failed(e)) => Err(fail(e).into()),
             },
             // Not cut into pieces: tokenized whole, then counted.
             Err(_) => {
-                let ids = self
-                    .tokenizer
-                    .encode_fast(text, special)
-                    .map(|e| e.get_ids().to_vec())
+                let mut ids = Vec::new();
+                self.encoder
+                    .encode_onto(text, special, &mut ids)
                     .map_err(fail)?;
                 if ids.len() > max {
                     return Err(too_long(ids.len(), text.len()));
@@ -286,10 +309,10 @@ impl ModelTokenizer {
     pub fn token_strs(&self, ids: &[u32]) -> Result<Vec<String>, RenderError> {
         ids.iter()
             .map(|id| {
-                self.tokenizer.id_to_token(*id).ok_or_else(|| {
+                self.encoder.hf().id_to_token(*id).ok_or_else(|| {
                     RenderError(format!(
                         "token id {id} is not in the model's vocabulary of {}",
-                        self.tokenizer.get_vocab_size(true)
+                        self.encoder.hf().get_vocab_size(true)
                     ))
                 })
             })
@@ -298,24 +321,26 @@ impl ModelTokenizer {
 
     /// The text of `ids`, special tokens included (as vLLM's `/detokenize`).
     pub fn decode(&self, ids: &[u32]) -> Result<String, RenderError> {
-        let size = self.tokenizer.get_vocab_size(true);
+        let size = self.encoder.hf().get_vocab_size(true);
         if let Some(bad) = ids.iter().find(|id| **id as usize >= size) {
             return Err(RenderError(format!(
                 "token id {bad} is not in the model's vocabulary of {size}"
             )));
         }
-        self.tokenizer
+        self.encoder
+            .hf()
             .decode(ids, false)
             .map_err(|e| RenderError(format!("the ids could not be decoded: {e}")))
     }
 
-    /// The ids `tokenizers` gives for the whole text, without the piece cache: what
-    /// the cache must always equal.
+    /// The ids this model's encoder gives for the whole text, without the piece
+    /// cache: what the cache must always equal.
     pub fn encode_uncached(&self, text: &str, special: bool) -> Result<Vec<u32>, RenderError> {
-        self.tokenizer
-            .encode(text, special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| RenderError(format!("the prompt could not be tokenized: {e}")))
+        let mut ids = Vec::new();
+        self.encoder
+            .encode_onto(text, special, &mut ids)
+            .map_err(|e| RenderError(format!("the prompt could not be tokenized: {e}")))?;
+        Ok(ids)
     }
 
     /// Renders a chat request (`messages`, and `tools`, `documents`,

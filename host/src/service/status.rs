@@ -35,6 +35,7 @@ pub struct Status<'a> {
     pub libraries_mapped: usize,
     pub reloads: ReloadStatus,
     pub workers: Vec<WorkerStatus>,
+    pub models: Vec<ModelStatus<'a>>,
     pub open_bookings: usize,
     pub expired_bookings: u64,
     pub booking_ttl_s: u64,
@@ -68,6 +69,16 @@ pub struct RefusedPeer {
     pub name: String,
     pub block_size: u64,
     pub reason: &'static str,
+}
+
+/// A served model: which library encodes its prompts (`tokenizers 1.0.0-rc.3`
+/// where it passed its self-test at load, else `tokenizers 0.23.2`) and, when
+/// it is 0.23, why.
+#[derive(Serialize)]
+pub struct ModelStatus<'a> {
+    pub name: &'a str,
+    pub encoder: &'static str,
+    pub encoder_fallback: Option<&'a str>,
 }
 
 /// A role: its selection policy, as configured and as it books, and its hints.
@@ -229,6 +240,20 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             health: app.gateway.health.view(worker.key),
         })
         .collect();
+    let models = snapshot
+        .models
+        .names()
+        .iter()
+        .filter_map(|name| snapshot.models.get(name))
+        .map(|model| {
+            let (encoder, encoder_fallback) = model.tokenizer.encoder();
+            ModelStatus {
+                name: &model.name,
+                encoder,
+                encoder_fallback,
+            }
+        })
+        .collect();
     Json(Status {
         generation: snapshot.generation,
         config_file: &snapshot.config_file,
@@ -239,6 +264,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         libraries_mapped: app.reloader.loader.libraries_mapped(),
         reloads: app.reloader.status(),
         workers,
+        models,
         open_bookings: app.router.open_bookings(),
         expired_bookings: app.router.expired_bookings(),
         booking_ttl_s: snapshot.booking_ttl_s,
