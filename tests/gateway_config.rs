@@ -242,3 +242,43 @@ fn a_registration_at_the_router_s_own_address_or_past_max_workers_is_refused() {
         vec!["kvhint.yaml:6:3: workers: 2 workers, more than gateway.max_workers (1); raise it, or list fewer"]
     );
 }
+
+/// Issue 45: each model's prompts are encoded by the fast encoder where it
+/// passes its self-test at load, unless the model's entry pins 0.23
+/// (`encoder: hf`, an operator's way back from a release candidate); status
+/// says which, and why.
+#[test]
+fn a_model_s_encoder_is_chosen_by_its_self_test_unless_the_config_pins_hf() {
+    let tokenizer = kvhint_e2e::llamacpp::qwen3_tokenizer_dir();
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "{ROLES}models:\n  chosen:\n    tokenizer: {t}\n  pinned:\n    tokenizer: {t}\n    encoder: hf\n",
+            t = tokenizer.display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let models = server.status()["models"].clone();
+    assert_eq!(
+        models,
+        json!([
+            {"name": "chosen", "encoder": "tokenizers 1.0.0-rc.3", "encoder_fallback": null},
+            {"name": "pinned", "encoder": "tokenizers 0.23.2",
+             "encoder_fallback": "tokenizers 0.23.2 was asked for (`encoder: hf`)"},
+        ]),
+        "{models}"
+    );
+    drop(server);
+    assert_eq!(
+        errors(&format!(
+            "{ROLES}models:\n  m:\n    tokenizer: {}\n    encoder: fast\n",
+            tokenizer.display()
+        )),
+        vec![
+            "kvhint.yaml:6:14: models.m.encoder: unknown encoder `fast`; expected one of: auto, hf"
+        ]
+    );
+}

@@ -20,6 +20,10 @@ pub struct ModelConfig {
     pub role: Role,
     /// The LoRA adapter the engine serves this name as; it seeds the block hashes.
     pub lora: Option<String>,
+    /// `encoder: hf`: encode with `tokenizers` 0.23 even where the fast encoder
+    /// would pass its self-test (an operator's way back from a release
+    /// candidate); `auto`, the default, lets the self-test decide.
+    pub force_hf: bool,
     pub at: Location,
 }
 
@@ -201,7 +205,7 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
         let Some(model) = walker.mapping(node, &path) else {
             continue;
         };
-        walker.known_keys(model, &path, &["tokenizer", "role", "lora"]);
+        walker.known_keys(model, &path, &["tokenizer", "role", "lora", "encoder"]);
         if name.as_str().is_empty() || name.as_str().chars().any(char::is_control) {
             walker.error(
                 at.clone(),
@@ -229,12 +233,27 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
         let lora = model
             .get_node("lora")
             .and_then(|n| walker.string(n, &join(&path, "lora")));
-        if let (Some(tokenizer), Some(role)) = (tokenizer, role) {
+        let force_hf = match model.get_node("encoder") {
+            Some(n) => walker.one_of(
+                n,
+                &join(&path, "encoder"),
+                "encoder",
+                &["auto", "hf"],
+                |s| match s {
+                    "auto" => Some(false),
+                    "hf" => Some(true),
+                    _ => None,
+                },
+            ),
+            None => Some(false),
+        };
+        if let (Some(tokenizer), Some(role), Some(force_hf)) = (tokenizer, role, force_hf) {
             out.push(ModelConfig {
                 name: name.as_str().to_string(),
                 tokenizer,
                 role,
                 lora,
+                force_hf,
                 at,
             });
         }

@@ -123,7 +123,7 @@ impl Encoder {
             });
             let hf = Tokenizer::from_file(file)?;
             Ok(match fast {
-                None => Encoder::hf_only(hf, format!("{HF} was asked for")),
+                None => Encoder::hf_only(hf, format!("{HF} was asked for (`encoder: hf`)")),
                 Some(loading) => {
                     // A release candidate's reader: a panic in it costs only
                     // the speed-up, not the model (or the process).
@@ -386,7 +386,7 @@ mod tests {
         std::fs::remove_file(&path).ok();
         assert_eq!(
             (encoder.name(), encoder.fallback()),
-            (HF, Some("tokenizers 0.23.2 was asked for"))
+            (HF, Some("tokenizers 0.23.2 was asked for (`encoder: hf`)"))
         );
     }
 }

@@ -67,9 +67,14 @@ impl Models {
         let mut out = Models::default();
         let mut errors = Vec::new();
         for model in models {
+            let options = EncoderOptions {
+                force_hf: model.force_hf,
+                fast_file: None,
+            };
             let loaded = match cache {
-                Some(cache) => cache.get(&model.tokenizer, piece_cache_bytes),
-                None => ModelTokenizer::load(&model.tokenizer, piece_cache_bytes).map(Arc::new),
+                Some(cache) => cache.get(&model.tokenizer, piece_cache_bytes, &options),
+                None => ModelTokenizer::load_with(&model.tokenizer, piece_cache_bytes, &options)
+                    .map(Arc::new),
             };
             match loaded {
                 Ok(tokenizer) => {
@@ -103,13 +108,13 @@ impl Models {
     }
 }
 
-/// What a tokenizer directory's files were when they were loaded, and the piece
-/// cache's size it was loaded with.
+/// What a tokenizer directory's files were when they were loaded, the piece
+/// cache's size and whether 0.23 was asked for (`encoder: hf`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Fingerprint(Vec<(u64, Option<std::time::SystemTime>)>, u64);
+struct Fingerprint(Vec<(u64, Option<std::time::SystemTime>)>, u64, bool);
 
 impl Fingerprint {
-    fn of(dir: &Path, piece_cache_bytes: u64) -> Fingerprint {
+    fn of(dir: &Path, piece_cache_bytes: u64, force_hf: bool) -> Fingerprint {
         Fingerprint(
             [
                 "tokenizer.json",
@@ -123,6 +128,7 @@ impl Fingerprint {
             })
             .collect(),
             piece_cache_bytes,
+            force_hf,
         )
     }
 }
@@ -139,14 +145,15 @@ impl TokenizerCache {
         &self,
         dir: &Path,
         piece_cache_bytes: u64,
+        options: &EncoderOptions,
     ) -> Result<Arc<ModelTokenizer>, tokenizer::LoadError> {
-        let fingerprint = Fingerprint::of(dir, piece_cache_bytes);
+        let fingerprint = Fingerprint::of(dir, piece_cache_bytes, options.force_hf);
         if let Some((seen, tokenizer)) = self.loaded.lock().get(dir) {
             if *seen == fingerprint {
                 return Ok(Arc::clone(tokenizer));
             }
         }
-        let tokenizer = Arc::new(ModelTokenizer::load(dir, piece_cache_bytes)?);
+        let tokenizer = Arc::new(ModelTokenizer::load_with(dir, piece_cache_bytes, options)?);
         self.loaded
             .lock()
             .insert(dir.to_path_buf(), (fingerprint, Arc::clone(&tokenizer)));
