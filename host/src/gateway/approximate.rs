@@ -112,7 +112,8 @@ type InFlightTable = Mutex<HashMap<(WorkerKey, u64), u32>>;
 /// approximate credit's blocks (a worker registered again in the other mode).
 const IN_FLIGHT_SEED: u64 = 0x6b76_6869_6e74_2d66;
 
-/// Every approximate worker's ledger.
+/// Every approximate worker's ledger, and every event-fed worker's in-flight
+/// credits.
 #[derive(Default)]
 pub struct Approximate {
     ledgers: Arc<Ledgers>,
