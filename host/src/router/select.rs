@@ -20,6 +20,8 @@ pub(super) struct Ranked {
     pub(super) cached: usize,
     pub(super) slot: Slot,
     pub(super) key: WorkerKey,
+    /// Its worker type's number if it can be a copy's source (`None` if not).
+    pub(super) donor_type: Option<u16>,
 }
 
 /// With a filter, fills `admitted` with the positions in `entries` of the workers
@@ -66,10 +68,11 @@ pub(super) fn rank_holders(
         return;
     }
     ranked.extend(matches.found().iter().rev().filter_map(|f| {
-        table.by_slot(f.slot).map(|entry| Ranked {
+        table.holder(f.slot).map(|(entry, donor_type)| Ranked {
             cached: f.cached,
             slot: f.slot,
             key: entry.worker.key,
+            donor_type,
         })
     }));
     ranked.sort_by(|a, b| b.cached.cmp(&a.cached).then(a.key.cmp(&b.key)));
@@ -103,12 +106,20 @@ pub(super) fn offer<'t>(
             Some(worker)
         }
     };
-    let count = admitted.map_or(entries.len(), <[usize]>::len);
-    for i in 0..count {
-        let listed = &entries[admitted.map_or(i, |admitted| admitted[i])];
+    // In the role's order, walked leaf by leaf: indexing the persistent list by
+    // position would walk it from the root for every candidate.
+    let mut admitted = admitted.map(|admitted| admitted.iter().peekable());
+    let listed_in_order = entries.iter().enumerate().filter_map(|(at, listed)| {
+        let Some(admitted) = admitted.as_mut() else {
+            return Some(listed);
+        };
+        // `admitted` holds positions in ascending order (`admit` makes it so).
+        admitted.next_if_eq(&&at).map(|_| listed)
+    });
+    for listed in listed_in_order {
         let cached_blocks = matches.cached_in_slot(listed.slot);
         let peer_copy = if wants_peer_copies && listed.router_hint {
-            best_peer(table, ranked, listed, cached_blocks)
+            best_peer(ranked, listed, cached_blocks)
         } else {
             None
         };
@@ -129,14 +140,9 @@ pub(super) fn offer<'t>(
 /// holding the longest prefix beyond `worker`'s own, as its position in
 /// `ranked`. `ranked` is sorted longest first, then by key, so the first
 /// eligible one wins ties by key.
-fn best_peer(
-    table: &WorkerTable,
-    ranked: &[Ranked],
-    worker: &Listed,
-    cached_blocks: usize,
-) -> Option<usize> {
+fn best_peer(ranked: &[Ranked], worker: &Listed, cached_blocks: usize) -> Option<usize> {
     ranked
         .iter()
         .take_while(|r| r.cached > cached_blocks)
-        .position(|r| r.key != worker.key && table.can_supply(r.slot, worker.slot))
+        .position(|r| r.key != worker.key && r.donor_type == Some(worker.type_id))
 }

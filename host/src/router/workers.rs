@@ -180,6 +180,10 @@ pub struct Listed {
     pub slot: Slot,
     pub router_hint: bool,
     pub worker_type: Arc<str>,
+    /// `worker_type` as the table numbers it, so a booking matches a worker with
+    /// the peers that may supply it a copy without comparing strings (16 bits keep
+    /// this entry in 64 bytes; past 65,535 distinct types, [`UNSHARED_TYPE`]).
+    pub type_id: u16,
     pub source_control_endpoint: Arc<str>,
     pub load: Arc<LoadCell>,
 }
@@ -196,25 +200,33 @@ impl Listed {
         }
     }
 
-    fn of(entry: &WorkerEntry) -> Self {
+    fn of(entry: &WorkerEntry, type_id: u16) -> Self {
         Self {
             key: entry.worker.key,
             slot: entry.slot,
             router_hint: entry.worker.router_hint,
             worker_type: Arc::clone(&entry.worker.worker_type),
+            type_id,
             source_control_endpoint: Arc::clone(&entry.worker.source_control_endpoint),
             load: Arc::clone(&entry.load),
         }
     }
 }
 
+/// The type number of every worker whose type is the 65,536th distinct one or later:
+/// it matches no other worker, so such workers are never offered a peer's copy or
+/// asked to supply one (no fleet has that many types; a wrong match would send a
+/// copy between engines that cannot share KV blocks).
+pub const UNSHARED_TYPE: u16 = u16::MAX;
+
 /// What the table keeps per KV-index slot.
 #[derive(Debug, Clone, Default)]
 struct SlotInfo {
     entry: Option<Arc<WorkerEntry>>,
-    /// The worker's `worker_type` as a number (equal numbers, equal types), so a
-    /// booking matches a worker with its peers without comparing strings.
-    type_id: u32,
+    /// The worker's `worker_type` as a number (equal numbers, equal types, but for
+    /// [`UNSHARED_TYPE`]), so a booking matches a worker with its peers without
+    /// comparing strings.
+    type_id: u16,
     /// Whether the worker can be a copy's source (it takes hints and names a
     /// control endpoint peers pull from).
     donor: bool,
@@ -281,13 +293,17 @@ impl WorkerTable {
                 table.types.len() - 1
             }
         };
+        let type_id = u16::try_from(type_id)
+            .ok()
+            .filter(|&id| id != UNSHARED_TYPE)
+            .unwrap_or(UNSHARED_TYPE);
         let role = role_index(worker.role);
-        table.by_role[role] = table.by_role[role].upsert(Listed::of(&entry));
+        table.by_role[role] = table.by_role[role].upsert(Listed::of(&entry, type_id));
         table.by_slot = table.by_slot.set(
             entry.slot as usize,
             SlotInfo {
                 entry: Some(Arc::clone(&entry)),
-                type_id: type_id as u32,
+                type_id,
                 donor: worker.router_hint && !worker.source_control_endpoint.is_empty(),
             },
         );
@@ -308,16 +324,15 @@ impl WorkerTable {
         table
     }
 
-    /// Whether the worker in `slot` could supply a copy to `to` (in the table): a
-    /// donor of the same worker type.
-    pub fn can_supply(&self, slot: Slot, to: Slot) -> bool {
-        let (Some(from), Some(to)) = (
-            self.by_slot.get(slot as usize),
-            self.by_slot.get(to as usize),
-        ) else {
-            return false;
-        };
-        from.donor && from.entry.is_some() && to.entry.is_some() && from.type_id == to.type_id
+    /// The worker in `slot` and, if it can be a copy's source (it takes hints and
+    /// names a control endpoint peers pull from), its worker type's number: a
+    /// booking reads this once per prefix holder, then matches each candidate's
+    /// [`Listed::type_id`] against it without going back to the table.
+    pub fn holder(&self, slot: Slot) -> Option<(&Arc<WorkerEntry>, Option<u16>)> {
+        let info = self.by_slot.get(slot as usize)?;
+        let entry = info.entry.as_ref()?;
+        let donor = info.donor && info.type_id != UNSHARED_TYPE;
+        Some((entry, donor.then_some(info.type_id)))
     }
 
     pub fn by_slot(&self, slot: Slot) -> Option<&Arc<WorkerEntry>> {
