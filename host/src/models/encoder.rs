@@ -65,10 +65,94 @@ impl Encode for Tokenizer {
     }
 }
 
+/// The ids a post-processor puts around one sequence's ids when asked to add
+/// its special tokens (a BOS before, an EOS after): found once, by running 0.23's
+/// post-processor on stand-in ids, so that adding them to a text's ids costs a
+/// copy, not an `Encoding` built and post-processed token by token (which cost
+/// more than encoding the text with the fast encoder).
+///
+/// Every post-processor 0.23 has (template, BERT, RoBERTa, byte-level and
+/// sequences of them) adds the same ids whatever the sequence's ids are; the
+/// stand-ins check that this one does, at four lengths, and where it does not
+/// (or where truncation or padding could change the ids) there are no affixes
+/// and the post-processor runs on each text's ids as before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Affixes {
+    before: Vec<u32>,
+    after: Vec<u32>,
+}
+
+impl Affixes {
+    /// `tokenizer`'s affixes, or `None` if its post-processor is not seen to
+    /// just put fixed ids around the sequence.
+    pub fn of(tokenizer: &Tokenizer) -> Option<Affixes> {
+        if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
+            return None;
+        }
+        // Ids no vocabulary has, so none is taken for one the post-processor adds.
+        let stand_ins = [u32::MAX - 3, u32::MAX - 2, u32::MAX - 1];
+        let process = |ids: &[u32]| -> Option<Vec<u32>> {
+            let tokens = ids
+                .iter()
+                .map(|&id| tokenizers::Token::new(id, String::new(), (0, 0)))
+                .collect();
+            let encoding = tokenizers::Encoding::from_tokens(tokens, 0);
+            let processed = tokenizer.post_process(encoding, None, true).ok()?;
+            Some(processed.get_ids().to_vec())
+        };
+        let one = process(&stand_ins[..1])?;
+        let at = one.iter().position(|&id| id == stand_ins[0])?;
+        let affixes = Affixes {
+            before: one[..at].to_vec(),
+            after: one[at + 1..].to_vec(),
+        };
+        for n in 0..=stand_ins.len() {
+            let mut want = Vec::new();
+            affixes.around(&stand_ins[..n], &mut want);
+            if process(&stand_ins[..n])? != want {
+                return None;
+            }
+        }
+        Some(affixes)
+    }
+
+    /// How many ids the affixes are.
+    pub fn len(&self) -> usize {
+        self.before.len() + self.after.len()
+    }
+
+    /// Whether there are none (the post-processor adds nothing).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `ids` with the affixes around them, appended to `out`.
+    pub fn around(&self, ids: &[u32], out: &mut Vec<u32>) {
+        out.reserve(self.len() + ids.len());
+        out.extend_from_slice(&self.before);
+        out.extend_from_slice(ids);
+        out.extend_from_slice(&self.after);
+    }
+
+    /// What [`around`](Self::around) puts before the ids.
+    pub fn before(&self) -> &[u32] {
+        &self.before
+    }
+
+    /// What [`around`](Self::around) puts after the ids.
+    pub fn after(&self) -> &[u32] {
+        &self.after
+    }
+}
+
 /// A model's 0.23 tokenizer and, where it passed, the fast encoder.
 pub struct Encoder {
     hf: Tokenizer,
     fast: Option<PipelineTokenizer>,
+    /// The ids 0.23's post-processor adds around a text's, where they are
+    /// fixed: the fast encoder then encodes the text alone and they are copied
+    /// around it (`encode_into` with special tokens builds a whole `Encoding`).
+    affixes: Option<Affixes>,
     /// Why the fast encoder is not used, when it is not.
     fallback: Option<String>,
 }
@@ -94,7 +178,7 @@ impl Encode for Encoder {
         out: &mut Vec<u32>,
     ) -> Result<(), tokenizers::Error> {
         match &self.fast {
-            Some(fast) => fast_onto(fast, text, add_special, out),
+            Some(fast) => fast_onto(fast, self.affixes.as_ref(), text, add_special, out),
             None => self.hf.encode_onto(text, add_special, out),
         }
     }
@@ -106,6 +190,7 @@ impl Encoder {
         Encoder {
             hf,
             fast: None,
+            affixes: None,
             fallback: Some(why.into()),
         }
     }
@@ -138,8 +223,9 @@ impl Encoder {
 
     /// The fast encoder if it loaded and passes the self-test, else `hf`.
     fn choose(hf: Tokenizer, file: &Path, fast: Result<PipelineTokenizer, String>) -> Encoder {
+        let affixes = Affixes::of(&hf);
         let chosen = fast.and_then(|fast| {
-            self_test(&hf, &fast)?;
+            self_test(&hf, &fast, affixes.as_ref())?;
             Ok(fast)
         });
         match chosen {
@@ -151,6 +237,7 @@ impl Encoder {
                 Encoder {
                     hf,
                     fast: Some(fast),
+                    affixes,
                     fallback: None,
                 }
             }
@@ -179,12 +266,21 @@ impl Encoder {
     }
 }
 
+/// `text`'s ids by the fast encoder, appended to `out`; with `add_special` and
+/// `affixes`, the text's ids alone with the affixes copied around them.
 fn fast_onto(
     fast: &PipelineTokenizer,
+    affixes: Option<&Affixes>,
     text: &str,
     add_special: bool,
     out: &mut Vec<u32>,
 ) -> Result<(), tokenizers::Error> {
+    if let (true, Some(affixes)) = (add_special, affixes) {
+        out.extend_from_slice(affixes.before());
+        fast_onto(fast, None, text, false, out)?;
+        out.extend_from_slice(affixes.after());
+        return Ok(());
+    }
     let options = EncodeOptions {
         add_special_tokens: add_special,
         ..EncodeOptions::default()
@@ -240,7 +336,11 @@ const SELF_TEST_TEXTS: &[&str] = &[
 /// Whether `fast` gives `hf`'s ids on the self-test corpus (plus long runs and
 /// every added token of this tokenizer in context), with the special tokens
 /// added and without; the first text where it does not, if any.
-fn self_test(hf: &Tokenizer, fast: &PipelineTokenizer) -> Result<(), String> {
+fn self_test(
+    hf: &Tokenizer,
+    fast: &PipelineTokenizer,
+    affixes: Option<&Affixes>,
+) -> Result<(), String> {
     let mut texts: Vec<String> = SELF_TEST_TEXTS.iter().map(|t| t.to_string()).collect();
     texts.push("a".repeat(500));
     texts.push("abc".repeat(200));
@@ -284,7 +384,7 @@ fn self_test(hf: &Tokenizer, fast: &PipelineTokenizer) -> Result<(), String> {
             ours.clear();
             // A panic in the release candidate is a failed self-test.
             let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                fast_onto(fast, text, add_special, &mut ours).map_err(|e| e.to_string())
+                fast_onto(fast, affixes, text, add_special, &mut ours).map_err(|e| e.to_string())
             }))
             .unwrap_or_else(|_| Err("panicked".into()));
             let same = match (&want, &got) {
@@ -388,5 +488,58 @@ mod tests {
             (encoder.name(), encoder.fallback()),
             (HF, Some("tokenizers 0.23.2 was asked for (`encoder: hf`)"))
         );
+    }
+
+    /// The ids a post-processor adds around a sequence are found once and
+    /// copied around a text's: with a BOS and an EOS, a byte-level one (adds
+    /// nothing), a sequence of both, and none; the fast encoder then encodes
+    /// the text alone and gives 0.23's ids with the special tokens added.
+    #[test]
+    fn the_post_processor_s_ids_are_copied_around_the_text_s() {
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::processors::sequence::Sequence;
+        use tokenizers::processors::template::TemplateProcessing;
+        use tokenizers::processors::PostProcessorWrapper;
+        let mut hf = tests::trained(None, tests::split(LLAMA3_PATTERN));
+        let template = |single: &str| -> PostProcessorWrapper {
+            TemplateProcessing::builder()
+                .try_single(single)
+                .unwrap()
+                .special_tokens(vec![("<s>", 700), ("</s>", 701)])
+                .build()
+                .unwrap()
+                .into()
+        };
+        let byte_level: PostProcessorWrapper = ByteLevel::new(true, false, true).into();
+        let processors: [(Option<PostProcessorWrapper>, &[u32], &[u32]); 5] = [
+            (None, &[], &[]),
+            (Some(byte_level.clone()), &[], &[]),
+            (Some(template("<s> $A </s>")), &[700], &[701]),
+            (Some(template("<s> <s> $A")), &[700, 700], &[]),
+            (
+                Some(Sequence::new(vec![byte_level, template("<s> $A")]).into()),
+                &[700],
+                &[],
+            ),
+        ];
+        for (i, (processor, before, after)) in processors.into_iter().enumerate() {
+            hf.with_post_processor(processor);
+            let affixes = Affixes::of(&hf).unwrap();
+            assert_eq!((affixes.before(), affixes.after()), (before, after), "{i}");
+            let path = file(&hf, &format!("affixes-{i}"));
+            let encoder = Encoder::load(&path, &EncoderOptions::default()).unwrap();
+            std::fs::remove_file(&path).ok();
+            assert_eq!(encoder.name(), FAST, "{i}: {:?}", encoder.fallback());
+            for text in tests::texts(100, 30) {
+                let mut ours = Vec::new();
+                encoder.encode_onto(&text, true, &mut ours).unwrap();
+                let want = hf.encode_fast(text.as_str(), true).unwrap();
+                assert_eq!(ours, want.get_ids(), "{i}: {text:?}");
+            }
+        }
+        // Truncation could cut the ids: no affixes, the post-processor runs.
+        hf.with_truncation(Some(tokenizers::TruncationParams::default()))
+            .unwrap();
+        assert_eq!(Affixes::of(&hf), None);
     }
 }

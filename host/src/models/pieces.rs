@@ -10,7 +10,8 @@
 //! own (`AddedVocabulary::extract_and_normalize`). So the ids of a text are the
 //! ids of its pieces with the added tokens' ids between them, and a piece's ids can
 //! be kept under the piece's text. The split here is the one `tokenizers` makes:
-//! the same automaton (`daachorse`, leftmost-longest) over the same tokens.
+//! the same automaton (`daachorse`, leftmost-longest) over the same tokens, run
+//! only where a token may start (`Splitter`).
 //!
 //! Where a tokenizer does something that depends on where a piece sits, the cache
 //! is off for it and every text is encoded whole ([`PieceCache::for_tokenizer`]
@@ -33,7 +34,7 @@
 
 use super::cover::Cover;
 use super::cuts::{Cuts, PART_BYTES};
-use super::encoder::Encode;
+use super::encoder::{Affixes, Encode};
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use quick_cache::sync::Cache;
 use quick_cache::Weighter;
@@ -93,9 +94,12 @@ impl From<tokenizers::Error> for Stop {
 /// The cache of one tokenizer's pieces.
 pub struct PieceCache {
     /// The added tokens `tokenizers` splits at first, with their ids.
-    splitter: Option<DoubleArrayAhoCorasick<u32>>,
+    splitter: Option<Splitter>,
     /// How many tokens the post-processor adds when asked to (a BOS, an EOS).
     post_added: usize,
+    /// Those tokens' ids, where they are fixed ([`Affixes`]): copied around the
+    /// joined ids, rather than the post-processor run on them.
+    affixes: Option<Affixes>,
     /// Where a long piece may be cut, or why it is tokenized whole.
     cuts: Result<Cuts, String>,
     /// None when `gateway.tokenizer_cache_mib` is 0: pieces are still encoded
@@ -161,21 +165,18 @@ impl PieceCache {
         let splitter = if pairs.is_empty() {
             None
         } else {
-            Some(
-                DoubleArrayAhoCorasickBuilder::new()
-                    .match_kind(MatchKind::LeftmostLongest)
-                    .build_with_values(pairs)
-                    .map_err(|e| format!("its added tokens cannot be matched: {e}"))?,
-            )
+            Some(Splitter::new(pairs)?)
         };
         let post_added = tokenizer
             .get_post_processor()
             .map_or(0, |p| tokenizers::PostProcessor::added_tokens(p, false));
+        let affixes = Affixes::of(tokenizer).filter(|a| a.len() == post_added);
         // A rough guess of the entry count; the weight decides what stays.
         let items = (budget / 4096).clamp(16, 1 << 20) as usize;
         Ok(PieceCache {
             splitter,
             post_added,
+            affixes,
             cuts: Cuts::for_tokenizer(tokenizer),
             cache: (budget > 0).then(|| Cache::with_weighter(items, budget, ByBytes)),
             cover: OnceLock::new(),
@@ -215,6 +216,11 @@ impl PieceCache {
         done?;
         let mut ids = run.ids;
         if add_special && self.post_added > 0 {
+            if let Some(affixes) = &self.affixes {
+                let mut out = Vec::with_capacity(ids.len() + affixes.len());
+                affixes.around(&ids, &mut out);
+                return Ok((out, stats));
+            }
             // What `encode` does last, on the joined ids: only the ids are read
             // back, so the tokens' text and offsets can stay empty.
             let tokens = ids
@@ -243,11 +249,12 @@ impl PieceCache {
     fn pieces<E: Encode>(&self, tokenizer: &E, text: &str, run: &mut Run) -> Result<(), Stop> {
         let mut at = 0;
         if let Some(splitter) = &self.splitter {
-            for m in splitter.leftmost_find_iter(text) {
-                self.piece(tokenizer, text, at..m.start(), run)?;
-                run.ids.push(m.value());
-                run.check(m.end())?;
-                at = m.end();
+            let mut from = 0;
+            while let Some((start, end, id)) = splitter.next(text, from) {
+                self.piece(tokenizer, text, at..start, run)?;
+                run.ids.push(id);
+                run.check(end)?;
+                (at, from) = (end, end);
             }
         }
         self.piece(tokenizer, text, at..text.len(), run)
@@ -352,6 +359,84 @@ impl PieceCache {
     /// Whether pieces are kept (`gateway.tokenizer_cache_mib` is not 0).
     pub fn keeps(&self) -> bool {
         self.cache.is_some()
+    }
+}
+
+/// Finds the added tokens in a text as `tokenizers` does: leftmost first, the
+/// longest of those that start there (`daachorse`'s leftmost-longest
+/// automaton, as `tokenizers`' `aho-corasick` one).
+///
+/// The automaton run over the whole text cost a quarter of a new prompt's
+/// tokenization; but a token can start only at a byte that begins one (`<` for
+/// most models' tokens, and a few more for Gemma's runs of white space), and
+/// those are found by a plain scan. At each such byte, the automaton runs on the
+/// next [`longest`](Self::longest) bytes only: the longest token that starts
+/// there fits in them, so it is found there (as the window's first match, at
+/// its start) if there is one. The matches are then those of the automaton run
+/// over the whole text: leftmost-longest is, from where the last match ended,
+/// the first position where some token starts, and the longest token there.
+struct Splitter {
+    automaton: DoubleArrayAhoCorasick<u32>,
+    /// The bytes some token starts with.
+    starts: [bool; 256],
+    /// The one byte every token starts with, if it is one and ASCII (a
+    /// `memchr` finds it).
+    only_start: Option<char>,
+    /// The longest token's length in bytes.
+    longest: usize,
+}
+
+impl Splitter {
+    fn new(pairs: Vec<(String, u32)>) -> Result<Splitter, String> {
+        let mut starts = [false; 256];
+        let mut longest = 0;
+        for (token, _) in &pairs {
+            starts[usize::from(token.as_bytes()[0])] = true;
+            longest = longest.max(token.len());
+        }
+        let mut first = (0..=255u8).filter(|&b| starts[usize::from(b)]);
+        let only_start = match (first.next(), first.next()) {
+            (Some(b), None) if b.is_ascii() => Some(char::from(b)),
+            _ => None,
+        };
+        let automaton = DoubleArrayAhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build_with_values(pairs)
+            .map_err(|e| format!("its added tokens cannot be matched: {e}"))?;
+        Ok(Splitter {
+            automaton,
+            starts,
+            only_start,
+            longest,
+        })
+    }
+
+    /// The first added token in `text` at or after byte `from` (a char
+    /// boundary): its start, end and id.
+    fn next(&self, text: &str, mut from: usize) -> Option<(usize, usize, u32)> {
+        let bytes = text.as_bytes();
+        loop {
+            let at = match self.only_start {
+                Some(c) => from + text[from..].find(c)?,
+                None => {
+                    from + bytes[from..]
+                        .iter()
+                        .position(|&b| self.starts[usize::from(b)])?
+                }
+            };
+            let window = &bytes[at..bytes.len().min(at + self.longest)];
+            if let Some(m) = self.automaton.leftmost_find_iter(window).next() {
+                if m.start() == 0 {
+                    return Some((at, at + m.end(), m.value()));
+                }
+            }
+            // No token starts at `at`; the next char boundary is past its byte
+            // (an ASCII byte, or a UTF-8 lead byte whose char is skipped).
+            from = at + 1;
+            while !text.is_char_boundary(from) {
+                from += 1;
+            }
+        }
     }
 }
 
@@ -504,6 +589,11 @@ mod tests {
             let tokenizer = trained(with_bos);
             let cache = PieceCache::for_tokenizer(&tokenizer, 1 << 20).unwrap();
             assert_eq!(cache.post_added, usize::from(with_bos));
+            // The BOS is copied before the ids, not added by the post-processor.
+            assert_eq!(
+                cache.affixes.as_ref().map(Affixes::before),
+                Some(&[tokenizer.token_to_id("<s>").unwrap()][..usize::from(with_bos)])
+            );
             for round in ["cold", "warm"] {
                 for text in texts(400) {
                     for special in [false, true] {
@@ -520,6 +610,92 @@ mod tests {
             }
             let (stats, entries, _) = cache.totals();
             assert!(entries > 0 && stats.hits > 0, "{stats:?}");
+        }
+    }
+
+    /// The splitter's scan (a byte some token starts with, then the automaton
+    /// on the longest token's length from there) finds what the automaton
+    /// finds run over the whole text, with tokens that start with several
+    /// different bytes (ASCII and not), that are prefixes of one another, and
+    /// runs of one character (Gemma's white-space tokens).
+    #[test]
+    fn the_splitter_finds_what_the_automaton_finds_over_the_whole_text() {
+        let token_sets: [&[&str]; 3] = [
+            &["<|im_start|>", "<|im_end|>", "<s>"],
+            &[
+                "\n",
+                "\n\n",
+                "\n\n\n",
+                "\t\t",
+                "▁▁",
+                "▁▁▁▁",
+                "<b>",
+                "<br>",
+                "<|x|>",
+                "|",
+            ],
+            &["ab", "abc", "bcd", "é", "éé", "数字", "c"],
+        ];
+        let pieces = [
+            "<|im_start|>",
+            "<|im_st",
+            "<s>",
+            "<",
+            "<b",
+            "<br",
+            "<br>",
+            "<b>",
+            "\n",
+            "\n\n",
+            "\t",
+            "\t\t\t",
+            "▁",
+            "▁▁▁",
+            "|",
+            "||",
+            "<|x|",
+            "ab",
+            "abcd",
+            "bc",
+            "é",
+            "e\u{301}",
+            "数字",
+            "数",
+            " ",
+            "plain text ",
+            "c",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for tokens in token_sets {
+            let pairs: Vec<(String, u32)> = tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.to_string(), i as u32))
+                .collect();
+            let splitter = Splitter::new(pairs).unwrap();
+            for _ in 0..2000 {
+                let text: String = (0..next() % 30)
+                    .map(|_| pieces[(next() % pieces.len() as u64) as usize])
+                    .collect();
+                let want: Vec<(usize, usize, u32)> = splitter
+                    .automaton
+                    .leftmost_find_iter(&text)
+                    .map(|m| (m.start(), m.end(), m.value()))
+                    .collect();
+                let mut got = Vec::new();
+                let mut from = 0;
+                while let Some(m) = splitter.next(&text, from) {
+                    got.push(m);
+                    from = m.1;
+                }
+                assert_eq!(got, want, "{tokens:?} in {text:?}");
+            }
         }
     }
 
