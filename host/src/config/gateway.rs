@@ -24,6 +24,11 @@ pub struct ModelConfig {
     /// would pass its self-test (an operator's way back from a release
     /// candidate); `auto`, the default, lets the self-test decide.
     pub force_hf: bool,
+    /// `chat_template_content_format: auto|string|openai`: how a message's
+    /// content reaches the chat template, as vLLM's
+    /// `--chat-template-content-format`; `auto`, the default, detects it from
+    /// the template as vLLM does.
+    pub content_format: crate::models::content_format::ContentFormatOption,
     pub at: Location,
 }
 
@@ -205,7 +210,17 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
         let Some(model) = walker.mapping(node, &path) else {
             continue;
         };
-        walker.known_keys(model, &path, &["tokenizer", "role", "lora", "encoder"]);
+        walker.known_keys(
+            model,
+            &path,
+            &[
+                "tokenizer",
+                "role",
+                "lora",
+                "encoder",
+                "chat_template_content_format",
+            ],
+        );
         if name.as_str().is_empty() || name.as_str().chars().any(char::is_control) {
             walker.error(
                 at.clone(),
@@ -247,13 +262,34 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
             ),
             None => Some(false),
         };
-        if let (Some(tokenizer), Some(role), Some(force_hf)) = (tokenizer, role, force_hf) {
+        let content_format = match model.get_node("chat_template_content_format") {
+            Some(n) => walker.one_of(
+                n,
+                &join(&path, "chat_template_content_format"),
+                "content format",
+                &["auto", "string", "openai"],
+                |s| {
+                    use crate::models::content_format::{ContentFormat, ContentFormatOption};
+                    match s {
+                        "auto" => Some(ContentFormatOption::Auto),
+                        "string" => Some(ContentFormatOption::Set(ContentFormat::String)),
+                        "openai" => Some(ContentFormatOption::Set(ContentFormat::OpenAi)),
+                        _ => None,
+                    }
+                },
+            ),
+            None => Some(Default::default()),
+        };
+        if let (Some(tokenizer), Some(role), Some(force_hf), Some(content_format)) =
+            (tokenizer, role, force_hf, content_format)
+        {
             out.push(ModelConfig {
                 name: name.as_str().to_string(),
                 tokenizer,
                 role,
                 lora,
                 force_hf,
+                content_format,
                 at,
             });
         }

