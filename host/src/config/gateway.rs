@@ -28,8 +28,37 @@ pub struct ModelConfig {
     /// content reaches the chat template, as vLLM's
     /// `--chat-template-content-format`; `auto`, the default, detects it from
     /// the template as vLLM does.
-    pub content_format: crate::models::content_format::ContentFormatOption,
+    pub content_format: ContentFormatOption,
     pub at: Location,
+}
+
+/// The content format a chat template is rendered with (`models.<name>.
+/// chat_template_content_format`; `models::content_format` detects it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentFormat {
+    /// Each message's content as one string (list parts joined with "\n").
+    String,
+    /// Each message's content as a list of `{"type": "text", "text": …}` parts.
+    OpenAi,
+}
+
+impl ContentFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContentFormat::String => "string",
+            ContentFormat::OpenAi => "openai",
+        }
+    }
+}
+
+/// A model's `chat_template_content_format`: detected from the template
+/// (`auto`, the default) or set by the operator, as vLLM's
+/// `--chat-template-content-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContentFormatOption {
+    #[default]
+    Auto,
+    Set(ContentFormat),
 }
 
 /// `workers[i]`: a worker the router registers itself (every rank in `0..dp_size`).
@@ -268,14 +297,11 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
                 &join(&path, "chat_template_content_format"),
                 "content format",
                 &["auto", "string", "openai"],
-                |s| {
-                    use crate::models::content_format::{ContentFormat, ContentFormatOption};
-                    match s {
-                        "auto" => Some(ContentFormatOption::Auto),
-                        "string" => Some(ContentFormatOption::Set(ContentFormat::String)),
-                        "openai" => Some(ContentFormatOption::Set(ContentFormat::OpenAi)),
-                        _ => None,
-                    }
+                |s| match s {
+                    "auto" => Some(ContentFormatOption::Auto),
+                    "string" => Some(ContentFormatOption::Set(ContentFormat::String)),
+                    "openai" => Some(ContentFormatOption::Set(ContentFormat::OpenAi)),
+                    _ => None,
                 },
             ),
             None => Some(Default::default()),

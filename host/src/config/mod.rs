@@ -23,7 +23,8 @@ pub use crate::domain::{Role, RouterMode};
 pub use auth::AuthConfig;
 pub use endpoint_picker::EndpointPickerConfig;
 pub use gateway::{
-    ConfiguredWorker, GatewayConfig, HealthConfig, ModelConfig, TlsCa, TracingConfig,
+    ConfiguredWorker, ContentFormat, ContentFormatOption, GatewayConfig, HealthConfig, ModelConfig,
+    TlsCa, TracingConfig,
 };
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};

@@ -40,33 +40,9 @@
 //! (Gemma 3's is "openai"; Qwen3's, Llama 3.1's and DeepSeek-V3's are
 //! "string").
 
-/// The content format a template is rendered with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ContentFormat {
-    /// Each message's content as one string (list parts joined with "\n").
-    String,
-    /// Each message's content as a list of `{"type": "text", "text": …}` parts.
-    OpenAi,
-}
-
-impl ContentFormat {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ContentFormat::String => "string",
-            ContentFormat::OpenAi => "openai",
-        }
-    }
-}
-
-/// A model's `chat_template_content_format`: detected from the template
-/// (`auto`, the default) or set by the operator, as vLLM's
-/// `--chat-template-content-format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ContentFormatOption {
-    #[default]
-    Auto,
-    Set(ContentFormat),
-}
+// The two types live in the config layer, which parses them from YAML and
+// cannot import this one (tests/layers.rs).
+pub use crate::config::{ContentFormat, ContentFormatOption};
 
 /// The content format vLLM detects for `template`.
 pub fn detect(template: &str) -> ContentFormat {
