@@ -711,3 +711,76 @@ mod tests {
         }
     }
 }
+
+/// Templates come from the model's files: no shape of one may panic the scan
+/// (it runs at load, where a panic would take the model down).
+#[cfg(test)]
+mod any_template {
+    #[test]
+    fn a_template_of_any_shape_is_read_without_a_panic() {
+        const F: &[&str] = &[
+            "{%",
+            "%}",
+            "{{",
+            "}}",
+            "{#",
+            "#}",
+            "for ",
+            " in ",
+            "message",
+            "messages",
+            "['content']",
+            "[\"content\"]",
+            ".content",
+            "é",
+            "東京",
+            "🚀",
+            "'",
+            "\"",
+            "set ",
+            "=",
+            "macro ",
+            "(",
+            ")",
+            "[",
+            "]",
+            "|",
+            " is ",
+            "ns.",
+            "namespace(",
+            "raw",
+            "endraw",
+            "-",
+            " ",
+            "\n",
+            "content",
+            ",",
+            ":",
+            "x",
+            "1",
+            "call",
+            "endfor",
+            "endmacro",
+            "\\",
+            "ü",
+        ];
+        // Fragments of tags, names and multi-byte characters, in any order, so a
+        // cut can fall anywhere a byte index is taken.
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        for _ in 0..200_000 {
+            let mut t = String::new();
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let n = rng % 40;
+            for _ in 0..n {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                t.push_str(F[(rng % F.len() as u64) as usize]);
+            }
+            let r = std::panic::catch_unwind(|| super::detect(&t));
+            assert!(r.is_ok(), "panicked on {t:?}");
+        }
+    }
+}
