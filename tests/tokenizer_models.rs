@@ -68,59 +68,7 @@ enum Expect {
 
 /// The chats compared: what a template has to get right, by name.
 fn chats() -> Vec<(&'static str, Value)> {
-    let weather = json!({"type": "function", "function": {
-        "name": "get_weather",
-        "description": "The weather in a city, now. Use <city> names as written locally.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "e.g. \"Zürich\""},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"]}}});
-    let call = json!([{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"unit\": \"celsius\"}"}}]);
-    vec![
-        (
-            "plain",
-            json!({"messages": [{"role": "user", "content": "Hello there!"}]}),
-        ),
-        (
-            "system and turns",
-            json!({"messages": [
-                {"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Name a prime."},
-                {"role": "assistant", "content": "Seven."},
-                {"role": "user", "content": "Another, over 100 — and explain?\nTwo lines."}]}),
-        ),
-        (
-            "content parts",
-            json!({"messages": [{"role": "user", "content": [
-                {"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}]}),
-        ),
-        (
-            "tools",
-            json!({"messages": [
-                {"role": "system", "content": "Use tools when they help."},
-                {"role": "user", "content": "Weather in Zürich?"}],
-                "tools": [weather.clone()]}),
-        ),
-        (
-            "a tool call and its result",
-            json!({"messages": [
-                {"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": "", "tool_calls": call.clone()},
-                {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": -3}"},
-                {"role": "assistant", "content": "It is -3 °C in Oslo."},
-                {"role": "user", "content": "And tomorrow?"}],
-                "tools": [weather.clone()]}),
-        ),
-        (
-            "a tool call with no content",
-            json!({"messages": [
-                {"role": "user", "content": "Weather in Oslo?"},
-                {"role": "assistant", "content": null, "tool_calls": call},
-                {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": -3}"}],
-                "tools": [weather]}),
-        ),
-    ]
+    kvhint_e2e::tokenizers::chats()
 }
 
 /// The completion prompts compared: the common ones, and the model's own added

@@ -46,42 +46,18 @@ fn encoders() -> [(&'static str, ModelTokenizer); 2] {
     [(FAST, tokenizer()), (HF, hf_tokenizer())]
 }
 
-/// The chat requests compared: what a template has to get right.
+/// The chat requests compared: every model's (`kvhint_e2e::tokenizers::chats`)
+/// and what Qwen3's template adds (a tool call, thinking).
 fn chats() -> Vec<(&'static str, Value)> {
-    let weather = json!({"type": "function", "function": {
-        "name": "get_weather",
-        "description": "The weather in a city, now. Use <city> names as written locally.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "e.g. \"Zürich\""},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"]}}});
-    vec![
+    let weather = kvhint_e2e::tokenizers::chats()
+        .into_iter()
+        .find(|(name, _)| *name == "tools")
+        .map(|(_, chat)| chat["tools"][0].clone())
+        .expect("the common chats have a tool");
+    let mut chats = kvhint_e2e::tokenizers::chats();
+    chats.extend(vec![
         (
-            "plain",
-            json!({"messages": [{"role": "user", "content": "Hello there!"}]}),
-        ),
-        (
-            "system and turns",
-            json!({"messages": [
-                {"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Name a prime."},
-                {"role": "assistant", "content": "Seven."},
-                {"role": "user", "content": "Another, over 100 — and explain?\nTwo lines."}]}),
-        ),
-        (
-            "content parts",
-            json!({"messages": [{"role": "user", "content": [
-                {"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}]}),
-        ),
-        (
-            "tools",
-            json!({"messages": [
-                {"role": "system", "content": "Use tools when they help."},
-                {"role": "user", "content": "Weather in Zürich?"}],
-                "tools": [weather.clone()]}),
-        ),
-        (
-            "a tool call and its result",
+            "a tool call and its result, no answer yet",
             json!({"messages": [
                 {"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
@@ -101,7 +77,8 @@ fn chats() -> Vec<(&'static str, Value)> {
                 {"role": "assistant", "content": "<think>\nadd\n</think>\n\n2"},
                 {"role": "user", "content": "2+2?"}]}),
         ),
-    ]
+    ]);
+    chats
 }
 
 fn prompts() -> Vec<&'static str> {
