@@ -8,10 +8,16 @@
 //!   exist, and a test filter after `--` matches a test of its target;
 //! - every `kvhint …` command names a subcommand the binary has;
 //! - every repository path a doc names (in inline code, or as a link) exists;
-//! - `.ci/run` runs exactly the README's test command.
+//! - `.ci/run` runs exactly the README's test command;
+//! - the guide's selection-policy quick path runs as written
+//!   (`the_selection_quick_path_runs_as_written`): its whole `lib.rs` built into a
+//!   `.so` with its own tests passing, a router started on its first config, the
+//!   `.so` dropped in, and each `kvhint` and `curl` output it shows (the second
+//!   config's check, the reload, the bookings the policy placed) matching what
+//!   the command prints.
 //!
-//! The checks read the files and `cargo metadata`; they build nothing. Each check
-//! is a function over a document's text, so `each_check_catches_a_planted_bad_reference`
+//! The reference checks read the files and `cargo metadata`; they build nothing.
+//! Each is a function over a document's text, so `each_check_catches_a_planted_bad_reference`
 //! shows that each one fails on a bad reference.
 
 use kvhint_e2e::workspace_root;
@@ -708,4 +714,282 @@ fn ci_runs_exactly_the_readmes_test_command() {
         [commands[1]],
         ".ci/run runs the README's test command"
     );
+}
+
+/// One `$ ` command of a console block (a heredoc's lines included) and the
+/// lines shown after it.
+struct Step {
+    command: String,
+    output: Vec<String>,
+}
+
+/// What the selection quick path holds, in document order: console steps, and
+/// the files it shows in full (`toml`: the crate's `Cargo.toml`; `rust`: its
+/// `src/lib.rs`).
+enum Part {
+    Steps(Vec<Step>),
+    File { lang: String, text: String },
+}
+
+/// The parts between `<!-- selection-path:start -->` and `…:end -->` of
+/// `docs/writing-a-plugin.md`.
+fn selection_path(guide: &str) -> Vec<Part> {
+    let start = guide
+        .find("<!-- selection-path:start -->")
+        .expect("the guide marks the selection quick path's start");
+    let end = guide
+        .find("<!-- selection-path:end -->")
+        .expect("the guide marks the selection quick path's end");
+    let mut parts = Vec::new();
+    let mut fence: Option<String> = None;
+    let mut body: Vec<&str> = Vec::new();
+    for line in guide[start..end].lines() {
+        match (&fence, line.strip_prefix("```")) {
+            (None, Some(lang)) => fence = Some(lang.trim().to_string()),
+            (Some(lang), Some(_)) => {
+                match lang.as_str() {
+                    "console" => parts.push(Part::Steps(console_steps(&body))),
+                    "toml" | "rust" => parts.push(Part::File {
+                        lang: lang.clone(),
+                        text: body.iter().map(|l| format!("{l}\n")).collect(),
+                    }),
+                    _ => {}
+                }
+                fence = None;
+                body.clear();
+            }
+            (Some(_), None) => body.push(line),
+            (None, None) => {}
+        }
+    }
+    parts
+}
+
+fn console_steps(lines: &[&str]) -> Vec<Step> {
+    let mut steps: Vec<Step> = Vec::new();
+    let mut heredoc: Option<String> = None;
+    for line in lines {
+        if let Some(delimiter) = &heredoc {
+            let step = steps.last_mut().expect("a heredoc follows its command");
+            step.command.push('\n');
+            step.command.push_str(line);
+            if line == delimiter {
+                heredoc = None;
+            }
+        } else if let Some(command) = line.strip_prefix("$ ") {
+            if let Some(at) = command.find("<<'") {
+                heredoc = command[at + 3..].split('\'').next().map(str::to_string);
+            }
+            steps.push(Step {
+                command: command.to_string(),
+                output: Vec::new(),
+            });
+        } else if let Some(step) = steps.last_mut() {
+            step.output.push(line.to_string());
+        }
+    }
+    steps
+}
+
+/// Each shown line against the actual one: as JSON when both are JSON, else as text.
+fn same_output(shown: &[String], actual: &str) -> bool {
+    let actual: Vec<&str> = actual.lines().collect();
+    shown.len() == actual.len()
+        && shown.iter().zip(&actual).all(|(s, a)| {
+            match (
+                serde_json::from_str::<Value>(s),
+                serde_json::from_str::<Value>(a),
+            ) {
+                (Ok(s), Ok(a)) => s == a,
+                _ => s.trim_end() == a.trim_end(),
+            }
+        })
+}
+
+/// The guide's selection-policy quick path, run as written: its `Cargo.toml`
+/// and whole `lib.rs` become the crate its `cargo new` made, whose own tests
+/// must pass and print the lines shown. A `kvhint serve` is started on the
+/// section's first config; every other command (the build, the drop-in, the
+/// second config, …) runs in `sh`, in order, with the
+/// section's paths moved to a private directory and its address to the
+/// router's, and every `kvhint` and `curl` output must match the one shown:
+/// the check of the second config, the reload that applies it, and the
+/// bookings placed by the new policy.
+#[test]
+fn the_selection_quick_path_runs_as_written() {
+    let root = workspace_root();
+    let guide = std::fs::read_to_string(root.join("docs/writing-a-plugin.md")).unwrap();
+    let parts = selection_path(&guide);
+    let steps: Vec<&Step> = parts
+        .iter()
+        .flat_map(|p| match p {
+            Part::Steps(steps) => steps.iter().collect(),
+            Part::File { .. } => Vec::new(),
+        })
+        .collect();
+    let files: Vec<&str> = parts
+        .iter()
+        .filter_map(|p| match p {
+            Part::File { lang, .. } => Some(lang.as_str()),
+            Part::Steps(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        files,
+        ["toml", "rust"],
+        "the whole Cargo.toml, then the whole lib.rs"
+    );
+    // It shows each piece the path needs.
+    for piece in [
+        "cargo test",
+        "cargo build",
+        "kvhint serve",
+        "mv ",
+        "kvhint check",
+        "/admin/reload",
+        "/book",
+    ] {
+        assert!(
+            steps.iter().any(|s| s.command.contains(piece)),
+            "the quick path has no `{piece}` step"
+        );
+    }
+    let configs: Vec<&&Step> = steps
+        .iter()
+        .filter(|s| s.command.starts_with("cat > /tmp/sel/kvhint.yaml"))
+        .collect();
+    assert_eq!(configs.len(), 2, "the config before and after");
+    assert!(
+        !configs[0].command.contains("least_busy")
+            && configs[1].command.contains("decode: least_busy")
+    );
+    assert!(steps.iter().any(|s| s.command.contains("/book")
+        && s.output
+            .iter()
+            .all(|o| o.contains(r#""selection_policy":"least_busy""#))));
+
+    let private = kvhint_e2e::private_dir();
+    let base = private.path().join("sel");
+    // Kept between runs, so only the first compiles the plugin-api's dependencies.
+    let target = kvhint_e2e::target_dir().join("docs-selection-path");
+    let moved = |text: &str| {
+        text.replace("/tmp/sel-target", &target.display().to_string())
+            .replace("/tmp/sel", &base.display().to_string())
+            .replace("path/to/kvhint", &root.display().to_string())
+    };
+    let shown_paths = |text: &str| {
+        text.replace(&target.display().to_string(), "/tmp/sel-target")
+            .replace(&base.display().to_string(), "/tmp/sel")
+    };
+    let kvhint_dir = kvhint_e2e::build_dir();
+    let cargo = PathBuf::from(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    let mut path =
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).collect::<Vec<_>>();
+    path.insert(0, kvhint_dir.to_path_buf());
+    if let Some(dir) = cargo.parent().filter(|d| !d.as_os_str().is_empty()) {
+        path.insert(1, dir.to_path_buf());
+    }
+    let path = std::env::join_paths(path).unwrap();
+    let cwd_file = private.path().join("cwd");
+    let mut cwd = private.path().to_path_buf();
+    let mut server: Option<kvhint_e2e::Server> = None;
+    let mut mismatches = Vec::new();
+
+    for part in &parts {
+        let steps = match part {
+            Part::File { lang, text } => {
+                if lang == "toml" {
+                    std::fs::write(cwd.join("Cargo.toml"), moved(text)).unwrap();
+                    // The workspace's versions, so the build needs nothing the
+                    // workspace's did not fetch.
+                    std::fs::copy(root.join("Cargo.lock"), cwd.join("Cargo.lock")).unwrap();
+                } else {
+                    std::fs::write(cwd.join("src/lib.rs"), text).unwrap();
+                }
+                continue;
+            }
+            Part::Steps(steps) => steps,
+        };
+        for step in steps {
+            if let Some(rest) = step.command.strip_prefix("kvhint serve ") {
+                let config = rest
+                    .split_whitespace()
+                    .skip_while(|w| *w != "--config")
+                    .nth(1)
+                    .expect("serve --config FILE");
+                server = Some(kvhint_e2e::Server::start(
+                    Path::new(&moved(config)),
+                    &[],
+                    private.path(),
+                ));
+                continue;
+            }
+            let mut command = moved(&step.command);
+            if let Some(server) = &server {
+                command = command.replace("127.0.0.1:8080", server.address());
+            }
+            let script = format!(
+                "cd '{}' || exit 1\n{command}\nstatus=$?\npwd > '{}'\nexit $status\n",
+                cwd.display(),
+                cwd_file.display()
+            );
+            let is_cargo = step.command.starts_with("cargo ");
+            // A `curl` that only reads may be shown after what it waits for
+            // (the reload a rename starts): it is asked again until it matches.
+            let retried = step.command.starts_with("curl ")
+                && !step.command.contains(" -X ")
+                && !step.command.contains(" -d ");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            loop {
+                let output = Command::new("sh")
+                    .arg("-c")
+                    .arg(&script)
+                    .env("PATH", &path)
+                    .env("CARGO_TARGET_DIR", &target)
+                    .env("CARGO_NET_OFFLINE", "true")
+                    .output()
+                    .unwrap();
+                let stdout = String::from_utf8_lossy(&output.stdout);
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                let log = || server.as_ref().map(|s| s.log()).unwrap_or_default();
+                assert!(
+                    output.status.success(),
+                    "`{}` failed ({}):\n{stdout}\n{stderr}\nrouter log:\n{}",
+                    step.command,
+                    output.status,
+                    log()
+                );
+                cwd = PathBuf::from(std::fs::read_to_string(&cwd_file).unwrap().trim());
+                let actual = shown_paths(&stdout);
+                if is_cargo {
+                    // Compile lines are elided (`…`); the tests' lines are shown.
+                    for line in step.output.iter().filter(|l| l.starts_with("test ")) {
+                        assert!(
+                            actual.lines().any(|a| a == line),
+                            "`{}` did not print `{line}`:\n{stdout}\n{stderr}",
+                            step.command
+                        );
+                    }
+                } else if !same_output(&step.output, &actual) {
+                    if retried && std::time::Instant::now() < deadline {
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                        continue;
+                    }
+                    mismatches.push(format!(
+                        "`{}` printed\n{actual}\nand the guide shows\n{}\n(stderr: {stderr})",
+                        step.command,
+                        step.output.join("\n"),
+                    ));
+                }
+                break;
+            }
+        }
+    }
+    let log = server.as_ref().map(|s| s.log()).unwrap_or_default();
+    assert!(
+        mismatches.is_empty(),
+        "{}\nrouter log:\n{log}",
+        mismatches.join("\n\n")
+    );
+    assert!(server.is_some(), "the quick path starts a router");
 }

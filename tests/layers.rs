@@ -1,9 +1,9 @@
-//! The router crate's layering (issue 26, item 4), checked so the architecture the
-//! docs describe cannot drift from the code again.
+//! The router crate's layering (issue 26, item 4; feeds and doors apart, issue 46,
+//! item 5), checked so the architecture the docs describe cannot drift from the code
+//! again.
 //!
-//! `host/src`'s top-level modules are grouped into layers, listed below in order (the
-//! README's "The router core, layer by layer" and `host/src/lib.rs` state the same
-//! order). A module may name (`use crate::…`, a `crate::…` path, or a `super::…` path
+//! `host/src`'s top-level modules are grouped into layers, listed below in order
+//! (docs/architecture.md's "The router core, layer by layer" states the same order). A module may name (`use crate::…`, a `crate::…` path, or a `super::…` path
 //! that reaches the crate root) only modules of its own layer or of earlier ones, and
 //! the modules of one layer must not name each other in a cycle. `domain` names
 //! nothing else in the crate.
@@ -45,20 +45,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     // The data plane: KV index, workers, load, bookings.
     ("router", &["router"]),
-    // What feeds the router and what faces the world.
-    (
-        "faces",
-        &[
-            "engine_events",
-            "wire",
-            "replay",
-            "report",
-            "gateway",
-            "replication",
-            "service",
-            "testing",
-        ],
-    ),
+    // What feeds the router: engines' KV events, the other replicas' load, and the
+    // request path to the workers (booking, adapters, forwarding, health).
+    ("feeds", &["engine_events", "replication", "gateway"]),
+    // The doors: what the world calls (the HTTP service and the endpoint picker,
+    // the API's wire shapes, `check`'s and `plugins`' report, the offline replay,
+    // and `testing`, the internals the end-to-end tests reach). A door may import
+    // a feed; a feed never imports a door (issue 46, item 5).
+    ("doors", &["service", "wire", "report", "replay", "testing"]),
 ];
 
 /// A module may not name itself up the layers: where one does.
@@ -479,6 +473,64 @@ fn the_check_catches_imports_up_the_layers() {
     assert!(problems[3].contains("imports `router` (router layer), a later layer"));
     assert!(problems[4].contains("an import cycle"));
     assert!(problems[5].contains("has no layer"));
+}
+
+/// Issue 46, item 5: the feeds (engine events, replication, the gateway's request
+/// path) come before the doors (the service, the wire shapes, the report, the
+/// replay). A door driving a feed is the direction of the layers; a file under
+/// `gateway/` importing one under `service/` runs back up and is reported, in
+/// either spelling of the path.
+#[test]
+fn a_gateway_file_importing_a_service_file_fails_the_check() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let src = dir.path().join("host").join("src");
+    let write = |path: &str, text: &str| {
+        let path = src.join(path);
+        std::fs::create_dir_all(path.parent().expect("a parent")).expect("creates");
+        std::fs::write(path, text).expect("writes");
+    };
+    write(
+        "lib.rs",
+        "pub mod router;\npub mod gateway;\npub mod replication;\npub mod service;\n",
+    );
+    write("router.rs", "");
+    write("replication.rs", "use crate::router::Router;\n");
+    write(
+        "gateway/mod.rs",
+        "mod adapter;\nuse crate::{router::Router, replication::Load};\n",
+    );
+    write(
+        "gateway/adapter.rs",
+        "use crate::router::Router;\nuse crate::service::gateway::book_body;\nfn f(app: &super::super::service::App) {}\n",
+    );
+    write(
+        "service/mod.rs",
+        "mod gateway;\nuse crate::gateway::Gateway;\n",
+    );
+    write(
+        "service/gateway.rs",
+        "use crate::{gateway::dispatch, replication::Load, router::Router};\n",
+    );
+    let problems = violations(&src);
+    let starts: Vec<&str> = problems
+        .iter()
+        .map(|p| p.split(": ").next().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        starts,
+        [
+            "host/src/gateway/adapter.rs:2",
+            "host/src/gateway/adapter.rs:3"
+        ],
+        "{problems:#?}"
+    );
+    for problem in &problems {
+        assert!(
+            problem
+                .contains("`gateway` (feeds layer) imports `service` (doors layer), a later layer"),
+            "{problem}"
+        );
+    }
 }
 
 /// Item 3 of issue 26: the data plane names no ABI type, so the next ABI change

@@ -15,11 +15,13 @@
 //!    [`hints`] → [`envelope`], and the [`snapshot`] holding them per role.
 //! 5. **router**: [`router`], the data plane. It describes a booking to the policy
 //!    stages in plain views; only the stages build the ABI's records.
-//! 6. **faces**: [`engine_events`], [`wire`], [`replay`], [`gateway`],
-//!    [`replication`] (load shared between replicas over NATS), [`service`],
-//!    [`report`] (what `check` and `plugins` print); [`testing`], the few internals
-//!    the end-to-end tests reach;
-//!    and `main.rs`, the CLI, which nothing imports.
+//! 6. **feeds**, what drives the router: [`engine_events`], [`replication`] (load
+//!    shared between replicas over NATS), [`gateway`] (the request path to the
+//!    workers).
+//! 7. **doors**, where the world reaches it: [`service`], [`wire`], [`report`]
+//!    (what `check` and `plugins` print), [`replay`]; [`testing`], the few
+//!    internals the end-to-end tests reach; and `main.rs`, the CLI, which nothing
+//!    imports. A door may use a feed; a feed never names a door.
 
 // 1. domain
 pub mod counters;
@@ -48,11 +50,13 @@ pub mod snapshot;
 // 5. router
 pub mod router;
 
-// 6. faces
+// 6. feeds
 pub mod engine_events;
 pub mod gateway;
-pub mod replay;
 pub mod replication;
+
+// 7. doors
+pub mod replay;
 pub mod report;
 pub mod service;
 pub mod testing;
