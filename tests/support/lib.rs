@@ -18,6 +18,7 @@
 //! | [`peers`] | the peer gateways the benches run beside kvhint (`smg`, `vllm-router`) |
 //! | [`sim`] | simulated vLLM-like engines (`kvhint-sim`) with bounded block caches, many in one process |
 //! | [`workloads`] | the routing benches' seeded workloads, their Poisson schedule and the streaming client that times them |
+//! | [`mooncake`] | the Mooncake conversation trace (`tests/fixtures/mooncake/`) as a workload: prompts from its hashed blocks, its arrival times |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
 //! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
 //!
@@ -41,6 +42,7 @@ pub mod envoy;
 pub mod errors;
 pub mod http;
 pub mod llamacpp;
+pub mod mooncake;
 pub mod nats;
 pub mod otel;
 pub mod paths;

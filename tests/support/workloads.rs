@@ -365,23 +365,40 @@ pub fn client() -> ureq::Agent {
 }
 
 /// Sends `items` on an open-loop Poisson schedule of `rate` requests/s drawn
-/// from `seed` (the same times for every system), each to `url_of(n)`; a chat's
-/// turn waits for the one before it. Returns every outcome, in `items`' order.
+/// from `seed` (the same times for every system, [`poisson`]), each to
+/// `url_of(n)`; a chat's turn waits for the one before it. Returns every
+/// outcome, in `items`' order.
 pub fn run(
     items: &[Item],
     rate: f64,
     seed: u64,
     url_of: Arc<dyn Fn(usize) -> String + Send + Sync>,
 ) -> Vec<Outcome> {
+    run_at(items, &poisson(items.len(), rate, seed), url_of)
+}
+
+/// `count` arrival times (seconds from the start) of an open-loop Poisson
+/// schedule of `rate` requests/s drawn from `seed`.
+pub fn poisson(count: usize, rate: f64, seed: u64) -> Vec<f64> {
     let mut rng = Rng(seed ^ 0x00C0_FFEE);
     let mut at = 0.0;
-    let times: Vec<f64> = items
-        .iter()
+    (0..count)
         .map(|_| {
             at += -rng.unit().ln() / rate;
             at
         })
-        .collect();
+        .collect()
+}
+
+/// Sends `items[n]` at `times[n]` (seconds from the start, in order, open loop)
+/// to `url_of(n)`; a chat's turn also waits for the one before it. Returns
+/// every outcome, in `items`' order.
+pub fn run_at(
+    items: &[Item],
+    times: &[f64],
+    url_of: Arc<dyn Fn(usize) -> String + Send + Sync>,
+) -> Vec<Outcome> {
+    assert_eq!(items.len(), times.len(), "a time for every request");
     let done: Vec<Arc<(Mutex<bool>, Condvar)>> = items
         .iter()
         .map(|_| Arc::new((Mutex::new(false), Condvar::new())))
