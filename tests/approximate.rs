@@ -190,11 +190,21 @@ fn a_request_waits_for_the_in_flight_request_computing_its_long_prefix_but_not_f
 /// Two simulated vLLM engines publishing KV events with vLLM's own publisher,
 /// 3 ms of prefill a prompt token, and kvhint subscribed to both.
 fn event_fed(fleet: &SimFleet, dir: &Path, name: &str, credit_in_flight: bool) -> Server {
+    event_fed_with(
+        fleet,
+        dir,
+        name,
+        &format!("credit_in_flight: {credit_in_flight}"),
+    )
+}
+
+/// [`event_fed`] with `gateway` settings of the caller's.
+fn event_fed_with(fleet: &SimFleet, dir: &Path, name: &str, gateway: &str) -> Server {
     let config = dir.join(name);
     let mut yaml = format!(
         "router:\n  block_size: 16\n\
          models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
-         gateway:\n  prefix_wait_ms: 60000\n  credit_in_flight: {credit_in_flight}\n\
+         gateway:\n  prefix_wait_ms: 60000\n  {gateway}\n\
          workers:\n",
         qwen3_tokenizer_dir().display(),
     );
@@ -357,4 +367,110 @@ fn a_request_sharing_a_prefix_an_event_fed_engine_is_still_computing_goes_there_
     assert_eq!(cached, 0);
     first.join().unwrap();
     server.until_idle();
+}
+
+#[test]
+fn a_prefix_an_event_fed_engine_must_drop_for_the_prompts_it_is_running_is_not_counted() {
+    // One simulated vLLM engine holding 64 blocks of 16 tokens, 3 ms of
+    // prefill a prompt token, publishing its KV events. A prompt of ~45
+    // blocks is computed and ends: its blocks stay cached, and the index holds
+    // them. Then an unrelated ~45-block prompt starts prefilling (~2 s): once
+    // its blocks are in, at most 64 − 45 = 19 others fit, so of the first
+    // prompt's prefix the engine keeps 19 blocks at most, and says so only
+    // once its step ends. A request sharing that prefix, booked meanwhile,
+    // must be told what the engine will reuse, not what the index still shows.
+    let mut args = SimFleet::args(1, 64);
+    args.extend([
+        "--prefill-us-per-token".to_string(),
+        "3000".to_string(),
+        "--events".to_string(),
+        "--wheel".to_string(),
+        kvhint_e2e::provision::vllm_wheel().display().to_string(),
+        "--python".to_string(),
+        kvhint_e2e::provision::python().display().to_string(),
+    ]);
+    let fleet = SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args);
+    let dir = private_dir();
+    let words = |tag: &str, n: usize| -> String { (0..n).map(|w| format!("{tag}{w}w ")).collect() };
+    // What the router said it found cached (`x-kvhint-cached-tokens`) and what
+    // the engine reused.
+    let told_and_reused = |server: &Server, prompt: &str| -> (u64, u64) {
+        let mut response = agent()
+            .post(&format!("{}/v1/completions", server.base))
+            .header("content-type", "application/json")
+            .send(json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}).to_string())
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        let told: u64 = response
+            .headers()
+            .get("x-kvhint-cached-tokens")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or_else(|| panic!("no x-kvhint-cached-tokens: {:?}", response.headers()));
+        let body: Value =
+            serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap();
+        let reused = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens in {body}"));
+        (told, reused)
+    };
+    let capacity_known = |server: &Server| {
+        server.wait_for("the engine's capacity read", |s| {
+            s.status()["workers"][0]["kv_capacity_blocks"] == 64
+        });
+    };
+    let run = |server: &Server, tag: &str| -> (u64, u64) {
+        let prefix = words(&format!("{tag}p"), 200);
+        let (_, reused) = told_and_reused(server, &format!("{prefix}first of all"));
+        assert_eq!(reused, 0, "a new prompt");
+        let unrelated = {
+            let base = server.base.clone();
+            let prompt = words(&format!("{tag}x"), 210);
+            std::thread::spawn(move || {
+                let (status, _, body) = call_with(
+                    &agent(),
+                    &format!("{base}/v1/completions"),
+                    &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
+                );
+                assert_eq!(status, 200, "{body}");
+            })
+        };
+        engine_running(&fleet);
+        let outcome = told_and_reused(server, &format!("{prefix}second of all"));
+        unrelated.join().unwrap();
+        server.until_idle();
+        outcome
+    };
+
+    let server = event_fed_with(
+        &fleet,
+        dir.path(),
+        "anticipating.yaml",
+        "anticipate_evictions: true",
+    );
+    capacity_known(&server);
+    let (told, reused) = run(&server, "a");
+    assert!(
+        reused > 0 && reused <= 19 * 16,
+        "the engine kept {reused} tokens of the prefix: the scenario is not what this test is about"
+    );
+    assert_eq!(
+        told, reused,
+        "the booking counted blocks the engine was bound to drop"
+    );
+    drop(server);
+
+    // Without anticipating, the booking counts the whole prefix the index
+    // still shows: a phantom.
+    let server = event_fed_with(
+        &fleet,
+        dir.path(),
+        "published.yaml",
+        "anticipate_evictions: false",
+    );
+    let (told, reused) = run(&server, "b");
+    assert!(reused <= 19 * 16, "reused {reused}");
+    assert!(
+        told >= 40 * 16,
+        "told {told}: the index should still show the whole prefix"
+    );
 }

@@ -288,6 +288,7 @@ fn prompts_match_only_blocks_stored_under_the_same_lora_and_salt() {
                         session_context: None,
                         lora_name: lora,
                         cache_salt: salt,
+                        pinned_prefix: &[],
                     },
                 )
                 .unwrap();
@@ -591,4 +592,68 @@ fn unknown_event_types_are_counted_and_skipped() {
     ])));
     assert_eq!(batch.counts.unknown_type, 2);
     assert_eq!(batch.events, vec![KvEvent::Cleared]);
+}
+
+/// A booking counts of a worker's published prefix only what its engine can
+/// still hold beside the blocks its running requests pin (the gateway sets the
+/// worker's capacity and those pinned blocks; see docs/gateway.md, "Workers with
+/// KV events: evictions anticipated"): a prefix the engine is bound to drop no
+/// longer draws the request to a busy worker.
+#[test]
+fn a_prefix_a_worker_must_drop_for_its_running_requests_does_not_draw_the_booking() {
+    let fixture = kvhint_e2e::plugins::config_file("router: {block_size: 16}\n");
+    let (snapshot, _loader) = kvhint_e2e::plugins::snapshot_of(&fixture, None).unwrap();
+    let router = Router::new(16);
+    let key = |id| kvhint::domain::WorkerKey {
+        worker_id: id,
+        dp_rank: 0,
+    };
+    for id in [1, 2] {
+        router
+            .register_worker(kvhint_e2e::replay::decode_worker(id))
+            .unwrap();
+    }
+    let prompt: Vec<u32> = (1000..1000 + 8 * 16).collect();
+    for result in router.apply_kv_events([(
+        key(1),
+        kvhint_e2e::replay::stored_event(&prompt, 16, 8, 500),
+    )]) {
+        result.unwrap();
+    }
+    let role = kvhint::router::configured_role(&snapshot, kvhint::domain::Role::Decode).unwrap();
+    let book = |id: &str, pinned: &[(kvhint::domain::WorkerKey, u32)]| {
+        let request = BookRequest {
+            pinned_prefix: pinned,
+            ..kvhint_e2e::replay::decode_request(id, &prompt)
+        };
+        let booking = router.book(role, &request).unwrap();
+        router.release(id).unwrap();
+        (booking.worker.worker_id, booking.cached_blocks)
+    };
+    assert_eq!(book("plain", &[]), (1, 8));
+    let cell = router.load_cell(key(1)).unwrap();
+    // A capacity of 10 blocks, 6 of them pinned by running requests: 4 of the
+    // prefix can stay.
+    cell.set_capacity_blocks(Some(10));
+    cell.set_pinned_blocks(6);
+    assert_eq!(book("room-for-four", &[]), (1, 4));
+    // Those running requests hold this prompt's first 6 blocks themselves:
+    // pinned, and 4 more fit beside them.
+    assert_eq!(book("own-prefix-pinned", &[(key(1), 6)]), (1, 8));
+    // Pinned to capacity, and busy with an open booking: the prefix draws
+    // nothing, and the idle worker gets the request.
+    cell.set_pinned_blocks(10);
+    let other: Vec<u32> = (5000..5000 + 8 * 16).collect();
+    let only_one = |w: &kvhint::domain::Worker| w.key == key(1);
+    router
+        .book_among(
+            role,
+            &kvhint_e2e::replay::decode_request("running", &other),
+            Some(&only_one),
+        )
+        .unwrap();
+    assert_eq!(book("bound-to-be-dropped", &[]), (2, 0));
+    // Unknown capacity: nothing anticipated.
+    cell.set_capacity_blocks(None);
+    assert_eq!(book("capacity-unknown", &[]), (1, 8));
 }

@@ -126,7 +126,7 @@ fn a_broken_tokenizer_file_is_a_located_error() {
 #[test]
 fn gateway_settings_out_of_range_are_located() {
     let yaml = format!(
-        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n    paths: {{tgi: /health, sglang: health_generate}}\n  tokenizer_cache_mib: 4096000\n  tracing:\n    otlp_endpoint: 127.0.0.1:4317\n    sample_percent: 101\n  tls_ca_file: no-such-ca.pem\n  prefix_wait_min_tokens: lots\n  credit_in_flight: sometimes\n"
+        "{ROLES}gateway:\n  max_attempts: 0\n  idle_timeout_ms: fast\n  health:\n    failures: 0\n    every: 1\n    paths: {{tgi: /health, sglang: health_generate}}\n  tokenizer_cache_mib: 4096000\n  tracing:\n    otlp_endpoint: 127.0.0.1:4317\n    sample_percent: 101\n  tls_ca_file: no-such-ca.pem\n  prefix_wait_min_tokens: lots\n  credit_in_flight: sometimes\n  anticipate_evictions: often\n"
     );
     assert_eq!(
         errors(&yaml),
@@ -143,6 +143,7 @@ fn gateway_settings_out_of_range_are_located() {
             "kvhint.yaml:14:16: gateway.tls_ca_file: <dir>/no-such-ca.pem: there is no such file; point `tls_ca_file` at the PEM file of the CA certificates that signed the workers' certificates",
             "kvhint.yaml:15:27: gateway.prefix_wait_min_tokens: expected a whole number from 0 to 16777216, found `lots`",
             "kvhint.yaml:16:21: gateway.credit_in_flight: unknown value `sometimes`; expected one of: true, false",
+            "kvhint.yaml:17:25: gateway.anticipate_evictions: unknown value `often`; expected one of: true, false",
         ]
     );
 }

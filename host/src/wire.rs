@@ -80,6 +80,7 @@ impl BookBody {
             session_context: session,
             lora_name: self.lora_name.as_deref(),
             cache_salt: self.cache_salt.as_deref(),
+            pinned_prefix: &[],
         }
     }
 }

@@ -150,21 +150,30 @@ fn measure(model: &'static TokenizerModel, corpus: &str, sizes: &[(usize, usize)
         let starts: Vec<usize> = (0..count)
             .map(|_| floor(&text, next() % corpus.len()))
             .collect();
-        let cut = |bytes: usize| -> Vec<String> {
-            starts
-                .iter()
-                .enumerate()
-                .map(|(i, &start)| {
-                    let end = floor(&text, (start + bytes).min(text.len()));
-                    format!("Request {i}.\n{}", &text[start..end])
-                })
-                .collect()
+        let cut = |i: usize, start: usize, bytes: usize| -> String {
+            let end = floor(&text, (start + bytes).min(text.len()));
+            format!("Request {i}.\n{}", &text[start..end])
         };
-        // The corpus's tokens per byte vary along it: the first prompt's count
-        // corrects the length once, so the sizes are about what they say.
+        // The corpus's bytes per token vary along it (prose, tables, code), so
+        // each prompt's length is corrected by its own count, twice, to land
+        // near the size its row names (corrected once from the first prompt,
+        // the "4K" rows were 2.5–2.9K tokens).
         let guess = (tokens as f64 * bytes_per_token) as usize;
-        let first = fast.encode_uncached(&cut(guess)[0], true).unwrap().len();
-        let prompts = cut((guess as f64 * tokens as f64 / first.max(1) as f64) as usize);
+        let prompts: Vec<String> = starts
+            .iter()
+            .enumerate()
+            .map(|(i, &start)| {
+                let mut bytes = guess;
+                for _ in 0..2 {
+                    let n = fast
+                        .encode_uncached(&cut(i, start, bytes), true)
+                        .unwrap()
+                        .len();
+                    bytes = (bytes as f64 * tokens as f64 / n.max(1) as f64) as usize;
+                }
+                cut(i, start, bytes)
+            })
+            .collect();
         let mut counted = Vec::new();
         for prompt in &prompts {
             let want = hf.encode_uncached(prompt, true).unwrap();

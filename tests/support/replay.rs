@@ -23,6 +23,7 @@ pub fn decode_request<'a>(id: &'a str, tokens: &'a [u32]) -> kvhint::router::Boo
         session_context: None,
         lora_name: None,
         cache_salt: None,
+        pinned_prefix: &[],
     }
 }
 

@@ -147,6 +147,11 @@ pub struct GatewayConfig {
     /// blocks of the requests it is running (until each ends), so that a burst
     /// sharing a prefix finds it before the engine has computed and published it.
     pub credit_in_flight: bool,
+    /// Whether a booking on a worker whose engine publishes KV events, and whose
+    /// capacity is known, counts only the part of its cached prefix the engine can
+    /// still hold once the requests it is running have their blocks (needs
+    /// `credit_in_flight`, which says what those requests pin).
+    pub anticipate_evictions: bool,
     /// Workers (ranks) registered at once at most, from the config and the API
     /// together: a registration past it is refused with 503.
     pub max_workers: u64,
@@ -220,6 +225,7 @@ impl Default for GatewayConfig {
             prefix_wait_ms: 2_000,
             prefix_wait_min_tokens: 256,
             credit_in_flight: true,
+            anticipate_evictions: true,
             max_workers: 4_096,
             tokenizer_cache_mib: 64,
             tls_ca: None,
@@ -588,6 +594,7 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             "prefix_wait_ms",
             "prefix_wait_min_tokens",
             "credit_in_flight",
+            "anticipate_evictions",
             "max_workers",
             "tokenizer_cache_mib",
             "tls_ca_file",
@@ -681,6 +688,17 @@ pub(super) fn gateway(walker: &mut Walker, node: &Node, base: &Path) -> GatewayC
             |s| s.parse::<bool>().ok(),
         ) {
             out.credit_in_flight = on;
+        }
+    }
+    if let Some(n) = map.get_node("anticipate_evictions") {
+        if let Some(on) = walker.one_of(
+            n,
+            "gateway.anticipate_evictions",
+            "value",
+            &["true", "false"],
+            |s| s.parse::<bool>().ok(),
+        ) {
+            out.anticipate_evictions = on;
         }
     }
     number(

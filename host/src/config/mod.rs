@@ -1,5 +1,6 @@
-//! The config file: plugin sources, router settings, and `worker_selection`
-//! exactly as the spec writes it, so the spec's YAML pastes in unchanged.
+//! The config file: plugin sources, router settings, and `worker_selection` in
+//! the shape README's "Configuration" gives (a role's policy as a bare name or
+//! `{type, parameters?, hints?}`).
 //!
 //! Decoding is strict — an unknown key anywhere is an error — and collects every
 //! error with its file, YAML path, line and column. This module checks shape

@@ -1,6 +1,7 @@
 //! One adapter per engine: what a forwarded request looks like to that engine.
 //!
-//! Facts from the engines' released code (`GATEWAY.md` §1):
+//! Facts from the engines' released code (docs/gateway.md, "What reaches the
+//! engine", and docs/gateway-hints.md have the table per engine and route):
 //! - a pre-tokenized completion prompt goes as `prompt: [ids]` (vLLM, SGLang,
 //!   TRT-LLM, llama.cpp), so the engine computes exactly the tokens the router
 //!   hashed; SGLang's native `/generate` takes `input_ids`;

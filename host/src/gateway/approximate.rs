@@ -63,7 +63,9 @@
 use crate::domain::WorkerKey;
 use crate::router::index::events::{KvEvent, StoredBlock};
 use crate::router::ingest::Ingest;
+use crate::router::workers::LoadCell;
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -103,10 +105,116 @@ type BusyTable = Mutex<HashMap<(WorkerKey, u64), Arc<Gate>>>;
 
 type Ledgers = Mutex<HashMap<WorkerKey, Ledger>>;
 
-/// Event-fed workers' in-flight credits: requests running with each block, by
-/// worker and (in-flight) hash. The lock is held while the credit's events are
-/// queued, so a block's store and its withdrawal reach the index in order.
-type InFlightTable = Mutex<HashMap<(WorkerKey, u64), u32>>;
+/// Event-fed workers' in-flight credits. The lock is held while a credit's
+/// events are queued, so a block's store and its withdrawal reach the index in
+/// order.
+type InFlightTable = Mutex<InFlight>;
+
+/// Requests running with each in-flight block, by (in-flight) hash and worker,
+/// and the distinct blocks each worker's running requests pin, which the
+/// bookings read from the worker's load cell (`Residency`) to anticipate the
+/// evictions they make certain.
+#[derive(Default)]
+struct InFlight {
+    blocks: HashMap<u64, SmallVec<[(WorkerKey, u32); 2]>>,
+    pinned: HashMap<WorkerKey, Pinned>,
+}
+
+#[derive(Default)]
+struct Pinned {
+    blocks: usize,
+    /// Where bookings read it (`None` in unit tests without a router).
+    cell: Option<Arc<LoadCell>>,
+}
+
+impl InFlight {
+    /// One more running request on `worker` holds `hash`.
+    fn hold(&mut self, worker: WorkerKey, hash: u64) {
+        let holders = self.blocks.entry(hash).or_default();
+        match holders.iter_mut().find(|(k, _)| *k == worker) {
+            Some((_, running)) => *running += 1,
+            None => {
+                holders.push((worker, 1));
+                self.pinned.entry(worker).or_default().blocks += 1;
+            }
+        }
+    }
+
+    /// One request on `worker` holding `hash` ended; whether none holds it now.
+    fn release(&mut self, worker: WorkerKey, hash: u64) -> bool {
+        let std::collections::hash_map::Entry::Occupied(mut entry) = self.blocks.entry(hash) else {
+            return false;
+        };
+        let holders = entry.get_mut();
+        let Some(at) = holders.iter().position(|(k, _)| *k == worker) else {
+            return false;
+        };
+        holders[at].1 -= 1;
+        if holders[at].1 > 0 {
+            return false;
+        }
+        holders.swap_remove(at);
+        if holders.is_empty() {
+            entry.remove();
+        }
+        if let Some(pinned) = self.pinned.get_mut(&worker) {
+            pinned.blocks = pinned.blocks.saturating_sub(1);
+        }
+        true
+    }
+
+    /// Tells bookings how many blocks `worker`'s running requests pin now.
+    fn publish(&mut self, worker: WorkerKey) {
+        let Some(pinned) = self.pinned.get(&worker) else {
+            return;
+        };
+        if let Some(cell) = &pinned.cell {
+            cell.set_pinned_blocks(pinned.blocks);
+        }
+        if pinned.blocks == 0 {
+            self.pinned.remove(&worker);
+        }
+    }
+
+    /// (worker, hash) pairs held, over every worker.
+    fn len(&self) -> usize {
+        self.pinned.values().map(|p| p.blocks).sum()
+    }
+
+    fn retain(&mut self, keep: impl Fn(&WorkerKey) -> bool) {
+        self.blocks.retain(|_, holders| {
+            holders.retain(|(k, _)| keep(k));
+            !holders.is_empty()
+        });
+        self.pinned.retain(|k, _| keep(k));
+    }
+
+    /// For each worker whose running requests hold the first of `hashes`, how
+    /// many of its leading ones they hold.
+    fn prefix(&self, hashes: impl Iterator<Item = u64>) -> Vec<(WorkerKey, u32)> {
+        let mut found: Vec<(WorkerKey, u32)> = Vec::new();
+        for (depth, hash) in hashes.enumerate() {
+            let Some(holders) = self.blocks.get(&hash) else {
+                break;
+            };
+            if depth == 0 {
+                found.extend(holders.iter().map(|(k, _)| (*k, 1)));
+                continue;
+            }
+            let mut longer = false;
+            for (worker, held) in found.iter_mut() {
+                if *held as usize == depth && holders.iter().any(|(k, _)| k == worker) {
+                    *held += 1;
+                    longer = true;
+                }
+            }
+            if !longer {
+                break;
+            }
+        }
+        found
+    }
+}
 
 /// Mixed into the seed of in-flight credits' hashes, so they never name an
 /// approximate credit's blocks (a worker registered again in the other mode).
@@ -358,16 +466,11 @@ fn withdraw(table: &InFlightTable, ingest: &Ingest, worker: WorkerKey, hashes: &
     let mut table = table.lock();
     let mut gone = Vec::new();
     for hash in hashes {
-        if let std::collections::hash_map::Entry::Occupied(mut running) =
-            table.entry((worker, *hash))
-        {
-            *running.get_mut() -= 1;
-            if *running.get() == 0 {
-                running.remove();
-                gone.push(*hash);
-            }
+        if table.release(worker, *hash) {
+            gone.push(*hash);
         }
     }
+    table.publish(worker);
     if !gone.is_empty() {
         let _ = ingest.submit_detached(worker, KvEvent::Removed { block_hashes: gone });
     }
@@ -392,20 +495,28 @@ fn seeded_hashes(
     lora: Option<&str>,
     salt: Option<&str>,
 ) -> Vec<u64> {
+    seeded_hash_iter(mix, token_ids, block_size, lora, salt).collect()
+}
+
+/// [`seeded_hashes`] one block at a time, for readers that may stop early.
+fn seeded_hash_iter<'a>(
+    mix: u64,
+    token_ids: &'a [u32],
+    block_size: usize,
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> impl Iterator<Item = u64> + 'a {
     let mut seed = xxhash_rust::xxh3::xxh3_64(lora.unwrap_or("").as_bytes());
     seed ^= xxhash_rust::xxh3::xxh3_64(salt.unwrap_or("").as_bytes()).rotate_left(17);
     let mut parent = seed ^ mix;
     let block_size = block_size.max(1);
     let mut bytes = Vec::with_capacity(block_size * 4);
-    token_ids
-        .chunks_exact(block_size)
-        .map(|chunk| {
-            bytes.clear();
-            bytes.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
-            parent = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent);
-            parent
-        })
-        .collect()
+    token_ids.chunks_exact(block_size).map(move |chunk| {
+        bytes.clear();
+        bytes.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
+        parent = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent);
+        parent
+    })
 }
 
 /// A prompt to credit to a worker.
@@ -496,10 +607,14 @@ impl Approximate {
     /// the engine's own blocks, busy until the request settles, taken back when
     /// the returned credit is dropped (the request's end) and no other running
     /// request holds them.
+    ///
+    /// `cell` is the worker's load cell, where bookings read how many blocks
+    /// its running requests pin.
     pub fn in_flight(
         &self,
         ingest: &Ingest,
         worker: WorkerKey,
+        cell: Option<Arc<LoadCell>>,
         prompt: &Prompt<'_>,
         settle: Settle,
     ) -> Credit {
@@ -518,8 +633,14 @@ impl Approximate {
         {
             let mut table = self.in_flight.lock();
             for hash in &hashes {
-                *table.entry((worker, *hash)).or_insert(0) += 1;
+                table.hold(worker, *hash);
             }
+            if let Some(pinned) = table.pinned.get_mut(&worker) {
+                if cell.is_some() {
+                    pinned.cell = cell;
+                }
+            }
+            table.publish(worker);
             // Queued under the lock: see `withdraw`. Stored again for a block
             // another running request holds, it changes nothing in the index.
             if ingest
@@ -606,6 +727,23 @@ impl Approximate {
         self.in_flight.lock().len()
     }
 
+    /// For each event-fed worker running requests that share `prompt`'s leading
+    /// blocks, how many of them those requests hold: blocks its engine cannot
+    /// drop before this request reaches it (`BookRequest::pinned_prefix`).
+    pub fn pinned_prefix(&self, prompt: &Prompt<'_>) -> Vec<(WorkerKey, u32)> {
+        let table = self.in_flight.lock();
+        if table.blocks.is_empty() {
+            return Vec::new();
+        }
+        table.prefix(seeded_hash_iter(
+            IN_FLIGHT_SEED,
+            prompt.token_ids,
+            prompt.block_size.max(1),
+            prompt.lora,
+            prompt.salt,
+        ))
+    }
+
     /// Takes back credits older than `ttl`; returns how many blocks.
     pub fn expire(&self, ingest: &Ingest, ttl: Duration) -> usize {
         let Some(cutoff) = Instant::now().checked_sub(ttl) else {
@@ -660,7 +798,7 @@ impl Approximate {
     pub fn forget(&self, keep: impl Fn(&WorkerKey) -> bool) {
         self.ledgers.lock().retain(|k, _| keep(k));
         self.busy.lock().retain(|(k, _), _| keep(k));
-        self.in_flight.lock().retain(|(k, _), _| keep(k));
+        self.in_flight.lock().retain(&keep);
         self.reported.lock().retain(|k, _| keep(k));
     }
 
@@ -881,6 +1019,7 @@ mod tests {
         let a = approximate.in_flight(
             &ingest,
             key(1),
+            None,
             &prompt(&[1, 2, 3, 4], 0),
             Settle::FirstByte,
         );
@@ -890,6 +1029,7 @@ mod tests {
         let b = approximate.in_flight(
             &ingest,
             key(1),
+            None,
             &prompt(&[1, 2, 3, 4, 5, 6], 2),
             Settle::FirstByte,
         );
@@ -913,6 +1053,61 @@ mod tests {
         assert_eq!(approximate.busy_blocks(), 0);
     }
 
+    /// Bookings learn, through the worker's load cell, how many distinct blocks
+    /// its running requests pin, and, per prompt, how much of its prefix they
+    /// hold on each worker.
+    #[test]
+    fn running_requests_pinned_blocks_reach_the_bookings_per_worker_and_per_prefix() {
+        let approximate = Approximate::default();
+        let ingest = ingest();
+        let prompt = |tokens: &'static [u32]| Prompt {
+            token_ids: tokens,
+            block_size: 2,
+            lora: None,
+            salt: None,
+            cached_blocks: 0,
+        };
+        let one = Arc::new(LoadCell::default());
+        let two = Arc::new(LoadCell::default());
+        let pinned = |cell: &LoadCell| cell.residency().pinned_blocks;
+        let a = approximate.in_flight(
+            &ingest,
+            key(1),
+            Some(Arc::clone(&one)),
+            &prompt(&[1, 2, 3, 4, 5, 6]),
+            Settle::FirstByte,
+        );
+        let b = approximate.in_flight(
+            &ingest,
+            key(1),
+            Some(Arc::clone(&one)),
+            &prompt(&[1, 2, 3, 4, 7, 8]),
+            Settle::FirstByte,
+        );
+        let c = approximate.in_flight(
+            &ingest,
+            key(2),
+            Some(Arc::clone(&two)),
+            &prompt(&[1, 2, 9, 9]),
+            Settle::FirstByte,
+        );
+        // Worker 1: blocks [1 2] [3 4] shared, [5 6] and [7 8] apart.
+        assert_eq!((pinned(&one), pinned(&two)), (4, 2));
+        let mut held = approximate.pinned_prefix(&prompt(&[1, 2, 3, 4, 5, 6, 0, 0]));
+        held.sort();
+        assert_eq!(held, vec![(key(1), 3), (key(2), 1)]);
+        assert!(approximate.pinned_prefix(&prompt(&[0, 0, 1, 2])).is_empty());
+        drop(a);
+        assert_eq!(pinned(&one), 3, "[5 6] left with its only request");
+        let mut held = approximate.pinned_prefix(&prompt(&[1, 2, 3, 4, 5, 6]));
+        held.sort();
+        assert_eq!(held, vec![(key(1), 2), (key(2), 1)]);
+        drop((b, c));
+        assert_eq!((pinned(&one), pinned(&two)), (0, 0));
+        assert_eq!(approximate.in_flight_blocks(), 0);
+        assert!(approximate.pinned_prefix(&prompt(&[1, 2])).is_empty());
+    }
+
     #[test]
     fn on_an_engine_that_shares_computed_blocks_every_request_waits_for_the_one_computing_the_prefix(
     ) {
@@ -928,18 +1123,21 @@ mod tests {
         let first = approximate.in_flight(
             &ingest,
             key(1),
+            None,
             &prompt(&[1, 2, 3, 4, 5, 6], 0),
             Settle::FirstByte,
         );
         let second = approximate.in_flight(
             &ingest,
             key(1),
+            None,
             &prompt(&[1, 2, 3, 4, 7, 7], 2),
             Settle::FirstByte,
         );
         let third = approximate.in_flight(
             &ingest,
             key(1),
+            None,
             &prompt(&[1, 2, 3, 4, 8, 8], 2),
             Settle::FirstByte,
         );
@@ -958,6 +1156,7 @@ mod tests {
         let fourth = approximate.in_flight(
             &ingest,
             key(1),
+            None,
             &prompt(&[1, 2, 3, 4, 9, 9], 2),
             Settle::FirstByte,
         );

@@ -1,7 +1,9 @@
-//! A `kv_events: approximate` worker's KV capacity, read from its engine where
-//! the engine says it, so the router's credits for it stop where the engine's
-//! cache does (see `approximate`'s "Capacity"). A worker's `kv_capacity_tokens`
-//! wins over what is read; without either, the cap is learned from answers.
+//! A worker's KV capacity, read from its engine where the engine says it: a
+//! `kv_events: approximate` worker's credits stop where the engine's cache does
+//! (see `approximate`'s "Capacity"; its `kv_capacity_tokens` wins over what is
+//! read, and without either the cap is learned from answers), and bookings on
+//! an event-fed worker anticipate the evictions its running requests make
+//! certain (`router::workers::Residency`).
 //!
 //! - vLLM: `GET /metrics`, the info gauge `vllm:cache_config_info`, whose labels
 //!   are the cache config: `num_gpu_blocks` × `block_size` tokens (llm-d's

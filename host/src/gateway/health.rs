@@ -1,10 +1,10 @@
 //! Which workers the gateway may send to: active health checks (`GET /health`,
 //! with failure and success thresholds) and a circuit breaker per worker.
 //!
-//! A refused connection opens a worker's circuit at once: the peers measured in
-//! `GATEWAY.md` kept sending to a dead worker for seconds, each request paying a
-//! retry. Other failures (a 5xx, a broken response) open it after
-//! `gateway.circuit_failures` in a row. An open circuit lets one probe request
+//! A refused connection opens a worker's circuit at once: a gateway that waits
+//! for several failures first keeps sending to a dead worker for seconds, each
+//! request paying a retry. Other failures (a 5xx, a broken response) open it
+//! after `gateway.circuit_failures` in a row. An open circuit lets one probe request
 //! through after `gateway.circuit_open_ms`; a passing health check closes it at
 //! once, so a restarted worker is back within one health interval.
 //!

@@ -17,6 +17,7 @@
 pub mod adapter;
 pub mod approximate;
 pub mod capacity;
+pub mod error;
 pub mod health;
 pub mod release;
 pub mod signals;
@@ -26,114 +27,17 @@ pub mod upstream;
 
 use crate::domain::{HttpTarget, Worker, WorkerKey};
 use crate::models::{ChatRequest, EncodeError, Model, PieceStats, TooLong};
-use crate::router::{BookRequest, Booking, Router, RouterError};
+use crate::router::{BookRequest, Booking, Router};
 use crate::snapshot::Snapshot;
 use crate::splice::Body;
 use adapter::Route;
-use axum::http::StatusCode;
 use bytes::Bytes;
+pub use error::GatewayError;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// An error on a gateway route, in OpenAI's shape:
-/// `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GatewayError {
-    pub status: StatusCode,
-    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, …
-    pub kind: &'static str,
-    pub code: &'static str,
-    pub message: String,
-    /// The request body's field at fault, if one is (OpenAI's `param`).
-    pub param: Option<&'static str>,
-}
-
-impl GatewayError {
-    pub fn new(
-        status: StatusCode,
-        kind: &'static str,
-        code: &'static str,
-        message: impl Into<String>,
-    ) -> Self {
-        Self {
-            status,
-            kind,
-            code,
-            message: message.into(),
-            param: None,
-        }
-    }
-
-    /// The same error, naming the body's field at fault.
-    pub fn at(mut self, param: &'static str) -> Self {
-        self.param = Some(param);
-        self
-    }
-
-    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            code,
-            message,
-        )
-    }
-
-    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            code,
-            message,
-        )
-    }
-
-    pub fn body(&self) -> serde_json::Value {
-        serde_json::json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
-    }
-}
-
-impl From<RouterError> for GatewayError {
-    fn from(error: RouterError) -> Self {
-        match &error {
-            RouterError::NoWorkers(_) | RouterError::NoEligibleWorkers(_) => {
-                Self::unavailable("no_workers", error.to_string())
-            }
-            RouterError::TooManyOpenBookings { .. } => Self::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "too_many_open_requests",
-                error.to_string(),
-            ),
-            RouterError::PromptTooLong { .. } => {
-                Self::bad_request("prompt_too_long", error.to_string()).at("prompt")
-            }
-            RouterError::EmptyPrompt => {
-                Self::bad_request("empty_prompt", error.to_string()).at("prompt")
-            }
-            RouterError::RoleNotConfigured(_) => Self::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "role_not_configured",
-                error.to_string(),
-            ),
-            _ => Self::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                "internal",
-                error.to_string(),
-            ),
-        }
-    }
-}
 
 /// The upstream client.
 pub type UpstreamClient = Client<upstream::Connector, Full<Bytes>>;
@@ -298,32 +202,13 @@ pub fn prepare(
         (None, Route::Generate) if snapshot.models.names().len() == 1 => {
             snapshot.models.names()[0].clone()
         }
-        (None, _) => {
-            return Err(GatewayError::bad_request(
-                "missing_model",
-                format!(
-                    "the body has no `model`; this router serves: {}",
-                    snapshot.models.names().join(", ")
-                ),
-            )
-            .at("model"))
-        }
+        (None, _) => return Err(GatewayError::missing_model(snapshot.models.names())),
     };
     let Some(model) = snapshot.models.get(&name) else {
-        return Err(GatewayError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "the model `{name}` does not exist here; this router serves: {} (GET /v1/models)",
-                if snapshot.models.is_empty() {
-                    "none (the config has no `models`)".to_string()
-                } else {
-                    snapshot.models.names().join(", ")
-                }
-            ),
-        )
-        .at("model"));
+        return Err(GatewayError::model_not_found(
+            &name,
+            snapshot.models.names(),
+        ));
     };
     let cache_salt: Option<String> = body.get("cache_salt").map_err(field("cache_salt"))?;
     let stream = body
@@ -400,10 +285,10 @@ pub fn prepare(
 }
 
 /// The refusal of a prompt found over `router.max_prompt_tokens` while it was
-/// tokenized: the router's own (400 `prompt_too_long` at `prompt`), saying
-/// where counting stopped.
+/// tokenized: the router's own ([`error::PROMPT_TOO_LONG`]), saying where
+/// counting stopped.
 pub(crate) fn prompt_too_long(too_long: TooLong) -> GatewayError {
-    GatewayError::bad_request("prompt_too_long", too_long.to_string()).at("prompt")
+    GatewayError::answer(error::PROMPT_TOO_LONG.openai, too_long.to_string())
 }
 
 /// An embeddings request's `input` as token ids: a string, a list of ids, or a
@@ -532,6 +417,19 @@ pub fn book(
         }) && !tried.contains(&worker.key)
             && gateway.health.admits(worker.key)
     };
+    // What running requests pin of this prompt on event-fed workers: their
+    // engines cannot drop it, whatever the booking anticipates.
+    let pinned_prefix = if snapshot.gateway.credit_in_flight {
+        gateway.approximate.pinned_prefix(&approximate::Prompt {
+            token_ids: &prepared.token_ids,
+            block_size: snapshot.block_size,
+            lora: model.lora.as_deref(),
+            salt: prepared.cache_salt.as_deref(),
+            cached_blocks: 0,
+        })
+    } else {
+        Vec::new()
+    };
     let request = BookRequest {
         request_id,
         role: model.role,
@@ -539,6 +437,7 @@ pub fn book(
         session_context: None,
         lora_name: model.lora.as_deref(),
         cache_salt: prepared.cache_salt.as_deref(),
+        pinned_prefix: &pinned_prefix,
     };
     let booking = router.book_among(role, &request, Some(&eligible))?;
     let worker = router.worker(booking.worker);
@@ -546,8 +445,8 @@ pub fn book(
     else {
         // Deregistered between the booking and now.
         let _ = router.release(request_id);
-        return Err(GatewayError::unavailable(
-            "no_workers",
+        return Err(GatewayError::answer(
+            error::NO_WORKERS.openai,
             "the booked worker left before the request could be sent; retry",
         ));
     };

@@ -1,4 +1,5 @@
-//! Loading plugin `.so` files, per DESIGN §4.
+//! Loading plugin `.so` files (docs/architecture.md, "Plugins: from a file to a
+//! policy", walks through the checks below).
 //!
 //! The order of the checks is the point: everything that can be decided from
 //! the file's bytes (who wrote it, its pinned hash, whether it is a whole ELF

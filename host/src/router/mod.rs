@@ -130,6 +130,10 @@ pub struct BookRequest<'a> {
     /// a prompt matches only blocks an engine stored under the same identity.
     pub lora_name: Option<&'a str>,
     pub cache_salt: Option<&'a str>,
+    /// For each worker running requests that share this prompt's leading blocks,
+    /// how many of them those requests pin (the gateway's in-flight credits):
+    /// blocks an engine cannot drop while they run. Empty outside the gateway.
+    pub pinned_prefix: &'a [(WorkerKey, u32)],
 }
 
 /// Which registered workers a booking may choose from (see [`Router::book_among`]).
@@ -388,6 +392,12 @@ impl Router {
         self.workers.load().get(key).map(|e| Arc::clone(&e.worker))
     }
 
+    /// A registered worker's load cell: what the gateway tells bookings of its KV
+    /// cache goes there ([`workers::Residency`]).
+    pub fn load_cell(&self, key: WorkerKey) -> Option<Arc<workers::LoadCell>> {
+        self.workers.load().get(key).map(|e| Arc::clone(&e.load))
+    }
+
     /// The worker table as bookings see it now (the replication task reads and
     /// writes the load cells through it).
     pub fn worker_table(&self) -> Arc<WorkerTable> {
@@ -566,6 +576,7 @@ impl Router {
             matches,
             ranked,
             wants_peer_copies,
+            request.pinned_prefix,
             &mut candidates,
             peer_copies,
         );

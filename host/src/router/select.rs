@@ -90,6 +90,7 @@ pub(super) fn offer<'t>(
     matches: &Matches,
     ranked: &[Ranked],
     wants_peer_copies: bool,
+    pinned_prefix: &[(WorkerKey, u32)],
     candidates: &mut Candidates<'t>,
     peer_copies: &mut Vec<Option<usize>>,
 ) {
@@ -117,7 +118,19 @@ pub(super) fn offer<'t>(
         admitted.next_if_eq(&&at).map(|_| listed)
     });
     for listed in listed_in_order {
-        let cached_blocks = matches.cached_in_slot(listed.slot);
+        // What the index shows, less what the worker's engine will certainly
+        // have dropped by the time the request reaches it (event-fed workers
+        // whose capacity the gateway knows; see `Residency::surviving`).
+        let cached_blocks = match matches.cached_in_slot(listed.slot) {
+            0 => 0,
+            cached => {
+                let pinned = pinned_prefix
+                    .iter()
+                    .find(|(key, _)| *key == listed.key)
+                    .map_or(0, |(_, blocks)| *blocks as usize);
+                listed.load.residency().surviving(cached, pinned)
+            }
+        };
         let peer_copy = if wants_peer_copies && listed.router_hint {
             best_peer(ranked, listed, cached_blocks)
         } else {

@@ -17,7 +17,7 @@
 use super::index::Slot;
 use super::persistent::{Keyed, SlotVec, SortedSeq};
 use crate::domain::{Role, Worker, WorkerKey, WorkerView};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use crate::domain::{RuntimeDataError, WorkerRegistration};
@@ -62,6 +62,41 @@ pub struct LoadCell {
     /// Which cell this is, never reused: an open booking names the cell it added its
     /// load to by this, so a release frees the load from that cell only.
     id: u64,
+    /// What the gateway knows of an event-fed worker's KV cache, for a booking to
+    /// anticipate the evictions it makes certain ([`Residency`]): its capacity in
+    /// blocks (0: unknown, or not anticipated) and the distinct blocks its running
+    /// requests pin. 32 bits each keep the cell in one cache line.
+    capacity_blocks: AtomicU32,
+    pinned_blocks: AtomicU32,
+}
+
+/// An event-fed worker's KV cache as a booking sees it: how many blocks it holds
+/// at most, and how many of those the requests it is running pin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Residency {
+    pub capacity_blocks: u32,
+    pub pinned_blocks: u32,
+}
+
+impl Residency {
+    /// Of a prefix of `cached` blocks the index shows on the worker, the leading
+    /// blocks still there when the request reaches it, given that its first
+    /// `pinned` blocks are pinned by requests running there.
+    ///
+    /// An engine keeps the blocks its running requests use and, past its
+    /// capacity, drops the least recently used of the rest, a prompt's deepest
+    /// blocks first. Once the running requests' blocks are all in the cache, at
+    /// most `capacity − pinned` unpinned blocks remain, whichever they are: of the
+    /// prefix's unpinned part, more than that is certainly gone by then (the
+    /// engine's events say so only afterwards). Capacity unknown: all of it.
+    pub fn surviving(self, cached: usize, pinned: usize) -> usize {
+        if self.capacity_blocks == 0 {
+            return cached;
+        }
+        let ours = pinned.min(cached);
+        let room = (self.capacity_blocks as usize).saturating_sub(self.pinned_blocks as usize);
+        ours + (cached - ours).min(room)
+    }
 }
 
 impl Default for LoadCell {
@@ -75,6 +110,8 @@ impl Default for LoadCell {
             remote_blocks: AtomicU64::new(0),
             remote_prefill: AtomicU64::new(0),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
+            capacity_blocks: AtomicU32::new(0),
+            pinned_blocks: AtomicU32::new(0),
         }
     }
 }
@@ -120,6 +157,26 @@ impl LoadCell {
             active_blocks: self.remote_blocks.load(Ordering::Relaxed),
             prefill_blocks: self.remote_prefill.load(Ordering::Relaxed),
         }
+    }
+
+    /// What a booking knows of the worker's KV cache.
+    pub fn residency(&self) -> Residency {
+        Residency {
+            capacity_blocks: self.capacity_blocks.load(Ordering::Relaxed),
+            pinned_blocks: self.pinned_blocks.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Its KV capacity in blocks (`None`: unknown, or not to be anticipated).
+    pub fn set_capacity_blocks(&self, blocks: Option<u64>) {
+        let blocks = blocks.map_or(0, |b| u32::try_from(b).unwrap_or(u32::MAX));
+        self.capacity_blocks.store(blocks, Ordering::Relaxed);
+    }
+
+    /// The distinct blocks its running requests pin (the gateway's in-flight credits).
+    pub fn set_pinned_blocks(&self, blocks: usize) {
+        let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+        self.pinned_blocks.store(blocks, Ordering::Relaxed);
     }
 
     /// Sets the other replicas' summed load (the replication task only).
@@ -369,7 +426,42 @@ impl WorkerTable {
 
 #[cfg(test)]
 mod tests {
-    use super::{Listed, Load, LoadCell};
+    use super::{Listed, Load, LoadCell, Residency};
+
+    /// Of a cached prefix, what fits beside the blocks running requests pin
+    /// survives; blocks the request's own prefix has pinned always do; an
+    /// unknown capacity anticipates nothing.
+    #[test]
+    fn a_cached_prefix_counts_only_what_the_capacity_leaves_beside_the_pinned_blocks() {
+        let cell = LoadCell::default();
+        assert_eq!(cell.residency().surviving(40, 0), 40, "capacity unknown");
+        cell.set_capacity_blocks(Some(64));
+        assert_eq!(cell.residency().surviving(40, 0), 40, "nothing running");
+        cell.set_pinned_blocks(45);
+        assert_eq!(cell.residency().surviving(40, 0), 19);
+        assert_eq!(
+            cell.residency().surviving(10, 0),
+            10,
+            "small enough to stay"
+        );
+        // 30 of the prefix's blocks are the running requests' own: pinned, and
+        // counted among the 45; 19 unpinned ones fit beside them.
+        assert_eq!(cell.residency().surviving(40, 30), 40);
+        cell.set_pinned_blocks(70);
+        assert_eq!(cell.residency().surviving(40, 0), 0, "pinned past capacity");
+        assert_eq!(cell.residency().surviving(40, 30), 30);
+        assert_eq!(cell.residency().surviving(20, 30), 20);
+        cell.set_capacity_blocks(None);
+        assert_eq!(cell.residency().surviving(40, 0), 40, "anticipation off");
+        cell.set_capacity_blocks(Some(u64::MAX));
+        assert_eq!(
+            cell.residency(),
+            Residency {
+                capacity_blocks: u32::MAX,
+                pinned_blocks: 70
+            }
+        );
+    }
 
     /// A cell is one cache line: the remote sums sit beside the local load.
     #[test]

@@ -460,14 +460,7 @@ impl Exchange {
                 Ok((booked, body, fallbacks))
             }
         };
-        let result = self.app.bookings.run(job).await.map_err(|_| {
-            GatewayError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "overloaded",
-                "every booking thread is busy and the booking queue is full; retry shortly",
-            )
-        });
+        let result = self.app.bookings.run(job).await.map_err(GatewayError::from);
         let (booked, original, fallbacks) = match result {
             Ok(Ok(done)) => done,
             Ok(Err(error)) | Err(error) => return self.refuse(error).await,

@@ -1,8 +1,12 @@
 //! One error shape for every API failure: `{"error": <code>, "detail": <text>}`
 //! with the status code that fits, so clients can branch on `error` and show
-//! `detail` to a person.
+//! `detail` to a person. Which status and code a router error or a full queue
+//! gets, at this door and at the OpenAI doors, is one table:
+//! `gateway::error::row`.
 
+use super::pool::Overloaded;
 use super::App;
+use crate::gateway::error::{self, GatewayError};
 use crate::router::RouterError;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -30,40 +34,37 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, "bad_request", detail)
     }
 
-    /// The router is at a queue's bound; the client should retry shortly.
+    /// A queue at its bound (the table's [`error::OVERLOADED`]); the client
+    /// should retry shortly.
     pub fn overloaded(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", detail)
+        Self::answer(error::OVERLOADED.api, detail)
+    }
+
+    /// The booking API's answer from the table, with its detail.
+    pub fn answer(answer: error::Api, detail: impl Into<String>) -> Self {
+        Self::new(answer.status, answer.code, detail)
     }
 }
 
+/// A router error as the booking API answers it: the table's row
+/// (`gateway::error::row`), with the error's own message.
 impl From<RouterError> for ApiError {
     fn from(error: RouterError) -> Self {
-        let (status, code) = match &error {
-            RouterError::UnknownWorker { .. } => (StatusCode::NOT_FOUND, "unknown_worker"),
-            RouterError::UnknownRequest(_) => (StatusCode::NOT_FOUND, "unknown_request"),
-            RouterError::DuplicateRequest(_) => (StatusCode::CONFLICT, "duplicate_request"),
-            RouterError::RuntimeData(_) => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "invalid_runtime_data")
-            }
-            RouterError::KvEvent { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "kv_event_rejected"),
-            RouterError::RoleNotConfigured(_) => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "role_not_configured")
-            }
-            RouterError::EmptyPrompt => (StatusCode::UNPROCESSABLE_ENTITY, "empty_prompt"),
-            RouterError::PromptTooLong { .. } => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "prompt_too_long")
-            }
-            RouterError::NoWorkers(_) | RouterError::NoEligibleWorkers(_) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "no_workers")
-            }
-            RouterError::RequestIdTooLong { .. } => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "request_id_too_long")
-            }
-            RouterError::TooManyOpenBookings { .. } => {
-                (StatusCode::SERVICE_UNAVAILABLE, "too_many_open_bookings")
-            }
-        };
-        Self::new(status, code, error.to_string())
+        Self::answer(error::row(&error).api, error.to_string())
+    }
+}
+
+/// Every booking thread is busy and the booking queue is full.
+impl From<Overloaded> for ApiError {
+    fn from(_: Overloaded) -> Self {
+        Self::overloaded(error::BOOKING_QUEUE_FULL)
+    }
+}
+
+/// The same, at the OpenAI doors.
+impl From<Overloaded> for GatewayError {
+    fn from(_: Overloaded) -> Self {
+        GatewayError::overloaded()
     }
 }
 
@@ -86,31 +87,31 @@ pub async fn openai_shape(response: Response) -> Response {
     let Some(error) = response.extensions().get::<ApiError>().cloned() else {
         return response;
     };
-    let kind = match error.status {
-        StatusCode::UNAUTHORIZED => "authentication_error",
-        StatusCode::FORBIDDEN => "permission_error",
-        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
-        s if s.is_server_error() => "server_error",
-        _ => "invalid_request_error",
-    };
-    let body = serde_json::json!({"error": {
-        "message": error.detail,
-        "type": kind,
-        "param": null,
-        "code": error.code,
-    }});
     let (mut parts, _) = response.into_parts();
     parts.headers.remove(axum::http::header::CONTENT_LENGTH);
-    let mut out = (error.status, axum::Json(body)).into_response();
-    out.extensions_mut().insert(ErrorCode(error.code));
-    out.extensions_mut()
-        .insert(super::gateway::Refusal(error.detail.clone()));
+    let mut out = openai_response(GatewayError::new(
+        error.status,
+        error::openai_type(error.status),
+        error.code,
+        error.detail,
+    ));
     for (name, value) in &parts.headers {
         if name != axum::http::header::CONTENT_TYPE {
             out.headers_mut().insert(name.clone(), value.clone());
         }
     }
     out
+}
+
+/// An error in OpenAI's shape, carrying its code (for the error counter and the
+/// access log) and its message (why, for the access log).
+pub fn openai_response(error: GatewayError) -> Response {
+    let mut response = (error.status, axum::Json(error.body())).into_response();
+    response.extensions_mut().insert(ErrorCode(error.code));
+    response
+        .extensions_mut()
+        .insert(super::gateway::Refusal(error.message));
+    response
 }
 
 /// The code of the error a response answers, as `kvhint_errors_total` counts it:
@@ -127,4 +128,102 @@ pub async fn count_errors(State(app): State<Arc<App>>, request: Request, next: N
         app.metrics.error(code);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gateway::error::every_router_error;
+
+    async fn json(response: Response) -> (u16, serde_json::Value) {
+        let status = response.status().as_u16();
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    /// The booking API's door: each router error with the table's status and
+    /// code (pinned value by value in `gateway::error`'s tests), its own message
+    /// as the detail, in the API's shape.
+    #[tokio::test]
+    async fn the_booking_api_answers_each_router_error_from_the_table() {
+        for error in every_router_error() {
+            let row = error::row(&error);
+            let answered = ApiError::from(error.clone());
+            assert_eq!(
+                (answered.status, answered.code),
+                (row.api.status, row.api.code),
+                "{error:?}"
+            );
+            let (status, body) = json(answered.into_response()).await;
+            assert_eq!(status, row.api.status.as_u16(), "{error:?}");
+            assert_eq!(
+                body,
+                serde_json::json!({"error": row.api.code, "detail": error.to_string()})
+            );
+        }
+        // The three the issue found the doors disagreeing on, per door.
+        let too_many = RouterError::TooManyOpenBookings { open: 3 };
+        assert_eq!(ApiError::from(too_many.clone()).status.as_u16(), 503);
+        assert_eq!(GatewayError::from(too_many).status.as_u16(), 429);
+        assert_eq!(
+            ApiError::from(RouterError::EmptyPrompt).status.as_u16(),
+            422
+        );
+        assert_eq!(
+            GatewayError::from(RouterError::EmptyPrompt).status.as_u16(),
+            400
+        );
+    }
+
+    #[test]
+    fn a_full_booking_queue_is_503_at_the_booking_api_and_429_at_the_openai_doors() {
+        let api = ApiError::from(Overloaded);
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.code, "overloaded");
+        assert_eq!(api.detail, error::BOOKING_QUEUE_FULL);
+        let openai = GatewayError::from(Overloaded);
+        assert_eq!(openai.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(openai.kind, "rate_limit_error");
+        assert_eq!(openai.code, "overloaded");
+        assert_eq!(openai.message, error::BOOKING_QUEUE_FULL);
+    }
+
+    /// On the front door, an error first answered in the API's shape (the token
+    /// guard's 401) is answered in OpenAI's, with its status, code, headers and
+    /// the code and reason the counter and the access log read.
+    #[tokio::test]
+    async fn an_api_error_on_the_front_door_takes_openai_s_shape() {
+        let mut response =
+            ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "no token").into_response();
+        response.headers_mut().insert(
+            axum::http::header::WWW_AUTHENTICATE,
+            axum::http::HeaderValue::from_static("Bearer"),
+        );
+        let response = openai_shape(response).await;
+        assert_eq!(response.headers()["www-authenticate"], "Bearer");
+        assert_eq!(
+            response.extensions().get::<ErrorCode>(),
+            Some(&ErrorCode("unauthorized"))
+        );
+        assert_eq!(
+            response
+                .extensions()
+                .get::<super::super::gateway::Refusal>()
+                .map(|r| r.0.as_str()),
+            Some("no token")
+        );
+        let (status, body) = json(response).await;
+        assert_eq!(status, 401);
+        assert_eq!(
+            body,
+            serde_json::json!({"error": {
+                "message": "no token",
+                "type": "authentication_error",
+                "param": null,
+                "code": "unauthorized",
+            }})
+        );
+    }
 }

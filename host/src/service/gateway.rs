@@ -113,29 +113,13 @@ fn named_model(
     let name = match name {
         Some(name) => name,
         None if names.len() == 1 => names[0].clone(),
-        None => {
-            return Err(GatewayError::bad_request(
-                "missing_model",
-                format!(
-                    "the body has no `model`; this router serves: {}",
-                    names.join(", ")
-                ),
-            )
-            .at("model"))
-        }
+        None => return Err(GatewayError::missing_model(names)),
     };
-    snapshot.models.get(&name).cloned().ok_or_else(|| {
-        GatewayError::new(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "the model `{name}` does not exist here; this router serves: {}",
-                names.join(", ")
-            ),
-        )
-        .at("model")
-    })
+    snapshot
+        .models
+        .get(&name)
+        .cloned()
+        .ok_or_else(|| GatewayError::model_not_found(&name, names))
 }
 
 /// `POST /tokenize`, in vLLM's shapes: `{model?, prompt, add_special_tokens =
@@ -165,9 +149,7 @@ async fn tokenizer_job(app: Arc<App>, body: Result<RawJson, ApiError>, encode: b
         let app = Arc::clone(&app);
         move || {
             let snapshot = app.snapshot.load_full();
-            let text = std::str::from_utf8(&body).map_err(|_| {
-                GatewayError::bad_request("invalid_json", "the body is not UTF-8 text; send JSON")
-            })?;
+            let text = std::str::from_utf8(&body).map_err(|_| GatewayError::not_utf8())?;
             let parsed = Body::parse(text)
                 .map_err(|e| GatewayError::bad_request("invalid_json", e.to_string()))?;
             let model = named_model(&snapshot, &parsed)?;
@@ -192,14 +174,7 @@ async fn tokenizer_job(app: Arc<App>, body: Result<RawJson, ApiError>, encode: b
             }
         }
     };
-    let answer = app.bookings.run(job).await.map_err(|_| {
-        GatewayError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "overloaded",
-            "every booking thread is busy and the booking queue is full; retry shortly",
-        )
-    });
+    let answer = app.bookings.run(job).await.map_err(GatewayError::from);
     match answer.and_then(|a| a) {
         Ok(json) => axum::Json(json).into_response(),
         Err(error) => error_response(&app, error),
@@ -400,12 +375,7 @@ pub async fn unknown_route(
 /// An error in OpenAI's shape, counted.
 pub fn error_response(app: &App, error: GatewayError) -> Response {
     app.gateway.stats.refused(error.status.as_u16());
-    let mut response = (error.status, axum::Json(error.body())).into_response();
-    response
-        .extensions_mut()
-        .insert(super::error::ErrorCode(error.code));
-    response.extensions_mut().insert(Refusal(error.message));
-    response
+    super::error::openai_response(error)
 }
 
 async fn handle(
@@ -545,9 +515,7 @@ pub(crate) fn book_body(
     prepared: Option<Arc<Prepared>>,
     allowed: gateway::Allowed<'_>,
 ) -> Result<Booked, GatewayError> {
-    let text = std::str::from_utf8(body).map_err(|_| {
-        GatewayError::bad_request("invalid_json", "the body is not UTF-8 text; send JSON")
-    })?;
+    let text = std::str::from_utf8(body).map_err(|_| GatewayError::not_utf8())?;
     let parsed =
         Body::parse(text).map_err(|e| GatewayError::bad_request("invalid_json", e.to_string()))?;
     let prepared = match prepared {
@@ -593,6 +561,7 @@ pub(crate) fn book_body(
         Some(app.gateway.approximate.in_flight(
             &app.ingest,
             booking.worker,
+            app.router.load_cell(booking.worker),
             &prompt,
             approximate::settles(target.engine),
         ))
@@ -655,10 +624,7 @@ async fn forward(
         return Err(looped);
     }
     if std::str::from_utf8(&body).is_err() {
-        return Err(GatewayError::bad_request(
-            "invalid_json",
-            "the body is not UTF-8 text; send JSON",
-        ));
+        return Err(GatewayError::not_utf8());
     }
     let snapshot = app.snapshot.load_full();
     let settings = snapshot.gateway.clone();
@@ -699,17 +665,10 @@ async fn forward(
                 (started, booked)
             }
         };
-        let (job_started, booked) = app.bookings.run(job).await.map_err(|_| {
-            GatewayError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                "overloaded",
-                "every booking thread is busy and the booking queue is full; retry shortly",
-            )
-        })?;
+        let (job_started, booked) = app.bookings.run(job).await?;
         let booked = match booked {
             Ok(booked) => booked,
-            Err(error) if error.code == "no_workers" => {
+            Err(error) if error.code == gateway::error::NO_WORKERS.openai.code => {
                 return Err(last_failure.take().unwrap_or(error));
             }
             Err(error) => return Err(error),
@@ -1171,25 +1130,36 @@ fn describe(error: &hyper_util::client::legacy::Error) -> String {
     text
 }
 
-/// Bounds each approximate worker's credits by its KV capacity: its
-/// `kv_capacity_tokens`, else what its engine says (asked in the background,
-/// once it answers; see `gateway::capacity`), else learned from its answers.
-fn bound_approximate_credits(
+/// Bounds what the router believes of each worker's KV cache by its capacity:
+/// its `kv_capacity_tokens`, else what its engine says (asked in the background,
+/// once it answers; see `gateway::capacity`). An approximate worker's credits
+/// are capped by it (else learned from its answers); an event-fed worker's goes
+/// to the bookings, which anticipate the evictions it makes certain
+/// (`gateway.anticipate_evictions`, with `credit_in_flight`).
+fn bound_kv_pictures(
     app: &Arc<App>,
     workers: &[(Arc<crate::domain::Worker>, crate::router::workers::Load)],
     block_size: usize,
     settings: &crate::config::HealthConfig,
+    anticipate: bool,
 ) {
     let now = Instant::now();
     let approximate = &app.gateway.approximate;
-    for (worker, _) in workers.iter().filter(|(w, _)| w.approximate_kv) {
+    for (worker, _) in workers {
         let tokens = worker
             .kv_capacity_tokens
             .or_else(|| approximate.engine_capacity(worker.key));
-        approximate.configure(
-            worker.key,
-            tokens.map(|t| (t / block_size.max(1) as u64).max(1)),
-        );
+        let blocks = tokens.map(|t| (t / block_size.max(1) as u64).max(1));
+        let anticipated = anticipate && !worker.approximate_kv;
+        if worker.approximate_kv {
+            approximate.configure(worker.key, blocks);
+        }
+        if let Some(cell) = app.router.load_cell(worker.key) {
+            cell.set_capacity_blocks(blocks.filter(|_| anticipated));
+        }
+        if !worker.approximate_kv && !anticipated {
+            continue;
+        }
         let Some(http) = worker.http.clone() else {
             continue;
         };
@@ -1202,13 +1172,18 @@ fn bound_approximate_credits(
         let app = Arc::clone(app);
         let key = worker.key;
         let timeout = Duration::from_millis(settings.timeout_ms.max(1000));
+        let what = if worker.approximate_kv {
+            "its approximate credits are bounded by that"
+        } else {
+            "bookings anticipate the evictions that makes certain"
+        };
         tokio::spawn(async move {
             let tokens = read_capacity(&app, &http, path, timeout).await;
             match tokens {
                 Some(tokens) => tracing::info!(
                     worker = %key,
                     tokens,
-                    "the engine says its KV cache holds {tokens} tokens (GET {path}); its approximate credits are bounded by that"
+                    "the engine says its KV cache holds {tokens} tokens (GET {path}); {what}"
                 ),
                 None => {
                     tracing::debug!(worker = %key, "GET {path} said no KV capacity; asking again later")
@@ -1265,7 +1240,14 @@ pub async fn health_checks(app: Arc<App>) {
             Duration::from_secs(gateway_settings.approximate_ttl_s),
         );
         let block_size = app.snapshot.load().block_size;
-        bound_approximate_credits(&app, &app.router.workers(), block_size, &settings);
+        let anticipate = gateway_settings.credit_in_flight && gateway_settings.anticipate_evictions;
+        bound_kv_pictures(
+            &app,
+            &app.router.workers(),
+            block_size,
+            &settings,
+            anticipate,
+        );
         if settings.interval_ms == 0 {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;

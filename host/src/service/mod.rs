@@ -320,10 +320,7 @@ async fn book(
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
             })
         })
-        .await
-        .map_err(|_| {
-            ApiError::overloaded("every booking thread is busy and the booking queue is full")
-        })?;
+        .await?;
     let text = booked?;
     Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
 }

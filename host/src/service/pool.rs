@@ -6,7 +6,8 @@
 //! runtime worker would stall every connection that worker serves. So the handler hands
 //! the booking to a fixed pool and awaits the answer; the runtime keeps accepting,
 //! reading and writing. The queue is bounded: when it is full the booking is refused at
-//! once (503 `overloaded`) rather than queued without limit.
+//! once (`overloaded`: 503 at the booking API, 429 at the OpenAI doors, as
+//! `gateway::error::OVERLOADED` says) rather than queued without limit.
 
 use crossbeam_channel::{Sender, TrySendError};
 use std::thread::JoinHandle;

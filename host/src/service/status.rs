@@ -131,6 +131,11 @@ pub struct WorkerStatus {
     /// cap was learned from the engine's answers (see `docs/gateway.md`).
     pub approximate_capacity_blocks: Option<u64>,
     pub approximate_capacity_learned: Option<bool>,
+    /// An event-fed worker's KV capacity as bookings anticipate evictions with
+    /// it (`None`: unknown, or `gateway.anticipate_evictions` off), and the
+    /// distinct blocks its running requests pin (`gateway.credit_in_flight`).
+    pub kv_capacity_blocks: Option<u32>,
+    pub pinned_blocks: Option<u32>,
     pub health: Option<HealthView>,
 }
 
@@ -208,39 +213,48 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         .router
         .workers()
         .iter()
-        .map(|(worker, load)| WorkerStatus {
-            worker_id: worker.key.worker_id,
-            dp_rank: worker.key.dp_rank,
-            role: worker.role,
-            router_hint: worker.router_hint,
-            load: *load,
-            http_endpoint: worker.http.as_ref().map(|h| h.base.to_string()),
-            engine: worker.http.as_ref().map(|h| h.engine.as_str()),
-            models: worker
-                .http
-                .as_ref()
-                .map(|h| h.models.iter().map(|m| m.to_string()).collect()),
-            kv_events: if worker.approximate_kv {
-                "approximate"
-            } else {
-                "events"
-            },
-            approximate_blocks: worker
-                .approximate_kv
-                .then(|| app.gateway.approximate.blocks(worker.key)),
-            approximate_capacity_blocks: worker.approximate_kv.then(|| {
-                app.gateway
-                    .approximate
-                    .cap(worker.key, snapshot.gateway.approximate_max_blocks)
-                    .0
-            }),
-            approximate_capacity_learned: worker.approximate_kv.then(|| {
-                app.gateway
-                    .approximate
-                    .cap(worker.key, snapshot.gateway.approximate_max_blocks)
-                    .1
-            }),
-            health: app.gateway.health.view(worker.key),
+        .map(|(worker, load)| {
+            let residency = (!worker.approximate_kv)
+                .then(|| app.router.load_cell(worker.key).map(|c| c.residency()))
+                .flatten();
+            WorkerStatus {
+                worker_id: worker.key.worker_id,
+                dp_rank: worker.key.dp_rank,
+                role: worker.role,
+                router_hint: worker.router_hint,
+                load: *load,
+                http_endpoint: worker.http.as_ref().map(|h| h.base.to_string()),
+                engine: worker.http.as_ref().map(|h| h.engine.as_str()),
+                models: worker
+                    .http
+                    .as_ref()
+                    .map(|h| h.models.iter().map(|m| m.to_string()).collect()),
+                kv_events: if worker.approximate_kv {
+                    "approximate"
+                } else {
+                    "events"
+                },
+                approximate_blocks: worker
+                    .approximate_kv
+                    .then(|| app.gateway.approximate.blocks(worker.key)),
+                approximate_capacity_blocks: worker.approximate_kv.then(|| {
+                    app.gateway
+                        .approximate
+                        .cap(worker.key, snapshot.gateway.approximate_max_blocks)
+                        .0
+                }),
+                approximate_capacity_learned: worker.approximate_kv.then(|| {
+                    app.gateway
+                        .approximate
+                        .cap(worker.key, snapshot.gateway.approximate_max_blocks)
+                        .1
+                }),
+                kv_capacity_blocks: residency
+                    .map(|r| r.capacity_blocks)
+                    .filter(|blocks| *blocks > 0),
+                pinned_blocks: residency.map(|r| r.pinned_blocks),
+                health: app.gateway.health.view(worker.key),
+            }
         })
         .collect();
     let models = snapshot
