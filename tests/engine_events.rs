@@ -596,8 +596,9 @@ fn unknown_event_types_are_counted_and_skipped() {
 
 /// A booking counts of a worker's published prefix only what its engine can
 /// still hold beside the blocks its running requests pin (the gateway sets the
-/// worker's capacity and those pinned blocks; see docs/gateway.md, "Workers with
-/// KV events: evictions anticipated"): a prefix the engine is bound to drop no
+/// worker's capacity and those pinned blocks with `gateway.anticipate_evictions`;
+/// see docs/gateway.md, "Workers with KV events: anticipating evictions"): a
+/// prefix the engine is bound to drop no
 /// longer draws the request to a busy worker.
 #[test]
 fn a_prefix_a_worker_must_drop_for_its_running_requests_does_not_draw_the_booking() {

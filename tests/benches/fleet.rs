@@ -15,7 +15,10 @@
 //! - `kvhint-events`: the same, subscribed to every engine's KV events;
 //! - `kvhint-published` (not run by default): `kvhint-events` with
 //!   `gateway.credit_in_flight: false`, the index holding only what the engines
-//!   published, to measure what crediting in-flight prompts buys.
+//!   published, to measure what crediting in-flight prompts buys;
+//! - `kvhint-anticipating` (not run by default): `kvhint-events` with
+//!   `gateway.anticipate_evictions: true` (off by default), reading each
+//!   engine's capacity, to measure what anticipating evictions buys.
 //!
 //! Workloads (`FLEET_WORKLOAD`, `mix` by default), as streaming chats of
 //! `OUTPUT_TOKENS` (12) output tokens each, whatever the workload says:
@@ -81,6 +84,7 @@ enum System {
     KvhintApprox,
     KvhintEvents,
     KvhintPublished,
+    KvhintAnticipating,
 }
 
 impl System {
@@ -91,8 +95,9 @@ impl System {
             "kvhint-approx" => System::KvhintApprox,
             "kvhint-events" => System::KvhintEvents,
             "kvhint-published" => System::KvhintPublished,
+            "kvhint-anticipating" => System::KvhintAnticipating,
             other => {
-                panic!("unknown system {other:?}: straight, smg, kvhint-approx, kvhint-events or kvhint-published")
+                panic!("unknown system {other:?}: straight, smg, kvhint-approx, kvhint-events, kvhint-published or kvhint-anticipating")
             }
         }
     }
@@ -104,22 +109,37 @@ impl System {
             System::KvhintApprox => "kvhint-approx",
             System::KvhintEvents => "kvhint-events",
             System::KvhintPublished => "kvhint-published",
+            System::KvhintAnticipating => "kvhint-anticipating",
         }
     }
 
     fn events(self) -> bool {
-        matches!(self, System::KvhintEvents | System::KvhintPublished)
+        matches!(
+            self,
+            System::KvhintEvents | System::KvhintPublished | System::KvhintAnticipating
+        )
+    }
+
+    /// Whether its bookings anticipate evictions (`gateway.anticipate_evictions`).
+    fn anticipates(self) -> bool {
+        self == System::KvhintAnticipating
     }
 }
 
 /// kvhint's documented config for a vLLM fleet (no `worker_selection`: the
 /// default), approximate or fed by each engine's events (and then crediting
-/// in-flight prompts, or not).
-fn kvhint_config(workers: &[SimWorker], events: bool, credit_in_flight: bool) -> String {
+/// in-flight prompts, or not; anticipating evictions, or not).
+fn kvhint_config(
+    workers: &[SimWorker],
+    events: bool,
+    credit_in_flight: bool,
+    anticipate_evictions: bool,
+) -> String {
     let mut yaml = format!(
         "router:\n  block_size: 16\n  max_prompt_tokens: 65536\n\
          models:\n  {MODEL_NAME}:\n    tokenizer: {}\n\
-         gateway:\n  credit_in_flight: {credit_in_flight}\nworkers:\n",
+         gateway:\n  credit_in_flight: {credit_in_flight}\n  \
+         anticipate_evictions: {anticipate_evictions}\nworkers:\n",
         qwen3_tokenizer_dir().display()
     );
     for (i, w) in workers.iter().enumerate() {
@@ -192,12 +212,16 @@ fn run_block(
     let front = match system {
         System::Straight => Front::Straight(urls.clone()),
         System::Smg => Front::Peer(Peer::smg(&urls)),
-        System::KvhintApprox | System::KvhintEvents | System::KvhintPublished => {
+        System::KvhintApprox
+        | System::KvhintEvents
+        | System::KvhintPublished
+        | System::KvhintAnticipating => {
             let config = dir.join(format!("{}.yaml", system.name()));
             let yaml = kvhint_config(
                 &sims.workers,
                 system.events(),
                 system != System::KvhintPublished,
+                system.anticipates(),
             );
             std::fs::write(&config, yaml)
                 .unwrap_or_else(|e| panic!("cannot write {}: {e}", config.display()));
@@ -210,14 +234,19 @@ fn run_block(
         }
     };
     if let Front::Kvhint(server) = &front {
-        // Every engine's capacity read, or its event stream subscribed.
+        // Every engine's capacity read (an approximate worker's cap; the
+        // capacity an event-fed one's bookings anticipate evictions with).
         server.wait_for("every worker ready", |s| {
             let status = s.status();
             status["workers"].as_array().is_some_and(|ws| {
                 ws.len() == urls.len()
                     && ws.iter().all(|w| {
-                        w["kv_events"] != "approximate"
-                            || w["approximate_capacity_blocks"] == setup.capacity_blocks
+                        if w["kv_events"] == "approximate" {
+                            w["approximate_capacity_blocks"] == setup.capacity_blocks
+                        } else {
+                            !system.anticipates()
+                                || w["kv_capacity_blocks"] == setup.capacity_blocks
+                        }
                     })
             })
         });

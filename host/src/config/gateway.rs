@@ -150,7 +150,8 @@ pub struct GatewayConfig {
     /// Whether a booking on a worker whose engine publishes KV events, and whose
     /// capacity is known, counts only the part of its cached prefix the engine can
     /// still hold once the requests it is running have their blocks (needs
-    /// `credit_in_flight`, which says what those requests pin).
+    /// `credit_in_flight`, which says what those requests pin). Off by default: it
+    /// helped at 64 simulated engines and hurt at 16 (docs/performance.md).
     pub anticipate_evictions: bool,
     /// Workers (ranks) registered at once at most, from the config and the API
     /// together: a registration past it is refused with 503.
@@ -225,7 +226,7 @@ impl Default for GatewayConfig {
             prefix_wait_ms: 2_000,
             prefix_wait_min_tokens: 256,
             credit_in_flight: true,
-            anticipate_evictions: true,
+            anticipate_evictions: false,
             max_workers: 4_096,
             tokenizer_cache_mib: 64,
             tls_ca: None,
