@@ -418,18 +418,20 @@ pub fn book(
             && gateway.health.admits(worker.key)
     };
     // What running requests pin of this prompt on event-fed workers: their
-    // engines cannot drop it, whatever the booking anticipates.
-    let pinned_prefix = if snapshot.gateway.credit_in_flight {
-        gateway.approximate.pinned_prefix(&approximate::Prompt {
-            token_ids: &prepared.token_ids,
-            block_size: snapshot.block_size,
-            lora: model.lora.as_deref(),
-            salt: prepared.cache_salt.as_deref(),
-            cached_blocks: 0,
-        })
-    } else {
-        Vec::new()
-    };
+    // engines cannot drop it, whatever the booking anticipates (read only when
+    // bookings anticipate evictions).
+    let pinned_prefix =
+        if snapshot.gateway.credit_in_flight && snapshot.gateway.anticipate_evictions {
+            gateway.approximate.pinned_prefix(&approximate::Prompt {
+                token_ids: &prepared.token_ids,
+                block_size: snapshot.block_size,
+                lora: model.lora.as_deref(),
+                salt: prepared.cache_salt.as_deref(),
+                cached_blocks: 0,
+            })
+        } else {
+            Vec::new()
+        };
     let request = BookRequest {
         request_id,
         role: model.role,
