@@ -18,6 +18,28 @@ fn sim(workers: usize, capacity_blocks: usize) -> SimFleet {
     SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
 }
 
+/// Simulated vLLM engines with 3 ms of prefill a prompt token (a ~700-token
+/// prompt is in flight for about 2 s), publishing KV events with vLLM's own
+/// publisher.
+fn slow_event_fed_sim(workers: usize, capacity_blocks: usize) -> SimFleet {
+    let mut args = SimFleet::args(workers, capacity_blocks);
+    args.extend([
+        "--prefill-us-per-token".to_string(),
+        "3000".to_string(),
+        "--events".to_string(),
+        "--wheel".to_string(),
+        kvhint_e2e::provision::vllm_wheel().display().to_string(),
+        "--python".to_string(),
+        kvhint_e2e::provision::python().display().to_string(),
+    ]);
+    SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
+}
+
+/// `n` distinct words tagged `tag` (about 3.5 tokens each).
+fn words(tag: &str, n: usize) -> String {
+    (0..n).map(|w| format!("{tag}{w}w ")).collect()
+}
+
 fn worker(status: &Value, id: u64) -> &Value {
     status["workers"]
         .as_array()
@@ -157,7 +179,6 @@ fn a_request_waits_for_the_in_flight_request_computing_its_long_prefix_but_not_f
             },
         );
     };
-    let words = |tag: &str, n: usize| -> String { (0..n).map(|w| format!("{tag}{w}w ")).collect() };
 
     // A long shared prefix (~700 tokens), already in the index: the request
     // booked while another one is computing it waits for that one to make it
@@ -270,19 +291,8 @@ fn a_request_sharing_a_prefix_an_event_fed_engine_is_still_computing_goes_there_
     // the next request sharing the prefix goes to the same worker, waits for
     // the first to be prefilled, and reuses it, instead of computing it again
     // on the idle worker.
-    let mut args = SimFleet::args(2, 4096);
-    args.extend([
-        "--prefill-us-per-token".to_string(),
-        "3000".to_string(),
-        "--events".to_string(),
-        "--wheel".to_string(),
-        kvhint_e2e::provision::vllm_wheel().display().to_string(),
-        "--python".to_string(),
-        kvhint_e2e::provision::python().display().to_string(),
-    ]);
-    let fleet = SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args);
+    let fleet = slow_event_fed_sim(2, 4096);
     let dir = private_dir();
-    let words = |tag: &str, n: usize| -> String { (0..n).map(|w| format!("{tag}{w}w ")).collect() };
     let in_flight_blocks = |server: &Server| {
         let (_, metrics) = server.get("/metrics");
         sample(&metrics, "kvhint_gateway_in_flight_blocks")
@@ -379,19 +389,8 @@ fn a_prefix_an_event_fed_engine_must_drop_for_the_prompts_it_is_running_is_not_c
     // prompt's prefix the engine keeps 19 blocks at most, and says so only
     // once its step ends. A request sharing that prefix, booked meanwhile,
     // must be told what the engine will reuse, not what the index still shows.
-    let mut args = SimFleet::args(1, 64);
-    args.extend([
-        "--prefill-us-per-token".to_string(),
-        "3000".to_string(),
-        "--events".to_string(),
-        "--wheel".to_string(),
-        kvhint_e2e::provision::vllm_wheel().display().to_string(),
-        "--python".to_string(),
-        kvhint_e2e::provision::python().display().to_string(),
-    ]);
-    let fleet = SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args);
+    let fleet = slow_event_fed_sim(1, 64);
     let dir = private_dir();
-    let words = |tag: &str, n: usize| -> String { (0..n).map(|w| format!("{tag}{w}w ")).collect() };
     // What the router said it found cached (`x-kvhint-cached-tokens`) and what
     // the engine reused.
     let told_and_reused = |server: &Server, prompt: &str| -> (u64, u64) {
