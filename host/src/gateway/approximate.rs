@@ -113,7 +113,7 @@ type InFlightTable = Mutex<InFlight>;
 /// Requests running with each in-flight block, by (in-flight) hash and worker,
 /// and the distinct blocks each worker's running requests pin, which the
 /// bookings read from the worker's load cell (`Residency`) to anticipate the
-/// evictions they make certain.
+/// evictions those blocks will force (`gateway.anticipate_evictions`).
 #[derive(Default)]
 struct InFlight {
     blocks: HashMap<u64, SmallVec<[(WorkerKey, u32); 2]>>,

@@ -118,9 +118,10 @@ pub(super) fn offer<'t>(
         admitted.next_if_eq(&&at).map(|_| listed)
     });
     for listed in listed_in_order {
-        // What the index shows, less what the worker's engine will certainly
-        // have dropped by the time the request reaches it (event-fed workers
-        // whose capacity the gateway knows; see `Residency::surviving`).
+        // What the index shows, less what the worker's engine must drop once the
+        // requests it runs hold their blocks (event-fed workers whose capacity
+        // the gateway sets, with `gateway.anticipate_evictions`; see
+        // `Residency::surviving`).
         let cached_blocks = match matches.cached_in_slot(listed.slot) {
             0 => 0,
             cached => {
