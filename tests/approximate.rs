@@ -35,6 +35,21 @@ fn slow_event_fed_sim(workers: usize, capacity_blocks: usize) -> SimFleet {
     SimFleet::start(Path::new(env!("CARGO_BIN_EXE_kvhint-sim")), &args)
 }
 
+/// Completes `prompt` through the router at `base` on a thread of its own; the
+/// thread answers the worker that took it.
+fn in_background(base: &str, prompt: String) -> std::thread::JoinHandle<u64> {
+    let base = base.to_string();
+    std::thread::spawn(move || {
+        let (status, worker, body) = call_with(
+            &agent(),
+            &format!("{base}/v1/completions"),
+            &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
+        );
+        assert_eq!(status, 200, "{body}");
+        worker
+    })
+}
+
 /// `n` distinct words tagged `tag` (about 3.5 tokens each).
 fn words(tag: &str, n: usize) -> String {
     (0..n).map(|w| format!("{tag}{w}w ")).collect()
@@ -300,19 +315,7 @@ fn a_request_sharing_a_prefix_an_event_fed_engine_is_still_computing_goes_there_
 
     let server = event_fed(&fleet, dir.path(), "credited.yaml", true);
     let prefix = words("a", 200);
-    let first = {
-        let base = server.base.clone();
-        let prompt = format!("{prefix}first of all");
-        std::thread::spawn(move || {
-            let (status, worker, body) = call_with(
-                &agent(),
-                &format!("{base}/v1/completions"),
-                &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
-            );
-            assert_eq!(status, 200, "{body}");
-            worker
-        })
-    };
+    let first = in_background(&server.base, format!("{prefix}first of all"));
     let computing = engine_running(&fleet);
     assert!(
         in_flight_blocks(&server) >= 30.0,
@@ -358,18 +361,7 @@ fn a_request_sharing_a_prefix_an_event_fed_engine_is_still_computing_goes_there_
     // the index, and it goes to the idle worker, computing it again.
     let server = event_fed(&fleet, dir.path(), "published-only.yaml", false);
     let prefix = words("b", 200);
-    let first = {
-        let base = server.base.clone();
-        let prompt = format!("{prefix}first of all");
-        std::thread::spawn(move || {
-            let (status, _, body) = call_with(
-                &agent(),
-                &format!("{base}/v1/completions"),
-                &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
-            );
-            assert_eq!(status, 200, "{body}");
-        })
-    };
+    let first = in_background(&server.base, format!("{prefix}first of all"));
     let computing = engine_running(&fleet);
     assert_eq!(in_flight_blocks(&server), 0.0);
     let (worker, cached) = complete_on(&server, &format!("{prefix}second of all"));
@@ -421,18 +413,7 @@ fn a_prefix_an_event_fed_engine_must_drop_for_the_prompts_it_is_running_is_not_c
         let prefix = words(&format!("{tag}p"), 200);
         let (_, reused) = told_and_reused(server, &format!("{prefix}first of all"));
         assert_eq!(reused, 0, "a new prompt");
-        let unrelated = {
-            let base = server.base.clone();
-            let prompt = words(&format!("{tag}x"), 210);
-            std::thread::spawn(move || {
-                let (status, _, body) = call_with(
-                    &agent(),
-                    &format!("{base}/v1/completions"),
-                    &json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}),
-                );
-                assert_eq!(status, 200, "{body}");
-            })
-        };
+        let unrelated = in_background(&server.base, words(&format!("{tag}x"), 210));
         engine_running(&fleet);
         let outcome = told_and_reused(server, &format!("{prefix}second of all"));
         unrelated.join().unwrap();
