@@ -16,8 +16,9 @@
 //! loopback, one whose `Host` is not a loopback name.
 
 use super::error::ApiError;
-use super::App;
 use crate::config::auth::Caller;
+use crate::snapshot::Snapshot;
+use arc_swap::ArcSwap;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::middleware::Next;
@@ -31,15 +32,21 @@ pub struct Exposure {
     pub loopback: bool,
 }
 
-/// The middleware for routes `caller` may use: `from_fn_with_state((app, caller), guard)`.
-pub async fn guard(
-    State((app, caller)): State<(Arc<App>, Option<Caller>)>,
-    request: Request,
-    next: Next,
-) -> Response {
+/// What a guard reads: the serving snapshot's tokens, how the router is
+/// exposed, and the caller class its routes are for (`None`: open routes).
+#[derive(Clone)]
+pub struct Guard {
+    pub snapshot: Arc<ArcSwap<Snapshot>>,
+    pub exposure: Exposure,
+    pub caller: Option<Caller>,
+}
+
+/// The middleware for routes `caller` may use: `from_fn_with_state(Guard { .. }, guard)`.
+pub async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> Response {
+    let caller = guard.caller;
     // The guard is dropped before the handler runs: an `arc-swap` guard is
     // meant for a short borrow, not to be held across an await.
-    let snapshot = app.snapshot.load();
+    let snapshot = guard.snapshot.load();
     let verdict = match single_host(request.headers()) {
         Err(error) => Err(error),
         Ok(()) => match (&snapshot.tokens, caller) {
@@ -49,7 +56,7 @@ pub async fn guard(
                 None => Err(unauthorized(caller, "none was given")),
             },
             (Some(_), None) => Ok(()),
-            (None, _) => same_site(request.uri(), request.headers(), app.exposure),
+            (None, _) => same_site(request.uri(), request.headers(), guard.exposure),
         },
     };
     drop(snapshot);

@@ -5,7 +5,6 @@
 //! `gateway::error::row`.
 
 use super::pool::Overloaded;
-use super::App;
 use crate::gateway::error::{self, GatewayError};
 use crate::router::RouterError;
 use axum::extract::{Request, State};
@@ -122,10 +121,14 @@ pub struct ErrorCode(pub &'static str);
 /// Counts each error answer by its code: the one place API errors are counted,
 /// so a handler cannot forget to (the ext_proc listener counts its own, outside
 /// HTTP).
-pub async fn count_errors(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+pub async fn count_errors(
+    State(metrics): State<Arc<super::metrics::Metrics>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let response = next.run(request).await;
     if let Some(ErrorCode(code)) = response.extensions().get::<ErrorCode>() {
-        app.metrics.error(code);
+        metrics.error(code);
     }
     response
 }

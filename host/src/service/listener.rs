@@ -25,7 +25,6 @@
 //! Over the cap, the listener stops accepting: new connections wait in the
 //! kernel's backlog until one closes, which the deadlines make sure happens.
 
-use super::metrics::Metrics;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -251,6 +250,31 @@ impl Phase {
     pub const NAMES: [&'static str; 4] = ["idle", "header", "body", "write"];
 }
 
+/// What the listener counts of its connections, read by the metrics at scrape
+/// time. Atomics only: updated as connections open, close and time out.
+#[derive(Debug, Default)]
+pub struct ConnectionCounts {
+    pub open: AtomicU64,
+    pub total: AtomicU64,
+    /// Connections closed by a deadline, by [`Phase`].
+    pub timeouts: [AtomicU64; 4],
+}
+
+impl ConnectionCounts {
+    pub fn opened(&self) {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn closed(&self) {
+        self.open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn timed_out(&self, phase: Phase) {
+        self.timeouts[phase as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// A connection's phase, shared by its socket wrapper and its service.
 struct Clock {
     start: Instant,
@@ -308,7 +332,7 @@ struct Deadlines {
     sleep: Pin<Box<Sleep>>,
     /// When writes stopped making progress, if they have.
     write_stalled: Option<Instant>,
-    metrics: Arc<Metrics>,
+    counts: Arc<ConnectionCounts>,
     timed_out: bool,
 }
 
@@ -337,7 +361,7 @@ impl Deadlines {
     fn time_out(&mut self, phase: Phase) -> Poll<io::Result<()>> {
         if !self.timed_out {
             self.timed_out = true;
-            self.metrics.connection_timed_out(phase);
+            self.counts.timed_out(phase);
         }
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::TimedOut,
@@ -423,7 +447,7 @@ pub async fn serve(
     router: axum::Router,
     limits: ConnectionLimits,
     budget: Arc<ConnectionBudget>,
-    metrics: Arc<Metrics>,
+    counts: Arc<ConnectionCounts>,
     shutdown: impl Future<Output = ()>,
     drain: Duration,
 ) {
@@ -464,7 +488,7 @@ pub async fn serve(
             limits,
             sleep: Box::pin(tokio::time::sleep(limits.idle_timeout)),
             write_stalled: None,
-            metrics: Arc::clone(&metrics),
+            counts: Arc::clone(&counts),
             timed_out: false,
         };
         let router = router.clone();
@@ -498,14 +522,14 @@ pub async fn serve(
             .keep_alive(true)
             .serve_connection(TokioIo::new(io), service);
         let connection = graceful.watch(connection);
-        let metrics = Arc::clone(&metrics);
+        let counts = Arc::clone(&counts);
         let budget = Arc::clone(&budget);
-        metrics.connection_opened();
+        counts.opened();
         tokio::spawn(async move {
             // A connection's errors (a reset, a timeout, a malformed head) are the
             // peer's; hyper has answered what it could.
             let _ = connection.await;
-            metrics.connection_closed();
+            counts.closed();
             budget.release(permit);
         });
     }

@@ -1,11 +1,13 @@
 //! `kvhint serve`: the HTTP JSON API around the router, with reload.
 //!
-//! State is explicit and shared as one [`App`]: the router's live state
-//! (workers, KV index, load — it survives reloads), the current [`Snapshot`]
-//! behind an `ArcSwap` (what a reload replaces), the reloader, and metrics.
-//! Handlers are thin: decode, call the router, encode; every failure maps to
-//! the one error shape in [`error`].
+//! The state every handler shares is one [`App`] ([`app`], with its
+//! construction); the booking API's handlers are in [`api`], the front door's
+//! in [`gateway`], the endpoint picker's in [`endpoint_picker`]. This file
+//! wires them: the routes behind their guards, and `serve`, which binds the
+//! listeners and starts the background tasks.
 
+mod api;
+pub mod app;
 pub mod auth;
 pub mod body;
 pub mod endpoint_picker;
@@ -18,81 +20,14 @@ pub mod reload;
 pub mod status;
 mod watch;
 
-use crate::config::{self, RouterMode};
-use crate::engine_events::decode::DecodeSettings;
-use crate::engine_events::subscriber::SubscriberOptions;
-use crate::engine_events::{AttachError, EngineEvents, MembershipError, Origin};
-use crate::loader::Loader;
-use crate::router::ingest::Ingest;
-use crate::router::workers::WorkerRegistration;
-use crate::router::{configured_role, Router};
-use crate::snapshot::Snapshot;
-use crate::wire::{BookBody, BookingView, KvEventBody, ReleaseBody};
+pub use app::{build_app, App, ServeOptions};
+
 use anyhow::Context;
-use arc_swap::ArcSwap;
-use axum::extract::{Path as UrlPath, Query, State};
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
-use axum::Json;
-use body::JsonBody;
 use error::ApiError;
-use reload::{Reloader, Trigger};
-use serde::Deserialize;
-use serde_json::json;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use reload::Trigger;
 use std::sync::Arc;
-
-/// Everything the handlers share.
-pub struct App {
-    /// The plugins directory watched for reloads (fixed until restart).
-    pub plugins_dir: Option<PathBuf>,
-    pub router: Arc<Router>,
-    /// The one path KV events take into the index (batched, bounded).
-    pub ingest: Ingest,
-    /// Where bookings run, off the async runtime's workers.
-    pub bookings: pool::BookingPool,
-    pub snapshot: ArcSwap<Snapshot>,
-    pub reloader: Reloader,
-    pub metrics: Arc<metrics::Metrics>,
-    /// Subscriptions to engines' KV-event publishers.
-    pub engine_events: Arc<EngineEvents>,
-    /// Where the router listens, for the guards of an unauthenticated router.
-    pub exposure: auth::Exposure,
-    /// The front door's upstream client, worker health and counters.
-    pub gateway: crate::gateway::Gateway,
-    /// `endpoint_picker:` as the config had it at start (the gRPC listener's).
-    pub endpoint_picker: Option<config::EndpointPickerConfig>,
-    /// `replication:` as configured at start (fixed until restart).
-    pub replication_config: Option<config::ReplicationConfig>,
-    /// Load shared with the other replicas, once `serve` started it.
-    pub replication: std::sync::OnceLock<Arc<crate::replication::Replication>>,
-    /// The address the HTTP API listens on, once bound: a worker registered
-    /// there would send every request back to the router.
-    pub listen: std::sync::OnceLock<SocketAddr>,
-}
-
-#[derive(Debug, Clone)]
-pub struct ServeOptions {
-    pub config: PathBuf,
-    pub mode: Option<RouterMode>,
-    pub listen: SocketAddr,
-    pub watch_config: bool,
-    pub max_body_bytes: usize,
-    /// Booking threads; the machine's parallelism if `None`.
-    pub booking_threads: Option<usize>,
-    /// Deadlines and the connection cap.
-    pub connections: listener::ConnectionLimits,
-    /// Serve a non-loopback address without `auth` (warned about).
-    pub allow_unauthenticated: bool,
-}
-
-/// Entries (an API event, or an engine batch) waiting for the ingestion thread at most.
-const INGEST_QUEUE: usize = 65_536;
-/// Bookings waiting for a booking thread at most.
-const BOOKING_QUEUE: usize = 4_096;
 
 /// The API's routes over `app`, each group behind the guard of its caller class
 /// (see [`auth`]).
@@ -100,20 +35,24 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
     use crate::config::auth::Caller;
     let guarded = |routes: axum::Router<Arc<App>>, caller: Option<Caller>| {
         routes.route_layer(axum::middleware::from_fn_with_state(
-            (Arc::clone(&app), caller),
+            auth::Guard {
+                snapshot: Arc::clone(&app.snapshot),
+                exposure: app.exposure,
+                caller,
+            },
             auth::guard,
         ))
     };
     let admin = axum::Router::new()
-        .route("/workers/{worker_id}", delete(deregister_worker))
+        .route("/workers/{worker_id}", delete(api::deregister_worker))
         .route("/admin/status", get(status::status))
-        .route("/admin/reload", post(admin_reload));
+        .route("/admin/reload", post(api::admin_reload));
     let worker = axum::Router::new()
-        .route("/workers", post(register_worker))
-        .route("/kv_events", post(kv_event));
+        .route("/workers", post(api::register_worker))
+        .route("/kv_events", post(api::kv_event));
     let client = axum::Router::new()
-        .route("/book", post(book))
-        .route("/release", post(release));
+        .route("/book", post(api::book))
+        .route("/release", post(api::release));
     // The front door: the client token class guards it too, and its errors take
     // OpenAI's shape (the guard's included).
     let front_door = axum::Router::new()
@@ -127,10 +66,10 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
         .route("/detokenize", post(gateway::detokenize))
         .route("/v1/{*rest}", axum::routing::any(gateway::unknown_route));
     let open = axum::Router::new()
-        .route("/healthz", get(healthz))
-        .route("/health", get(health))
+        .route("/healthz", get(api::healthz))
+        .route("/health", get(api::health))
         .route("/readiness", get(gateway::readiness))
-        .route("/metrics", get(metrics));
+        .route("/metrics", get(api::metrics));
     let routes = guarded(admin, Some(Caller::Admin))
         .merge(guarded(worker, Some(Caller::Worker)))
         .merge(guarded(client, Some(Caller::Client)))
@@ -158,205 +97,9 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
     // Outermost, so it sees every response: each error answer carries its code
     // (`error::ErrorCode`), and this is the one place they are counted.
     body::limit_layers(routes, max_body_bytes).layer(axum::middleware::from_fn_with_state(
-        app,
+        Arc::clone(&app.metrics),
         error::count_errors,
     ))
-}
-
-async fn register_worker(
-    State(app): State<Arc<App>>,
-    body: Result<JsonBody<WorkerRegistration>, ApiError>,
-) -> Result<Response, ApiError> {
-    let JsonBody(registration) = body?;
-    let (worker_id, dp_rank) = (registration.worker_id, registration.dp_rank);
-    if let (Some(endpoint), Some(listen)) = (&registration.http_endpoint, app.listen.get()) {
-        if points_at(endpoint, *listen) {
-            return Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_runtime_data",
-                format!("worker {worker_id} rank {dp_rank}: http_endpoint {endpoint} is this router's own address ({listen}): every request sent there would come back to the router; point it at the engine"),
-            ));
-        }
-    }
-    let max = app.snapshot.load().gateway.max_workers;
-    let workers = app.router.workers();
-    let known = workers
-        .iter()
-        .any(|(w, _)| w.key.worker_id == worker_id && w.key.dp_rank == dp_rank);
-    if !known && workers.len() as u64 >= max {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too_many_workers",
-            format!("{} workers are registered, gateway.max_workers ({max}); deregister one, or raise it", workers.len()),
-        ));
-    }
-    let new = app
-        .engine_events
-        .register(&app.router, registration, Origin::Registration)
-        .map_err(membership_error)?;
-    let status = if new {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    let body = json!({"worker_id": worker_id, "dp_rank": dp_rank, "registered": if new { "new" } else { "updated" }});
-    Ok((status, Json(body)).into_response())
-}
-
-/// Whether `endpoint` (`http://host:port`) is the router's own `listen`
-/// address: the same port on the same IP (`localhost` taken as 127.0.0.1), or
-/// on a loopback address when the router listens on every address.
-fn points_at(endpoint: &str, listen: SocketAddr) -> bool {
-    let authority = endpoint
-        .split_once("://")
-        .map_or(endpoint, |(_, rest)| rest)
-        .split('/')
-        .next()
-        .unwrap_or_default();
-    let Some((host, port)) = authority.rsplit_once(':') else {
-        return false;
-    };
-    if port.parse::<u16>().ok() != Some(listen.port()) {
-        return false;
-    }
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let ip = if host.eq_ignore_ascii_case("localhost") {
-        std::net::IpAddr::from([127, 0, 0, 1])
-    } else {
-        match host.parse::<std::net::IpAddr>() {
-            Ok(ip) => ip,
-            // A host name: the hop header catches a loop through it.
-            Err(_) => return false,
-        }
-    };
-    // 0.0.0.0 as a destination reaches the local listener; a router listening
-    // on every address is reached on any loopback address. Another loopback
-    // address than the one the router listens on may be another process's.
-    ip == listen.ip()
-        || (ip.is_unspecified() && listen.ip().is_loopback())
-        || (listen.ip().is_unspecified() && (ip.is_loopback() || ip.is_unspecified()))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RankQuery {
-    #[serde(default)]
-    dp_rank: u32,
-}
-
-/// A refused registration: the caller's source (400), the router's verdict, or a
-/// thread the host could not start (500).
-fn membership_error(error: MembershipError) -> ApiError {
-    match error {
-        MembershipError::Router(e) => e.into(),
-        MembershipError::Attach(AttachError::Source(e)) => ApiError::bad_request(e.to_string()),
-        MembershipError::Attach(e @ AttachError::Full { .. }) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too_many_sources",
-            e.to_string(),
-        ),
-        MembershipError::Attach(e @ AttachError::Spawn(_)) => {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-        }
-    }
-}
-
-async fn deregister_worker(
-    State(app): State<Arc<App>>,
-    worker_id: Result<UrlPath<u64>, axum::extract::rejection::PathRejection>,
-    query: Result<Query<RankQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let UrlPath(worker_id) = worker_id.map_err(|e| {
-        ApiError::bad_request(format!("{}; the worker id is a number", e.body_text()))
-    })?;
-    let Query(RankQuery { dp_rank }) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let key = crate::domain::WorkerKey { worker_id, dp_rank };
-    app.engine_events.deregister(&app.router, key)?;
-    Ok(Json(
-        json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
-    ))
-}
-
-async fn kv_event(
-    State(app): State<Arc<App>>,
-    body: Result<JsonBody<KvEventBody>, ApiError>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let JsonBody(body) = body?;
-    let key = body.key();
-    let applied = app
-        .ingest
-        .submit(key, body.event)
-        .map_err(|e| ApiError::overloaded(e.to_string()))?;
-    let stats = applied
-        .await
-        .map_err(|_| ApiError::overloaded("the KV-event ingestion path stopped"))??;
-    app.metrics.kv_events.fetch_add(1, Ordering::Relaxed);
-    Ok(Json(json!({
-        "stored": stats.stored,
-        "removed": stats.removed,
-        "missing_removals": stats.missing_removals,
-    })))
-}
-
-async fn book(
-    State(app): State<Arc<App>>,
-    body: Result<JsonBody<BookBody>, ApiError>,
-) -> Result<Response, ApiError> {
-    let JsonBody(body) = body?;
-    let worker = Arc::clone(&app);
-    let booked = app
-        .bookings
-        .run(move || {
-            let session = body.session_text();
-            // One snapshot for the whole booking, whatever a reload does meanwhile.
-            let snapshot = worker.snapshot.load_full();
-            let request = body.request(session.as_deref());
-            let role = configured_role(&snapshot, request.role)?;
-            let booking = worker.router.book(role, &request)?;
-            worker
-                .metrics
-                .booked(&booking, booking.hint.message().is_some());
-            serde_json::to_string(&BookingView::new(&booking, role)).map_err(|e| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-            })
-        })
-        .await?;
-    let text = booked?;
-    Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
-}
-
-async fn release(
-    State(app): State<Arc<App>>,
-    body: Result<JsonBody<ReleaseBody>, ApiError>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let JsonBody(body) = body?;
-    let worker = app.router.release(&body.request_id)?;
-    Ok(Json(json!({
-        "request_id": body.request_id,
-        "worker_id": worker.worker_id,
-        "dp_rank": worker.dp_rank,
-        "released": true,
-    })))
-}
-
-/// `GET /health`: the process is alive and serving (load balancers' and both
-/// peer gateways' path); `/readiness` says whether it can route.
-async fn health() -> Json<serde_json::Value> {
-    Json(json!({"status": "ok"}))
-}
-
-async fn healthz(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
-    Json(json!({"status": "ok", "generation": app.snapshot.load().generation}))
-}
-
-/// OpenMetrics for a scraper that asks for it, else the Prometheus text format.
-async fn metrics(State(app): State<Arc<App>>, headers: axum::http::HeaderMap) -> Response {
-    let accept = headers
-        .get(header::ACCEPT)
-        .and_then(|value| value.to_str().ok());
-    let registry = metrics::registry(&app);
-    let (content_type, text) = metrics::encode(&registry, metrics::wants_openmetrics(accept));
-    ([(header::CONTENT_TYPE, content_type)], text).into_response()
 }
 
 /// Starts sharing load with the other replicas, if the config asks, and keeps the
@@ -384,112 +127,6 @@ async fn start_replication(app: &Arc<App>) -> anyhow::Result<()> {
         }
     });
     Ok(())
-}
-
-async fn admin_reload(State(app): State<Arc<App>>) -> Result<Json<serde_json::Value>, ApiError> {
-    let worker = Arc::clone(&app);
-    let result = tokio::task::spawn_blocking(move || {
-        worker.reloader.reload(&worker.snapshot, Trigger::Admin)
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    match result {
-        Ok(generation) => Ok(Json(json!({"reloaded": true, "generation": generation}))),
-        Err(errors) => Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "reload_failed",
-            format!(
-                "the previous snapshot keeps serving; {}",
-                errors
-                    .0
-                    .iter()
-                    .map(|e| e.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            ),
-        )),
-    }
-}
-
-/// Builds the app from a config: the loader, the first snapshot, the router.
-pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigErrors> {
-    let config = config::load(&options.config)?;
-    let loader =
-        Loader::new(&crate::loader::LoaderOptions::from_config(&config.plugins)).map_err(|e| {
-            config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
-        })?;
-    let reloader = Reloader::new(&options.config, options.mode, loader);
-    let (snapshot, config) = reloader.initial()?;
-    let router = Arc::new(Router::new(snapshot.block_size));
-    let startup = |what: &str, e: std::io::Error| {
-        config::ConfigErrors(vec![config::ConfigError::new(
-            &options.config,
-            None,
-            format!("could not start the {what} threads: {e}"),
-        )])
-    };
-    let (ingest, _thread) = Ingest::start(Arc::clone(&router), INGEST_QUEUE)
-        .map_err(|e| startup("KV-event ingestion", e))?;
-    let threads = options.booking_threads.unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
-    });
-    let bookings =
-        pool::BookingPool::new(threads, BOOKING_QUEUE).map_err(|e| startup("booking", e))?;
-    let engine_events = Arc::new(EngineEvents::new(
-        Arc::clone(&router),
-        ingest.clone(),
-        DecodeSettings {
-            block_size: snapshot.block_size,
-            media: config.kv_events.media.clone(),
-        },
-        SubscriberOptions {
-            receive_hwm: config.kv_events.receive_hwm as i32,
-            replay_timeout: std::time::Duration::from_millis(config.kv_events.replay_timeout_ms),
-            ..SubscriberOptions::default()
-        },
-    ));
-    engine_events.set_max_sources(config.kv_events.max_sources as usize);
-    let failures = engine_events.apply_config(&router, &config.kv_events, &config.workers);
-    if !failures.is_empty() {
-        return Err(config::ConfigErrors(
-            failures
-                .into_iter()
-                .map(|f| config::ConfigError::new(&options.config, None, f.clone()))
-                .collect(),
-        ));
-    }
-    let gateway = crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
-        config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
-    })?;
-    let hook_events = Arc::clone(&engine_events);
-    let hook_router = Arc::clone(&router);
-    let _ = reloader
-        .on_reload
-        .set(Box::new(move |config: &config::Config| {
-            hook_events.apply_config(&hook_router, &config.kv_events, &config.workers)
-        }));
-    Ok(Arc::new(App {
-        endpoint_picker: config.endpoint_picker.clone(),
-        plugins_dir: config
-            .plugins
-            .directory
-            .as_deref()
-            .and_then(|d| d.canonicalize().ok()),
-        router,
-        ingest,
-        bookings,
-        snapshot: ArcSwap::from_pointee(snapshot),
-        reloader,
-        metrics: Arc::new(metrics::Metrics::default()),
-        engine_events,
-        exposure: auth::Exposure {
-            loopback: options.listen.ip().is_loopback(),
-        },
-        gateway,
-        replication_config: config.replication.clone(),
-        replication: std::sync::OnceLock::new(),
-        listen: std::sync::OnceLock::new(),
-    }))
 }
 
 /// Refuses to expose an unauthenticated router beyond loopback unless asked to.
@@ -634,7 +271,7 @@ pub async fn serve(
     let health = tokio::spawn(gateway::health_checks(Arc::clone(&app)));
     let picker = start_endpoint_picker(&options, &app).await?;
 
-    let metrics = Arc::clone(&app.metrics);
+    let connection_counts = Arc::clone(&app.metrics.connections);
     let stopping = Arc::clone(&app);
     let replication = app.replication.get().cloned();
     listener::serve(
@@ -642,7 +279,7 @@ pub async fn serve(
         routes(app, options.max_body_bytes),
         connections,
         budget,
-        metrics,
+        connection_counts,
         async {
             use tokio::signal::unix::{signal, SignalKind};
             let mut term = match signal(SignalKind::terminate()) {
@@ -720,35 +357,4 @@ async fn start_endpoint_picker(
         }
     });
     Ok(Some((stop, task)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::points_at;
-
-    #[test]
-    fn a_worker_endpoint_at_the_router_s_own_address_is_recognised_and_no_other() {
-        let loopback = "127.0.0.1:8080".parse().unwrap();
-        for (endpoint, own) in [
-            ("http://127.0.0.1:8080", true),
-            ("http://localhost:8080", true),
-            ("http://0.0.0.0:8080", true),
-            ("http://127.0.0.1:8081", false),
-            // Another loopback address may be another process's.
-            ("http://127.0.0.2:8080", false),
-            ("http://10.0.0.1:8080", false),
-            ("https://worker.example:8080", false),
-        ] {
-            assert_eq!(points_at(endpoint, loopback), own, "{endpoint}");
-        }
-        let every = "0.0.0.0:8080".parse().unwrap();
-        for (endpoint, own) in [
-            ("http://127.0.0.5:8080", true),
-            ("http://[::1]:8080", true),
-            ("http://localhost:8080", true),
-            ("http://127.0.0.5:9090", false),
-        ] {
-            assert_eq!(points_at(endpoint, every), own, "{endpoint}");
-        }
-    }
 }

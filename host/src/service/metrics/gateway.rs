@@ -10,7 +10,16 @@ use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-pub struct GatewayCollector(pub Arc<crate::service::App>);
+/// The front door's counters, and what it reads of the fleet at scrape time.
+pub struct GatewayCollector {
+    pub stats: Arc<crate::gateway::stats::GatewayStats>,
+    pub predictions: Arc<crate::gateway::approximate::PredictionStats>,
+    pub in_flight_blocks: usize,
+    /// The serving snapshot, for its models' tokenizer caches.
+    pub snapshot: Arc<crate::snapshot::Snapshot>,
+    /// Each worker with an HTTP endpoint, and whether the gateway sends to it now.
+    pub workers_up: Vec<(crate::domain::WorkerKey, bool)>,
+}
 
 super::debug_as_name!(GatewayCollector);
 
@@ -56,9 +65,8 @@ fn histogram(h: &Histogram) -> ConstHistogram {
 
 impl Collector for GatewayCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
-        let app = &*self.0;
         let e = &mut encoder;
-        let stats = &app.gateway.stats;
+        let stats = &self.stats;
         counters(
             e,
             "kvhint_gateway_releases",
@@ -74,7 +82,7 @@ impl Collector for GatewayCollector {
             "Requests booked again on another worker before any byte reached the client.",
             stats.retries.load(Ordering::Relaxed),
         )?;
-        let predictions = &app.gateway.approximate.stats;
+        let predictions = &self.predictions;
         counters(
             e,
             "kvhint_approximate_predictions",
@@ -98,7 +106,7 @@ impl Collector for GatewayCollector {
             e,
             "kvhint_gateway_in_flight_blocks",
             "Blocks of workers with KV events credited to the requests they are running (gateway.credit_in_flight), over every worker: in the index until the last request holding each ends.",
-            app.gateway.approximate.in_flight_blocks() as f64,
+            self.in_flight_blocks as f64,
         )?;
         super::float_counter(
             e,
@@ -175,19 +183,14 @@ impl Collector for GatewayCollector {
                     .map(|((model, worker), t)| (by_worker(model, *worker), histogram(pick(t)))),
             )?;
         }
-        tokenizer_cache(e, &app.snapshot.load().models)?;
+        tokenizer_cache(e, &self.snapshot.models)?;
         gauges(
             e,
             "kvhint_gateway_worker_up",
             "1 if the gateway sends requests to the worker now (healthy, circuit not open).",
-            app.router
-                .workers()
-                .into_iter()
-                .filter(|(worker, _)| worker.http.is_some())
-                .map(|(worker, _)| {
-                    let up = app.gateway.health.looks_up(worker.key);
-                    (WorkerLabels(worker.key), if up { 1.0 } else { 0.0 })
-                }),
+            self.workers_up
+                .iter()
+                .map(|(key, up)| (WorkerLabels(*key), if *up { 1.0 } else { 0.0 })),
         )
     }
 }

@@ -25,7 +25,11 @@ mod policies;
 mod replication;
 mod service;
 
-pub use service::Metrics;
+pub use engine_events::SourceCollector;
+pub use gateway::GatewayCollector;
+pub use policies::PolicyCollector;
+pub use replication::ReplicationCollector;
+pub use service::{BookingCollector, Metrics, StateCollector};
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::encoding::{LabelSetEncoder, NoLabelSet};
@@ -34,7 +38,6 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::fmt;
-use std::sync::Arc;
 
 /// The OpenMetrics text format's content type.
 pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -54,22 +57,6 @@ pub fn wants_openmetrics(accept: Option<&str>) -> bool {
             asks && !parts.any(|p| p.replace(' ', "").eq_ignore_ascii_case("q=0"))
         })
     })
-}
-
-/// The registry a scrape renders: every collector, reading `app` now.
-pub fn registry(app: &Arc<super::App>) -> Registry {
-    let mut registry = Registry::default();
-    registry.register_collector(Box::new(service::BookingCollector(Arc::clone(
-        &app.metrics,
-    ))));
-    registry.register_collector(Box::new(service::StateCollector(Arc::clone(app))));
-    registry.register_collector(Box::new(policies::PolicyCollector(Arc::clone(app))));
-    registry.register_collector(Box::new(engine_events::SourceCollector(Arc::clone(
-        &app.engine_events,
-    ))));
-    registry.register_collector(Box::new(gateway::GatewayCollector(Arc::clone(app))));
-    registry.register_collector(Box::new(replication::ReplicationCollector(Arc::clone(app))));
-    registry
 }
 
 /// Renders `registry` in OpenMetrics (`openmetrics`) or Prometheus text: the text

@@ -11,7 +11,11 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub struct PolicyCollector(pub Arc<crate::service::App>);
+/// Every (role, policy)'s figures, as the reloader's registry had them at scrape time.
+pub struct PolicyCollector {
+    pub hints: Vec<((String, String), Arc<PolicyStats>)>,
+    pub selection: Vec<((String, String), Arc<SelectionStats>)>,
+}
 
 super::debug_as_name!(PolicyCollector);
 
@@ -91,7 +95,7 @@ fn labels((role, policy): &(String, String)) -> [(&'static str, &str); 2] {
 impl Collector for PolicyCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         let e = &mut encoder;
-        let policies = self.0.reloader.policy_stats.all();
+        let policies = &self.hints;
         for (name, help, get) in POLICY_COUNTERS {
             counters(
                 e,
@@ -109,7 +113,7 @@ impl Collector for PolicyCollector {
                 .map(|(key, s)| (labels(key), ConstHistogram::latency(&s.latency))),
         )?;
 
-        let selections = self.0.reloader.policy_stats.all_selection();
+        let selections = &self.selection;
         counters(
             e,
             "kvhint_selection_calls",

@@ -10,13 +10,14 @@ use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-pub struct ReplicationCollector(pub Arc<crate::service::App>);
+/// The replicas' shared load, once replication started.
+pub struct ReplicationCollector(pub Option<Arc<crate::replication::Replication>>);
 
 super::debug_as_name!(ReplicationCollector);
 
 impl Collector for ReplicationCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
-        let Some(replication) = self.0.replication.get() else {
+        let Some(replication) = self.0.as_ref() else {
             return Ok(());
         };
         let e = &mut encoder;

@@ -6,6 +6,7 @@ use super::labels::LabelCounts;
 use super::{counter, counters, gauge};
 use crate::config::Role;
 use crate::router::{Booking, HintSkip};
+use crate::service::listener::{ConnectionCounts, Phase};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use std::fmt;
@@ -43,10 +44,9 @@ pub struct Metrics {
     /// API errors by error code.
     errors_by_code: LabelCounts,
     pub kv_events: AtomicU64,
-    connections_open: AtomicU64,
-    connections_total: AtomicU64,
-    /// Connections closed by a deadline, by phase (`listener::Phase`).
-    connection_timeouts: [AtomicU64; 4],
+    /// What the listener counts of its connections (it owns them: it knows
+    /// nothing of the rest of the service's figures).
+    pub connections: Arc<ConnectionCounts>,
 }
 
 impl Metrics {
@@ -78,28 +78,25 @@ impl Metrics {
     pub fn error(&self, code: &'static str) {
         self.errors_by_code.add(code, 1);
     }
-
-    pub fn connection_opened(&self) {
-        self.connections_open.fetch_add(1, Ordering::Relaxed);
-        self.connections_total.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn connection_closed(&self) {
-        self.connections_open.fetch_sub(1, Ordering::Relaxed);
-    }
-
-    pub fn connection_timed_out(&self, phase: crate::service::listener::Phase) {
-        self.connection_timeouts[phase as usize].fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 /// [`Metrics`] at scrape time.
 pub struct BookingCollector(pub Arc<Metrics>);
 
-/// The router's state at scrape time.
-pub struct StateCollector(pub Arc<crate::service::App>);
+/// The router's state, read at scrape time by whoever holds it.
+#[derive(Debug, Clone, Default)]
+pub struct StateCollector {
+    pub expired_bookings: u64,
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
+    pub generation: u64,
+    pub libraries_mapped: usize,
+    pub workers: usize,
+    pub open_bookings: usize,
+    pub index_blocks: usize,
+}
 
-super::debug_as_name!(BookingCollector, StateCollector);
+super::debug_as_name!(BookingCollector);
 
 impl Collector for BookingCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
@@ -113,21 +110,21 @@ impl Collector for BookingCollector {
             e,
             "kvhint_connections_open",
             "HTTP connections open now (at most --max-connections).",
-            load(&m.connections_open) as f64,
+            load(&m.connections.open) as f64,
         )?;
         counter(
             e,
             "kvhint_connections",
             "HTTP connections accepted.",
-            load(&m.connections_total),
+            load(&m.connections.total),
         )?;
         counters(
             e,
             "kvhint_connection_timeouts",
             "HTTP connections closed because the peer ran over a deadline, by phase.",
-            crate::service::listener::Phase::NAMES
+            Phase::NAMES
                 .iter()
-                .zip(&m.connection_timeouts)
+                .zip(&m.connections.timeouts)
                 .enumerate()
                 // The handling phase has no deadline of its own: a body read past
                 // its deadline is the API error `body_timeout`.
@@ -196,53 +193,52 @@ impl Collector for BookingCollector {
 
 impl Collector for StateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
-        let app = &*self.0;
+        let state = self;
         let e = &mut encoder;
         counter(
             e,
             "kvhint_bookings_expired",
             "Bookings released by the router after router.booking_ttl without a release.",
-            app.router.expired_bookings(),
+            state.expired_bookings,
         )?;
-        let status = app.reloader.status();
         counters(
             e,
             "kvhint_reloads",
             "Reloads, by result.",
             [
-                ([("result", "ok")], status.ok),
-                ([("result", "failed")], status.failed),
+                ([("result", "ok")], state.reloads_ok),
+                ([("result", "failed")], state.reloads_failed),
             ],
         )?;
         gauge(
             e,
             "kvhint_snapshot_generation",
             "Generation of the serving snapshot.",
-            app.snapshot.load().generation as f64,
+            state.generation as f64,
         )?;
         gauge(
             e,
             "kvhint_plugin_libraries_mapped",
             "Distinct plugin libraries mapped (current and replaced builds; never unloaded).",
-            app.reloader.loader.libraries_mapped() as f64,
+            state.libraries_mapped as f64,
         )?;
         gauge(
             e,
             "kvhint_workers",
             "Registered workers.",
-            app.router.workers().len() as f64,
+            state.workers as f64,
         )?;
         gauge(
             e,
             "kvhint_open_bookings",
             "Bookings not yet released.",
-            app.router.open_bookings() as f64,
+            state.open_bookings as f64,
         )?;
         gauge(
             e,
             "kvhint_kv_index_blocks",
             "(worker, block) entries in the KV index.",
-            app.router.index_len() as f64,
+            state.index_blocks as f64,
         )
     }
 }
@@ -262,9 +258,9 @@ mod tests {
     #[test]
     fn the_service_counters_read_as_they_did_before_the_crate_and_as_openmetrics() {
         let metrics = Arc::new(Metrics::default());
-        metrics.connection_opened();
-        metrics.connection_opened();
-        metrics.connection_closed();
+        metrics.connections.opened();
+        metrics.connections.opened();
+        metrics.connections.closed();
         for kind in ["kv.fetch", "kv.prefetch", "kv.fetch", "with \"quote\""] {
             metrics.actions_by_type.add(kind, 1);
         }
