@@ -1,4 +1,4 @@
-//! The router's data plane under concurrency (DESIGN.md §6), as a user would notice it:
+//! The router's data plane under concurrency (docs/architecture.md), as a user would notice it:
 //! counts and exact state, never timings (those are `benches/concurrency.rs`).
 //!
 //! Bookings (unique ids, and several threads racing on the same ids), releases, KV

@@ -1,5 +1,6 @@
-//! Rules R1–R6 and R9 of DESIGN.md §3, each on real bookings: a real config
-//! file, real plugin `.so` files, the router's own booking path.
+//! Rules R1–R6 and R9 of the rules table in docs/architecture.md, each on real
+//! bookings: a real config file, real plugin `.so` files, the router's own
+//! booking path.
 
 use kvhint::config::RouterMode;
 use kvhint_e2e::trace::{release, request, stored, tokens, worker};

@@ -314,9 +314,9 @@ fn benches(c: &mut Criterion) {
                 },
             );
 
-            // The target (DESIGN §9) is a booking's p50: `book()` alone, timed call by
-            // call, with the release and the result's drop outside the clock, as the
-            // concurrency bench times it. Criterion's figure above is a mean of book,
+            // The target (docs/performance.md) is a booking's p50: `book()` alone, timed
+            // call by call, with the release and the result's drop outside the clock, as
+            // the concurrency bench times it. Criterion's figure above is a mean of book,
             // release and drop together.
             let (samples, p50, p99) = book_quantiles(&router, role, &request);
             // Quick mode's debug figures are not measurements: no target beside them.

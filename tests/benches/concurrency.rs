@@ -1,7 +1,7 @@
-//! Bookings in parallel, in process (DESIGN.md §9): bookings/s with one and two booking
-//! threads, per-booking latency p50/p99, quiet and under a concurrent KV-event stream of
-//! ~100k stored blocks/s (each batch also removes as many older blocks, so the index
-//! stays level).
+//! Bookings in parallel, in process (targets: docs/performance.md): bookings/s with one
+//! and two booking threads, per-booking latency p50/p99, quiet and under a concurrent
+//! KV-event stream of ~100k stored blocks/s (each batch also removes as many older blocks,
+//! so the index stays level).
 //!
 //! The fleet is the booking bench's: 64 hint-capable decode workers, 4,096-token prompts
 //! (block size 16, 256 blocks), `kvcr` (multiplier 1.0) with its default `kv_fetch`, the

@@ -1,5 +1,6 @@
-//! Engine KV events (DESIGN.md §9): decode + apply throughput on one core from encoded
-//! batches, and the time from a publish to the first booking that sees its blocks.
+//! Engine KV events (targets: docs/performance.md): decode + apply throughput on one core
+//! from encoded batches, and the time from a publish to the first booking that sees its
+//! blocks.
 //!
 //! Throughput: batches encoded as vLLM ≥ 0.24 and SGLang encode them (tagged maps, u64
 //! hashes; `rmp` here, the same bytes as the golden fixtures' shape), one stored event of

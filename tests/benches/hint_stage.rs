@@ -1,7 +1,8 @@
 //! The hint stage: 1, 4 and 8 policies producing fetch hints of 16, 256 and
 //! 4,096 hashes each, envelope included — and the host's own overhead in it
 //! (the stage's time minus the time spent inside the policies' `build_hints`),
-//! as p50 and p99 for the DESIGN §8 target case: 4 policies, 256 hashes.
+//! as p50 and p99 for the target case (docs/performance.md): 4 policies,
+//! 256 hashes.
 //! The peer's hashes are small numbers (13 digits) in the main cases; the
 //! `*_engine_hashes` cases give it full-width 64-bit hashes, as vLLM and SGLang
 //! publish them (19–20 digits in decimal), since writing them is most of a fetch.

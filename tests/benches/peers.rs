@@ -1,7 +1,8 @@
-//! kvhint's KV index side by side with its two anchors (DESIGN.md §6, §9): NVIDIA Dynamo's
-//! `RadixTree` (`dynamo-kv-router` 1.6.1) and the SGLang model gateway's `ShardedChainIndex`
-//! (`kv-index` 2.0.0, printed as `smg`), fed the same generated events and asked the same
-//! question: for a prompt's blocks, how many leading blocks does each worker hold.
+//! kvhint's KV index side by side with its two anchors (design: docs/architecture.md;
+//! targets: docs/performance.md): NVIDIA Dynamo's `RadixTree` (`dynamo-kv-router` 1.6.1)
+//! and the SGLang model gateway's `ShardedChainIndex` (`kv-index` 2.0.0, printed as `smg`),
+//! fed the same generated events and asked the same question: for a prompt's blocks, how
+//! many leading blocks does each worker hold.
 //!
 //! Workload (block size 16; 2, 64 and 1,024 workers; prompts of 1k, 4k and 32k tokens):
 //! - `sparse`: four workers hold prefixes of the prompt (¼, ½, ¾, all);
@@ -46,7 +47,7 @@
 //!   reused buffer. Median of batches.
 //! - `hash`: ns to hash one 4,096-token prompt into query hashes: kvhint `block_hashes` (chained,
 //!   into a reused buffer), Dynamo `compute_block_hash_for_seq`, kv-index
-//!   `compute_request_content_hashes`; `ratio` = kvhint / Dynamo (the §9 target).
+//!   `compute_request_content_hashes`; `ratio` = kvhint / Dynamo (the target: ≤ 1).
 //!   `ratio` on the other lines = kvhint / the faster peer.
 //!
 //! Before timing, every case checks that the three sides return the same per-worker prefix

