@@ -400,6 +400,20 @@ fn cycles(imports: &[Import]) -> Vec<String> {
     problems
 }
 
+/// A `host/src` in a temporary directory, for the checks' own tests to plant files
+/// in (the directory lives as long as the returned guard).
+fn planted_src() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let src = dir.path().join("host").join("src");
+    (dir, src)
+}
+
+fn plant(src: &Path, path: &str, text: &str) {
+    let path = src.join(path);
+    std::fs::create_dir_all(path.parent().expect("a parent")).expect("creates");
+    std::fs::write(path, text).expect("writes");
+}
+
 fn host_src() -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
@@ -424,13 +438,8 @@ fn host_modules_import_only_down_the_layers() {
 /// down the layers, in comments or strings, and a test module's `super::*` are not.
 #[test]
 fn the_check_catches_imports_up_the_layers() {
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let src = dir.path().join("host").join("src");
-    let write = |path: &str, text: &str| {
-        let path = src.join(path);
-        std::fs::create_dir_all(path.parent().expect("a parent")).expect("creates");
-        std::fs::write(path, text).expect("writes");
-    };
+    let (_dir, src) = planted_src();
+    let write = |path: &str, text: &str| plant(&src, path, text);
     write("lib.rs", "pub mod domain;\npub mod config;\n");
     write(
         "domain.rs",
@@ -482,13 +491,8 @@ fn the_check_catches_imports_up_the_layers() {
 /// either spelling of the path.
 #[test]
 fn a_gateway_file_importing_a_service_file_fails_the_check() {
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let src = dir.path().join("host").join("src");
-    let write = |path: &str, text: &str| {
-        let path = src.join(path);
-        std::fs::create_dir_all(path.parent().expect("a parent")).expect("creates");
-        std::fs::write(path, text).expect("writes");
-    };
+    let (_dir, src) = planted_src();
+    let write = |path: &str, text: &str| plant(&src, path, text);
     write(
         "lib.rs",
         "pub mod router;\npub mod gateway;\npub mod replication;\npub mod service;\n",
@@ -568,5 +572,124 @@ fn the_router_names_no_abi_type() {
         found.is_empty(),
         "the router names ABI types; describe it in plain views and let the stage build the record:\n{}",
         found.join("\n")
+    );
+}
+
+/// Inside one top-level module (`service`, `gateway`), which of its files names
+/// which: each import of a sibling submodule, through `super::…` or
+/// `crate::<module>::…`, from the submodule a file belongs to (`metrics/gateway.rs`
+/// belongs to `metrics`). The module's own `mod.rs` declares them all and is left
+/// out; an item it re-exports (`super::App`) is not a submodule.
+fn file_imports(src: &Path, module: &str) -> Vec<Import> {
+    let mut files = Vec::new();
+    rust_files(&src.join(module), &mut files);
+    let subs: BTreeSet<String> = files
+        .iter()
+        .filter_map(|file| module_path(src, file).get(1).cloned())
+        .collect();
+    let root = src.parent().and_then(Path::parent).unwrap_or(src);
+    let prefix = format!("crate::{module}::");
+    let mut out = Vec::new();
+    for file in &files {
+        let path = module_path(src, file);
+        let Some(from) = path.get(1) else { continue };
+        let code = strip_comments(&std::fs::read_to_string(file).expect("reads"));
+        let bytes = code.as_bytes();
+        let line_of = |offset: usize| bytes[..offset].iter().filter(|&&b| b == b'\n').count() + 1;
+        let mut at = 0;
+        while at < bytes.len() {
+            let preceded = at > 0 && is_ident(bytes[at - 1]);
+            let start = if preceded {
+                None
+            } else if bytes[at..].starts_with(prefix.as_bytes()) {
+                Some(at + prefix.len())
+            } else if bytes[at..].starts_with(b"super::") {
+                let mut ups = 0;
+                let mut end = at;
+                while bytes[end..].starts_with(b"super::") {
+                    ups += 1;
+                    end += "super::".len();
+                }
+                at = end;
+                (ups == path.len() - 1).then_some(end)
+            } else {
+                None
+            };
+            let Some(start) = start else {
+                at += 1;
+                continue;
+            };
+            for (to, offset) in root_names(bytes, start) {
+                if &to != from && subs.contains(&to) {
+                    out.push(Import {
+                        file: file.strip_prefix(root).unwrap_or(file).to_path_buf(),
+                        line: line_of(offset),
+                        from: from.clone(),
+                        to,
+                    });
+                }
+            }
+            at = start;
+        }
+    }
+    out
+}
+
+/// Issue 46, item 3: no loop among the service's files (the listener and the
+/// metrics named each other; the error shapes and the front door's handlers did),
+/// nor among the gateway's.
+#[test]
+fn the_service_and_gateway_files_name_each_other_in_no_loop() {
+    for module in ["service", "gateway"] {
+        let imports = file_imports(&host_src(), module);
+        assert!(
+            imports.iter().any(|i| i.from != i.to),
+            "{module}: no import between its files was found; the check is reading nothing"
+        );
+        let problems = cycles(&imports);
+        assert!(
+            problems.is_empty(),
+            "import loops among {module}/'s files:\n{}",
+            problems.join("\n")
+        );
+    }
+}
+
+/// The check itself: a loop through three service files, in both spellings of a
+/// sibling's path, is reported with file and line; an item of `mod.rs` and a
+/// one-way import are not.
+#[test]
+fn a_loop_among_service_files_fails_the_check() {
+    let (_dir, src) = planted_src();
+    let write = |path: &str, text: &str| plant(&src, path, text);
+    write(
+        "service/mod.rs",
+        "mod app;\nmod listener;\nmod metrics;\npub use app::App;\n",
+    );
+    write("service/app.rs", "use super::metrics::Metrics;\n");
+    write("service/metrics/mod.rs", "mod service;\nuse super::App;\n");
+    write(
+        "service/metrics/service.rs",
+        "// super::super::app is only named here.\nuse crate::service::listener::Phase;\n",
+    );
+    write("service/listener.rs", "\nfn f(_: &super::app::App) {}\n");
+    let mut problems = cycles(&file_imports(&src, "service"));
+    problems.sort();
+    let starts: Vec<&str> = problems
+        .iter()
+        .map(|p| p.split(": ").next().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        starts,
+        [
+            "host/src/service/app.rs:1",
+            "host/src/service/listener.rs:2",
+            "host/src/service/metrics/service.rs:2"
+        ],
+        "{problems:#?}"
+    );
+    assert!(
+        problems.iter().all(|p| p.contains("an import cycle")),
+        "{problems:#?}"
     );
 }

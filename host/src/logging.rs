@@ -12,6 +12,19 @@
 use std::fmt::Write as _;
 use tracing_subscriber::field::MakeExt;
 
+/// An error with its causes, `: `-joined: the top level of a library's error
+/// often says only "client error" or "template error", the cause says what.
+pub fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// `text` with every control character written as an escape.
 pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
     if !text.chars().any(char::is_control) {

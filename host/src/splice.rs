@@ -8,9 +8,11 @@
 
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// Why a body is not one the gateway can forward (a client error: 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -35,13 +37,44 @@ pub const MAX_DEPTH: usize = 128;
 /// keeps a body made of keys from costing memory and time for nothing.
 pub const MAX_FIELDS: usize = 1_024;
 
+/// A top-level field: the key as decoded, the value's byte range in the text,
+/// and the field's whole range from the key's opening quote to the value's end.
+type Field = (String, Range<usize>, Range<usize>);
+
 /// The top-level fields of a JSON object body, each with where its value lies.
 #[derive(Debug)]
 pub struct Body<'a> {
     text: &'a str,
-    /// (key as decoded, the value's byte range in `text`, the field's whole range
-    /// from the key's opening quote to the value's end).
-    fields: Vec<(String, Range<usize>, Range<usize>)>,
+    /// Borrowed from a [`ParsedBody`], or parsed here.
+    fields: Cow<'a, [Field]>,
+}
+
+/// A body parsed once and kept with its text. The request path books on the
+/// booking threads, and books again on a retry: each booking reads and splices
+/// [`ParsedBody::body`] without parsing the text again.
+#[derive(Debug)]
+pub struct ParsedBody {
+    text: Arc<str>,
+    fields: Vec<Field>,
+}
+
+impl ParsedBody {
+    pub fn parse(text: Arc<str>) -> Result<Self, BodyError> {
+        let fields = Body::parse(&text)?.fields.into_owned();
+        Ok(Self { text, fields })
+    }
+
+    /// The text as the client sent it.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    pub fn body(&self) -> Body<'_> {
+        Body {
+            text: &self.text,
+            fields: Cow::Borrowed(&self.fields),
+        }
+    }
 }
 
 impl<'a> Body<'a> {
@@ -78,7 +111,7 @@ impl<'a> Body<'a> {
             return Err(BodyError::Duplicate(key.clone()));
         }
         let base = text.as_ptr() as usize;
-        let mut fields: Vec<(String, Range<usize>, Range<usize>)> = Vec::with_capacity(raw.len());
+        let mut fields: Vec<Field> = Vec::with_capacity(raw.len());
         let mut search_from = 0;
         for (key, value) in raw {
             let start = value.get().as_ptr() as usize - base;
@@ -90,7 +123,10 @@ impl<'a> Body<'a> {
             fields.push((key, start..end, key_start..end));
             search_from = end;
         }
-        Ok(Body { text, fields })
+        Ok(Body {
+            text,
+            fields: Cow::Owned(fields),
+        })
     }
 
     /// A field's raw JSON value.
@@ -141,7 +177,7 @@ impl<'a> Body<'a> {
         let mut previous_end = open;
         let mut previous_kept = true;
         let mut wrote = false;
-        for (key, value, field) in &self.fields {
+        for (key, value, field) in self.fields.iter() {
             let gap = &text[previous_end..field.start];
             previous_end = value.end;
             let edit = edits.action(key);
@@ -392,7 +428,7 @@ mod tests {
             r#"{ "a" : [1, {"b": "}"}] , "c":"\\\"" }"#,
         ] {
             let body = Body::parse(text).unwrap();
-            for (key, _, _) in &body.fields {
+            for (key, _, _) in body.fields.iter() {
                 let out = edit(text, |e| {
                     e.remove(key);
                 });

@@ -93,7 +93,7 @@ pub struct Prompt<'a> {
 
 /// Builds what `target` is sent for a request on `route`, booked on `worker` as
 /// `request_id`, with `hint` (the engine message) if the booking made one.
-pub fn forward(
+pub fn build_forward(
     target: &HttpTarget,
     route: Route,
     body: &Body<'_>,
@@ -213,7 +213,7 @@ mod tests {
         let text = r#"{"model":"m","text":"hello","sampling_params":{"max_new_tokens":4}}"#;
         let body = Body::parse(text).unwrap();
         let hint = r#"{"protocol_version":"0.1","message_id":"r","actions":[]}"#;
-        let out = forward(
+        let out = build_forward(
             &target(Engine::Sglang, false),
             Route::Generate,
             &body,
@@ -249,7 +249,7 @@ mod tests {
             Engine::Llamacpp,
             Engine::Openai,
         ] {
-            let out = forward(
+            let out = build_forward(
                 &target(engine, false),
                 Route::Completions,
                 &body,
@@ -287,7 +287,7 @@ mod tests {
         for (route, text, want) in cases {
             let body = Body::parse(text).unwrap();
             let prompt = Prompt { token_ids: &[9, 8] };
-            let out = forward(
+            let out = build_forward(
                 &target(Engine::Vllm, true),
                 route,
                 &body,
@@ -302,7 +302,7 @@ mod tests {
             let want: serde_json::Value = serde_json::from_str(want).unwrap();
             assert_eq!(sent, want, "{route:?}");
             // Without the plugin, the same request carries no hint.
-            let out = forward(
+            let out = build_forward(
                 &target(Engine::Vllm, false),
                 route,
                 &body,
@@ -322,7 +322,7 @@ mod tests {
             Engine::Openai,
         ] {
             let body = Body::parse(r#"{"model":"m","prompt":"hello"}"#).unwrap();
-            let out = forward(
+            let out = build_forward(
                 &target(engine, true),
                 Route::Completions,
                 &body,

@@ -145,6 +145,19 @@ impl GatewayError {
     }
 }
 
+/// The code of the error a response answers, as `kvhint_errors_total` counts it
+/// and the access log writes it: every error answer carries it (a response
+/// extension), whichever shape its body takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorCode(pub &'static str);
+
+/// Every booking thread is busy and the booking queue is full.
+impl From<crate::router::pool::Overloaded> for GatewayError {
+    fn from(_: crate::router::pool::Overloaded) -> Self {
+        GatewayError::overloaded()
+    }
+}
+
 impl From<RouterError> for GatewayError {
     fn from(error: RouterError) -> Self {
         Self::answer(row(&error).openai, error.to_string())

@@ -10,27 +10,38 @@
 //!    └──────────── bytes as they come; release when the response ends ◄─┘
 //! ```
 //!
-//! The pieces here are the data path's; the HTTP handlers that run them (on the
-//! booking threads for the CPU work, on the runtime for the I/O) are in
-//! `service::gateway`.
+//! The whole request path is here, reading only what [`RequestPath`] holds:
+//! booking for a request ([`dispatch`], on the booking threads), the attempt
+//! loop ([`proxy`], on the runtime), the background checks ([`checks`]), the
+//! access log. The HTTP handlers (`service::gateway`) and the endpoint picker
+//! (`service::endpoint_picker`) are doors over it: they decode what arrives
+//! and encode what it answers.
 
+pub mod access_log;
 pub mod adapter;
 pub mod approximate;
 pub mod capacity;
+pub mod checks;
+pub mod dispatch;
 pub mod error;
 pub mod health;
+pub mod proxy;
 pub mod release;
 pub mod signals;
 pub mod stats;
+pub mod tokenize;
 pub mod trace;
 pub mod upstream;
 
 use crate::domain::{HttpTarget, Worker, WorkerKey};
 use crate::models::{ChatRequest, EncodeError, Model, PieceStats, TooLong};
+use crate::router::ingest::Ingest;
+use crate::router::pool::BookingPool;
 use crate::router::{BookRequest, Booking, Router};
 use crate::snapshot::Snapshot;
 use crate::splice::Body;
 use adapter::Route;
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 pub use error::GatewayError;
 use http_body_util::Full;
@@ -49,12 +60,30 @@ pub type UpstreamClient = Client<upstream::Connector, Full<Bytes>>;
 /// worker's close is on its way.
 pub const POOL_IDLE: Duration = Duration::from_secs(3);
 
-/// What the gateway keeps between requests.
 /// The hop header: the marks of the routers a request passed through.
 pub const VIA_HEADER: &str = "x-kvhint-via";
 /// Routers a request may pass through before it is taken for a loop.
 pub const MAX_HOPS: usize = 8;
 
+/// What the request path reads, and nothing else of the service: the router,
+/// where KV credits go, the booking threads, the serving snapshot, the
+/// gateway's own state, and what counts a booking. Cheap to clone (shared
+/// handles), so a booking job or a background task takes its own.
+#[derive(Clone)]
+pub struct RequestPath {
+    pub router: Arc<Router>,
+    /// The one path KV events (and the gateway's credits) take into the index.
+    pub ingest: Ingest,
+    /// Where bookings run, off the async runtime's workers.
+    pub bookings: Arc<BookingPool>,
+    /// The serving snapshot: read once per request, whatever a reload does meanwhile.
+    pub snapshot: Arc<ArcSwap<Snapshot>>,
+    pub gateway: Arc<Gateway>,
+    /// Counts a booking the path made (the service's booking counters).
+    pub on_booked: Arc<dyn Fn(&Booking) + Send + Sync>,
+}
+
+/// What the gateway keeps between requests.
 pub struct Gateway {
     pub client: UpstreamClient,
     /// Never reuses a connection: for the one re-send of a request whose pooled
@@ -397,7 +426,7 @@ pub type Allowed<'a> = Option<&'a (dyn Fn(&HttpTarget) -> bool + Sync)>;
 /// Books a prepared request on a worker that serves its model and route, is
 /// healthy with its circuit closed, is not in `tried`, and is `allowed`. Runs on
 /// a booking thread.
-pub fn book(
+pub fn book_eligible(
     router: &Router,
     snapshot: &Snapshot,
     gateway: &Gateway,

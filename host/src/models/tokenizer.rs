@@ -471,7 +471,12 @@ impl ModelTokenizer {
                     .into_iter()
                     .collect::<std::collections::BTreeMap<String, Value>>(),
             ))
-            .map_err(|e| RenderError(format!("the chat template failed: {}", describe(&e))))?;
+            .map_err(|e| {
+                RenderError(format!(
+                    "the chat template failed: {}",
+                    crate::logging::with_causes(&e)
+                ))
+            })?;
         if request.continue_final_message {
             // As transformers does: cut the rendering after the final message's
             // content (as the template saw it: its last text part where it
@@ -728,18 +733,6 @@ fn normalise_tools(tools: &[Box<RawValue>]) -> Result<Value, RenderError> {
         ))?);
     }
     Ok(Value::from(out))
-}
-
-/// A minijinja error with its cause chain and, for a template error, the line.
-fn describe(error: &JinjaError) -> String {
-    let mut text = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// The environment `transformers` renders chat templates in, with `source` as the

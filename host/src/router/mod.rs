@@ -29,6 +29,7 @@ pub mod index;
 pub(crate) mod ingest;
 mod open_count;
 pub mod persistent;
+pub mod pool;
 mod select;
 pub mod workers;
 

@@ -157,7 +157,7 @@ pub(super) async fn kv_event(
     })))
 }
 
-pub(super) async fn book(
+pub(super) async fn create_booking(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<BookBody>, ApiError>,
 ) -> Result<Response, ApiError> {
@@ -184,7 +184,7 @@ pub(super) async fn book(
     Ok(([(header::CONTENT_TYPE, "application/json")], text).into_response())
 }
 
-pub(super) async fn release(
+pub(super) async fn release_booking(
     State(app): State<Arc<App>>,
     body: Result<JsonBody<ReleaseBody>, ApiError>,
 ) -> Result<Json<serde_json::Value>, ApiError> {

@@ -7,13 +7,15 @@
 //! (what a reload replaces), the reloader, and the counters.
 
 use super::reload::Reloader;
-use super::{auth, listener, metrics, pool};
+use super::{auth, listener, metrics};
 use crate::config::{self, RouterMode};
 use crate::engine_events::decode::DecodeSettings;
 use crate::engine_events::subscriber::SubscriberOptions;
 use crate::engine_events::EngineEvents;
+use crate::gateway::RequestPath;
 use crate::loader::Loader;
 use crate::router::ingest::Ingest;
+use crate::router::pool;
 use crate::router::Router;
 use crate::snapshot::Snapshot;
 use arc_swap::ArcSwap;
@@ -29,7 +31,7 @@ pub struct App {
     /// The one path KV events take into the index (batched, bounded).
     pub ingest: Ingest,
     /// Where bookings run, off the async runtime's workers.
-    pub bookings: pool::BookingPool,
+    pub bookings: Arc<pool::BookingPool>,
     /// Shared with the guards, which read its tokens on every request.
     pub snapshot: Arc<ArcSwap<Snapshot>>,
     pub reloader: Reloader,
@@ -39,7 +41,10 @@ pub struct App {
     /// Where the router listens, for the guards of an unauthenticated router.
     pub exposure: auth::Exposure,
     /// The front door's upstream client, worker health and counters.
-    pub gateway: crate::gateway::Gateway,
+    pub gateway: Arc<crate::gateway::Gateway>,
+    /// What the request path reads (the router, ingest, bookings, snapshot and
+    /// gateway above, shared), for the front door and the endpoint picker.
+    pub path: RequestPath,
     /// `endpoint_picker:` as the config had it at start (the gRPC listener's).
     pub endpoint_picker: Option<config::EndpointPickerConfig>,
     /// `replication:` as configured at start (fixed until restart).
@@ -93,8 +98,9 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let threads = options.booking_threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
     });
-    let bookings =
-        pool::BookingPool::new(threads, BOOKING_QUEUE).map_err(|e| startup("booking", e))?;
+    let bookings = Arc::new(
+        pool::BookingPool::new(threads, BOOKING_QUEUE).map_err(|e| startup("booking", e))?,
+    );
     let engine_events = Arc::new(EngineEvents::new(
         Arc::clone(&router),
         ingest.clone(),
@@ -118,9 +124,9 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
                 .collect(),
         ));
     }
-    let gateway = crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
+    let gateway = Arc::new(crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
         config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
-    })?;
+    })?);
     let hook_events = Arc::clone(&engine_events);
     let hook_router = Arc::clone(&router);
     let _ = reloader
@@ -128,6 +134,19 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         .set(Box::new(move |config: &config::Config| {
             hook_events.apply_config(&hook_router, &config.kv_events, &config.workers)
         }));
+    let snapshot = Arc::new(ArcSwap::from_pointee(snapshot));
+    let metrics = Arc::new(metrics::Metrics::default());
+    let counted = Arc::clone(&metrics);
+    let path = RequestPath {
+        router: Arc::clone(&router),
+        ingest: ingest.clone(),
+        bookings: Arc::clone(&bookings),
+        snapshot: Arc::clone(&snapshot),
+        gateway: Arc::clone(&gateway),
+        on_booked: Arc::new(move |booking| {
+            counted.booked(booking, booking.hint.message().is_some())
+        }),
+    };
     Ok(Arc::new(App {
         endpoint_picker: config.endpoint_picker.clone(),
         plugins_dir: config
@@ -138,14 +157,15 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         router,
         ingest,
         bookings,
-        snapshot: Arc::new(ArcSwap::from_pointee(snapshot)),
+        snapshot,
         reloader,
-        metrics: Arc::new(metrics::Metrics::default()),
+        metrics,
         engine_events,
         exposure: auth::Exposure {
             loopback: options.listen.ip().is_loopback(),
         },
         gateway,
+        path,
         replication_config: config.replication.clone(),
         replication: std::sync::OnceLock::new(),
         listen: std::sync::OnceLock::new(),

@@ -3,14 +3,14 @@
 //! the HTTP API when the config has `endpoint_picker:`.
 //!
 //! Envoy does the forwarding; kvhint does what its own front door does before it
-//! (`service::gateway::book_body`, the same function): read the body, render and
+//! (`gateway::dispatch`, the same function): read the body, render and
 //! tokenize, book, splice the hint where the engine takes it. One gRPC stream is
 //! one HTTP request, in full-duplex streamed body mode:
 //!
 //! ```text
 //! Envoy                                   kvhint
 //! request headers ───────────────────────► (:path names the route; subset hint read)
-//! request body chunks … end_of_stream ───► book_body on a booking thread
+//! request body chunks … end_of_stream ───► dispatch on a booking thread
 //!     ◄── headers response: x-gateway-destination-endpoint (+ envoy.lb metadata),
 //!         the adapter's headers, content-length removed if the body changed
 //!     ◄── the (spliced) body, in chunks, the last with end_of_stream
@@ -22,13 +22,14 @@
 //! No eligible worker answers 503, a full queue or too many open bookings 429,
 //! both as Envoy immediate responses with OpenAI's error body.
 
-use super::gateway::{book_body, count_hint, wait_for_prefix, Booked};
-use super::App;
+use super::metrics::Metrics;
 use crate::config::EndpointPickerConfig;
 use crate::domain::{HttpTarget, WorkerKey};
 use crate::gateway::adapter::Route;
+use crate::gateway::dispatch::{count_hint, dispatch, wait_for_prefix, Attempt, Body, Booked};
 use crate::gateway::stats::Release;
 use crate::gateway::GatewayError;
+use crate::gateway::RequestPath;
 use axum::http::StatusCode;
 use envoy_types::pb::envoy::config::core::v3::{
     header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption, Metadata,
@@ -68,7 +69,9 @@ const QUEUE: usize = 16;
 
 /// The ext_proc service.
 pub struct Picker {
-    app: Arc<App>,
+    path: RequestPath,
+    /// Where its refusals are counted, as the HTTP API's are.
+    metrics: Arc<Metrics>,
     config: EndpointPickerConfig,
     /// Streams open now (`endpoint_picker.max_streams`).
     streams: Arc<AtomicU64>,
@@ -120,7 +123,8 @@ impl Drop for Held {
 /// The gRPC server on `listener` (ext_proc and `grpc.health.v1.Health`) until
 /// `shutdown` resolves.
 pub async fn serve(
-    app: Arc<App>,
+    path: RequestPath,
+    metrics: Arc<Metrics>,
     config: EndpointPickerConfig,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send,
@@ -130,9 +134,10 @@ pub async fn serve(
     reporter
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let readiness = tokio::spawn(readiness(Arc::clone(&app), reporter));
+    let readiness = tokio::spawn(readiness(path.clone(), reporter));
     let picker = Picker {
-        app,
+        path,
+        metrics,
         config,
         streams: Arc::default(),
         buffered: Arc::default(),
@@ -152,14 +157,14 @@ pub async fn serve(
 /// Readiness: SERVING while at least one worker with an HTTP endpoint is
 /// healthy (a request could be booked), NOT_SERVING otherwise; checked each
 /// second.
-async fn readiness(app: Arc<App>, reporter: tonic_health::server::HealthReporter) {
+async fn readiness(path: RequestPath, reporter: tonic_health::server::HealthReporter) {
     let mut last = None;
     loop {
-        let ready = app
+        let ready = path
             .router
             .workers()
             .iter()
-            .any(|(worker, _)| worker.http.is_some() && app.gateway.health.admits(worker.key));
+            .any(|(worker, _)| worker.http.is_some() && path.gateway.health.admits(worker.key));
         if last != Some(ready) {
             let status = if ready {
                 tonic_health::ServingStatus::Serving
@@ -199,7 +204,8 @@ impl ExternalProcessor for Picker {
                 here: 0,
             },
             body_deadline: None,
-            app: Arc::clone(&self.app),
+            path: self.path.clone(),
+            metrics: Arc::clone(&self.metrics),
             config: self.config.clone(),
             tx,
             received: Instant::now(),
@@ -227,7 +233,8 @@ struct Exchange {
     /// When the request's body must have ended (set at its headers, cleared
     /// once it has).
     body_deadline: Option<Instant>,
-    app: Arc<App>,
+    path: RequestPath,
+    metrics: Arc<Metrics>,
     config: EndpointPickerConfig,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     received: Instant,
@@ -303,14 +310,14 @@ impl Exchange {
                         );
                         self.refuse(error).await
                     } else if body.end_of_stream {
-                        self.book(true).await
+                        self.dispatch(true).await
                     } else {
                         Ok(())
                     }
                 }
                 processing_request::Request::RequestTrailers(_) => {
                     // The body ended without end_of_stream: trailers follow it.
-                    match self.book(false).await {
+                    match self.dispatch(false).await {
                         Ok(()) => {
                             self.send(processing_response::Response::RequestTrailers(
                                 TrailersResponse::default(),
@@ -421,17 +428,17 @@ impl Exchange {
     }
 
     /// The whole body is here: book, then send the headers' answer and the body.
-    async fn book(&mut self, end_of_stream: bool) -> Result<(), Stop> {
+    async fn dispatch(&mut self, end_of_stream: bool) -> Result<(), Stop> {
         let Some(route) = self.route else {
             return Err(Stop);
         };
         if self.booked.is_some() {
             return Ok(());
         }
-        let snapshot = self.app.snapshot.load_full();
-        let request_id = self.app.gateway.request_id();
+        let snapshot = self.path.snapshot.load_full();
+        let request_id = self.path.gateway.request_id();
         let job = {
-            let app = Arc::clone(&self.app);
+            let path = self.path.clone();
             let body = std::mem::take(&mut self.body);
             self.body_deadline = None;
             self.held.release();
@@ -439,36 +446,42 @@ impl Exchange {
             let snapshot = Arc::clone(&snapshot);
             let request_id = request_id.clone();
             let most = self.config.fallbacks as usize;
-            move || -> Result<(Booked, Vec<u8>, Vec<String>), GatewayError> {
+            move || -> Result<(Booked, Vec<String>), GatewayError> {
                 let allowed = subset
                     .as_ref()
                     .map(|subset| move |target: &HttpTarget| in_subset(subset, &target.authority));
                 let allowed_ref = allowed
                     .as_ref()
                     .map(|f| f as &(dyn Fn(&HttpTarget) -> bool + Sync));
-                let booked = book_body(
-                    &app,
-                    &snapshot,
+                let text: Arc<str> = std::str::from_utf8(&body)
+                    .map_err(|_| GatewayError::not_utf8())?
+                    .into();
+                let attempt = Attempt {
                     route,
-                    &body,
-                    &request_id,
-                    &[],
-                    None,
-                    allowed_ref,
-                )?;
-                let fallbacks = fallbacks(&app, &booked, route, allowed_ref, most);
-                Ok((booked, body, fallbacks))
+                    request_id: &request_id,
+                    tried: &[],
+                    prepared: None,
+                    allowed: allowed_ref,
+                };
+                let booked = dispatch(&path, &snapshot, Body::Text(text), attempt)?;
+                let fallbacks = fallbacks(&path, &booked, route, allowed_ref, most);
+                Ok((booked, fallbacks))
             }
         };
-        let result = self.app.bookings.run(job).await.map_err(GatewayError::from);
-        let (booked, original, fallbacks) = match result {
+        let result = self
+            .path
+            .bookings
+            .run(job)
+            .await
+            .map_err(GatewayError::from);
+        let (booked, fallbacks) = match result {
             Ok(Ok(done)) => done,
             Ok(Err(error)) | Err(error) => return self.refuse(error).await,
         };
-        count_hint(&self.app, &booked.forward, booked.engine);
+        count_hint(&self.path.gateway, &booked.forward, booked.engine);
         if let Some(gate) = booked.wait_for.as_deref() {
-            let settings = self.app.snapshot.load().gateway.clone();
-            if !wait_for_prefix(&self.app, gate, booked.cached_tokens, &settings).await {
+            let settings = self.path.snapshot.load().gateway.clone();
+            if !wait_for_prefix(&self.path.gateway, gate, booked.cached_tokens, &settings).await {
                 booked.guard.sent_while_busy();
             }
         }
@@ -483,7 +496,7 @@ impl Exchange {
             set.push(set_header(name, value));
         }
         set.push(set_header("x-kvhint-request-id", booked.guard.request_id()));
-        let changed = booked.forward.body != original;
+        let changed = booked.forward.body != booked.body.text().as_bytes();
         let mutation = HeaderMutation {
             set_headers: set,
             // A changed body goes chunked: its old length would be a lie.
@@ -555,19 +568,19 @@ impl Exchange {
         let mut set = Vec::new();
         if let Some(booked) = &self.booked {
             let key = booked.worker;
-            let settings = &self.app.snapshot.load().gateway;
+            let settings = &self.path.snapshot.load().gateway;
             if status == 429 || status >= 500 {
-                self.app.gateway.health.request_failed(
+                self.path.gateway.health.request_failed(
                     key,
                     settings.circuit_failures,
                     settings.circuit_open_ms,
                     format!("it answered {status} (through the proxy)"),
                 );
             } else {
-                self.app.gateway.health.request_succeeded(key);
+                self.path.gateway.health.request_succeeded(key);
             }
             let now = Instant::now();
-            self.app.gateway.stats.answered(
+            self.path.gateway.stats.answered(
                 &booked.prepared.model.name,
                 key,
                 status,
@@ -603,8 +616,8 @@ impl Exchange {
     /// Answers Envoy with an error response in OpenAI's shape, counted as the
     /// front door counts its refusals; the exchange ends.
     async fn refuse(&mut self, error: GatewayError) -> Result<(), Stop> {
-        self.app.gateway.stats.refused(error.status.as_u16());
-        self.app.metrics.error(error.code);
+        self.path.gateway.stats.refused(error.status.as_u16());
+        self.metrics.error(error.code);
         let body = serde_json::to_vec(&error.body()).unwrap_or_default();
         let _ = self
             .send(processing_response::Response::ImmediateResponse(
@@ -633,7 +646,7 @@ impl Exchange {
         booked.guard.finish(reason);
         let key: WorkerKey = booked.worker;
         let duration = self.received.elapsed();
-        self.app
+        self.path
             .gateway
             .stats
             .ended(&booked.prepared.model.name, key, duration, None);
@@ -656,14 +669,14 @@ impl Exchange {
 /// retries): healthy, serving the model and route, allowed by the subset hint,
 /// at another address; in the router's order.
 fn fallbacks(
-    app: &App,
+    path: &RequestPath,
     booked: &Booked,
     route: Route,
     allowed: crate::gateway::Allowed<'_>,
     most: usize,
 ) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
-    for (worker, _) in app.router.workers() {
+    for (worker, _) in path.router.workers() {
         if out.len() >= most {
             break;
         }
@@ -675,7 +688,7 @@ fn fallbacks(
             || !http.serves(&booked.prepared.model.name)
             || !route.served_by(http.engine)
             || !allowed.is_none_or(|allowed| allowed(http))
-            || !app.gateway.health.admits(worker.key)
+            || !path.gateway.health.admits(worker.key)
             || out.iter().any(|a| **a == *http.authority)
         {
             continue;

@@ -4,8 +4,8 @@
 //! gets, at this door and at the OpenAI doors, is one table:
 //! `gateway::error::row`.
 
-use super::pool::Overloaded;
 use crate::gateway::error::{self, GatewayError};
+use crate::router::pool::Overloaded;
 use crate::router::RouterError;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -60,13 +60,6 @@ impl From<Overloaded> for ApiError {
     }
 }
 
-/// The same, at the OpenAI doors.
-impl From<Overloaded> for GatewayError {
-    fn from(_: Overloaded) -> Self {
-        GatewayError::overloaded()
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({ "error": self.code, "detail": self.detail });
@@ -109,14 +102,11 @@ pub fn openai_response(error: GatewayError) -> Response {
     response.extensions_mut().insert(ErrorCode(error.code));
     response
         .extensions_mut()
-        .insert(super::gateway::Refusal(error.message));
+        .insert(crate::gateway::access_log::Refusal(error.message));
     response
 }
 
-/// The code of the error a response answers, as `kvhint_errors_total` counts it:
-/// every error answer carries it, whichever shape its body takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ErrorCode(pub &'static str);
+pub use crate::gateway::error::ErrorCode;
 
 /// Counts each error answer by its code: the one place API errors are counted,
 /// so a handler cannot forget to (the ext_proc listener counts its own, outside
@@ -213,7 +203,7 @@ mod tests {
         assert_eq!(
             response
                 .extensions()
-                .get::<super::super::gateway::Refusal>()
+                .get::<crate::gateway::access_log::Refusal>()
                 .map(|r| r.0.as_str()),
             Some("no token")
         );

@@ -15,7 +15,6 @@ pub mod error;
 pub mod gateway;
 pub mod listener;
 pub mod metrics;
-pub mod pool;
 pub mod reload;
 pub mod status;
 mod watch;
@@ -51,8 +50,8 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
         .route("/workers", post(api::register_worker))
         .route("/kv_events", post(api::kv_event));
     let client = axum::Router::new()
-        .route("/book", post(api::book))
-        .route("/release", post(api::release));
+        .route("/book", post(api::create_booking))
+        .route("/release", post(api::release_booking));
     // The front door: the client token class guards it too, and its errors take
     // OpenAI's shape (the guard's included).
     let front_door = axum::Router::new()
@@ -76,7 +75,9 @@ pub fn routes(app: Arc<App>, max_body_bytes: usize) -> axum::Router {
         .merge(
             guarded(front_door, Some(Caller::Client))
                 .layer(axum::middleware::map_response(error::openai_shape))
-                .layer(axum::middleware::from_fn(gateway::access_log)),
+                .layer(axum::middleware::from_fn(
+                    crate::gateway::access_log::access_log,
+                )),
         )
         .merge(guarded(open, None))
         .fallback(|| async {
@@ -268,7 +269,7 @@ pub async fn serve(
         }
     });
     let sweeper = tokio::spawn(expire_bookings(Arc::clone(&app)));
-    let health = tokio::spawn(gateway::health_checks(Arc::clone(&app)));
+    let health = tokio::spawn(crate::gateway::checks::health_checks(app.path.clone()));
     let picker = start_endpoint_picker(&options, &app).await?;
 
     let connection_counts = Arc::clone(&app.metrics.connections);
@@ -347,12 +348,13 @@ async fn start_endpoint_picker(
     println!("endpoint picker listening on {address}");
     tracing::info!(%address, "kvhint endpoint picker (Envoy ext_proc) serving");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let app = Arc::clone(app);
+    let (path, metrics) = (app.path.clone(), Arc::clone(&app.metrics));
     let task = tokio::spawn(async move {
         let shutdown = async {
             let _ = stopped.await;
         };
-        if let Err(error) = endpoint_picker::serve(app, config, listener, shutdown).await {
+        if let Err(error) = endpoint_picker::serve(path, metrics, config, listener, shutdown).await
+        {
             tracing::error!(%error, "the endpoint picker's gRPC server stopped");
         }
     });
