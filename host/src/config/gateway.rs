@@ -103,7 +103,7 @@ impl HealthConfig {
         self.paths
             .iter()
             .find(|(e, _)| *e == engine)
-            .map_or("/health", |(_, path)| path.as_str())
+            .map_or(engine.facts().health_path, |(_, path)| path.as_str())
     }
 }
 
@@ -436,10 +436,15 @@ fn configured(
             }
         }
     });
+    // "vllm, sglang, … or openai", from the engine table.
+    let engines = match Engine::NAMES.split_last() {
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
     let engine = required(
         walker,
         "engine",
-        "which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
+        &format!("which adapter talks to it: {engines}"),
     )
     .and_then(|n| {
         walker.one_of(
