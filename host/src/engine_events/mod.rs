@@ -472,26 +472,22 @@ impl EngineEvents {
             .collect();
         let mut failures = Vec::new();
         let mut wanted = Vec::new();
-        for configured in &config.sources {
-            for dp_rank in 0..configured.dp_size {
+        for listed in listed(config, workers) {
+            let Listed {
+                list,
+                line,
+                dp_size,
+                registration,
+            } = listed;
+            for dp_rank in 0..dp_size {
                 let worker = WorkerKey {
-                    worker_id: configured.worker_id,
+                    worker_id: registration.worker_id,
                     dp_rank,
                 };
                 wanted.push(worker);
                 let registration = WorkerRegistration {
-                    worker_id: worker.worker_id,
                     dp_rank,
-                    role: configured.role,
-                    runtime_data: configured.runtime_data.clone(),
-                    kv_events: Some(crate::domain::event_source::KvEvents::Source(
-                        configured.source.clone(),
-                    )),
-                    http_endpoint: None,
-                    engine: None,
-                    models: Vec::new(),
-                    kv_capacity_tokens: None,
-                    api_key: None,
+                    ..registration.clone()
                 };
                 let result = self
                     .register_locked(router, registration, Origin::Config)
@@ -500,50 +496,12 @@ impl EngineEvents {
                     tracing::error!(
                         worker_id = worker.worker_id,
                         dp_rank,
-                        line = configured.at.line,
-                        "kv_events.sources: {problem}"
+                        line,
+                        "{list}: {problem}"
                     );
                     failures.push(format!(
-                        "kv_events.sources: line {}: worker {} rank {dp_rank}: {problem}",
-                        configured.at.line, worker.worker_id
-                    ));
-                }
-            }
-        }
-        // `workers:`: engines the gateway forwards to, registered as a worker's
-        // registration would be, with their KV-event source if they name one.
-        for configured in workers {
-            for dp_rank in 0..configured.dp_size {
-                let worker = WorkerKey {
-                    worker_id: configured.worker_id,
-                    dp_rank,
-                };
-                wanted.push(worker);
-                let registration = WorkerRegistration {
-                    worker_id: worker.worker_id,
-                    dp_rank,
-                    role: configured.role,
-                    runtime_data: configured.runtime_data.clone(),
-                    kv_events: configured.kv_events.clone(),
-                    http_endpoint: Some(configured.http_endpoint.clone()),
-                    engine: Some(configured.engine),
-                    models: configured.models.clone(),
-                    kv_capacity_tokens: configured.kv_capacity_tokens,
-                    api_key: configured.api_key.clone(),
-                };
-                let result = self
-                    .register_locked(router, registration, Origin::Config)
-                    .map_err(|e| e.to_string());
-                if let Err(problem) = result {
-                    tracing::error!(
-                        worker_id = worker.worker_id,
-                        dp_rank,
-                        line = configured.at.line,
-                        "workers: {problem}"
-                    );
-                    failures.push(format!(
-                        "workers: line {}: worker {} rank {dp_rank}: {problem}",
-                        configured.at.line, worker.worker_id
+                        "{list}: line {line}: worker {} rank {dp_rank}: {problem}",
+                        worker.worker_id
                     ));
                 }
             }
@@ -557,4 +515,56 @@ impl EngineEvents {
         }
         failures
     }
+}
+
+/// A worker the config lists, as its rank 0 would register.
+struct Listed {
+    /// The list it is in, as its errors name it.
+    list: &'static str,
+    line: usize,
+    dp_size: u32,
+    registration: WorkerRegistration,
+}
+
+/// The workers the config lists, in order: `kv_events.sources` (subscribed to
+/// only), then `workers:` (engines the gateway forwards to, with their KV-event
+/// source if they name one), each registered as a worker's registration would be.
+fn listed(config: &KvEventsConfig, workers: &[crate::config::ConfiguredWorker]) -> Vec<Listed> {
+    let sources = config.sources.iter().map(|configured| Listed {
+        list: "kv_events.sources",
+        line: configured.at.line,
+        dp_size: configured.dp_size,
+        registration: WorkerRegistration {
+            worker_id: configured.worker_id,
+            dp_rank: 0,
+            role: configured.role,
+            runtime_data: configured.runtime_data.clone(),
+            kv_events: Some(crate::domain::event_source::KvEvents::Source(
+                configured.source.clone(),
+            )),
+            http_endpoint: None,
+            engine: None,
+            models: Vec::new(),
+            kv_capacity_tokens: None,
+            api_key: None,
+        },
+    });
+    let workers = workers.iter().map(|configured| Listed {
+        list: "workers",
+        line: configured.at.line,
+        dp_size: configured.dp_size,
+        registration: WorkerRegistration {
+            worker_id: configured.worker_id,
+            dp_rank: 0,
+            role: configured.role,
+            runtime_data: configured.runtime_data.clone(),
+            kv_events: configured.kv_events.clone(),
+            http_endpoint: Some(configured.http_endpoint.clone()),
+            engine: Some(configured.engine),
+            models: configured.models.clone(),
+            kv_capacity_tokens: configured.kv_capacity_tokens,
+            api_key: configured.api_key.clone(),
+        },
+    });
+    sources.chain(workers).collect()
 }
