@@ -21,7 +21,8 @@ mod watch;
 use crate::config::{self, RouterMode};
 use crate::engine_events::decode::DecodeSettings;
 use crate::engine_events::subscriber::SubscriberOptions;
-use crate::engine_events::{AttachError, EngineEvents, MembershipError, Origin};
+use crate::engine_events::{AttachError, EngineEvents};
+use crate::fleet::{Fleet, MembershipError, Origin};
 use crate::loader::Loader;
 use crate::router::ingest::Ingest;
 use crate::router::workers::WorkerRegistration;
@@ -59,6 +60,8 @@ pub struct App {
     pub metrics: Arc<metrics::Metrics>,
     /// Subscriptions to engines' KV-event publishers.
     pub engine_events: Arc<EngineEvents>,
+    /// The workers and their subscriptions, changed together.
+    pub fleet: Arc<Fleet>,
     /// Where the router listens, for the guards of an unauthenticated router.
     pub exposure: auth::Exposure,
     /// The front door's upstream client, worker health and counters.
@@ -191,8 +194,8 @@ async fn register_worker(
         ));
     }
     let new = app
-        .engine_events
-        .register(&app.router, registration, Origin::Registration)
+        .fleet
+        .register(registration, Origin::Registration)
         .map_err(membership_error)?;
     let status = if new {
         StatusCode::CREATED
@@ -271,7 +274,7 @@ async fn deregister_worker(
     })?;
     let Query(RankQuery { dp_rank }) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let key = crate::domain::WorkerKey { worker_id, dp_rank };
-    app.engine_events.deregister(&app.router, key)?;
+    app.fleet.deregister(key)?;
     Ok(Json(
         json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
     ))
@@ -449,7 +452,8 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         },
     ));
     engine_events.set_max_sources(config.kv_events.max_sources as usize);
-    let failures = engine_events.apply_config(&router, &config.kv_events, &config.workers);
+    let fleet = Arc::new(Fleet::new(Arc::clone(&router), Arc::clone(&engine_events)));
+    let failures = fleet.apply_config(&config.kv_events, &config.workers);
     if !failures.is_empty() {
         return Err(config::ConfigErrors(
             failures
@@ -461,12 +465,11 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let gateway = crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
         config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
     })?;
-    let hook_events = Arc::clone(&engine_events);
-    let hook_router = Arc::clone(&router);
+    let hook_fleet = Arc::clone(&fleet);
     let _ = reloader
         .on_reload
         .set(Box::new(move |config: &config::Config| {
-            hook_events.apply_config(&hook_router, &config.kv_events, &config.workers)
+            hook_fleet.apply_config(&config.kv_events, &config.workers)
         }));
     Ok(Arc::new(App {
         endpoint_picker: config.endpoint_picker.clone(),
@@ -482,6 +485,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         reloader,
         metrics: Arc::new(metrics::Metrics::default()),
         engine_events,
+        fleet,
         exposure: auth::Exposure {
             loopback: options.listen.ip().is_loopback(),
         },
