@@ -648,6 +648,26 @@ mod tests {
         .unwrap()
     }
 
+    /// Each engine's row is at its index, its name parses back to it, and serde
+    /// (registrations' `engine`) spells it as the table does.
+    #[test]
+    fn every_engine_is_one_row_whose_name_parses_back_and_serde_agrees() {
+        assert_eq!(
+            Engine::NAMES,
+            ["vllm", "sglang", "trtllm", "llamacpp", "openai"]
+        );
+        for (i, engine) in Engine::ALL.into_iter().enumerate() {
+            assert_eq!(engine.index(), i);
+            assert_eq!(engine.facts().engine, engine);
+            assert_eq!(Engine::parse(engine.as_str()), Some(engine));
+            assert_eq!(
+                serde_json::to_value(engine).unwrap(),
+                serde_json::json!(engine.as_str())
+            );
+        }
+        assert_eq!(Engine::parse("tgi"), None);
+    }
+
     #[test]
     fn kvhint_endpoint_plugin_is_a_flag_on_the_http_target() {
         let plugin = |data| {

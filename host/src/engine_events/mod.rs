@@ -285,7 +285,7 @@ impl EngineEvents {
         if let Some(old) = sources.remove(&worker) {
             // Its thread closes its sockets within a poll (every wait of the thread
             // checks the flag) and stays counted in `alive` until it has. It is not
-            // joined here: this runs on the API's threads, under the membership lock.
+            // joined here: this runs on the API's threads, under the fleet's membership lock.
             old.shared.stop.store(true, Ordering::Relaxed);
             old.shared.stats.set_state(SourceState::Stopped);
         }
