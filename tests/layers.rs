@@ -45,9 +45,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     // The data plane: KV index, workers, load, bookings.
     ("router", &["router"]),
-    // What feeds the router: engines' KV events, the other replicas' load, and the
-    // request path to the workers (booking, adapters, forwarding, health).
-    ("feeds", &["engine_events", "replication", "gateway"]),
+    // What feeds the router: engines' KV events, its workers coming and going (the
+    // fleet: registrations and the config's lists, each with its subscription), the
+    // other replicas' load, and the request path to the workers (booking, adapters,
+    // forwarding, health).
+    (
+        "feeds",
+        &["engine_events", "fleet", "replication", "gateway"],
+    ),
     // The doors: what the world calls (the HTTP service and the endpoint picker,
     // the API's wire shapes, `check`'s and `plugins`' report, the offline replay,
     // and `testing`, the internals the end-to-end tests reach). A door may import

@@ -15,9 +15,10 @@
 //!    [`hints`] → [`envelope`], and the [`snapshot`] holding them per role.
 //! 5. **router**: [`router`], the data plane. It describes a booking to the policy
 //!    stages in plain views; only the stages build the ABI's records.
-//! 6. **feeds**, what drives the router: [`engine_events`], [`replication`] (load
-//!    shared between replicas over NATS), [`gateway`] (the request path to the
-//!    workers).
+//! 6. **feeds**, what drives the router: [`engine_events`], [`fleet`] (which
+//!    workers the router has: registration, deregistration and the config's
+//!    listed workers, each with its subscription), [`replication`] (load shared
+//!    between replicas over NATS), [`gateway`] (the request path to the workers).
 //! 7. **doors**, where the world reaches it: [`service`], [`wire`], [`report`]
 //!    (what `check` and `plugins` print), [`replay`]; [`testing`], the few
 //!    internals the end-to-end tests reach; and `main.rs`, the CLI, which nothing
@@ -52,6 +53,7 @@ pub mod router;
 
 // 6. feeds
 pub mod engine_events;
+pub mod fleet;
 pub mod gateway;
 pub mod replication;
 

@@ -3,7 +3,8 @@
 //! forwards to, for fleets with no registration step; followed on reload like
 //! `kv_events.sources`) and `gateway:` (timeouts, retries, health checks).
 
-use super::yaml::{join, key_location, location, node_location, to_json, Walker};
+use super::fleet;
+use super::yaml::{join, location, node_location, to_json, Walker};
 use super::Location;
 use crate::domain::event_source::{Endpoints, KvEventSource, KvEvents};
 use crate::domain::{parse_http_endpoint, ApiKey, Engine, Role};
@@ -103,7 +104,7 @@ impl HealthConfig {
         self.paths
             .iter()
             .find(|(e, _)| *e == engine)
-            .map_or("/health", |(_, path)| path.as_str())
+            .map_or(engine.facts().health_path, |(_, path)| path.as_str())
     }
 }
 
@@ -331,33 +332,26 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
 }
 
 pub(super) fn workers(walker: &mut Walker, node: &Node, base: &Path) -> Vec<ConfiguredWorker> {
-    let mut out: Vec<ConfiguredWorker> = Vec::new();
     let Some(items) = node.as_sequence() else {
         walker.error(
             node_location("workers", node),
             "`workers` is a list of engines to forward to, each with worker_id, role, \
              http_endpoint, engine and models",
         );
-        return out;
+        return Vec::new();
     };
-    for (i, item) in items.iter().enumerate() {
-        let Some(worker) = configured(walker, item, &format!("workers[{i}]"), base) else {
-            continue;
-        };
-        if let Some(other) = out.iter().find(|w| w.worker_id == worker.worker_id) {
-            walker.error(
-                worker.at.clone(),
-                format!(
-                    "worker_id {} is listed twice (first at line {}); list each worker once, \
-                     with `dp_size` for its ranks",
-                    worker.worker_id, other.at.line
-                ),
-            );
-            continue;
-        }
-        out.push(worker);
+    fleet::entries(walker, items.iter(), "workers", |walker, item, path| {
+        configured(walker, item, path, base)
+    })
+}
+
+impl fleet::Listed for ConfiguredWorker {
+    fn worker_id(&self) -> u64 {
+        self.worker_id
     }
-    out
+    fn at(&self) -> &Location {
+        &self.at
+    }
 }
 
 fn configured(
@@ -366,16 +360,16 @@ fn configured(
     path: &str,
     base: &Path,
 ) -> Option<ConfiguredWorker> {
-    let at = node_location(path, node);
-    let map = walker.mapping(node, path)?;
-    walker.known_keys(
-        map,
+    let kind = fleet::EntryKind {
+        noun: "worker",
+        role_required: false,
+    };
+    let entry = fleet::Entry::open(
+        walker,
+        node,
         path,
+        kind,
         &[
-            "worker_id",
-            "dp_size",
-            "role",
-            "runtime_data",
             "http_endpoint",
             "engine",
             "models",
@@ -383,41 +377,16 @@ fn configured(
             "kv_capacity_tokens",
             "api_key_file",
         ],
-    );
+    )?;
+    let (map, at) = (entry.map, entry.at.clone());
     let errors_before = walker.errors.len();
-    let required = |walker: &mut Walker, key: &str, what: &str| -> Option<&Node> {
-        let node = map.get_node(key);
-        if node.is_none() {
-            walker.error(at.clone(), format!("a worker needs `{key}`: {what}"));
-        }
-        node
-    };
-    let worker_id = required(walker, "worker_id", "the worker id bookings name it by")
-        .and_then(|n| walker.unsigned(n, &join(path, "worker_id"), 0, u64::MAX));
-    let dp_size = match map.get_node("dp_size") {
-        Some(n) => walker
-            .unsigned(n, &join(path, "dp_size"), 1, 1024)
-            .map(|n| n as u32),
-        None => Some(1),
-    };
-    let role = match map.get_node("role") {
-        Some(n) => walker.one_of(n, &join(path, "role"), "role", Role::NAMES, Role::parse),
-        None => Some(Role::Aggregated),
-    };
-    let runtime_data = match map.get_node("runtime_data") {
-        None => Some(serde_json::Map::new()),
-        Some(n) => match to_json(n) {
-            serde_json::Value::Object(m) => Some(m),
-            _ => {
-                walker.error(
-                    key_location(&join(path, "runtime_data"), map, "runtime_data"),
-                    "`runtime_data` is a mapping (Dynamo's keys: router_hint, \
-                     router_hint_worker_type, router_hint_source_control_endpoints)",
-                );
-                None
-            }
-        },
-    };
+    let required = |walker: &mut Walker, key: &str, what: &str| entry.required(walker, key, what);
+    let fleet::Membership {
+        worker_id,
+        dp_size,
+        role,
+        runtime_data,
+    } = entry.membership(walker);
     let http_endpoint = required(
         walker,
         "http_endpoint",
@@ -436,10 +405,15 @@ fn configured(
             }
         }
     });
+    // "vllm, sglang, … or openai", from the engine table.
+    let engines = match Engine::NAMES.split_last() {
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
     let engine = required(
         walker,
         "engine",
-        "which adapter talks to it: vllm, sglang, trtllm, llamacpp or openai",
+        &format!("which adapter talks to it: {engines}"),
     )
     .and_then(|n| {
         walker.one_of(

@@ -1,7 +1,8 @@
 //! `kv_events:`: which engine blocks count, how subscriptions are tuned, and the
 //! sources of fleets that have no registration step.
 
-use super::yaml::{join, key_location, location, node_location, to_json, Walker};
+use super::fleet;
+use super::yaml::{join, key_location, location, Walker};
 use super::Location;
 use crate::domain::event_source::{Endpoints, KvEventSource};
 use crate::domain::{Role, ThreadPolicy};
@@ -117,26 +118,7 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
     if let Some(node) = map.get_node("sources") {
         match node.as_sequence() {
             Some(items) => {
-                for (i, item) in items.iter().enumerate() {
-                    if let Some(source) =
-                        configured(walker, item, &format!("kv_events.sources[{i}]"))
-                    {
-                        if let Some(other) =
-                            out.sources.iter().find(|s| s.worker_id == source.worker_id)
-                        {
-                            walker.error(
-                                source.at.clone(),
-                                format!(
-                                    "worker_id {} is listed twice (first at line {}); list each \
-                                     worker once, with `dp_size` for its ranks",
-                                    source.worker_id, other.at.line
-                                ),
-                            );
-                            continue;
-                        }
-                        out.sources.push(source);
-                    }
-                }
+                out.sources = fleet::entries(walker, items.iter(), "kv_events.sources", configured)
             }
             None => walker.error(
                 location("kv_events.sources", node.span()),
@@ -160,55 +142,36 @@ pub(super) fn kv_events(walker: &mut Walker, node: &Node) -> KvEventsConfig {
     out
 }
 
+impl fleet::Listed for ConfiguredSource {
+    fn worker_id(&self) -> u64 {
+        self.worker_id
+    }
+    fn at(&self) -> &Location {
+        &self.at
+    }
+}
+
 fn configured(walker: &mut Walker, node: &Node, path: &str) -> Option<ConfiguredSource> {
-    let at = node_location(path, node);
-    let map = walker.mapping(node, path)?;
-    walker.known_keys(
-        map,
+    let kind = fleet::EntryKind {
+        noun: "source",
+        role_required: true,
+    };
+    let entry = fleet::Entry::open(
+        walker,
+        node,
         path,
-        &[
-            "worker_id",
-            "dp_size",
-            "role",
-            "runtime_data",
-            "endpoint",
-            "replay_endpoint",
-            "topic",
-            "bind",
-        ],
-    );
+        kind,
+        &["endpoint", "replay_endpoint", "topic", "bind"],
+    )?;
+    let (map, at) = (entry.map, entry.at.clone());
     let errors_before = walker.errors.len();
-    let required = |walker: &mut Walker, key: &str, what: &str| -> Option<&Node> {
-        let node = map.get_node(key);
-        if node.is_none() {
-            walker.error(at.clone(), format!("a source needs `{key}`: {what}"));
-        }
-        node
-    };
-    let worker_id = required(walker, "worker_id", "the worker id bookings name it by")
-        .and_then(|n| walker.unsigned(n, &join(path, "worker_id"), 0, u64::MAX));
-    let dp_size = match map.get_node("dp_size") {
-        Some(n) => walker
-            .unsigned(n, &join(path, "dp_size"), 1, 1024)
-            .map(|n| n as u32),
-        None => Some(1),
-    };
-    let role = required(walker, "role", "aggregated, prefill or decode")
-        .and_then(|n| walker.one_of(n, &join(path, "role"), "role", Role::NAMES, Role::parse));
-    let runtime_data = match map.get_node("runtime_data") {
-        None => Some(serde_json::Map::new()),
-        Some(n) => match to_json(n) {
-            serde_json::Value::Object(m) => Some(m),
-            _ => {
-                walker.error(
-                    key_location(&join(path, "runtime_data"), map, "runtime_data"),
-                    "`runtime_data` is a mapping (Dynamo's keys: router_hint, \
-                     router_hint_worker_type, router_hint_source_control_endpoints)",
-                );
-                None
-            }
-        },
-    };
+    let required = |walker: &mut Walker, key: &str, what: &str| entry.required(walker, key, what);
+    let fleet::Membership {
+        worker_id,
+        dp_size,
+        role,
+        runtime_data,
+    } = entry.membership(walker);
     let endpoint = required(
         walker,
         "endpoint",

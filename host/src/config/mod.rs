@@ -10,10 +10,12 @@
 //!
 //! This file is the walker of the top-level sections; the typed config it fills
 //! in is `model`, and each larger section has its own walker (`auth`, `gateway`,
-//! `kv_events`, `endpoint_picker`); `yaml` holds what they share.
+//! `kv_events`, `endpoint_picker`); `yaml` holds what they share, and `fleet` what
+//! a `workers:` entry and a `kv_events.sources` entry share.
 
 pub mod auth;
 mod endpoint_picker;
+mod fleet;
 mod gateway;
 mod kv_events;
 mod model;

@@ -199,6 +199,9 @@ impl fmt::Debug for ApiKey {
 
 /// Which adapter talks to a worker's HTTP server: what it takes a pre-tokenized
 /// prompt in, where its request id and dp rank go, and whether a hint can reach it.
+/// What the router knows of each engine is one row of [`Engine::TABLE`]; how a
+/// request is shaped for it is its arm in `gateway::adapter`. A new engine is a
+/// variant here, a row there and an adapter arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
@@ -210,30 +213,136 @@ pub enum Engine {
     Openai,
 }
 
+/// When a request's prompt becomes reusable by another request on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    /// Once it has been prefilled: its first byte (engines that share a
+    /// computed prefix between running requests: vLLM, SGLang, TRT-LLM).
+    FirstByte,
+    /// Once it has ended (llama.cpp: the prompt lives in the request's slot
+    /// until the slot is idle).
+    End,
+}
+
+/// One engine's row of [`Engine::TABLE`]: every fact the router keeps about it
+/// outside the adapter's request shaping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineFacts {
+    pub engine: Engine,
+    /// Its name in configs, registrations, logs and metrics labels.
+    pub name: &'static str,
+    /// When a request's prompt becomes reusable on it (`kv_events: approximate`).
+    pub settle: Settle,
+    /// Where it says its KV capacity over HTTP, if it does (`gateway::capacity`).
+    pub capacity_path: Option<&'static str>,
+    /// The path its workers' health checks ask for unless
+    /// `gateway.health.paths` names another.
+    pub health_path: &'static str,
+}
+
 impl Engine {
-    pub const NAMES: &'static [&'static str] = &["vllm", "sglang", "trtllm", "llamacpp", "openai"];
+    /// Every engine's facts, in the order of the enum's variants (a constant
+    /// check below holds it to that, so a row is found by index).
+    ///
+    /// Settling: llama.cpp's prompt lives in its slot until the request ends;
+    /// vLLM, SGLang and TRT-LLM share computed blocks between running requests;
+    /// an unknown OpenAI-compatible server is taken to be like llama.cpp, the
+    /// longer wait. Capacity: vLLM says it at `/metrics`, SGLang at
+    /// `/server_info`; the others say it nowhere over HTTP (learned instead).
+    pub const TABLE: [EngineFacts; 5] = [
+        EngineFacts {
+            engine: Self::Vllm,
+            name: "vllm",
+            settle: Settle::FirstByte,
+            capacity_path: Some("/metrics"),
+            health_path: "/health",
+        },
+        EngineFacts {
+            engine: Self::Sglang,
+            name: "sglang",
+            settle: Settle::FirstByte,
+            capacity_path: Some("/server_info"),
+            health_path: "/health",
+        },
+        EngineFacts {
+            engine: Self::Trtllm,
+            name: "trtllm",
+            settle: Settle::FirstByte,
+            capacity_path: None,
+            health_path: "/health",
+        },
+        EngineFacts {
+            engine: Self::Llamacpp,
+            name: "llamacpp",
+            settle: Settle::End,
+            capacity_path: None,
+            health_path: "/health",
+        },
+        EngineFacts {
+            engine: Self::Openai,
+            name: "openai",
+            settle: Settle::End,
+            capacity_path: None,
+            health_path: "/health",
+        },
+    ];
+
+    /// Every engine, in the table's order.
+    pub const ALL: [Engine; Self::TABLE.len()] = {
+        let mut all = [Self::Vllm; Self::TABLE.len()];
+        let mut i = 0;
+        while i < all.len() {
+            all[i] = Self::TABLE[i].engine;
+            i += 1;
+        }
+        all
+    };
+
+    /// Every engine's name, in the table's order.
+    pub const NAMES: &'static [&'static str] = &{
+        let mut names = [""; Self::TABLE.len()];
+        let mut i = 0;
+        while i < names.len() {
+            names[i] = Self::TABLE[i].name;
+            i += 1;
+        }
+        names
+    };
+
+    /// This engine's row.
+    pub fn facts(self) -> &'static EngineFacts {
+        &Self::TABLE[self.index()]
+    }
+
+    /// Its position in [`Engine::TABLE`] (and [`Engine::ALL`]), for per-engine arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
 
     pub fn parse(text: &str) -> Option<Self> {
-        match text {
-            "vllm" => Some(Self::Vllm),
-            "sglang" => Some(Self::Sglang),
-            "trtllm" => Some(Self::Trtllm),
-            "llamacpp" => Some(Self::Llamacpp),
-            "openai" => Some(Self::Openai),
-            _ => None,
-        }
+        Self::TABLE
+            .iter()
+            .find(|row| row.name == text)
+            .map(|row| row.engine)
     }
 
     pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-            Self::Trtllm => "trtllm",
-            Self::Llamacpp => "llamacpp",
-            Self::Openai => "openai",
-        }
+        self.facts().name
     }
 }
+
+// Row `i` of the table is the engine whose discriminant is `i`: `facts` and
+// `index` rely on it. A row out of place fails the build here.
+const _: () = {
+    let mut i = 0;
+    while i < Engine::TABLE.len() {
+        assert!(
+            Engine::TABLE[i].engine as usize == i,
+            "Engine::TABLE is out of the enum's order"
+        );
+        i += 1;
+    }
+};
 
 impl fmt::Display for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -537,6 +646,26 @@ mod tests {
             "http_endpoint": "http://127.0.0.1:8000", "engine": "vllm", "models": ["m"],
         }))
         .unwrap()
+    }
+
+    /// Each engine's row is at its index, its name parses back to it, and serde
+    /// (registrations' `engine`) spells it as the table does.
+    #[test]
+    fn every_engine_is_one_row_whose_name_parses_back_and_serde_agrees() {
+        assert_eq!(
+            Engine::NAMES,
+            ["vllm", "sglang", "trtllm", "llamacpp", "openai"]
+        );
+        for (i, engine) in Engine::ALL.into_iter().enumerate() {
+            assert_eq!(engine.index(), i);
+            assert_eq!(engine.facts().engine, engine);
+            assert_eq!(Engine::parse(engine.as_str()), Some(engine));
+            assert_eq!(
+                serde_json::to_value(engine).unwrap(),
+                serde_json::json!(engine.as_str())
+            );
+        }
+        assert_eq!(Engine::parse("tgi"), None);
     }
 
     #[test]

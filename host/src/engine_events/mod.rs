@@ -3,7 +3,8 @@
 //! vLLM, SGLang and TensorRT-LLM's push publisher put every cache change on a ZMQ PUB
 //! socket; this module is how the router hears them. [`EngineEvents`] keeps one
 //! subscriber thread per source ([`subscriber`]), started when a worker registers with
-//! a `kv_events` source or the config lists one, stopped when it goes; each thread
+//! a `kv_events` source or the config lists one, stopped when it goes (`fleet` does
+//! both, with the worker's membership, and this module checks and runs them); each thread
 //! decodes batches ([`decode`]) and hands them to the same ingestion path as
 //! `POST /kv_events`, so engine events and API events are applied in one order.
 //! Threads, not async tasks: libzmq sockets block, and a source's work is a poll, a
@@ -15,9 +16,9 @@ pub(crate) mod subscriber;
 
 use crate::config::KvEventsConfig;
 use crate::domain::event_source::{Endpoints, KvEventSource, SourceError};
-use crate::domain::{WorkerKey, WorkerRegistration};
+use crate::domain::WorkerKey;
 use crate::router::ingest::Ingest;
-use crate::router::{Router, RouterError};
+use crate::router::Router;
 use arc_swap::ArcSwap;
 use decode::DecodeSettings;
 use parking_lot::Mutex;
@@ -78,15 +79,6 @@ pub enum AttachError {
     Spawn(std::io::Error),
 }
 
-/// Why a worker's registration (with its source) was refused; nothing changed.
-#[derive(Debug, thiserror::Error)]
-pub enum MembershipError {
-    #[error(transparent)]
-    Attach(#[from] AttachError),
-    #[error(transparent)]
-    Router(#[from] RouterError),
-}
-
 /// Every engine subscription of one router.
 pub struct EngineEvents {
     context: zmq::Context,
@@ -96,9 +88,6 @@ pub struct EngineEvents {
     /// For subscriptions started from now on (a reload may change them).
     options: ArcSwap<SubscriberOptions>,
     sources: Mutex<BTreeMap<WorkerKey, Running>>,
-    /// Held across a worker's registration and its subscription's start (or stop),
-    /// so concurrent registrations, deregistrations and reloads leave the two agreeing.
-    membership: Mutex<()>,
     /// `kv_events.max_sources`.
     max_sources: AtomicUsize,
     /// The `ipc://` paths this router has bound (libzmq made the socket there).
@@ -150,7 +139,6 @@ impl EngineEvents {
             settings: Arc::new(ArcSwap::from_pointee(settings)),
             options: ArcSwap::from_pointee(options),
             sources: Mutex::new(BTreeMap::new()),
-            membership: Mutex::new(()),
             max_sources: AtomicUsize::new(crate::config::DEFAULT_MAX_SOURCES as usize),
             bound_ipc: Mutex::new(HashSet::new()),
             config_ipc_dirs: Mutex::new(Vec::new()),
@@ -231,90 +219,45 @@ impl EngineEvents {
         Ok(())
     }
 
-    /// Registers a worker and starts, keeps or stops its subscription to match its
-    /// `kv_events`, as one step: a bad source refuses the registration before anything
-    /// changes, and a subscription that cannot start undoes a new registration.
-    /// Returns whether the worker is new.
-    pub fn register(
+    /// Whether `worker` may subscribe to `source` (asked for by `origin`), checked
+    /// before its registration changes anything (`fleet::Fleet::register`): the
+    /// source resolves for its rank; a new or changed source binds no path it may
+    /// not (see `check_bound_path`) nor one another worker binds; and a new source
+    /// fits under `kv_events.max_sources`. The same source again passes.
+    pub fn check_source(
         &self,
-        router: &Router,
-        registration: WorkerRegistration,
+        worker: WorkerKey,
+        source: &KvEventSource,
         origin: Origin,
-    ) -> Result<bool, MembershipError> {
-        let _membership = self.membership.lock();
-        self.register_locked(router, registration, origin)
-    }
-
-    fn register_locked(
-        &self,
-        router: &Router,
-        registration: WorkerRegistration,
-        origin: Origin,
-    ) -> Result<bool, MembershipError> {
-        let key = WorkerKey {
-            worker_id: registration.worker_id,
-            dp_rank: registration.dp_rank,
-        };
-        let source = registration
-            .kv_events
-            .as_ref()
-            .and_then(|k| k.source())
-            .cloned();
-        if let Some(source) = &source {
-            let endpoints = Endpoints::resolve(key.dp_rank, source).map_err(AttachError::from)?;
-            let sources = self.sources.lock();
-            let same = sources.get(&key).is_some_and(|r| r.source == *source);
-            if !same {
-                self.check_bound_path(&endpoints, origin)
-                    .map_err(AttachError::from)?;
-                // One bound path per worker: a second binding the same path
-                // would take the first one's endpoint over.
-                if endpoints.bind {
-                    let holder = sources.iter().find(|(other, running)| {
-                        **other != key
-                            && Endpoints::resolve(other.dp_rank, &running.source).is_ok_and(
-                                |theirs| theirs.bind && theirs.events == endpoints.events,
-                            )
-                    });
-                    if let Some((holder, _)) = holder {
-                        return Err(AttachError::from(SourceError {
-                            field: "endpoint",
-                            problem: format!(
-                                "`{}` with `bind: true` is bound already for {holder}; give each worker a path of its own",
-                                endpoints.events
-                            ),
-                        })
-                        .into());
-                    }
+    ) -> Result<(), AttachError> {
+        let endpoints = Endpoints::resolve(worker.dp_rank, source)?;
+        let sources = self.sources.lock();
+        let same = sources.get(&worker).is_some_and(|r| r.source == *source);
+        if !same {
+            self.check_bound_path(&endpoints, origin)?;
+            // One bound path per worker: a second binding the same path
+            // would take the first one's endpoint over.
+            if endpoints.bind {
+                let holder = sources.iter().find(|(other, running)| {
+                    **other != worker
+                        && Endpoints::resolve(other.dp_rank, &running.source)
+                            .is_ok_and(|theirs| theirs.bind && theirs.events == endpoints.events)
+                });
+                if let Some((holder, _)) = holder {
+                    return Err(AttachError::from(SourceError {
+                        field: "endpoint",
+                        problem: format!(
+                            "`{}` with `bind: true` is bound already for {holder}; give each worker a path of its own",
+                            endpoints.events
+                        ),
+                    }));
                 }
             }
-            let cap = self.max_sources();
-            if !sources.contains_key(&key) && sources.len() >= cap {
-                return Err(AttachError::Full { cap }.into());
-            }
         }
-        let added = router.register_worker(registration)?;
-        match &source {
-            Some(source) => {
-                if let Err(error) = self.attach(key, source, origin) {
-                    if added {
-                        let _ = router.deregister_worker(key);
-                    }
-                    return Err(error.into());
-                }
-            }
-            None => {
-                self.detach(key);
-            }
+        let cap = self.max_sources();
+        if !sources.contains_key(&worker) && sources.len() >= cap {
+            return Err(AttachError::Full { cap });
         }
-        Ok(added)
-    }
-
-    /// Deregisters a worker and stops its subscription, as one step.
-    pub fn deregister(&self, router: &Router, key: WorkerKey) -> Result<(), RouterError> {
-        let _membership = self.membership.lock();
-        router.deregister_worker(key)?;
-        self.detach(key);
         Ok(())
     }
 
@@ -342,7 +285,7 @@ impl EngineEvents {
         if let Some(old) = sources.remove(&worker) {
             // Its thread closes its sockets within a poll (every wait of the thread
             // checks the flag) and stays counted in `alive` until it has. It is not
-            // joined here: this runs on the API's threads, under the membership lock.
+            // joined here: this runs on the API's threads, under the fleet's membership lock.
             old.shared.stop.store(true, Ordering::Relaxed);
             old.shared.stats.set_state(SourceState::Stopped);
         }
@@ -439,23 +382,15 @@ impl Drop for EngineEvents {
 }
 
 impl EngineEvents {
-    /// Follows the config's `kv_events` section: the media setting (at once, for every
-    /// source), the thread policy (every source's thread and the ingestion thread,
-    /// within its next wait), the socket and replay settings (for subscriptions started
-    /// from now on),
-    /// and its sources —
-    /// each listed worker registered (every rank) and subscribed, a worker no longer
-    /// listed deregistered. Returns what failed, already logged.
-    pub fn apply_config(
-        &self,
-        router: &Router,
-        config: &KvEventsConfig,
-        workers: &[crate::config::ConfiguredWorker],
-    ) -> Vec<String> {
-        let _membership = self.membership.lock();
+    /// Follows the config's `kv_events` settings: the media setting (at once, for
+    /// every source), the thread policy (every source's thread and the ingestion
+    /// thread, within its next wait), the socket and replay settings (for
+    /// subscriptions started from now on), and the directories its sources bind in.
+    /// Its sources themselves are the fleet's to follow (`fleet::Fleet::apply_config`).
+    pub fn apply_config(&self, block_size: usize, config: &KvEventsConfig) {
         self.ingest.set_thread_policy(config.thread_policy);
         self.set_settings(DecodeSettings {
-            block_size: router.block_size(),
+            block_size,
             media: config.media.clone(),
         });
         self.options.store(Arc::new(SubscriberOptions {
@@ -470,91 +405,5 @@ impl EngineEvents {
             .filter_map(|c| c.source.endpoint.trim().strip_prefix("ipc://"))
             .filter_map(|p| Path::new(p).parent().map(Path::to_path_buf))
             .collect();
-        let mut failures = Vec::new();
-        let mut wanted = Vec::new();
-        for configured in &config.sources {
-            for dp_rank in 0..configured.dp_size {
-                let worker = WorkerKey {
-                    worker_id: configured.worker_id,
-                    dp_rank,
-                };
-                wanted.push(worker);
-                let registration = WorkerRegistration {
-                    worker_id: worker.worker_id,
-                    dp_rank,
-                    role: configured.role,
-                    runtime_data: configured.runtime_data.clone(),
-                    kv_events: Some(crate::domain::event_source::KvEvents::Source(
-                        configured.source.clone(),
-                    )),
-                    http_endpoint: None,
-                    engine: None,
-                    models: Vec::new(),
-                    kv_capacity_tokens: None,
-                    api_key: None,
-                };
-                let result = self
-                    .register_locked(router, registration, Origin::Config)
-                    .map_err(|e| e.to_string());
-                if let Err(problem) = result {
-                    tracing::error!(
-                        worker_id = worker.worker_id,
-                        dp_rank,
-                        line = configured.at.line,
-                        "kv_events.sources: {problem}"
-                    );
-                    failures.push(format!(
-                        "kv_events.sources: line {}: worker {} rank {dp_rank}: {problem}",
-                        configured.at.line, worker.worker_id
-                    ));
-                }
-            }
-        }
-        // `workers:`: engines the gateway forwards to, registered as a worker's
-        // registration would be, with their KV-event source if they name one.
-        for configured in workers {
-            for dp_rank in 0..configured.dp_size {
-                let worker = WorkerKey {
-                    worker_id: configured.worker_id,
-                    dp_rank,
-                };
-                wanted.push(worker);
-                let registration = WorkerRegistration {
-                    worker_id: worker.worker_id,
-                    dp_rank,
-                    role: configured.role,
-                    runtime_data: configured.runtime_data.clone(),
-                    kv_events: configured.kv_events.clone(),
-                    http_endpoint: Some(configured.http_endpoint.clone()),
-                    engine: Some(configured.engine),
-                    models: configured.models.clone(),
-                    kv_capacity_tokens: configured.kv_capacity_tokens,
-                    api_key: configured.api_key.clone(),
-                };
-                let result = self
-                    .register_locked(router, registration, Origin::Config)
-                    .map_err(|e| e.to_string());
-                if let Err(problem) = result {
-                    tracing::error!(
-                        worker_id = worker.worker_id,
-                        dp_rank,
-                        line = configured.at.line,
-                        "workers: {problem}"
-                    );
-                    failures.push(format!(
-                        "workers: line {}: worker {} rank {dp_rank}: {problem}",
-                        configured.at.line, worker.worker_id
-                    ));
-                }
-            }
-        }
-        for worker in self.workers_from(Origin::Config) {
-            if !wanted.contains(&worker) {
-                self.detach(worker);
-                // Gone from the config: the router forgets it as a deregistration would.
-                let _ = router.deregister_worker(worker);
-            }
-        }
-        failures
     }
 }

@@ -302,27 +302,11 @@ impl Gate {
     }
 }
 
-/// When a request's prompt becomes reusable by another request on its worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settle {
-    /// Once it has been prefilled: its first byte (engines that share a
-    /// computed prefix between running requests: vLLM, SGLang, TRT-LLM).
-    FirstByte,
-    /// Once it has ended (llama.cpp: the prompt lives in the request's slot
-    /// until the slot is idle).
-    End,
-}
+pub use crate::domain::Settle;
 
-/// When a request on `engine` becomes reusable: llama.cpp's prompt lives in its
-/// slot until the request ends; vLLM, SGLang and TRT-LLM share computed blocks
-/// between running requests; an unknown OpenAI-compatible server is taken to
-/// be like llama.cpp, the longer wait.
+/// When a request on `engine` becomes reusable: its row of `Engine::TABLE` says.
 pub fn settles(engine: crate::domain::Engine) -> Settle {
-    use crate::domain::Engine;
-    match engine {
-        Engine::Vllm | Engine::Sglang | Engine::Trtllm => Settle::FirstByte,
-        Engine::Llamacpp | Engine::Openai => Settle::End,
-    }
+    engine.facts().settle
 }
 
 /// One request's credit: its blocks stay busy until it settles (or is dropped).

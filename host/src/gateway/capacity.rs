@@ -24,13 +24,9 @@ use std::time::Duration;
 /// Between two reads of an engine that did not say.
 pub const RETRY: Duration = Duration::from_secs(60);
 
-/// Where `engine` says its KV capacity, if it does.
+/// Where `engine` says its KV capacity, if it does (its row of `Engine::TABLE`).
 pub fn path(engine: Engine) -> Option<&'static str> {
-    match engine {
-        Engine::Vllm => Some("/metrics"),
-        Engine::Sglang => Some("/server_info"),
-        Engine::Llamacpp | Engine::Trtllm | Engine::Openai => None,
-    }
+    engine.facts().capacity_path
 }
 
 /// The capacity in tokens from what `engine` answered at [`path`].

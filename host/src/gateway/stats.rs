@@ -110,7 +110,7 @@ pub struct GatewayStats {
     /// Requests re-sent on a fresh connection to the same worker, their pooled
     /// one having been closed by the worker.
     pub resent: AtomicU64,
-    undeliverable: [AtomicU64; 5],
+    undeliverable: [AtomicU64; Engine::ALL.len()],
     pub hints_delivered: AtomicU64,
     /// Requests answered by the router itself (no worker answered), by status.
     refused: Mutex<BTreeMap<u16, u64>>,
@@ -122,24 +122,6 @@ pub struct GatewayStats {
     prefix_waits: [AtomicU64; 3],
     prefix_wait_ns: AtomicU64,
 }
-
-fn engine_index(engine: Engine) -> usize {
-    match engine {
-        Engine::Vllm => 0,
-        Engine::Sglang => 1,
-        Engine::Trtllm => 2,
-        Engine::Llamacpp => 3,
-        Engine::Openai => 4,
-    }
-}
-
-const ENGINES: [Engine; 5] = [
-    Engine::Vllm,
-    Engine::Sglang,
-    Engine::Trtllm,
-    Engine::Llamacpp,
-    Engine::Openai,
-];
 
 impl GatewayStats {
     pub fn released(&self, reason: Release) {
@@ -156,18 +138,13 @@ impl GatewayStats {
     }
 
     pub fn undeliverable(&self, engine: Engine) {
-        self.undeliverable[engine_index(engine)].fetch_add(1, Ordering::Relaxed);
+        self.undeliverable[engine.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn undeliverable_counts(&self) -> Vec<(Engine, u64)> {
-        ENGINES
+        Engine::ALL
             .iter()
-            .map(|e| {
-                (
-                    *e,
-                    self.undeliverable[engine_index(*e)].load(Ordering::Relaxed),
-                )
-            })
+            .map(|e| (*e, self.undeliverable[e.index()].load(Ordering::Relaxed)))
             .collect()
     }
 

@@ -8,7 +8,8 @@ use super::error::ApiError;
 use super::metrics;
 use super::reload::Trigger;
 use super::App;
-use crate::engine_events::{AttachError, MembershipError, Origin};
+use crate::engine_events::AttachError;
+use crate::fleet::{MembershipError, Origin};
 use crate::router::configured_role;
 use crate::router::workers::WorkerRegistration;
 use crate::wire::{BookBody, BookingView, KvEventBody, ReleaseBody};
@@ -50,8 +51,8 @@ pub(super) async fn register_worker(
         ));
     }
     let new = app
-        .engine_events
-        .register(&app.router, registration, Origin::Registration)
+        .fleet
+        .register(registration, Origin::Registration)
         .map_err(membership_error)?;
     let status = if new {
         StatusCode::CREATED
@@ -130,7 +131,7 @@ pub(super) async fn deregister_worker(
     })?;
     let Query(RankQuery { dp_rank }) = query.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let key = crate::domain::WorkerKey { worker_id, dp_rank };
-    app.engine_events.deregister(&app.router, key)?;
+    app.fleet.deregister(key)?;
     Ok(Json(
         json!({"worker_id": worker_id, "dp_rank": dp_rank, "deregistered": true}),
     ))

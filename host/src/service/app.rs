@@ -12,6 +12,7 @@ use crate::config::{self, RouterMode};
 use crate::engine_events::decode::DecodeSettings;
 use crate::engine_events::subscriber::SubscriberOptions;
 use crate::engine_events::EngineEvents;
+use crate::fleet::Fleet;
 use crate::gateway::RequestPath;
 use crate::loader::Loader;
 use crate::router::ingest::Ingest;
@@ -38,6 +39,8 @@ pub struct App {
     pub metrics: Arc<metrics::Metrics>,
     /// Subscriptions to engines' KV-event publishers.
     pub engine_events: Arc<EngineEvents>,
+    /// The workers and their subscriptions, changed together.
+    pub fleet: Arc<Fleet>,
     /// Where the router listens, for the guards of an unauthenticated router.
     pub exposure: auth::Exposure,
     /// The front door's upstream client, worker health and counters.
@@ -115,7 +118,8 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         },
     ));
     engine_events.set_max_sources(config.kv_events.max_sources as usize);
-    let failures = engine_events.apply_config(&router, &config.kv_events, &config.workers);
+    let fleet = Arc::new(Fleet::new(Arc::clone(&router), Arc::clone(&engine_events)));
+    let failures = fleet.apply_config(&config.kv_events, &config.workers);
     if !failures.is_empty() {
         return Err(config::ConfigErrors(
             failures
@@ -127,12 +131,11 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
     let gateway = Arc::new(crate::gateway::Gateway::new(&config.gateway).map_err(|e| {
         config::ConfigErrors(vec![config::ConfigError::new(&options.config, None, e)])
     })?);
-    let hook_events = Arc::clone(&engine_events);
-    let hook_router = Arc::clone(&router);
+    let hook_fleet = Arc::clone(&fleet);
     let _ = reloader
         .on_reload
         .set(Box::new(move |config: &config::Config| {
-            hook_events.apply_config(&hook_router, &config.kv_events, &config.workers)
+            hook_fleet.apply_config(&config.kv_events, &config.workers)
         }));
     let snapshot = Arc::new(ArcSwap::from_pointee(snapshot));
     let metrics = Arc::new(metrics::Metrics::default());
@@ -161,6 +164,7 @@ pub fn build_app(options: &ServeOptions) -> Result<Arc<App>, config::ConfigError
         reloader,
         metrics,
         engine_events,
+        fleet,
         exposure: auth::Exposure {
             loopback: options.listen.ip().is_loopback(),
         },
