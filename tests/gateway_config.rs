@@ -333,3 +333,48 @@ fn a_model_s_content_format_is_detected_unless_the_config_sets_it() {
         ]
     );
 }
+
+/// A worker the config lists leaves when a reload no longer lists it (and a rank
+/// past a lowered `dp_size` with it), whether or not it publishes KV events:
+/// the fleet once followed only the listed workers with a KV-event source, so
+/// an engine taken out of `workers:` kept being sent requests.
+#[test]
+fn a_worker_the_config_no_longer_lists_is_deregistered_on_reload() {
+    let dir = private_dir();
+    let config = dir.path().join("kvhint.yaml");
+    let listing = |workers: &[(u64, u32)]| {
+        let mut yaml = format!("{ROLES}workers:\n");
+        for (id, dp_size) in workers {
+            yaml.push_str(&format!(
+                "  - {{worker_id: {id}, dp_size: {dp_size}, http_endpoint: \"http://10.0.0.{id}:8000\", engine: llamacpp, models: [m], kv_events: approximate}}\n"
+            ));
+        }
+        yaml
+    };
+    let registered = |server: &Server| -> Vec<(u64, u64)> {
+        let mut keys: Vec<(u64, u64)> = server.status()["workers"]
+            .as_array()
+            .expect("status lists the workers")
+            .iter()
+            .map(|w| {
+                (
+                    w["worker_id"].as_u64().unwrap_or(u64::MAX),
+                    w["dp_rank"].as_u64().unwrap_or(u64::MAX),
+                )
+            })
+            .collect();
+        keys.sort();
+        keys
+    };
+    std::fs::write(&config, listing(&[(1, 2), (2, 1)])).unwrap();
+    let server = Server::start(&config, &[], dir.path());
+    assert_eq!(registered(&server), [(1, 0), (1, 1), (2, 0)]);
+    // A worker registered by its own call is its own: a reload of a config
+    // that never listed it leaves it.
+    let own = json!({"worker_id": 3, "role": "aggregated", "http_endpoint": "http://10.0.0.3:8000", "engine": "vllm", "models": ["m"]});
+    assert_eq!(server.post("/workers", &own).0, 201);
+    std::fs::write(&config, listing(&[(1, 1)])).unwrap();
+    let (status, reply) = server.post("/admin/reload", &json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(registered(&server), [(1, 0), (3, 0)]);
+}

@@ -16,6 +16,7 @@ use crate::domain::{WorkerKey, WorkerRegistration};
 use crate::engine_events::{AttachError, EngineEvents};
 use crate::router::{Router, RouterError};
 use parking_lot::Mutex;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 pub use crate::engine_events::Origin;
@@ -33,9 +34,12 @@ pub enum MembershipError {
 pub struct Fleet {
     router: Arc<Router>,
     events: Arc<EngineEvents>,
-    /// Held across a worker's registration and its subscription's start (or stop),
-    /// so concurrent registrations, deregistrations and reloads leave the two agreeing.
-    membership: Mutex<()>,
+    /// The workers registered because the config lists them: a reload
+    /// deregisters those it no longer lists, whether or not they publish KV
+    /// events. Held across a worker's registration and its subscription's start
+    /// (or stop), so concurrent registrations, deregistrations and reloads leave
+    /// the two agreeing.
+    membership: Mutex<BTreeSet<WorkerKey>>,
 }
 
 impl Fleet {
@@ -43,7 +47,7 @@ impl Fleet {
         Self {
             router,
             events,
-            membership: Mutex::new(()),
+            membership: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -56,8 +60,18 @@ impl Fleet {
         registration: WorkerRegistration,
         origin: Origin,
     ) -> Result<bool, MembershipError> {
-        let _membership = self.membership.lock();
-        self.register_locked(registration, origin)
+        let mut from_config = self.membership.lock();
+        let key = WorkerKey {
+            worker_id: registration.worker_id,
+            dp_rank: registration.dp_rank,
+        };
+        let added = self.register_locked(registration, origin)?;
+        // Registered by its own call now: a reload that stops listing it leaves
+        // it, as a registered source's subscription is left.
+        if origin != Origin::Config {
+            from_config.remove(&key);
+        }
+        Ok(added)
     }
 
     fn register_locked(
@@ -96,8 +110,9 @@ impl Fleet {
 
     /// Deregisters a worker and stops its subscription, as one step.
     pub fn deregister(&self, key: WorkerKey) -> Result<(), RouterError> {
-        let _membership = self.membership.lock();
+        let mut from_config = self.membership.lock();
         self.router.deregister_worker(key)?;
+        from_config.remove(&key);
         self.events.detach(key);
         Ok(())
     }
@@ -111,7 +126,7 @@ impl Fleet {
         config: &KvEventsConfig,
         workers: &[ConfiguredWorker],
     ) -> Vec<String> {
-        let _membership = self.membership.lock();
+        let mut from_config = self.membership.lock();
         self.events.apply_config(self.router.block_size(), config);
         let mut failures = Vec::new();
         let mut wanted = Vec::new();
@@ -134,6 +149,9 @@ impl Fleet {
                 };
                 let result = self
                     .register_locked(registration, Origin::Config)
+                    .map(|_| {
+                        from_config.insert(worker);
+                    })
                     .map_err(|e| e.to_string());
                 if let Err(problem) = result {
                     tracing::error!(
@@ -149,12 +167,18 @@ impl Fleet {
                 }
             }
         }
-        for worker in self.events.workers_from(Origin::Config) {
-            if !wanted.contains(&worker) {
-                self.events.detach(worker);
-                // Gone from the config: the router forgets it as a deregistration would.
-                let _ = self.router.deregister_worker(worker);
-            }
+        // Gone from the config: the router forgets each as a deregistration
+        // would, with its subscription (a listed worker's, or a listed source's).
+        let gone: Vec<WorkerKey> = from_config
+            .iter()
+            .copied()
+            .chain(self.events.workers_from(Origin::Config))
+            .filter(|worker| !wanted.contains(worker))
+            .collect();
+        for worker in gone {
+            self.events.detach(worker);
+            let _ = self.router.deregister_worker(worker);
+            from_config.remove(&worker);
         }
         failures
     }
