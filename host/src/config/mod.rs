@@ -18,8 +18,8 @@ mod endpoint_picker;
 mod fleet;
 mod gateway;
 mod kv_events;
-mod model;
 mod replication;
+mod types;
 pub(crate) mod yaml;
 
 pub use crate::domain::{Role, RouterMode};
@@ -31,9 +31,9 @@ pub use gateway::{
 };
 pub use kv_events::{ConfiguredSource, KvEventsConfig, DEFAULT_MAX_SOURCES};
 use marked_yaml::{LoaderOptions, Node};
-pub use model::*;
 pub use replication::{NatsAuth, ReplicationConfig};
 use std::path::{Path, PathBuf};
+pub use types::*;
 use yaml::{join, key_location, location, node_location, Walker};
 
 /// Reads and parses a config file.

@@ -257,9 +257,8 @@ pub fn prepare(
     };
     let (token_ids, pieces) = match route {
         Route::Chat => {
-            let request: ChatRequest = serde_json::from_str(body.text()).map_err(|e| {
-                GatewayError::bad_request("invalid_messages", format!("{e}")).at("messages")
-            })?;
+            let request = ChatRequest::from_body(body)
+                .map_err(|e| GatewayError::bad_request("invalid_messages", e).at("messages"))?;
             model
                 .tokenizer
                 .encode_chat_within(&request, max)

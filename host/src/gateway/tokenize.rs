@@ -89,10 +89,8 @@ fn tokenize_body(
         }
     };
     let tokens = if body.has("messages") {
-        let request: crate::models::ChatRequest =
-            serde_json::from_str(body.text()).map_err(|e| {
-                GatewayError::bad_request("invalid_messages", e.to_string()).at("messages")
-            })?;
+        let request = crate::models::ChatRequest::from_body(body)
+            .map_err(|e| GatewayError::bad_request("invalid_messages", e).at("messages"))?;
         if flag("add_special_tokens")?.unwrap_or(false) {
             let text = model
                 .tokenizer

@@ -544,6 +544,30 @@ fn yes() -> bool {
     true
 }
 
+impl ChatRequest {
+    /// The request read from a body's top-level fields, as deserializing the
+    /// whole body would read it, without parsing the body's text again: each
+    /// field's raw value is read alone.
+    pub fn from_body(body: &Body<'_>) -> Result<Self, String> {
+        fn field<T: serde::de::DeserializeOwned>(
+            body: &Body<'_>,
+            key: &str,
+        ) -> Result<Option<T>, String> {
+            body.raw(key)
+                .map(|raw| serde_json::from_str(raw).map_err(|e| format!("`{key}`: {e}")))
+                .transpose()
+        }
+        Ok(Self {
+            messages: field(body, "messages")?.ok_or("missing field `messages`")?,
+            tools: field(body, "tools")?.flatten(),
+            documents: field(body, "documents")?.flatten(),
+            add_generation_prompt: field(body, "add_generation_prompt")?.unwrap_or(true),
+            continue_final_message: field(body, "continue_final_message")?.unwrap_or(false),
+            chat_template_kwargs: field(body, "chat_template_kwargs")?.flatten(),
+        })
+    }
+}
+
 /// A message's content as text: a string, or the text parts of a list joined by
 /// newlines (vLLM's "string" content format).
 fn content_text(content: &Json) -> Option<String> {
@@ -907,8 +931,37 @@ pub type SharedTokenizer = Arc<ModelTokenizer>;
 
 #[cfg(test)]
 mod tests {
-    use super::{normalise_messages, ContentFormat};
+    use super::{normalise_messages, ChatRequest, ContentFormat};
+    use crate::splice::Body;
     use serde_json::value::RawValue;
+
+    /// The request path reads a chat from the fields it parsed once; it must
+    /// read what deserializing the whole body read, and refuse what it refused.
+    #[test]
+    fn a_chat_read_from_the_body_s_fields_is_the_whole_body_s_chat() {
+        let chats = [
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"x"}]}],"tools":null,"documents":[{"t":1}],"add_generation_prompt":false,"continue_final_message":true,"chat_template_kwargs":{"enable_thinking":false},"stream":true}"#,
+            r#"{"tools":[{"type":"function","function":{"name":"f"}}],"messages":[],"chat_template_kwargs":null}"#,
+        ];
+        for text in chats {
+            let body = Body::parse(text).unwrap();
+            let fields = ChatRequest::from_body(&body).unwrap();
+            let whole: ChatRequest = serde_json::from_str(text).unwrap();
+            assert_eq!(format!("{fields:?}"), format!("{whole:?}"), "{text}");
+        }
+        let refused = [
+            r#"{"model":"m"}"#,
+            r#"{"messages":{"role":"user"}}"#,
+            r#"{"messages":[],"add_generation_prompt":null}"#,
+            r#"{"messages":[],"tools":"all"}"#,
+        ];
+        for text in refused {
+            let body = Body::parse(text).unwrap();
+            assert!(ChatRequest::from_body(&body).is_err(), "{text}");
+            assert!(serde_json::from_str::<ChatRequest>(text).is_err(), "{text}");
+        }
+    }
 
     /// The messages a template gets, as JSON.
     fn messages(format: ContentFormat, json: &str) -> String {
