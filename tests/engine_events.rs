@@ -289,6 +289,7 @@ fn prompts_match_only_blocks_stored_under_the_same_lora_and_salt() {
                         lora_name: lora,
                         cache_salt: salt,
                         pinned_prefix: &[],
+                        receive_from: None,
                     },
                 )
                 .unwrap();

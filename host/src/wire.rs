@@ -81,6 +81,7 @@ impl BookBody {
             lora_name: self.lora_name.as_deref(),
             cache_salt: self.cache_salt.as_deref(),
             pinned_prefix: &[],
+            receive_from: None,
         }
     }
 }

@@ -24,6 +24,7 @@ pub fn decode_request<'a>(id: &'a str, tokens: &'a [u32]) -> kvhint::router::Boo
         lora_name: None,
         cache_salt: None,
         pinned_prefix: &[],
+        receive_from: None,
     }
 }
 

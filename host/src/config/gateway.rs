@@ -17,8 +17,13 @@ pub struct ModelConfig {
     pub name: String,
     /// The directory with `tokenizer.json` and `tokenizer_config.json`.
     pub tokenizer: PathBuf,
-    /// The role its requests are booked under.
+    /// The role its requests are booked under (`decode` for a disaggregated
+    /// model: its answers are).
     pub role: Role,
+    /// Where `role` was written, if it was.
+    pub role_at: Option<Location>,
+    /// `disaggregation`: prefill and decode on two pools, the KV handed over.
+    pub disaggregation: Option<super::disaggregation::Disaggregation>,
     /// The LoRA adapter the engine serves this name as; it seeds the block hashes.
     pub lora: Option<String>,
     /// `encoder: hf`: encode with `tokenizers` 0.23 even where the fast encoder
@@ -256,6 +261,7 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
                 "lora",
                 "encoder",
                 "chat_template_content_format",
+                "disaggregation",
             ],
         );
         if name.as_str().is_empty() || name.as_str().chars().any(char::is_control) {
@@ -278,9 +284,20 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
                 None
             }
         };
-        let role = match model.get_node("role") {
-            Some(n) => walker.one_of(n, &join(&path, "role"), "role", Role::NAMES, Role::parse),
-            None => Some(Role::Aggregated),
+        let disaggregation = model.get_node("disaggregation").map(|n| {
+            super::disaggregation::parse(walker, model, n, &join(&path, "disaggregation"))
+        });
+        let role_at = model
+            .get_node("role")
+            .map(|n| location(&join(&path, "role"), n.span()));
+        let role = match (model.get_node("role"), &disaggregation) {
+            (Some(n), _) => {
+                walker.one_of(n, &join(&path, "role"), "role", Role::NAMES, Role::parse)
+            }
+            // Its answers are the decode pool's; its prompts go to the prefill
+            // pool on a booking of their own.
+            (None, Some(_)) => Some(Role::Decode),
+            (None, None) => Some(Role::Aggregated),
         };
         let lora = model
             .get_node("lora")
@@ -314,13 +331,19 @@ pub(super) fn models(walker: &mut Walker, node: &Node, base: &Path) -> Vec<Model
             ),
             None => Some(Default::default()),
         };
-        if let (Some(tokenizer), Some(role), Some(force_hf), Some(content_format)) =
-            (tokenizer, role, force_hf, content_format)
-        {
+        if let (Some(tokenizer), Some(role), Some(force_hf), Some(content_format), Some(disagg)) = (
+            tokenizer,
+            role,
+            force_hf,
+            content_format,
+            disaggregation.map_or(Some(None), |d| d.map(Some)),
+        ) {
             out.push(ModelConfig {
                 name: name.as_str().to_string(),
                 tokenizer,
                 role,
+                role_at,
+                disaggregation: disagg,
                 lora,
                 force_hf,
                 content_format,

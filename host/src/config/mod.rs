@@ -14,6 +14,7 @@
 //! a `workers:` entry and a `kv_events.sources` entry share.
 
 pub mod auth;
+pub mod disaggregation;
 mod endpoint_picker;
 mod fleet;
 mod gateway;
@@ -239,6 +240,13 @@ pub fn parse_lenient(file: &Path, text: &str) -> (Option<Config>, Vec<ConfigErro
                 default_roles(node_location("worker_selection", &root))
             }
         };
+        disaggregation::check(
+            &mut walker,
+            &config.models,
+            &config.workers,
+            &config.worker_selection,
+            config.default_selection,
+        );
     }
     let mut errors = ConfigErrors(walker.errors);
     for at in errors.0.iter_mut().filter_map(|e| e.at.as_mut()) {

@@ -365,9 +365,28 @@ pub struct HttpTarget {
     pub hint_plugin: bool,
     /// Sent to the worker on every request and health check.
     pub api_key: Option<ApiKey>,
+    /// Where an SGLang prefill server serves its KV bootstrap
+    /// (`runtime_data.disaggregation_bootstrap_port`, its
+    /// `--disaggregation-bootstrap-port`; SGLang's default 8998): what the
+    /// router names to both legs of a disaggregated pair.
+    pub bootstrap_port: u16,
 }
 
+/// SGLang's `--disaggregation-bootstrap-port` default
+/// (`sglang/srt/arg_groups/fields/disagg.py`).
+pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
 impl HttpTarget {
+    /// The host of [`Self::authority`], without its port (brackets kept off an
+    /// IPv6 address): the prefill worker's `bootstrap_host`.
+    pub fn host(&self) -> &str {
+        let host = match self.authority.rsplit_once(':') {
+            Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host,
+            _ => &self.authority,
+        };
+        host.trim_start_matches('[').trim_end_matches(']')
+    }
+
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| &**m == model)
     }
@@ -512,6 +531,18 @@ impl Worker {
                 ))
             }
         };
+        let bootstrap_port = match data.get("disaggregation_bootstrap_port") {
+            None | Some(serde_json::Value::Null) => SGLANG_BOOTSTRAP_PORT,
+            Some(value) => match value.as_u64().and_then(|p| u16::try_from(p).ok()) {
+                Some(port) if port > 0 => port,
+                _ => {
+                    return Err(fail(
+                        "runtime_data.disaggregation_bootstrap_port",
+                        format!("must be a port number (1 to 65535, the prefill server's --disaggregation-bootstrap-port), found {value}"),
+                    ))
+                }
+            },
+        };
         let mut endpoint = "";
         for (rank, value) in &endpoints {
             match rank.parse::<u32>() {
@@ -574,6 +605,7 @@ impl Worker {
                         .collect(),
                     hint_plugin,
                     api_key: registration.api_key.clone(),
+                    bootstrap_port,
                 }))
             }
         };

@@ -86,10 +86,39 @@ pub struct Forward {
     pub hint: HintDelivery,
 }
 
-/// The prompt as the router tokenized it, for adapters that forward ids.
+/// The prompt as the router tokenized it, for adapters that forward ids, and,
+/// on a leg of a disaggregated pair, what the engine's hand-over needs.
 pub struct Prompt<'a> {
     pub token_ids: &'a [u32],
+    pub handover: Option<Handover<'a>>,
 }
+
+/// One leg of a disaggregated pair, as its engine's body says it
+/// (`docs/disaggregation.md` has the fields, from each engine's released code).
+#[derive(Debug, Clone, Copy)]
+pub enum Handover<'a> {
+    /// SGLang, either leg (`PDRoutingFields` on its OpenAI routes, the same
+    /// fields on `/generate`'s `GenerateReqInput`): the prefill worker's
+    /// bootstrap server, the room the router minted for this pair, and the
+    /// prefill worker's dp rank (`disagg_prefill_dp_rank`, on both legs, so
+    /// that neither server derives it from the room).
+    Sglang {
+        prefill: bool,
+        host: &'a str,
+        port: u16,
+        room: u64,
+        prefill_dp_rank: u32,
+    },
+    /// vLLM's prefill leg: `kv_transfer_params` asking for a remote decode,
+    /// one token, no stream (what vLLM's own disaggregated proxy sends).
+    VllmPrefill,
+    /// vLLM's decode leg: the `kv_transfer_params` the prefill answered with
+    /// (raw JSON, passed as it came).
+    VllmDecode { kv_transfer_params: &'a str },
+}
+
+/// What a vLLM prefill leg asks of its engine's KV connector.
+pub const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
 /// Builds what `target` is sent for a request on `route`, booked on `worker` as
 /// `request_id`, with `hint` (the engine message) if the booking made one.
@@ -132,6 +161,43 @@ pub fn build_forward(
         }
         (_, Route::Chat | Route::Embeddings) => {}
     }
+    match prompt.handover {
+        None => {}
+        Some(Handover::Sglang {
+            prefill,
+            host,
+            port,
+            room,
+            prefill_dp_rank,
+        }) => {
+            edits.set("bootstrap_host", json_string(host));
+            edits.set("bootstrap_port", port.to_string());
+            edits.set("bootstrap_room", room.to_string());
+            edits.set("disagg_prefill_dp_rank", prefill_dp_rank.to_string());
+            if prefill {
+                // Its answer is drained, never shown: one body, not a stream.
+                one_answer(body, &mut edits);
+            }
+        }
+        Some(Handover::VllmPrefill) => {
+            edits.set("kv_transfer_params", VLLM_PREFILL_PARAMS.to_string());
+            edits.set("max_tokens", "1".into());
+            for key in ["max_completion_tokens"] {
+                if body.has(key) {
+                    edits.set(key, "1".into());
+                }
+            }
+            // A floor above the one token would be refused (vLLM checks
+            // min_tokens <= max_tokens).
+            if body.has("min_tokens") {
+                edits.remove("min_tokens");
+            }
+            one_answer(body, &mut edits);
+        }
+        Some(Handover::VllmDecode { kv_transfer_params }) => {
+            edits.set("kv_transfer_params", kv_transfer_params.to_string());
+        }
+    }
     // kvhint's vLLM endpoint plugin takes the envelope on the OpenAI routes.
     if let (Engine::Vllm, Route::Completions | Route::Chat, true, Some(hint)) =
         (engine, route, target.hint_plugin, hint)
@@ -161,6 +227,16 @@ pub fn build_forward(
             (Some(_), true) => HintDelivery::Delivered,
             (Some(_), false) => HintDelivery::Undeliverable,
         },
+    }
+}
+
+/// A prefill leg answers in one body: `stream` off, its options gone.
+fn one_answer(body: &Body<'_>, edits: &mut Edits) {
+    if body.has("stream") {
+        edits.set("stream", "false".into());
+    }
+    if body.has("stream_options") {
+        edits.remove("stream_options");
     }
 }
 
@@ -198,6 +274,7 @@ mod tests {
             models: vec!["m".into()],
             hint_plugin,
             api_key: None,
+            bootstrap_port: crate::domain::SGLANG_BOOTSTRAP_PORT,
         }
     }
 
@@ -219,6 +296,7 @@ mod tests {
             &body,
             &Prompt {
                 token_ids: &[1, 2, 3],
+                handover: None,
             },
             key(2),
             "kvh-1",
@@ -253,7 +331,10 @@ mod tests {
                 &target(engine, false),
                 Route::Completions,
                 &body,
-                &Prompt { token_ids: &[9, 8] },
+                &Prompt {
+                    token_ids: &[9, 8],
+                    handover: None,
+                },
                 key(0),
                 "kvh-2",
                 Some("{}"),
@@ -286,7 +367,10 @@ mod tests {
         ];
         for (route, text, want) in cases {
             let body = Body::parse(text).unwrap();
-            let prompt = Prompt { token_ids: &[9, 8] };
+            let prompt = Prompt {
+                token_ids: &[9, 8],
+                handover: None,
+            };
             let out = build_forward(
                 &target(Engine::Vllm, true),
                 route,
@@ -326,7 +410,10 @@ mod tests {
                 &target(engine, true),
                 Route::Completions,
                 &body,
-                &Prompt { token_ids: &[9, 8] },
+                &Prompt {
+                    token_ids: &[9, 8],
+                    handover: None,
+                },
                 key(0),
                 "kvh-4",
                 Some(hint),

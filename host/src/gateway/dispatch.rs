@@ -6,11 +6,11 @@
 //! hint. The front door ([`super::proxy`]) and the endpoint picker both book
 //! through [`dispatch`], so both book and splice alike.
 
-use super::adapter::{self, HintDelivery, Route};
+use super::adapter::{self, Handover, HintDelivery, Route};
 use super::approximate;
 use super::release::ReleaseGuard;
 use super::{Allowed, GatewayError, Prepared, RequestPath};
-use crate::domain::WorkerKey;
+use crate::domain::{HttpTarget, WorkerKey};
 use crate::splice::ParsedBody;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,26 +53,83 @@ pub struct Booked {
     pub forward: adapter::Forward,
     /// The worker's API key, if its server asks for one.
     pub api_key: Option<crate::domain::ApiKey>,
+    pub target: Arc<HttpTarget>,
+    /// The booking's hint message, for a leg whose request is built again
+    /// (vLLM's decode leg, once the prefill has answered).
+    pub hint: Option<String>,
+}
+
+/// What a booking job made of a request: one booking, or the two legs of a
+/// disaggregated pair (`super::disaggregated`).
+// One booking is every request's answer and stays unboxed (no allocation on
+// the hot path); a pair, rarer and twice the size, is boxed.
+#[allow(clippy::large_enum_variant)]
+pub enum Dispatched {
+    One(Booked),
+    Pair(Box<super::disaggregated::Pair>),
 }
 
 /// A request's CPU work, on a booking thread: parse the body (unless a retry
 /// passes it parsed), prepare it (render and tokenize; `prepared` is reused on
 /// a retry), book on an eligible worker not in `tried` and `allowed`, credit
 /// what the booked worker will hold, and build the adapter's request with the
-/// hint.
+/// hint. A disaggregated model books its two legs ([`Dispatched::Pair`]).
+pub fn dispatch_request(
+    path: &RequestPath,
+    snapshot: &crate::snapshot::Snapshot,
+    body: Body,
+    attempt: Attempt<'_>,
+) -> Result<Dispatched, GatewayError> {
+    let (body, prepared) = read(snapshot, body, attempt.route, attempt.prepared.clone())?;
+    if let Some(disaggregation) = prepared.model.disaggregation.as_ref() {
+        let pair = super::disaggregated::book_pair(
+            path,
+            snapshot,
+            disaggregation,
+            &body,
+            &prepared,
+            super::disaggregated::Tried {
+                request_id: attempt.request_id,
+                prefill: &[],
+                decode: attempt.tried,
+                prefill_exhausted: false,
+            },
+        )?;
+        return Ok(Dispatched::Pair(Box::new(pair)));
+    }
+    book_one(path, snapshot, body, prepared, attempt).map(Dispatched::One)
+}
+
+/// [`dispatch_request`] for a caller that forwards one request itself (the
+/// endpoint picker): a disaggregated model, which needs two, is refused.
 pub fn dispatch(
     path: &RequestPath,
     snapshot: &crate::snapshot::Snapshot,
     body: Body,
     attempt: Attempt<'_>,
 ) -> Result<Booked, GatewayError> {
-    let Attempt {
-        route,
-        request_id,
-        tried,
-        prepared,
-        allowed,
-    } = attempt;
+    let (body, prepared) = read(snapshot, body, attempt.route, attempt.prepared.clone())?;
+    if prepared.model.disaggregation.is_some() {
+        return Err(GatewayError::bad_request(
+            "disaggregated_model",
+            format!(
+                "model {} is disaggregated (prefill and decode on two workers); the endpoint picker names one worker per request: serve it through kvhint's gateway",
+                prepared.model.name
+            ),
+        )
+        .at("model"));
+    }
+    book_one(path, snapshot, body, prepared, attempt)
+}
+
+/// The body parsed (once: a retry passes it parsed) and prepared (rendered and
+/// tokenized once: a retry passes it prepared).
+fn read(
+    snapshot: &crate::snapshot::Snapshot,
+    body: Body,
+    route: Route,
+    prepared: Option<Arc<Prepared>>,
+) -> Result<(Arc<ParsedBody>, Arc<Prepared>), GatewayError> {
     let body = match body {
         Body::Parsed(body) => body,
         Body::Text(text) => Arc::new(
@@ -80,17 +137,114 @@ pub fn dispatch(
                 .map_err(|e| GatewayError::bad_request("invalid_json", e.to_string()))?,
         ),
     };
-    let parsed = body.body();
     let prepared = match prepared {
         Some(prepared) => prepared,
-        None => Arc::new(super::prepare(snapshot, route, &parsed)?),
+        None => Arc::new(super::prepare(snapshot, route, &body.body())?),
     };
+    Ok((body, prepared))
+}
+
+fn book_one(
+    path: &RequestPath,
+    snapshot: &crate::snapshot::Snapshot,
+    body: Arc<ParsedBody>,
+    prepared: Arc<Prepared>,
+    attempt: Attempt<'_>,
+) -> Result<Booked, GatewayError> {
+    let leg = Leg {
+        route: attempt.route,
+        book_as: super::BookAs {
+            request_id: attempt.request_id,
+            role: prepared.model.role,
+            receive_from: None,
+        },
+        tried: attempt.tried,
+        allowed: attempt.allowed,
+        handover: HandoverPlan::Whole,
+    };
+    book_leg(path, snapshot, body, prepared, leg)
+}
+
+/// How a leg's request takes part in its pair's hand-over (the fields it
+/// needs come from the worker booked for it, or for the other leg).
+#[derive(Debug, Clone, Copy)]
+pub enum HandoverPlan<'a> {
+    /// Not a leg of a pair.
+    Whole,
+    /// SGLang's prefill leg: its own bootstrap server, this room.
+    SglangPrefill { room: u64 },
+    /// SGLang's decode leg: the prefill worker's bootstrap server and rank.
+    SglangDecode {
+        prefill: &'a HttpTarget,
+        prefill_dp_rank: u32,
+        room: u64,
+    },
+    /// vLLM's prefill leg.
+    VllmPrefill,
+}
+
+impl<'a> HandoverPlan<'a> {
+    /// The adapter's hand-over for the worker booked (`target`, `key`).
+    fn handover(self, target: &'a HttpTarget, key: WorkerKey) -> Option<Handover<'a>> {
+        match self {
+            Self::Whole => None,
+            Self::SglangPrefill { room } => Some(Handover::Sglang {
+                prefill: true,
+                host: target.host(),
+                port: target.bootstrap_port,
+                room,
+                prefill_dp_rank: key.dp_rank,
+            }),
+            Self::SglangDecode {
+                prefill,
+                prefill_dp_rank,
+                room,
+            } => Some(Handover::Sglang {
+                prefill: false,
+                host: prefill.host(),
+                port: prefill.bootstrap_port,
+                room,
+                prefill_dp_rank,
+            }),
+            Self::VllmPrefill => Some(Handover::VllmPrefill),
+        }
+    }
+}
+
+/// One booking of a request: on which role, as which request id, among which
+/// workers, and what its engine's hand-over needs in the body.
+pub struct Leg<'a> {
+    pub route: Route,
+    pub book_as: super::BookAs<'a>,
+    pub tried: &'a [WorkerKey],
+    pub allowed: Allowed<'a>,
+    pub handover: HandoverPlan<'a>,
+}
+
+/// Books one leg: an eligible worker, the guard that releases it, the credit
+/// of what the worker will hold, and the adapter's request with the hint.
+pub fn book_leg(
+    path: &RequestPath,
+    snapshot: &crate::snapshot::Snapshot,
+    body: Arc<ParsedBody>,
+    prepared: Arc<Prepared>,
+    leg: Leg<'_>,
+) -> Result<Booked, GatewayError> {
+    let Leg {
+        route,
+        book_as,
+        tried,
+        allowed,
+        handover,
+    } = leg;
+    let request_id = book_as.request_id;
+    let parsed = body.body();
     let (booking, worker, target) = super::book_eligible(
         &path.router,
         snapshot,
         &path.gateway,
         &prepared,
-        request_id,
+        book_as,
         tried,
         allowed,
     )?;
@@ -140,12 +294,14 @@ pub fn dispatch(
         &parsed,
         &adapter::Prompt {
             token_ids: &prepared.token_ids,
+            handover: handover.handover(&target, booking.worker),
         },
         booking.worker,
         request_id,
         booking.hint.message().map(|m| m.get()),
     );
     drop(parsed);
+    let hint = booking.hint.message().map(|m| m.get().to_string());
     Ok(Booked {
         guard,
         wait_for,
@@ -158,6 +314,8 @@ pub fn dispatch(
         engine: target.engine,
         forward,
         api_key: target.api_key.clone(),
+        target,
+        hint,
     })
 }
 

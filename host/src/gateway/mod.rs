@@ -22,6 +22,7 @@ pub mod adapter;
 pub mod approximate;
 pub mod capacity;
 pub mod checks;
+pub mod disaggregated;
 pub mod dispatch;
 pub mod error;
 pub mod health;
@@ -96,6 +97,7 @@ pub struct Gateway {
     /// OpenTelemetry traces, when `gateway.tracing` is configured.
     pub tracing: Option<trace::Tracing>,
     next_id: AtomicU64,
+    next_room: AtomicU64,
     /// Makes request ids unique across restarts (engines key requests by id).
     instance: u64,
     /// `kvhint-` and `instance` in hex: this router's mark in `x-kvhint-via`.
@@ -142,6 +144,7 @@ impl Gateway {
             approximate: approximate::Approximate::default(),
             tracing,
             next_id: AtomicU64::new(0),
+            next_room: AtomicU64::new(0),
             instance,
             via: format!("kvhint-{instance:016x}"),
         })
@@ -183,6 +186,20 @@ impl Gateway {
                 format!("this request passed through {hops} routers ({VIA_HEADER}); more than {MAX_HOPS} means a loop through routers that point at each other"),
             )
         })
+    }
+
+    /// A `bootstrap_room` for an SGLang pair: below 2^63 (SGLang reads it as a
+    /// signed 64-bit integer), and never one this router minted before (a
+    /// bijection of a counter, keyed by the instance, so replicas differ too).
+    /// Never the client's: two pairs in one room collide in SGLang's
+    /// schedulers.
+    pub fn bootstrap_room(&self) -> u64 {
+        let n = self.next_room.fetch_add(1, Ordering::Relaxed);
+        // splitmix64's finalizer: a bijection on u64.
+        let mut z = n.wrapping_add(self.instance.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) & (i64::MAX as u64)
     }
 
     /// A request id no other request of this router has had.
@@ -422,6 +439,16 @@ fn prompt(body: &Body<'_>, key: &'static str) -> Result<Option<Prompt>, GatewayE
 /// endpoint picker's subset hint from the proxy); `None`: any.
 pub type Allowed<'a> = Option<&'a (dyn Fn(&HttpTarget) -> bool + Sync)>;
 
+/// What a booking is for: the request id it is opened under, the role it is
+/// booked on, and the worker its KV comes from (the decode leg of a
+/// disaggregated pair).
+#[derive(Debug, Clone, Copy)]
+pub struct BookAs<'a> {
+    pub request_id: &'a str,
+    pub role: crate::domain::Role,
+    pub receive_from: Option<WorkerKey>,
+}
+
 /// Books a prepared request on a worker that serves its model and route, is
 /// healthy with its circuit closed, is not in `tried`, and is `allowed`. Runs on
 /// a booking thread.
@@ -430,12 +457,17 @@ pub fn book_eligible(
     snapshot: &Snapshot,
     gateway: &Gateway,
     prepared: &Prepared,
-    request_id: &str,
+    book_as: BookAs<'_>,
     tried: &[WorkerKey],
     allowed: Allowed<'_>,
 ) -> Result<(Booking, Arc<Worker>, Arc<HttpTarget>), GatewayError> {
+    let BookAs {
+        request_id,
+        role: role_name,
+        receive_from,
+    } = book_as;
     let model = &prepared.model;
-    let role = crate::router::configured_role(snapshot, model.role)?;
+    let role = crate::router::configured_role(snapshot, role_name)?;
     let route = prepared.route;
     let eligible = |worker: &Worker| {
         worker.http.as_ref().is_some_and(|http| {
@@ -462,12 +494,13 @@ pub fn book_eligible(
         };
     let request = BookRequest {
         request_id,
-        role: model.role,
+        role: role_name,
         token_ids: &prepared.token_ids,
         session_context: None,
         lora_name: model.lora.as_deref(),
         cache_salt: prepared.cache_salt.as_deref(),
         pinned_prefix: &pinned_prefix,
+        receive_from,
     };
     let booking = router.book_among(role, &request, Some(&eligible))?;
     let worker = router.worker(booking.worker);

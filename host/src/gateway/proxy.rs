@@ -6,7 +6,9 @@
 //! with.
 
 use super::adapter::{self, Route};
-use super::dispatch::{count_hint, dispatch, wait_for_prefix, Attempt, Body, Booked};
+use super::dispatch::{
+    count_hint, dispatch_request, wait_for_prefix, Attempt, Body, Booked, Dispatched,
+};
 use super::release::{GuardedBody, OnEnd, ReleaseGuard};
 use super::signals::Signals;
 use super::stats::Release;
@@ -44,13 +46,13 @@ const HOP_BY_HOP: &[&str] = &[
 ];
 
 /// A booking's request on its way to the worker.
-struct Sent {
-    prepared: Arc<Prepared>,
-    worker: WorkerKey,
-    base: Arc<str>,
-    engine: crate::domain::Engine,
-    forward: adapter::Forward,
-    api_key: Option<crate::domain::ApiKey>,
+pub(super) struct Sent {
+    pub prepared: Arc<Prepared>,
+    pub worker: WorkerKey,
+    pub base: Arc<str>,
+    pub engine: crate::domain::Engine,
+    pub forward: adapter::Forward,
+    pub api_key: Option<crate::domain::ApiKey>,
 }
 
 /// Sends a request to a worker booked for it, and books again on another
@@ -137,13 +139,23 @@ async fn attempts(
                     prepared,
                     allowed: None,
                 };
-                let booked = dispatch(&path, &snapshot, body, attempt);
+                let booked = dispatch_request(&path, &snapshot, body, attempt);
                 (started, booked)
             }
         };
         let (job_started, booked) = path.bookings.run(job).await?;
         let booked = match booked {
-            Ok(booked) => booked,
+            Ok(Dispatched::One(booked)) => booked,
+            Ok(Dispatched::Pair(pair)) => {
+                let request = super::disaggregated::Request {
+                    route,
+                    headers,
+                    received,
+                    request_id: &request_id,
+                    job_started,
+                };
+                return super::disaggregated::serve(path, &snapshot, request, *pair, trace).await;
+            }
             Err(error) if error.code == super::error::NO_WORKERS.openai.code => {
                 return Err(last_failure.take().unwrap_or(error));
             }
@@ -350,104 +362,163 @@ async fn attempts(
         } else {
             path.gateway.health.request_succeeded(key);
         }
-        let now = Instant::now();
-        let prepared = &booked.prepared;
-        path.gateway.stats.answered(
-            &prepared.model.name,
-            key,
-            status.as_u16(),
-            sent.saturating_duration_since(received),
-            prepared.tokenize,
-            now.saturating_duration_since(received),
-        );
-        let mut trace = trace.take();
-        if let Some(trace) = trace.as_mut() {
-            trace.head(now, status.as_u16());
-        }
-        let (parts, incoming) = response.into_parts();
-        let stats = Arc::clone(&path.gateway.stats);
-        let model = prepared.model.name.clone();
-        let log_id = request_id.clone();
-        let on_end: OnEnd = Box::new(
-            move |reason: Release, duration: Duration, signals: &Signals| {
-                stats.ended(&model, key, duration, Some((signals, received)));
-                if let Some(trace) = trace {
-                    trace.finish(
-                        received + duration,
-                        reason.as_str(),
-                        status.as_u16(),
-                        signals.first_content,
-                        signals
-                            .usage
-                            .map(|u| (u.prompt_tokens, u.completion_tokens)),
-                    );
-                }
-                let since = |at: Option<Instant>| {
-                    at.map(|at| at.saturating_duration_since(received).as_secs_f64() * 1e3)
-                };
-                tracing::info!(
-                    target: "kvhint::access",
-                    request_id = %log_id,
-                    model = %model,
-                    worker = key.worker_id,
-                    dp_rank = key.dp_rank,
-                    status = status.as_u16(),
-                    ttfb_ms = now.saturating_duration_since(received).as_secs_f64() * 1e3,
-                    ttft_ms = since(signals.first_content),
-                    duration_ms = duration.as_secs_f64() * 1e3,
-                    prompt_tokens = signals.usage.map(|u| u.prompt_tokens),
-                    completion_tokens = signals.usage.map(|u| u.completion_tokens),
-                    end = reason.as_str(),
-                    "request"
-                );
-            },
-        );
-        let body = GuardedBody::new(
-            incoming,
-            guard,
+        let answered = Answered {
+            status,
+            sent,
+            received,
+            cached_tokens,
             idle,
             deadline,
-            received,
-            prepared.stream,
-            on_end,
-        );
-        let mut out = Response::new(axum::body::Body::new(body));
-        *out.status_mut() = status;
-        // Headers the worker names in `Connection` are this hop's too (RFC
-        // 9110 §7.6.1). A message sent chunked has no length to pass on: a
-        // Content-Length beside Transfer-Encoding is dropped (RFC 9112 §6.3),
-        // or the client would read that many bytes as the whole answer.
-        let named: Vec<HeaderName> = parts
-            .headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-            .collect();
-        let chunked = parts.headers.contains_key(header::TRANSFER_ENCODING);
-        for (name, value) in &parts.headers {
-            let framing = chunked && name == header::CONTENT_LENGTH;
-            if !HOP_BY_HOP.contains(&name.as_str()) && !named.contains(name) && !framing {
-                out.headers_mut().append(name.clone(), value.clone());
-            }
-        }
-        let worker = format!("{} {}", key.worker_id, key.dp_rank);
-        if let Ok(value) = HeaderValue::from_str(&worker) {
-            out.headers_mut().insert("x-kvhint-worker", value);
-        }
-        if let Ok(value) = HeaderValue::from_str(&request_id) {
-            out.headers_mut().insert("x-kvhint-request-id", value);
-        }
-        out.headers_mut()
-            .insert("x-kvhint-cached-tokens", HeaderValue::from(cached_tokens));
-        return Ok(out);
+            also_on_end: None,
+        };
+        return Ok(respond(
+            path,
+            &booked,
+            guard,
+            response,
+            answered,
+            &request_id,
+            trace.take(),
+        ));
     }
+}
+
+/// A worker's answer as the attempt loop took it: the head's status, when the
+/// request was sent and received, what the router found cached, the stream's
+/// bounds, and what else runs when the response ends (a disaggregated pair's
+/// prefill leg).
+pub(super) struct Answered {
+    pub status: StatusCode,
+    pub sent: Instant,
+    pub received: Instant,
+    pub cached_tokens: usize,
+    pub idle: Duration,
+    pub deadline: Option<Instant>,
+    pub also_on_end: Option<Box<dyn FnOnce(Release) + Send + Sync>>,
+}
+
+/// The client's response from a worker's head: its body streamed under the
+/// idle and request bounds, owning the booking's guard; counted, traced and
+/// logged when it ends; the worker's headers passed on but this hop's.
+pub(super) fn respond(
+    path: &RequestPath,
+    booked: &Sent,
+    guard: ReleaseGuard,
+    response: hyper::Response<hyper::body::Incoming>,
+    answered: Answered,
+    request_id: &str,
+    trace: Option<super::trace::RequestTrace>,
+) -> Response {
+    let Answered {
+        status,
+        sent,
+        received,
+        cached_tokens,
+        idle,
+        deadline,
+        also_on_end,
+    } = answered;
+    let key = booked.worker;
+    let now = Instant::now();
+    let prepared = &booked.prepared;
+    path.gateway.stats.answered(
+        &prepared.model.name,
+        key,
+        status.as_u16(),
+        sent.saturating_duration_since(received),
+        prepared.tokenize,
+        now.saturating_duration_since(received),
+    );
+    let mut trace = trace;
+    if let Some(trace) = trace.as_mut() {
+        trace.head(now, status.as_u16());
+    }
+    let (parts, incoming) = response.into_parts();
+    let stats = Arc::clone(&path.gateway.stats);
+    let model = prepared.model.name.clone();
+    let log_id = request_id.to_string();
+    let on_end: OnEnd = Box::new(
+        move |reason: Release, duration: Duration, signals: &Signals| {
+            if let Some(also) = also_on_end {
+                also(reason);
+            }
+            stats.ended(&model, key, duration, Some((signals, received)));
+            if let Some(trace) = trace {
+                trace.finish(
+                    received + duration,
+                    reason.as_str(),
+                    status.as_u16(),
+                    signals.first_content,
+                    signals
+                        .usage
+                        .map(|u| (u.prompt_tokens, u.completion_tokens)),
+                );
+            }
+            let since = |at: Option<Instant>| {
+                at.map(|at| at.saturating_duration_since(received).as_secs_f64() * 1e3)
+            };
+            tracing::info!(
+                target: "kvhint::access",
+                request_id = %log_id,
+                model = %model,
+                worker = key.worker_id,
+                dp_rank = key.dp_rank,
+                status = status.as_u16(),
+                ttfb_ms = now.saturating_duration_since(received).as_secs_f64() * 1e3,
+                ttft_ms = since(signals.first_content),
+                duration_ms = duration.as_secs_f64() * 1e3,
+                prompt_tokens = signals.usage.map(|u| u.prompt_tokens),
+                completion_tokens = signals.usage.map(|u| u.completion_tokens),
+                end = reason.as_str(),
+                "request"
+            );
+        },
+    );
+    let body = GuardedBody::new(
+        incoming,
+        guard,
+        idle,
+        deadline,
+        received,
+        prepared.stream,
+        on_end,
+    );
+    let mut out = Response::new(axum::body::Body::new(body));
+    *out.status_mut() = status;
+    // Headers the worker names in `Connection` are this hop's too (RFC
+    // 9110 §7.6.1). A message sent chunked has no length to pass on: a
+    // Content-Length beside Transfer-Encoding is dropped (RFC 9112 §6.3),
+    // or the client would read that many bytes as the whole answer.
+    let named: Vec<HeaderName> = parts
+        .headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
+    let chunked = parts.headers.contains_key(header::TRANSFER_ENCODING);
+    for (name, value) in &parts.headers {
+        let framing = chunked && name == header::CONTENT_LENGTH;
+        if !HOP_BY_HOP.contains(&name.as_str()) && !named.contains(name) && !framing {
+            out.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    let worker = format!("{} {}", key.worker_id, key.dp_rank);
+    if let Ok(value) = HeaderValue::from_str(&worker) {
+        out.headers_mut().insert("x-kvhint-worker", value);
+    }
+    if let Ok(value) = HeaderValue::from_str(request_id) {
+        out.headers_mut().insert("x-kvhint-request-id", value);
+    }
+    out.headers_mut()
+        .insert("x-kvhint-cached-tokens", HeaderValue::from(cached_tokens));
+    out
 }
 
 /// What became of a request sent to its worker: its head, a failure, or no
 /// head in time.
-type Answer = Result<
+pub(super) type Answer = Result<
     Result<hyper::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error>,
     tokio::time::error::Elapsed,
 >;
@@ -458,7 +529,7 @@ type Answer = Result<
 /// crossed it) is not the worker's failure: the request is re-sent once, on a
 /// fresh connection to the same worker, and counted in
 /// `kvhint_gateway_resent_total`.
-async fn send(
+pub(super) async fn send(
     gateway: &super::Gateway,
     booked: &Sent,
     headers: &HeaderMap,

@@ -30,10 +30,14 @@ pub enum Release {
     Ttl,
     /// The request was booked again elsewhere (a retry).
     Retried,
+    /// Booked but never sent, or sent and abandoned before its head: the
+    /// other leg of its disaggregated pair could not be booked, or failed
+    /// first (the pair is booked again, or the request fails).
+    PairAbandoned,
 }
 
 impl Release {
-    pub const ALL: [Release; 8] = [
+    pub const ALL: [Release; 9] = [
         Release::Completed,
         Release::ClientDisconnect,
         Release::UpstreamError,
@@ -42,6 +46,7 @@ impl Release {
         Release::Deadline,
         Release::Ttl,
         Release::Retried,
+        Release::PairAbandoned,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -54,6 +59,7 @@ impl Release {
             Self::Deadline => "deadline",
             Self::Ttl => "ttl",
             Self::Retried => "retried",
+            Self::PairAbandoned => "pair_abandoned",
         }
     }
 }
@@ -121,6 +127,108 @@ pub struct GatewayStats {
     /// `gateway.prefix_wait_min_tokens`)], and the nanoseconds they waited in all.
     prefix_waits: [AtomicU64; 3],
     prefix_wait_ns: AtomicU64,
+    /// Disaggregated pairs (`gateway::disaggregated`).
+    pub pairs: PairStats,
+}
+
+/// What became of disaggregated requests and of each of their legs.
+#[derive(Debug, Default)]
+pub struct PairStats {
+    paths: [AtomicU64; PairPath::ALL.len()],
+    /// By leg (prefill, decode) and outcome ([`LegOutcome`]).
+    legs: [[AtomicU64; LegOutcome::ALL.len()]; 2],
+    /// Requests whose prefill answered that no KV would be handed over (vLLM:
+    /// no `kv_transfer_params`): their decode worker computed the prompt.
+    pub not_transferred: AtomicU64,
+}
+
+/// How a disaggregated request was served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairPath {
+    /// A prefill leg, then (or beside it) the decode leg.
+    Disaggregated,
+    /// The decode worker held all but `decode_alone_within_tokens` of the
+    /// prompt: no prefill leg.
+    DecodeAloneCached,
+    /// No prefill worker could compute the prompt (`on_prefill_failure:
+    /// decode_alone`): the decode worker did.
+    DecodeAlonePrefillFailed,
+}
+
+impl PairPath {
+    pub const ALL: [PairPath; 3] = [
+        Self::Disaggregated,
+        Self::DecodeAloneCached,
+        Self::DecodeAlonePrefillFailed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disaggregated => "prefill_decode",
+            Self::DecodeAloneCached => "decode_alone_cached",
+            Self::DecodeAlonePrefillFailed => "decode_alone_prefill_failed",
+        }
+    }
+}
+
+/// What became of one leg of a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegOutcome {
+    /// Its worker answered (a 2xx-4xx head).
+    Answered,
+    /// It failed before any byte reached the client (refused, 5xx, 429, a
+    /// redirect, a broken answer): the pair was booked again, or the request
+    /// failed or fell back.
+    Failed,
+    /// No head within its bound.
+    TimedOut,
+}
+
+impl LegOutcome {
+    pub const ALL: [LegOutcome; 3] = [Self::Answered, Self::Failed, Self::TimedOut];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Answered => "answered",
+            Self::Failed => "failed",
+            Self::TimedOut => "timed_out",
+        }
+    }
+}
+
+impl PairStats {
+    pub fn path(&self, path: PairPath) {
+        let at = PairPath::ALL.iter().position(|p| *p == path).unwrap_or(0);
+        self.paths[at].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `prefill`: the prefill leg (else the decode leg).
+    pub fn leg(&self, prefill: bool, outcome: LegOutcome) {
+        let at = LegOutcome::ALL
+            .iter()
+            .position(|o| *o == outcome)
+            .unwrap_or(0);
+        self.legs[usize::from(!prefill)][at].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn paths(&self) -> Vec<(PairPath, u64)> {
+        PairPath::ALL
+            .iter()
+            .zip(&self.paths)
+            .map(|(p, n)| (*p, n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// (leg name, outcome, count) for every leg and outcome.
+    pub fn legs(&self) -> Vec<(&'static str, LegOutcome, u64)> {
+        let mut out = Vec::new();
+        for (leg, counts) in ["prefill", "decode"].into_iter().zip(&self.legs) {
+            for (outcome, n) in LegOutcome::ALL.iter().zip(counts) {
+                out.push((leg, *outcome, n.load(Ordering::Relaxed)));
+            }
+        }
+        out
+    }
 }
 
 impl GatewayStats {

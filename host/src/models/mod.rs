@@ -33,6 +33,8 @@ pub struct Model {
     /// The LoRA adapter the engines serve it as: it seeds the block hashes as the
     /// engines' own do.
     pub lora: Option<String>,
+    /// Prefill and decode on two pools (`models.<name>.disaggregation`).
+    pub disaggregation: Option<crate::config::disaggregation::Disaggregation>,
     pub tokenizer: Arc<ModelTokenizer>,
 }
 
@@ -95,6 +97,7 @@ impl Models {
                             name: model.name.clone(),
                             role: model.role,
                             lora: model.lora.clone(),
+                            disaggregation: model.disaggregation.clone(),
                             tokenizer,
                         }),
                     );

@@ -135,6 +135,12 @@ pub struct BookRequest<'a> {
     /// how many of them those requests pin (the gateway's in-flight credits):
     /// blocks an engine cannot drop while they run. Empty outside the gateway.
     pub pinned_prefix: &'a [(WorkerKey, u32)],
+    /// The worker this request's KV comes from: the prefill worker of a
+    /// disaggregated pair, booked first. The booked worker computes none of the
+    /// prompt (no prefill load is reserved for it), and its hint policies are
+    /// told of a committed copy from that worker of every block it lacks, so
+    /// `kv_fetch` names the prefill worker as their source.
+    pub receive_from: Option<WorkerKey>,
 }
 
 /// Which registered workers a booking may choose from (see [`Router::book_among`]).
@@ -603,18 +609,31 @@ impl Router {
         };
         // A copy is only ever committed to a worker that can receive the hint
         // carrying it (rule R6).
-        let committed_copy = peer_copies[chosen.index]
-            .filter(|_| chosen.commit_kv_copy)
-            .map(|at| ranked[at])
-            .and_then(|source| {
-                (booked.worker.router_hint && source.cached > chosen_cached).then_some(
-                    CommittedCopy {
-                        source: source.key,
-                        first_block: chosen_cached,
-                        last_block: source.cached,
-                    },
-                )
-            });
+        let request_blocks = hashes.len();
+        let committed_copy = match request.receive_from {
+            // The prefill worker will hold every block: the copy is what the
+            // booked worker lacks, to the last block.
+            Some(source) => (booked.worker.router_hint
+                && source != booked.worker.key
+                && request_blocks > chosen_cached)
+                .then_some(CommittedCopy {
+                    source,
+                    first_block: chosen_cached,
+                    last_block: request_blocks,
+                }),
+            None => peer_copies[chosen.index]
+                .filter(|_| chosen.commit_kv_copy)
+                .map(|at| ranked[at])
+                .and_then(|source| {
+                    (booked.worker.router_hint && source.cached > chosen_cached).then_some(
+                        CommittedCopy {
+                            source: source.key,
+                            first_block: chosen_cached,
+                            last_block: source.cached,
+                        },
+                    )
+                }),
+        };
         hooks::pause(hooks::Pause::Chosen {
             worker: booked.worker.key,
         });
@@ -646,9 +665,11 @@ impl Router {
         cached_blocks: usize,
         committed_copy: Option<CommittedCopy>,
     ) -> Result<(), RouterError> {
-        let prefill_start = committed_copy
-            .map(|c| c.last_block)
-            .unwrap_or(cached_blocks);
+        // A worker that receives its KV from a prefill worker computes none of it.
+        let prefill_start = match request.receive_from {
+            Some(_) => request_blocks,
+            None => committed_copy.map_or(cached_blocks, |c| c.last_block),
+        };
         let load = Load {
             active_requests: 1,
             active_blocks: request.token_ids.len().div_ceil(self.block_size) as u64,
@@ -696,6 +717,10 @@ impl Router {
         };
         if let Some(skip) = skip {
             booking.hint = Hint::Skipped(skip);
+            if request.receive_from.is_some() {
+                // No hint names the source; the engines hand the KV over anyway.
+                booking.committed_copy = None;
+            }
             return;
         }
 
@@ -720,7 +745,18 @@ impl Router {
         // still name, and what the policies are told is what the booking claims. A copy
         // that shrank claims fewer blocks (the booked worker prefills the rest); one the
         // source can no longer supply at all is withdrawn, whatever a sender does.
+        let receiving = request.receive_from.is_some();
         let committed = plan.committed_copy.and_then(|copy| {
+            if receiving {
+                // The prefill worker has not computed the blocks yet, so no index
+                // row names them: the fetch names them by the request's block
+                // hashes, the ones the router keys its index on.
+                return Some(CommittedCopyView {
+                    source: &table.get(copy.source)?.worker,
+                    first_block: copy.first_block,
+                    block_hashes: &hashes[..copy.last_block.min(hashes.len())],
+                });
+            }
             let at = ranked.iter().position(|r| r.key == copy.source)?;
             let source_worker = &*table.by_slot(ranked[at].slot)?.worker;
             let row = rows.row(at, &source);
@@ -731,7 +767,7 @@ impl Router {
                 block_hashes: &row[..last],
             })
         });
-        if let Some(copy) = booking.committed_copy {
+        if let Some(copy) = booking.committed_copy.filter(|_| !receiving) {
             let named = committed.as_ref().map_or(0, |c| c.block_hashes.len());
             if named < copy.last_block {
                 self.reduce_copy(booking, named);
@@ -766,7 +802,13 @@ impl Router {
         booking.dropped_actions = result.dropped_actions;
         booking.policy_failures = result.failures;
         if !result.kv_copy_sent {
-            self.reduce_copy(booking, 0);
+            if receiving {
+                // The engines hand the KV over whatever the hint said: no
+                // prefill work moves to the booked worker.
+                booking.committed_copy = None;
+            } else {
+                self.reduce_copy(booking, 0);
+            }
         }
     }
 

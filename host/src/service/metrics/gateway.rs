@@ -114,6 +114,32 @@ impl Collector for GatewayCollector {
             "Time requests spent waiting for the in-flight request holding their prefix.",
             waited,
         )?;
+        counters(
+            e,
+            "kvhint_gateway_disaggregated",
+            "Requests for disaggregated models, by how they were served: a prefill leg and a decode leg (prefill_decode), the decode worker alone because it held all but decode_alone_within_tokens of the prompt (decode_alone_cached), or alone because no prefill worker could compute it (decode_alone_prefill_failed).",
+            stats
+                .pairs
+                .paths()
+                .into_iter()
+                .map(|(p, n)| ([("path", p.as_str())], n)),
+        )?;
+        counters(
+            e,
+            "kvhint_gateway_pair_legs",
+            "Legs of disaggregated pairs sent to a worker, by leg (prefill, decode) and what came of the head: answered, failed (refused, 5xx, 429, a redirect: the pair is booked again or the request falls back), timed_out.",
+            stats
+                .pairs
+                .legs()
+                .into_iter()
+                .map(|(leg, outcome, n)| ([("leg", leg), ("outcome", outcome.as_str())], n)),
+        )?;
+        counter(
+            e,
+            "kvhint_gateway_kv_not_transferred",
+            "Disaggregated requests whose prefill engine answered that no KV would be handed over (vLLM: no kv_transfer_params in its answer): the decode worker computed the prompt itself.",
+            stats.pairs.not_transferred.load(Ordering::Relaxed),
+        )?;
         counter(
             e,
             "kvhint_gateway_resent",
