@@ -422,4 +422,88 @@ mod tests {
             assert!(!String::from_utf8(out.body).unwrap().contains("kv_hints"));
         }
     }
+
+    #[test]
+    fn an_sglang_pair_names_the_prefill_bootstrap_and_the_routers_room_on_both_legs() {
+        // A client's own room is replaced: two pairs in one room collide in
+        // SGLang's schedulers.
+        let text = r#"{"model":"m","text":"hi","bootstrap_room":7,"stream":true,"stream_options":{"include_usage":true}}"#;
+        let body = Body::parse(text).unwrap();
+        let leg = |prefill: bool| {
+            let out = build_forward(
+                &target(Engine::Sglang, false),
+                Route::Generate,
+                &body,
+                &Prompt {
+                    token_ids: &[1, 2],
+                    handover: Some(Handover::Sglang {
+                        prefill,
+                        host: "10.0.0.5",
+                        port: 9001,
+                        room: 1 << 62,
+                        prefill_dp_rank: 3,
+                    }),
+                },
+                key(if prefill { 3 } else { 1 }),
+                "kvh-5",
+                None,
+            );
+            serde_json::from_slice::<serde_json::Value>(&out.body).unwrap()
+        };
+        let (prefill, decode) = (leg(true), leg(false));
+        for sent in [&prefill, &decode] {
+            assert_eq!(sent["bootstrap_host"], "10.0.0.5");
+            assert_eq!(sent["bootstrap_port"], 9001);
+            assert_eq!(sent["bootstrap_room"], 1u64 << 62);
+            assert_eq!(sent["disagg_prefill_dp_rank"], 3);
+        }
+        // The prefill's answer is drained, not streamed; decode streams as asked.
+        assert_eq!(prefill["stream"], false);
+        assert!(prefill.get("stream_options").is_none());
+        assert_eq!(decode["stream"], true);
+        assert_eq!(decode["routed_dp_rank"], 1);
+        assert_eq!(prefill["routed_dp_rank"], 3);
+    }
+
+    #[test]
+    fn a_vllm_prefill_asks_one_token_for_a_remote_decode_and_the_decode_carries_its_params() {
+        let text = r#"{"model":"m","prompt":"hi","max_tokens":64,"min_tokens":8,"stream":true,"stream_options":{"include_usage":true},"kv_transfer_params":{"client":1}}"#;
+        let body = Body::parse(text).unwrap();
+        let build = |handover| {
+            let out = build_forward(
+                &target(Engine::Vllm, false),
+                Route::Completions,
+                &body,
+                &Prompt {
+                    token_ids: &[4, 5],
+                    handover: Some(handover),
+                },
+                key(0),
+                "kvh-6",
+                None,
+            );
+            serde_json::from_slice::<serde_json::Value>(&out.body).unwrap()
+        };
+        let prefill = build(Handover::VllmPrefill);
+        assert_eq!(
+            prefill["kv_transfer_params"],
+            serde_json::from_str::<serde_json::Value>(VLLM_PREFILL_PARAMS).unwrap()
+        );
+        assert_eq!(prefill["max_tokens"], 1);
+        assert_eq!(prefill["stream"], false);
+        assert!(prefill.get("stream_options").is_none());
+        assert!(prefill.get("min_tokens").is_none());
+        assert_eq!(prefill["prompt"], serde_json::json!([4, 5]));
+        let params =
+            r#"{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]]}"#;
+        let decode = build(Handover::VllmDecode {
+            kv_transfer_params: params,
+        });
+        assert_eq!(
+            decode["kv_transfer_params"],
+            serde_json::from_str::<serde_json::Value>(params).unwrap()
+        );
+        assert_eq!(decode["max_tokens"], 64);
+        assert_eq!(decode["stream"], true);
+    }
 }

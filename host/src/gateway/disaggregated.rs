@@ -893,3 +893,31 @@ fn kv_transfer_params(answer: &[u8]) -> Option<String> {
         .is_ok_and(|map| !map.is_empty());
     is_object.then(|| raw.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::kv_transfer_params;
+
+    #[test]
+    fn a_prefill_answer_hands_over_only_a_non_empty_params_object() {
+        let with = br#"{"id":"c","choices":[],"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1,2]]}}"#;
+        assert_eq!(
+            kv_transfer_params(with).as_deref(),
+            Some(r#"{"do_remote_prefill":true,"remote_block_ids":[[1,2]]}"#)
+        );
+        for none in [
+            &br#"{"id":"c","choices":[]}"#[..],
+            br#"{"kv_transfer_params":null}"#,
+            br#"{"kv_transfer_params":{}}"#,
+            br#"{"kv_transfer_params":[1]}"#,
+            b"not json",
+        ] {
+            assert_eq!(
+                kv_transfer_params(none),
+                None,
+                "{}",
+                String::from_utf8_lossy(none)
+            );
+        }
+    }
+}
