@@ -20,6 +20,7 @@
 //! | [`workloads`] | the routing benches' seeded workloads, their Poisson schedule and the streaming client that times them |
 //! | [`mooncake`] | the Mooncake conversation trace (`tests/fixtures/mooncake/`) as a workload: prompts from its hashed blocks, its arrival times |
 //! | [`errors`] | config errors as `kvhint check` prints them, temporary paths shown as `<dir>` |
+//! | [`pd`] | fake prefill and decode engines for the disaggregated tests: every request recorded (path, headers, JSON body), each answered as the test says (JSON, SSE, held until the router closes it, closed) |
 //! | [`bench`](mod@bench), [`allocations`] | the benchmarks' helpers; a counting global allocator |
 //!
 //! The engine tests (`tests/engine_live.rs`, `tests/llamacpp.rs`, …) run the
@@ -46,6 +47,7 @@ pub mod mooncake;
 pub mod nats;
 pub mod otel;
 pub mod paths;
+pub mod pd;
 pub mod peers;
 pub mod plugins;
 pub mod process;
