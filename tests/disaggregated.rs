@@ -353,6 +353,115 @@ fn every_vllm_prefill_worker_failing_with_on_prefill_failure_fail_is_an_error() 
 // ---------------------------------------------------------------------------
 // SGLang
 
+#[test]
+fn conditional_disaggregation_skips_the_prefill_leg_once_the_decode_pool_holds_the_prompt() {
+    let p1 = Fake::start(|_, _| vllm_prefill_answer(Some(kv_params())));
+    let p2 = Fake::start(|_, _| vllm_prefill_answer(Some(kv_params())));
+    let d = Fake::start(|r, _| decode_answer(r));
+    let dir = private_dir();
+    // The decode worker publishes no KV events: the router credits it with
+    // what it was sent (the prompt it received from the prefill worker).
+    let server = serve(
+        &dir,
+        &config_yaml(
+            "      mode: vllm\n      decode_alone_within_tokens: 32\n",
+            "",
+            &[
+                W(1, "prefill", "vllm", p1.url(), ""),
+                W(2, "prefill", "vllm", p2.url(), ""),
+                W(3, "decode", "vllm", d.url(), ", kv_events: approximate"),
+            ],
+        ),
+    );
+    let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 4});
+    let (status, text) = post(&server, "/v1/completions", &body);
+    assert_eq!(status, 200, "{text}\n{}", server.log());
+    // A cold decode pool: the prompt is computed apart.
+    assert_eq!(pair_path(&server, "prefill_decode"), 1.0);
+    assert_eq!(all_posts(&[&p1, &p2]).len(), 1);
+    // The same prompt again, once the credit is in the index (it is queued
+    // without waiting): the decode worker holds all of it but the last
+    // partial block, within 32 tokens, so no prefill leg goes out.
+    let mut skipped = false;
+    for _ in 0..50 {
+        let before = all_posts(&[&p1, &p2]).len();
+        let (status, text) = post(&server, "/v1/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        if pair_path(&server, "decode_alone_cached") >= 1.0 {
+            assert_eq!(
+                all_posts(&[&p1, &p2]).len(),
+                before,
+                "a skipped prefill leg was sent"
+            );
+            skipped = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        skipped,
+        "the warm decode pool never served the prompt alone\n{}",
+        server.log()
+    );
+    let last = d.posts().pop().expect("a decode request");
+    assert!(
+        last.body.get("kv_transfer_params").is_none(),
+        "{}",
+        last.body
+    );
+    // A prompt the decode pool has not seen still goes through a prefill worker.
+    let before = all_posts(&[&p1, &p2]).len();
+    let other = json!({"model": MODEL, "prompt": format!("Something else entirely. {TEXT}"), "max_tokens": 4});
+    let (status, _) = post(&server, "/v1/completions", &other);
+    assert_eq!(status, 200);
+    assert_eq!(all_posts(&[&p1, &p2]).len(), before + 1);
+    server.until_idle();
+}
+
+#[test]
+fn the_decode_leg_s_kv_fetch_names_the_prefill_worker_as_the_source_of_its_blocks() {
+    let p = Fake::start(|_, _| sglang_prefill_answer());
+    let d = Fake::start(|r, _| decode_answer(r));
+    let dir = private_dir();
+    let yaml = config_yaml(
+        "      mode: sglang\n",
+        "",
+        &[
+            W(1, "prefill", "sglang", p.url(), ", runtime_data: {router_hint: true, router_hint_worker_type: prefill, router_hint_source_control_endpoints: {\"0\": \"tcp://10.0.0.1:5557\"}}"),
+            W(2, "decode", "sglang", d.url(), ", runtime_data: {router_hint: true, router_hint_worker_type: decode, router_hint_source_control_endpoints: {\"0\": \"tcp://10.0.0.2:5557\"}}"),
+        ],
+    )
+    .replace(
+        "  decode: dynamo-default-cost-fn\n",
+        "  decode:\n    type: dynamo-default-cost-fn\n    hints:\n      - type: kv_fetch\n",
+    );
+    let server = serve(&dir, &yaml);
+    let body = json!({"text": TEXT, "sampling_params": {"max_new_tokens": 4}});
+    let (status, text) = post(&server, "/generate", &body);
+    assert_eq!(status, 200, "{text}\n{}", server.log());
+    let decode = d.posts().pop().expect("the decode leg");
+    let actions = decode.body["kv_hints"]["actions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("the decode leg carries a hint: {}", decode.body));
+    assert_eq!(actions.len(), 1, "{actions:?}");
+    assert_eq!(actions[0]["action_type"], "kv.fetch");
+    let payload = &actions[0]["payload"];
+    // The prefill worker, not a decode peer, is the blocks' source: every
+    // full block of the prompt, which the decode worker holds none of.
+    assert_eq!(payload["source_control_endpoint"], "tcp://10.0.0.1:5557");
+    let blocks = payload["block_hashes"].as_array().expect("block_hashes");
+    let prompt_tokens = decode.body["input_ids"]
+        .as_array()
+        .expect("input_ids")
+        .len();
+    assert_eq!(blocks.len(), prompt_tokens / 16, "{payload}");
+    // The prefill leg's own booking made no fetch (no peer holds the prompt).
+    let prefill = p.posts().pop().expect("the prefill leg");
+    assert!(prefill.body.get("kv_hints").is_none(), "{}", prefill.body);
+    assert_eq!(metric_or_zero(&server, "kvhint_hints_delivered_total"), 1.0);
+    server.until_idle();
+}
+
 fn room_of(r: &Recorded) -> u64 {
     r.body["bootstrap_room"]
         .as_u64()

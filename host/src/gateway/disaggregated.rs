@@ -63,6 +63,30 @@ pub struct Pair {
     pub path: PairPath,
 }
 
+/// The prompt tokens the decode worker best placed for `prepared` holds: the
+/// longest cached prefix among the decode workers it may be booked on.
+fn held_prefix_tokens(
+    path: &RequestPath,
+    snapshot: &crate::snapshot::Snapshot,
+    prepared: &Prepared,
+    tried: &[WorkerKey],
+) -> usize {
+    let request = crate::router::BookRequest {
+        request_id: "",
+        role: Role::Decode,
+        token_ids: &prepared.token_ids,
+        session_context: None,
+        lora_name: prepared.model.lora.as_deref(),
+        cache_salt: prepared.cache_salt.as_deref(),
+        pinned_prefix: &[],
+        receive_from: None,
+    };
+    let eligible = |worker: &crate::domain::Worker| {
+        super::eligible(&path.gateway, prepared, tried, None, worker)
+    };
+    path.router.held_prefix(&request, Some(&eligible)) * snapshot.block_size
+}
+
 /// The request id of a pair's prefill leg: its own booking beside the decode
 /// leg's, under the client request's id.
 fn prefill_id(request_id: &str) -> String {
@@ -70,9 +94,9 @@ fn prefill_id(request_id: &str) -> String {
 }
 
 /// Books a pair, on a booking thread: the prefill leg first (so that the
-/// decode booking can name it as its KV's source), then the decode leg; or,
-/// with `decode_alone_within_tokens`, the decode leg first, and a prefill leg
-/// only when the decode worker lacks more of the prompt than that.
+/// decode booking can name it as its KV's source), then the decode leg. With
+/// `decode_alone_within_tokens`, the decode leg alone when the decode pool
+/// already holds all but that many of the prompt's tokens.
 pub fn book_pair(
     path: &RequestPath,
     snapshot: &crate::snapshot::Snapshot,
@@ -125,19 +149,16 @@ pub fn book_pair(
         let decode = leg(decode_alone, tried.decode, HandoverPlan::Whole)?;
         return Ok(pair(decode, None, PairPath::DecodeAlonePrefillFailed));
     }
-    // Conditional disaggregation: what the decode worker booked already holds
-    // decides whether a prefill leg is worth its hop.
-    let mut early_decode = None;
+    // Conditional disaggregation: what the decode pool already holds decides
+    // whether a prefill leg is worth its hop (read from the index, nothing
+    // booked, so a decode booking made after the prefill's still names it).
     if disaggregation.decode_alone_within_tokens > 0 {
-        let decode = leg(decode_alone, tried.decode, HandoverPlan::Whole)?;
-        let missing = prepared
-            .token_ids
-            .len()
-            .saturating_sub(decode.cached_tokens) as u64;
+        let held = held_prefix_tokens(path, snapshot, prepared, tried.decode);
+        let missing = prepared.token_ids.len().saturating_sub(held) as u64;
         if missing <= disaggregation.decode_alone_within_tokens {
+            let decode = leg(decode_alone, tried.decode, HandoverPlan::Whole)?;
             return Ok(pair(decode, None, PairPath::DecodeAloneCached));
         }
-        early_decode = Some(decode);
     }
     let room = path.gateway.bootstrap_room();
     let prefill_request_id = prefill_id(tried.request_id);
@@ -161,10 +182,7 @@ pub fn book_pair(
             // healthy, or every one failed this request already).
             return match disaggregation.on_prefill_failure {
                 OnPrefillFailure::DecodeAlone => {
-                    let decode = match early_decode {
-                        Some(decode) => decode,
-                        None => leg(decode_alone, tried.decode, HandoverPlan::Whole)?,
-                    };
+                    let decode = leg(decode_alone, tried.decode, HandoverPlan::Whole)?;
                     Ok(pair(decode, None, PairPath::DecodeAlonePrefillFailed))
                 }
                 OnPrefillFailure::Fail => Err(GatewayError::answer(
@@ -178,12 +196,6 @@ pub fn book_pair(
         }
         Err(error) => return Err(error),
     };
-    if let Some(decode) = early_decode {
-        // Booked before the prefill worker was known (vLLM only: the config
-        // refuses decode_alone_within_tokens for SGLang), so its hint names no
-        // source; its request is built once the prefill has answered.
-        return Ok(pair(decode, Some(prefill), PairPath::Disaggregated));
-    }
     let prefill_key = prefill.worker;
     let prefill_target = Arc::clone(&prefill.target);
     let decode_plan = match mode {

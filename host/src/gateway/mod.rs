@@ -439,6 +439,24 @@ fn prompt(body: &Body<'_>, key: &'static str) -> Result<Option<Prompt>, GatewayE
 /// endpoint picker's subset hint from the proxy); `None`: any.
 pub type Allowed<'a> = Option<&'a (dyn Fn(&HttpTarget) -> bool + Sync)>;
 
+/// Whether `worker` may take `prepared`: it serves the model and the route,
+/// is `allowed`, was not `tried` already, and is healthy with its circuit
+/// closed.
+pub fn eligible(
+    gateway: &Gateway,
+    prepared: &Prepared,
+    tried: &[WorkerKey],
+    allowed: Allowed<'_>,
+    worker: &Worker,
+) -> bool {
+    worker.http.as_ref().is_some_and(|http| {
+        http.serves(&prepared.model.name)
+            && prepared.route.served_by(http.engine)
+            && allowed.is_none_or(|allowed| allowed(http))
+    }) && !tried.contains(&worker.key)
+        && gateway.health.admits(worker.key)
+}
+
 /// What a booking is for: the request id it is opened under, the role it is
 /// booked on, and the worker its KV comes from (the decode leg of a
 /// disaggregated pair).
@@ -468,15 +486,7 @@ pub fn book_eligible(
     } = book_as;
     let model = &prepared.model;
     let role = crate::router::configured_role(snapshot, role_name)?;
-    let route = prepared.route;
-    let eligible = |worker: &Worker| {
-        worker.http.as_ref().is_some_and(|http| {
-            http.serves(&model.name)
-                && route.served_by(http.engine)
-                && allowed.is_none_or(|allowed| allowed(http))
-        }) && !tried.contains(&worker.key)
-            && gateway.health.admits(worker.key)
-    };
+    let eligible = |worker: &Worker| eligible(gateway, prepared, tried, allowed, worker);
     // What running requests pin of this prompt on event-fed workers: their
     // engines cannot drop it, whatever the booking anticipates (read only when
     // bookings anticipate evictions).

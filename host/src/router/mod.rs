@@ -445,6 +445,40 @@ impl Router {
         self.bookings.expired()
     }
 
+    /// The longest prefix of `request`'s blocks that a worker of its role,
+    /// admitted by `eligible`, holds: read from the index, nothing booked.
+    /// What a caller deciding whether a booking is worth making reads (a
+    /// disaggregated request's decode pool, before its prefill leg).
+    pub fn held_prefix(&self, request: &BookRequest<'_>, eligible: Option<Eligible<'_>>) -> usize {
+        SCRATCH.with(|scratch| {
+            let mut scratch = scratch.borrow_mut();
+            let Scratch {
+                hashes, matches, ..
+            } = &mut *scratch;
+            seeded_block_hashes(
+                request.token_ids,
+                self.block_size,
+                identity_seed(request.lora_name, request.cache_salt),
+                hashes,
+            );
+            self.index.read(|index| index.lookup(hashes, matches));
+            let table = self.workers.load();
+            table
+                .role(request.role)
+                .iter()
+                .filter(|listed| {
+                    eligible.is_none_or(|eligible| {
+                        table
+                            .by_slot(listed.slot)
+                            .is_some_and(|entry| eligible(&entry.worker))
+                    })
+                })
+                .map(|listed| matches.cached_in_slot(listed.slot))
+                .max()
+                .unwrap_or(0)
+        })
+    }
+
     /// Books a request on `role`'s policies (from the snapshot the caller loaded).
     pub fn book(
         &self,
