@@ -3,7 +3,7 @@
 //! results), and what bounds the router's picture of each worker's KV cache
 //! (its capacity, configured or asked of the engine).
 
-use super::proxy::local_shortage;
+use super::send::local_shortage;
 use super::RequestPath;
 use crate::logging::with_causes;
 use axum::http::header;

@@ -59,49 +59,12 @@ pub struct Booked {
     pub hint: Option<String>,
 }
 
-/// What a booking job made of a request: one booking, or the two legs of a
-/// disaggregated pair (`super::disaggregated`).
-// One booking is every request's answer and stays unboxed (no allocation on
-// the hot path); a pair, rarer and twice the size, is boxed.
-#[allow(clippy::large_enum_variant)]
-pub enum Dispatched {
-    One(Booked),
-    Pair(Box<super::disaggregated::Pair>),
-}
-
 /// A request's CPU work, on a booking thread: parse the body (unless a retry
 /// passes it parsed), prepare it (render and tokenize; `prepared` is reused on
 /// a retry), book on an eligible worker not in `tried` and `allowed`, credit
 /// what the booked worker will hold, and build the adapter's request with the
-/// hint. A disaggregated model books its two legs ([`Dispatched::Pair`]).
-pub fn dispatch_request(
-    path: &RequestPath,
-    snapshot: &crate::snapshot::Snapshot,
-    body: Body,
-    attempt: Attempt<'_>,
-) -> Result<Dispatched, GatewayError> {
-    let (body, prepared) = read(snapshot, body, attempt.route, attempt.prepared.clone())?;
-    if let Some(disaggregation) = prepared.model.disaggregation.as_ref() {
-        let pair = super::disaggregated::book_pair(
-            path,
-            snapshot,
-            disaggregation,
-            &body,
-            &prepared,
-            super::disaggregated::Tried {
-                request_id: attempt.request_id,
-                prefill: &[],
-                decode: attempt.tried,
-                prefill_exhausted: false,
-            },
-        )?;
-        return Ok(Dispatched::Pair(Box::new(pair)));
-    }
-    book_one(path, snapshot, body, prepared, attempt).map(Dispatched::One)
-}
-
-/// [`dispatch_request`] for a caller that forwards one request itself (the
-/// endpoint picker): a disaggregated model, which needs two, is refused.
+/// hint. A disaggregated model, which needs two bookings, is refused: the
+/// front door books its pairs itself (`proxy`, `pair`).
 pub fn dispatch(
     path: &RequestPath,
     snapshot: &crate::snapshot::Snapshot,
@@ -124,7 +87,7 @@ pub fn dispatch(
 
 /// The body parsed (once: a retry passes it parsed) and prepared (rendered and
 /// tokenized once: a retry passes it prepared).
-fn read(
+pub fn read(
     snapshot: &crate::snapshot::Snapshot,
     body: Body,
     route: Route,
@@ -144,7 +107,7 @@ fn read(
     Ok((body, prepared))
 }
 
-fn book_one(
+pub fn book_one(
     path: &RequestPath,
     snapshot: &crate::snapshot::Snapshot,
     body: Arc<ParsedBody>,
