@@ -462,6 +462,100 @@ fn the_decode_leg_s_kv_fetch_names_the_prefill_worker_as_the_source_of_its_block
     server.until_idle();
 }
 
+/// Waits (bounded) until `fake` has a POST that `done` accepts.
+fn until_recorded(fake: &Fake, what: &str, done: impl Fn(&Recorded) -> bool) {
+    for _ in 0..500 {
+        if fake.posts().iter().any(&done) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("{what}: {:?}", fake.posts());
+}
+
+#[test]
+fn a_client_leaving_during_the_prefill_leg_aborts_it_on_its_engine_and_releases_both_legs() {
+    let p1 = Fake::start(|_, _| Reply::Hang);
+    let p2 = Fake::start(|_, _| Reply::Hang);
+    let d = Fake::start(|r, _| decode_answer(r));
+    let dir = private_dir();
+    let server = vllm_server(&dir, "      mode: vllm\n", p1.url(), p2.url(), d.url());
+    let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 4});
+    let client = kvhint_e2e::http::raw_post(server.address(), "/v1/completions", &body);
+    let prefill_of = |f: &Fake| !f.posts().is_empty();
+    for _ in 0..500 {
+        if prefill_of(&p1) || prefill_of(&p2) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let prefill = if prefill_of(&p1) { &p1 } else { &p2 };
+    assert_eq!(prefill.posts().len(), 1, "the prefill leg is out");
+    drop(client);
+    // The router closes the prefill leg's connection: the engine aborts it.
+    until_recorded(prefill, "the prefill leg was never abandoned", |r| {
+        r.abandoned
+    });
+    server.until_idle();
+    assert!(d.posts().is_empty(), "no decode leg after the client left");
+    assert_eq!(
+        metric_or_zero(
+            &server,
+            "kvhint_gateway_releases_total{reason=\"client_disconnect\"}"
+        ),
+        2.0,
+        "both legs released as the client's leaving"
+    );
+}
+
+#[test]
+fn a_silent_prefill_leg_times_out_and_releases_both_legs() {
+    let p1 = Fake::start(|_, _| Reply::Hang);
+    let p2 = Fake::start(|_, _| Reply::Hang);
+    let d = Fake::start(|r, _| decode_answer(r));
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &config_yaml(
+            "      mode: vllm\n",
+            "  response_timeout_ms: 300\n",
+            &[
+                W(1, "prefill", "vllm", p1.url(), ""),
+                W(2, "prefill", "vllm", p2.url(), ""),
+                W(3, "decode", "vllm", d.url(), ""),
+            ],
+        ),
+    );
+    let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 4});
+    let (status, text) = post(&server, "/v1/completions", &body);
+    assert_eq!(status, 504, "{text}\n{}", server.log());
+    assert!(text.contains("prefill leg"), "{text}");
+    assert_eq!(legs(&server, "prefill", "timed_out"), 1.0);
+    server.until_idle();
+    assert!(d.posts().is_empty());
+    let held: Vec<Recorded> = all_posts(&[&p1, &p2]);
+    assert_eq!(held.len(), 1);
+    until_recorded(
+        if p1.posts().is_empty() { &p2 } else { &p1 },
+        "the silent prefill leg's connection was never closed",
+        |r| r.abandoned,
+    );
+    assert_eq!(
+        metric_or_zero(
+            &server,
+            "kvhint_gateway_releases_total{reason=\"response_timeout\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric_or_zero(
+            &server,
+            "kvhint_gateway_releases_total{reason=\"pair_abandoned\"}"
+        ),
+        1.0
+    );
+}
+
 fn room_of(r: &Recorded) -> u64 {
     r.body["bootstrap_room"]
         .as_u64()
