@@ -556,6 +556,59 @@ fn a_silent_prefill_leg_times_out_and_releases_both_legs() {
     );
 }
 
+#[test]
+fn a_decode_stream_gone_silent_is_cut_at_the_idle_timeout_and_both_legs_end_released() {
+    let p1 = Fake::start(|_, _| vllm_prefill_answer(Some(kv_params())));
+    let p2 = Fake::start(|_, _| vllm_prefill_answer(Some(kv_params())));
+    let d = Fake::start(|_, _| {
+        Reply::Stall(vec![
+            json!({"id": "d", "object": "text_completion", "created": 0,
+            "model": MODEL, "choices": [{"index": 0, "text": "first", "finish_reason": null}]}),
+        ])
+    });
+    let dir = private_dir();
+    let server = serve(
+        &dir,
+        &config_yaml(
+            "      mode: vllm\n",
+            "  idle_timeout_ms: 400\n",
+            &[
+                W(1, "prefill", "vllm", p1.url(), ""),
+                W(2, "prefill", "vllm", p2.url(), ""),
+                W(3, "decode", "vllm", d.url(), ""),
+            ],
+        ),
+    );
+    let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 64, "stream": true});
+    // The head and the first token come; then the stream is cut (the
+    // connection closes without the stream's end).
+    let mut client = kvhint_e2e::http::raw_post(server.address(), "/v1/completions", &body);
+    let got = kvhint_e2e::http::read_some(&mut client, 1 << 20);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("first"), "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    until_recorded(
+        &d,
+        "the silent decode leg's connection was never closed",
+        |r| r.abandoned,
+    );
+    server.until_idle();
+    let released = |reason: &str| {
+        metric_or_zero(
+            &server,
+            &format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(released("idle_timeout"), 1.0, "the decode leg");
+    assert_eq!(
+        released("completed"),
+        1.0,
+        "the prefill leg, read to its end"
+    );
+    assert_eq!(legs(&server, "decode", "answered"), 1.0);
+}
+
 fn room_of(r: &Recorded) -> u64 {
     r.body["bootstrap_room"]
         .as_u64()

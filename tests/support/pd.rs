@@ -39,6 +39,9 @@ pub enum Reply {
     Sse(Vec<Value>),
     /// No answer: wait (20 s at most) until the router closes the connection.
     Hang,
+    /// The head and these events of a stream, then silence until the router
+    /// closes the connection (recorded as `abandoned`).
+    Stall(Vec<Value>),
     /// Close the connection without answering.
     Close,
 }
@@ -183,6 +186,18 @@ fn serve(stream: TcpStream, seen: &Mutex<Vec<Recorded>>, handler: &Handler) {
             Reply::Json(status, value) => write_json(&mut writer, status, &value).is_ok(),
             Reply::Sse(events) => write_sse(&mut writer, &events).is_ok(),
             Reply::Close => return,
+            Reply::Stall(events) => {
+                if write_sse_head(&mut writer, &events).is_err() {
+                    return;
+                }
+                let mut byte = [0u8; 1];
+                if let Ok(0) = reader.read(&mut byte) {
+                    if let Some(r) = seen.lock().unwrap().get_mut(index) {
+                        r.abandoned = true;
+                    }
+                }
+                return;
+            }
             Reply::Hang => {
                 let mut byte = [0u8; 1];
                 if let Ok(0) = reader.read(&mut byte) {
@@ -207,6 +222,18 @@ fn write_json(writer: &mut TcpStream, status: u16, value: &Value) -> std::io::Re
     );
     writer.write_all(head.as_bytes())?;
     writer.write_all(text.as_bytes())?;
+    writer.flush()
+}
+
+/// A stream's head and `events`, no end.
+fn write_sse_head(writer: &mut TcpStream, events: &[Value]) -> std::io::Result<()> {
+    writer.write_all(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+    )?;
+    for event in events {
+        let text = format!("data: {event}\n\n");
+        write!(writer, "{:x}\r\n{text}\r\n", text.len())?;
+    }
     writer.flush()
 }
 
