@@ -5,7 +5,7 @@
 //! recorded as `abandoned`), or a closed connection.
 
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -99,64 +99,19 @@ pub fn closed_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
+/// One request as the capture server reads it, its body read as JSON.
 fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Recorded> {
-    let mut line = String::new();
-    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-        return None;
-    }
-    let mut parts = line.split_whitespace();
-    let (method, path) = (
-        parts.next().unwrap_or("").to_string(),
-        parts.next().unwrap_or("").to_string(),
-    );
-    let (mut length, mut chunked, mut headers) = (0usize, false, Vec::new());
-    loop {
-        let mut header = String::new();
-        if reader.read_line(&mut header).unwrap_or(0) == 0 {
-            return None;
-        }
-        let header = header.trim_end();
-        if header.is_empty() {
-            break;
-        }
-        let (name, value) = header.split_once(':').unwrap_or((header, ""));
-        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim().to_string());
-        if name == "content-length" {
-            length = value.parse().unwrap_or(0);
-        } else if name == "transfer-encoding" && value.contains("chunked") {
-            chunked = true;
-        }
-        headers.push((name, value));
-    }
-    let mut body = Vec::new();
-    if chunked {
-        loop {
-            let mut size = String::new();
-            if reader.read_line(&mut size).unwrap_or(0) == 0 {
-                return None;
-            }
-            let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            let mut chunk = vec![0; size + 2];
-            reader.read_exact(&mut chunk).ok()?;
-            if size == 0 {
-                break;
-            }
-            body.extend_from_slice(&chunk[..size]);
-        }
-    } else {
-        body.resize(length, 0);
-        reader.read_exact(&mut body).ok()?;
-    }
-    let body = if body.is_empty() {
+    let captured = crate::engines::capture::read_request(reader)?;
+    let body = if captured.body.is_empty() {
         Value::Null
     } else {
-        serde_json::from_slice(&body)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()))
+        serde_json::from_slice(&captured.body)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&captured.body).into_owned()))
     };
     Some(Recorded {
-        method,
-        path,
-        headers,
+        method: captured.method,
+        path: captured.path,
+        headers: captured.headers,
         body,
         abandoned: false,
     })

@@ -17,6 +17,8 @@ pub struct Captured {
     pub body: Vec<u8>,
     /// The body came with `transfer-encoding: chunked` (no content-length).
     pub chunked: bool,
+    /// Its headers, names lower-cased, in order.
+    pub headers: Vec<(String, String)>,
 }
 
 pub struct Upstream {
@@ -94,7 +96,7 @@ pub fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Captured> {
         parts.next().unwrap_or("").to_string(),
         parts.next().unwrap_or("").to_string(),
     );
-    let (mut length, mut chunked) = (0usize, false);
+    let (mut length, mut chunked, mut headers) = (0usize, false, Vec::new());
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).unwrap_or(0) == 0 {
@@ -111,6 +113,7 @@ pub fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Captured> {
         } else if name == "transfer-encoding" && value.contains("chunked") {
             chunked = true;
         }
+        headers.push((name, value.to_string()));
     }
     let mut body = Vec::new();
     if chunked {
@@ -136,6 +139,7 @@ pub fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Captured> {
         path,
         body,
         chunked,
+        headers,
     })
 }
 
