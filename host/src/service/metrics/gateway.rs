@@ -117,7 +117,7 @@ impl Collector for GatewayCollector {
         counters(
             e,
             "kvhint_gateway_disaggregated",
-            "Requests for disaggregated models, by how they were served: a prefill leg and a decode leg (prefill_decode), the decode worker alone because it held all but decode_alone_within_tokens of the prompt (decode_alone_cached), or alone because no prefill worker could compute it (decode_alone_prefill_failed).",
+            "Attempts at serving requests for disaggregated models (a pair booked again after a failed leg counts again), by how: a prefill leg and a decode leg (prefill_decode), the decode worker alone because it held all but decode_alone_within_tokens of the prompt (decode_alone_cached), or alone because no prefill worker could compute it (decode_alone_prefill_failed).",
             stats
                 .pairs
                 .paths()
