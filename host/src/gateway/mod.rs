@@ -191,17 +191,15 @@ impl Gateway {
     }
 
     /// A `bootstrap_room` for an SGLang pair: below 2^63 (SGLang reads it as a
-    /// signed 64-bit integer), and never one this router minted before (a
-    /// bijection of a counter, keyed by the instance, so replicas differ too).
-    /// Never the client's: two pairs in one room collide in SGLang's
-    /// schedulers.
+    /// signed 64-bit integer), and none this router minted before within 2^63
+    /// rooms: a bijection on 63 bits of a counter offset by the instance, so
+    /// replicas start apart. Never the client's: two pairs in one room collide
+    /// in SGLang's schedulers.
     pub fn bootstrap_room(&self) -> u64 {
-        let n = self.next_room.fetch_add(1, Ordering::Relaxed);
-        // splitmix64's finalizer: a bijection on u64.
-        let mut z = n.wrapping_add(self.instance.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) & (i64::MAX as u64)
+        mint_room(
+            self.instance,
+            self.next_room.fetch_add(1, Ordering::Relaxed),
+        )
     }
 
     /// A request id no other request of this router has had.
@@ -209,6 +207,18 @@ impl Gateway {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("kvh-{:012x}-{n}", self.instance & 0xffff_ffff_ffff)
     }
+}
+
+/// Room `n` of the router `instance`: multiplying by an odd number and
+/// xor-shifting right are each a bijection on 63-bit values, so distinct
+/// counters give distinct rooms, scattered over `0..2^63`.
+fn mint_room(instance: u64, n: u64) -> u64 {
+    const MASK: u64 = (1 << 63) - 1;
+    let mut x = n.wrapping_add(instance) & MASK;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9) & MASK;
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb) & MASK;
+    x ^ (x >> 29)
 }
 
 /// A request read, its model found and its prompt tokenized.
@@ -526,4 +536,22 @@ pub fn book_eligible(
         ));
     };
     Ok((booking, worker, target))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mint_room;
+    use std::collections::HashSet;
+
+    #[test]
+    fn bootstrap_rooms_are_below_2_63_and_never_repeat() {
+        for instance in [0, 7, u64::MAX] {
+            let mut seen = HashSet::new();
+            for n in (0..100_000).chain([(1 << 62) + 5, (1 << 63) - 1]) {
+                let room = mint_room(instance, n);
+                assert!(room < 1 << 63, "{room}");
+                assert!(seen.insert(room), "room {room} minted twice (n {n})");
+            }
+        }
+    }
 }
