@@ -15,12 +15,13 @@
 //! - 1,000 clients going away at random points leave no booking open.
 //! - `kvhint check` locates every combination the gateway could not serve.
 
+use kvhint_e2e::engines::run_checker;
 use kvhint_e2e::http::{call, cut_off_requests, metric_or_zero, metrics, sum_of};
 use kvhint_e2e::llamacpp::qwen3_tokenizer_dir;
 use kvhint_e2e::pd::{closed_port, Fake, Recorded, Reply};
-use kvhint_e2e::provision::{python, vllm_plugin_wheel};
+use kvhint_e2e::provision::vllm_plugin_wheel;
 use kvhint_e2e::wait::Waiting;
-use kvhint_e2e::{config_file, kvhint_bin, private_dir, run_bounded, workspace_root, Server};
+use kvhint_e2e::{config_file, kvhint_bin, private_dir, Server};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
@@ -129,15 +130,27 @@ fn vllm_server(
     p2: String,
     d: String,
 ) -> Server {
+    vllm_server_with(dir, disaggregation, "", "", [p1, p2, d])
+}
+
+/// [`vllm_server`] with `gateway:` lines and the decode worker's extra
+/// flow-map entries.
+fn vllm_server_with(
+    dir: &kvhint_e2e::TempDir,
+    disaggregation: &str,
+    gateway: &str,
+    decode_extra: &str,
+    [p1, p2, d]: [String; 3],
+) -> Server {
     serve(
         dir,
         &config_yaml(
             disaggregation,
-            "",
+            gateway,
             &[
                 W(1, "prefill", "vllm", p1, ""),
                 W(2, "prefill", "vllm", p2, ""),
-                W(3, "decode", "vllm", d, ""),
+                W(3, "decode", "vllm", d, decode_extra),
             ],
         ),
     )
@@ -361,17 +374,12 @@ fn conditional_disaggregation_skips_the_prefill_leg_once_the_decode_pool_holds_t
     let dir = private_dir();
     // The decode worker publishes no KV events: the router credits it with
     // what it was sent (the prompt it received from the prefill worker).
-    let server = serve(
+    let server = vllm_server_with(
         &dir,
-        &config_yaml(
-            "      mode: vllm\n      decode_alone_within_tokens: 32\n",
-            "",
-            &[
-                W(1, "prefill", "vllm", p1.url(), ""),
-                W(2, "prefill", "vllm", p2.url(), ""),
-                W(3, "decode", "vllm", d.url(), ", kv_events: approximate"),
-            ],
-        ),
+        "      mode: vllm\n      decode_alone_within_tokens: 32\n",
+        "",
+        ", kv_events: approximate",
+        [p1.url(), p2.url(), d.url()],
     );
     let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 4});
     let (status, text) = post(&server, "/v1/completions", &body);
@@ -514,17 +522,12 @@ fn a_silent_prefill_leg_times_out_and_releases_both_legs() {
     let p2 = Fake::start(|_, _| Reply::Hang);
     let d = Fake::start(|r, _| decode_answer(r));
     let dir = private_dir();
-    let server = serve(
+    let server = vllm_server_with(
         &dir,
-        &config_yaml(
-            "      mode: vllm\n",
-            "  response_timeout_ms: 300\n",
-            &[
-                W(1, "prefill", "vllm", p1.url(), ""),
-                W(2, "prefill", "vllm", p2.url(), ""),
-                W(3, "decode", "vllm", d.url(), ""),
-            ],
-        ),
+        "      mode: vllm\n",
+        "  response_timeout_ms: 300\n",
+        "",
+        [p1.url(), p2.url(), d.url()],
     );
     let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 4});
     let (status, text) = post(&server, "/v1/completions", &body);
@@ -567,17 +570,12 @@ fn a_decode_stream_gone_silent_is_cut_at_the_idle_timeout_and_both_legs_end_rele
         ])
     });
     let dir = private_dir();
-    let server = serve(
+    let server = vllm_server_with(
         &dir,
-        &config_yaml(
-            "      mode: vllm\n",
-            "  idle_timeout_ms: 400\n",
-            &[
-                W(1, "prefill", "vllm", p1.url(), ""),
-                W(2, "prefill", "vllm", p2.url(), ""),
-                W(3, "decode", "vllm", d.url(), ""),
-            ],
-        ),
+        "      mode: vllm\n",
+        "  idle_timeout_ms: 400\n",
+        "",
+        [p1.url(), p2.url(), d.url()],
     );
     let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 64, "stream": true});
     // The head and the first token come; then the stream is cut (the
@@ -607,6 +605,112 @@ fn a_decode_stream_gone_silent_is_cut_at_the_idle_timeout_and_both_legs_end_rele
         "the prefill leg, read to its end"
     );
     assert_eq!(legs(&server, "decode", "answered"), 1.0);
+}
+
+#[test]
+fn a_healthy_decode_stream_longer_than_the_idle_timeout_is_never_cut() {
+    let p1 = Fake::start(|_, _| vllm_prefill_answer(Some(kv_params())));
+    let p2 = Fake::start(|_, _| vllm_prefill_answer(Some(kv_params())));
+    // Ten tokens 100 ms apart: a second in all, past a 300 ms idle timeout,
+    // but never silent that long.
+    let d = Fake::start(|_, _| {
+        let token = |i: usize| {
+            json!({"id": "d", "object": "text_completion", "created": 0, "model": MODEL,
+                   "choices": [{"index": 0, "text": format!("t{i} "), "finish_reason": null}]})
+        };
+        Reply::Paced((0..10).map(token).collect(), Duration::from_millis(100))
+    });
+    let dir = private_dir();
+    let server = vllm_server_with(
+        &dir,
+        "      mode: vllm\n",
+        "  idle_timeout_ms: 300\n  response_timeout_ms: 300\n",
+        "",
+        [p1.url(), p2.url(), d.url()],
+    );
+    for _ in 0..3 {
+        let body = json!({"model": MODEL, "prompt": TEXT, "max_tokens": 10, "stream": true});
+        let (status, text) = post(&server, "/v1/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains("t9") && text.contains("[DONE]"), "{text}");
+    }
+    server.until_idle();
+    let released = |reason: &str| {
+        metric_or_zero(
+            &server,
+            &format!("kvhint_gateway_releases_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(released("completed"), 6.0, "both legs of three requests");
+    assert_eq!(released("idle_timeout"), 0.0);
+}
+
+#[test]
+fn each_pool_keeps_its_own_cache_affinity() {
+    // Every worker is credited with what it was sent (no KV events): a
+    // prompt's repeats find it on the prefill worker and on the decode worker
+    // that took it first, the two pools' pictures apart (one shared picture
+    // is what collapses a peer's disaggregated routing to random).
+    let prefills: Vec<Fake> = (0..2)
+        .map(|_| Fake::start(|_, _| vllm_prefill_answer(Some(kv_params()))))
+        .collect();
+    let decodes: Vec<Fake> = (0..2)
+        .map(|_| Fake::start(|r, _| decode_answer(r)))
+        .collect();
+    let dir = private_dir();
+    let approximate = ", kv_events: approximate";
+    let server = serve(
+        &dir,
+        &config_yaml(
+            "      mode: vllm\n",
+            "",
+            &[
+                W(1, "prefill", "vllm", prefills[0].url(), approximate),
+                W(2, "prefill", "vllm", prefills[1].url(), approximate),
+                W(3, "decode", "vllm", decodes[0].url(), approximate),
+                W(4, "decode", "vllm", decodes[1].url(), approximate),
+            ],
+        ),
+    );
+    let prompts: Vec<String> = (0..4)
+        .map(|i| format!("Conversation {i} about something quite different. {TEXT} {TEXT}"))
+        .collect();
+    for _round in 0..3 {
+        for (i, prompt) in prompts.iter().enumerate() {
+            // `user` passes through untouched: it tells the legs' prompts apart.
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                              "user": format!("p{i}")});
+            let (status, text) = post(&server, "/v1/completions", &body);
+            assert_eq!(status, 200, "{text}");
+            // The credit is queued without waiting: let it land.
+            std::thread::sleep(Duration::from_millis(30));
+        }
+    }
+    let took = |fakes: &[Fake], i: usize| -> Vec<usize> {
+        let user = format!("p{i}");
+        (0..fakes.len())
+            .filter(|&w| {
+                fakes[w]
+                    .posts()
+                    .iter()
+                    .any(|r| r.body["user"] == user.as_str())
+            })
+            .collect()
+    };
+    for i in 0..prompts.len() {
+        let (p, d) = (took(&prefills, i), took(&decodes, i));
+        assert_eq!(
+            p.len(),
+            1,
+            "prompt {i}'s prefill legs went to prefill workers {p:?}"
+        );
+        assert_eq!(
+            d.len(),
+            1,
+            "prompt {i}'s decode legs went to decode workers {d:?}"
+        );
+    }
+    server.until_idle();
 }
 
 fn room_of(r: &Recorded) -> u64 {
@@ -791,28 +895,18 @@ fn a_failing_sglang_prefill_abandons_the_waiting_decode_leg_and_books_the_pair_a
 fn validate(dir: &Path, engine: &str, route: &str, leg: &str, body: &Value) -> Value {
     let file = dir.join(format!("{engine}-{route}-{leg}.json"));
     std::fs::write(&file, serde_json::to_vec(body).unwrap()).unwrap();
-    let script = workspace_root().join("tests/engines/validate_disagg_body.py");
-    let output = run_bounded(
-        Command::new(python())
-            .arg(&script)
-            .args([engine, route, leg])
-            .arg(&file)
-            .env("KVHINT_VLLM_PLUGIN_WHEEL", vllm_plugin_wheel()),
-        Duration::from_secs(180),
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let report: Value = stdout
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or(Value::Null);
-    assert!(
-        output.status.success() && report["ok"] == true,
-        "{engine} {route} {leg} refused {body} ({}): {stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    report
+    let wheel = vllm_plugin_wheel();
+    run_checker(
+        "validate_disagg_body.py",
+        &[
+            "--wheel".as_ref(),
+            wheel.as_os_str(),
+            engine.as_ref(),
+            route.as_ref(),
+            leg.as_ref(),
+            file.as_os_str(),
+        ],
+    )
 }
 
 /// The first value under `key` anywhere in `value`.

@@ -24,16 +24,15 @@
 //! from a child or a socket has a deadline.
 
 use kvhint_e2e::engines::capture::Upstream;
-use kvhint_e2e::engines::{until_joined, Publisher};
+use kvhint_e2e::engines::{run_checker, until_joined, Publisher};
 use kvhint_e2e::http::{book, book_and_release, metric_or_zero, register_worker, release};
 use kvhint_e2e::llamacpp::{hf_ids, qwen3_tokenizer_dir};
 use kvhint_e2e::process::free_port;
-use kvhint_e2e::provision::{python, vllm_plugin_wheel};
+use kvhint_e2e::provision::vllm_plugin_wheel;
 use kvhint_e2e::wait::Waiting;
-use kvhint_e2e::{private_dir, run_bounded, workspace_root, Server, TempDir};
+use kvhint_e2e::{private_dir, workspace_root, Server, TempDir};
 use serde_json::{json, Value};
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 const BLOCK: usize = 16;
@@ -193,29 +192,6 @@ fn hashes_of(payload: &Value) -> Vec<i64> {
         .iter()
         .map(|h| h.as_i64().or_else(|| h.as_u64().map(|u| u as i64)).unwrap())
         .collect()
-}
-
-/// Runs `script` in `tests/engines/` with the harness's Python; returns its
-/// one JSON line, failing the test (with what it printed) unless it says ok.
-fn run_checker(script: &str, args: &[&std::ffi::OsStr]) -> Value {
-    let path = workspace_root().join("tests/engines").join(script);
-    let output = run_bounded(
-        Command::new(python()).arg(&path).args(args),
-        Duration::from_secs(180),
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let report: Value = stdout
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or(Value::Null);
-    assert!(
-        output.status.success() && report["ok"] == true,
-        "{script} refused it ({}): {stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    report
 }
 
 fn write_json(dir: &Path, name: &str, value: &Value) -> std::path::PathBuf {

@@ -42,6 +42,8 @@ pub enum Reply {
     /// The head and these events of a stream, then silence until the router
     /// closes the connection (recorded as `abandoned`).
     Stall(Vec<Value>),
+    /// A whole stream, its events this far apart.
+    Paced(Vec<Value>, Duration),
     /// Close the connection without answering.
     Close,
 }
@@ -140,6 +142,7 @@ fn serve(stream: TcpStream, seen: &Mutex<Vec<Recorded>>, handler: &Handler) {
         let ok = match handler(&request, nth) {
             Reply::Json(status, value) => write_json(&mut writer, status, &value).is_ok(),
             Reply::Sse(events) => write_sse(&mut writer, &events).is_ok(),
+            Reply::Paced(events, gap) => write_paced(&mut writer, &events, gap).is_ok(),
             Reply::Close => return,
             Reply::Stall(events) => {
                 if write_sse_head(&mut writer, &events).is_err() {
@@ -177,6 +180,20 @@ fn write_json(writer: &mut TcpStream, status: u16, value: &Value) -> std::io::Re
     );
     writer.write_all(head.as_bytes())?;
     writer.write_all(text.as_bytes())?;
+    writer.flush()
+}
+
+/// A whole stream whose events come `gap` apart.
+fn write_paced(writer: &mut TcpStream, events: &[Value], gap: Duration) -> std::io::Result<()> {
+    write_sse_head(writer, &[])?;
+    for event in events {
+        std::thread::sleep(gap);
+        let text = format!("data: {event}\n\n");
+        write!(writer, "{:x}\r\n{text}\r\n", text.len())?;
+        writer.flush()?;
+    }
+    let done = "data: [DONE]\n\n";
+    write!(writer, "{:x}\r\n{done}\r\n0\r\n\r\n", done.len())?;
     writer.flush()
 }
 

@@ -199,7 +199,7 @@ struct Ready {
     sent: Sent,
     cached_tokens: usize,
     target: Arc<crate::domain::HttpTarget>,
-    hint: Option<String>,
+    hint: Option<Box<serde_json::value::RawValue>>,
 }
 
 fn ready(prepared: &Arc<Prepared>, booked: Booked) -> Ready {
@@ -540,7 +540,7 @@ impl Context<'_> {
             },
             decode.sent.worker,
             self.request.request_id,
-            decode.hint.as_deref(),
+            decode.hint.as_deref().map(serde_json::value::RawValue::get),
         );
         self.decode(decode, trace, None).await
     }

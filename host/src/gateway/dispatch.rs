@@ -56,7 +56,7 @@ pub struct Booked {
     pub target: Arc<HttpTarget>,
     /// The booking's hint message, for a leg whose request is built again
     /// (vLLM's decode leg, once the prefill has answered).
-    pub hint: Option<String>,
+    pub hint: Option<Box<serde_json::value::RawValue>>,
 }
 
 /// A request's CPU work, on a booking thread: parse the body (unless a retry
@@ -264,7 +264,11 @@ pub fn book_leg(
         booking.hint.message().map(|m| m.get()),
     );
     drop(parsed);
-    let hint = booking.hint.message().map(|m| m.get().to_string());
+    // Moved out of the booking, not copied: no allocation per request.
+    let hint = match booking.hint {
+        crate::hints::Hint::Sent { message, .. } => Some(message),
+        crate::hints::Hint::Skipped(_) => None,
+    };
     Ok(Booked {
         guard,
         wait_for,

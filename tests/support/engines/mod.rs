@@ -11,7 +11,7 @@ pub mod paced;
 pub mod vllm_render;
 
 use crate::paths::workspace_root;
-use crate::process::{spawn_tied, wait_or_kill, LineReader};
+use crate::process::{run_bounded, spawn_tied, wait_or_kill, LineReader};
 use crate::provision::{python, vllm_wheel};
 use crate::server::Server;
 use crate::wait::Waiting;
@@ -204,4 +204,27 @@ pub fn until_joined(server: &Server, publisher: &mut Publisher) {
         );
         (source_status(server)["batches"].as_u64().unwrap_or(0) > 0).then_some(())
     });
+}
+
+/// Runs `script` in `tests/engines/` with the harness's Python; returns its
+/// one JSON line, failing the test (with what it printed) unless it says ok.
+pub fn run_checker(script: &str, args: &[&std::ffi::OsStr]) -> Value {
+    let path = workspace_root().join("tests/engines").join(script);
+    let output = run_bounded(
+        Command::new(python()).arg(&path).args(args),
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let report: Value = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or(Value::Null);
+    assert!(
+        output.status.success() && report["ok"] == true,
+        "{script} refused it ({}): {stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    report
 }
